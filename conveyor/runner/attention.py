@@ -1,0 +1,99 @@
+"""Paged attention: write new K/V into the block pool, attend through block tables.
+
+The CPU path is a small C++ kernel compiled on first use (torch.utils.cpp_extension) that
+reduces each query row in a fixed order, making results independent of batch composition
+and prefill chunking. Where it cannot be built (or off CPU), a torch reference runs instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward index tensors shared by every layer (built once per step by the runner)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # (S, max_blocks) int32
+    token_seq: torch.Tensor  # (T,) int32: sequence index of each token row
+    token_pos: torch.Tensor  # (T,) int32: absolute position of each token row
+    # Host copies for the reference path (no device syncs there).
+    seq_lens: list[int]  # (S,) tokens visible to the last row of each sequence
+    seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
+
+
+@lru_cache(maxsize=1)
+def _load_kernel():
+    if os.environ.get("CONVEYOR_DISABLE_KERNEL") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="conveyor_paged_attention",
+            sources=[str(_KERNEL_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # compiler or ninja missing: the reference path still works
+        logger.warning("paged attention kernel unavailable (%s); using the torch reference path", exc)
+        return None
+
+
+def kernel_available() -> bool:
+    return _load_kernel() is not None
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows (T, KVH, D) into their cache slots."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:
+    """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]."""
+    kernel = _load_kernel() if use_kernel and query.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
+                                      meta.token_pos, scale)
+    return reference_paged_attention(query, key_cache, value_cache, meta, scale)
+
+
+def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Gather each sequence's keys and run masked softmax attention, one sequence at a time."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    outputs = []
+    row = 0
+    for seq_idx, (seq_len, num_rows) in enumerate(zip(meta.seq_lens, meta.seq_token_counts)):
+        num_blocks = (seq_len + block_size - 1) // block_size
+        table = meta.block_tables[seq_idx, :num_blocks].long()
+        keys = key_cache[table].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len]  # (L, KVH, D)
+        values = value_cache[table].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len]
+        q = query[row:row + num_rows].float().transpose(0, 1)  # (H, R, D)
+        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, R, L)
+        positions = meta.token_pos[row:row + num_rows].long()
+        mask = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]  # (R, L)
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
+        outputs.append(out.transpose(0, 1).to(query.dtype))
+        row += num_rows
+    return torch.cat(outputs, dim=0)
