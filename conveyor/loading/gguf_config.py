@@ -1,0 +1,105 @@
+"""Read GGUF metadata: plain field values and the model config llama.cpp wrote."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import gguf
+import numpy as np
+
+from conveyor.loading.checkpoint import LoadError
+from conveyor.models.config import ModelConfig
+
+# GGUF `general.architecture` values we run, and the HF model_type each one is.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python scalar, str or list; `default` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if isinstance(value, float):
+        # GGUF stores float32; print-and-parse gives back the value the converter started from (1e-05, not 9.99e-06).
+        value = float(str(np.float32(value)))
+    return value
+
+
+def config_from_gguf(reader: gguf.GGUFReader, source: str) -> ModelConfig:
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise LoadError(f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise LoadError(f"{source}: GGUF file has no token_embd.weight tensor")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise LoadError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch, tensors, source),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(i for i in [field_value(reader, "tokenizer.ggml.eos_token_id")] if i is not None),
+    )
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str) -> dict[str, Any] | None:
+    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.x: llama.cpp stores the per-frequency factors, not the parameters that made them.
+        freqs = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        return _llama3_scaling_from_factors(np.asarray(freqs, dtype=np.float64).reshape(-1), reader, arch, source)
+    if kind in ("none", None):
+        return None
+    if kind not in ("linear", "yarn") or factor is None:
+        raise LoadError(f"{source}: unsupported rope scaling {kind!r}")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _llama3_scaling_from_factors(factors: np.ndarray, reader: gguf.GGUFReader, arch: str,
+                                 source: str) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling dict; every Llama 3.x release uses low=1, high=4, original=8192."""
+    theta = float(field_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    dim = 2 * len(factors)
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    expected = llama3_rope_factors(scaling, theta, dim)
+    if not np.allclose(expected, factors, rtol=1e-3):
+        raise LoadError(f"{source}: rope_freqs tensor does not match any Llama 3 rope scaling we know")
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:
+    """The divisor llama.cpp (and HF's llama3 rope) applies to each rotary frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    smooth = (original / wavelen - low) / (high - low)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, out)
+    return np.where(wavelen > original / low, factor, out)

@@ -1,0 +1,131 @@
+"""Build the tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.gguf_config import field_value
+from conveyor.loading.tokenizer import Tokenizer, build_tokenizer
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# `tokenizer.ggml.pre` names whose split differs from GPT-2's; the rest use ByteLevel's built-in GPT-2 regex.
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
+    kind = field_value(reader, "tokenizer.ggml.model")
+    tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise LoadError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(reader, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(reader, tokens)
+    else:
+        raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+    token_types = field_value(reader, "tokenizer.ggml.token_type") or []
+    _add_special_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
+
+    def token(key: str) -> str | None:
+        index = field_value(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    special = {"bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+               "pad_token": token("padding")}
+    extra_eos = [i for i in (field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if i is not None]
+    # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
+    add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
+    return build_tokenizer(backend, special, field_value(reader, "tokenizer.chat_template"),
+                           extra_eos_ids=extra_eos, add_bos=add_bos, add_eos=add_eos)
+
+
+def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
+    alphabet = _byte_alphabet()
+    # Some converters store tokens as raw text; the BPE model needs them spelled in the byte alphabet.
+    vocab = {}
+    for index, token in enumerate(tokens):
+        spelled = token if set(token) <= set(alphabet.values()) else "".join(alphabet[b] for b in token.encode())
+        vocab[spelled] = index
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges") or []]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = field_value(reader, "tokenizer.ggml.pre")
+    if pre == "smollm":
+        # llama.cpp's smollm split: every digit alone, then GPT-2's regex (as in SmolLM2's tokenizer.json).
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in PRE_TOKENIZER_SPLITS:
+        split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as transformers' LlamaTokenizer builds it: Metaspace, byte fallback."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = field_value(reader, "tokenizer.ggml.merges")
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = _merges_from_scores(vocab, field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    prefix = bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two known tokens, best-scored merged token first (transformers' generate_merges)."""
+    merges = []
+    for token, score in zip(vocab, scores):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges += [(left, right, score) for left, right in pairs]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int],
+                        byte_level: bool) -> None:
+    # Control tokens (<|im_start|>) and user-defined ones (<think>) must match whole in text, never split.
+    alphabet = set(_byte_alphabet().values())
+    # In a byte-level vocabulary a control token outside the byte alphabet is a converter mislabel.
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
+               if kind == CONTROL and not (byte_level and not set(t) <= alphabet)]
+    backend.add_special_tokens(control)
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, kind in zip(tokens, token_types) if kind == USER_DEFINED])
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(c) for byte, c in zip(printable, chars)}

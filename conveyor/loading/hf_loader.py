@@ -1,0 +1,101 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors and tokenizer files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import replace
+from typing import Any
+
+import tokenizers
+from safetensors.torch import load_file
+
+from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
+from conveyor.loading.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer, build_tokenizer
+from conveyor.models.config import ModelConfig, ModelConfigError
+
+
+def load_hf_dir(path: str) -> Checkpoint:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        hint = " (for a GGUF model pass the .gguf file itself)" if glob.glob(os.path.join(path, "*.gguf")) else ""
+        raise LoadError(f"{path}: no config.json in the model directory{hint}")
+    try:
+        config = ModelConfig.from_hf_dict(read_json(config_path))
+    except ModelConfigError as exc:
+        raise LoadError(f"{config_path}: {exc}") from exc
+    weights = _read_safetensors(path)
+    tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
+    config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
+    return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
+                      source=path, name=os.path.basename(os.path.normpath(path)))
+
+
+def load_hf_tokenizer(path: str, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """tokenizer.json plus the special tokens and chat template from the files saved beside it."""
+    tokenizer_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise LoadError(f"{path}: no tokenizer.json in the model directory (only fast tokenizers are supported)")
+    try:
+        backend = tokenizers.Tokenizer.from_file(tokenizer_path)
+    except Exception as exc:  # tokenizers raises a bare Exception on a bad file
+        raise LoadError(f"{tokenizer_path}: cannot parse tokenizer ({exc})") from exc
+    settings = _optional_json(os.path.join(path, "special_tokens_map.json"))
+    settings.update(_optional_json(os.path.join(path, "tokenizer_config.json")))
+    special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    generation = _optional_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
+    generation_eos = generation if isinstance(generation, list) else [generation] if generation is not None else []
+    return build_tokenizer(
+        backend, special, _chat_template(path, settings),
+        extra_eos_ids=[*extra_eos_ids, *generation_eos],
+        add_bos=settings.get("add_bos_token"), add_eos=settings.get("add_eos_token"),
+    )
+
+
+def read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise LoadError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    except OSError as exc:
+        raise LoadError(f"{path}: cannot read ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _optional_json(path: str) -> dict[str, Any]:
+    return read_json(path) if os.path.isfile(path) else {}
+
+
+def _read_safetensors(path: str) -> dict[str, Any]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        legacy = " (pytorch_model.bin is not supported)" if glob.glob(os.path.join(path, "*.bin")) else ""
+        raise LoadError(f"{path}: no *.safetensors weight files in the model directory{legacy}")
+    weights = {}
+    for file in files:
+        try:
+            weights.update(load_file(file, device="cpu"))
+        except Exception as exc:  # SafetensorError and OSError both mean the file is unusable
+            raise LoadError(f"{file}: cannot read safetensors ({exc})") from exc
+    return weights
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a token as a string or as an AddedToken dict {"content": ...}.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(path: str, settings: dict[str, Any]) -> str | None:
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_path):  # newer transformers saves the template in its own file
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
