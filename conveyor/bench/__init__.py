@@ -1,0 +1,1 @@
+"""`conveyor bench`: a serving benchmark for OpenAI-compatible servers (see docs/bench.md)."""
