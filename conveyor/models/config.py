@@ -69,6 +69,9 @@ class ModelConfig:
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
+            # transformers >= 5 nests rope settings in rope_parameters; older files keep them top-level.
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -81,8 +84,8 @@ class ModelConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                rope_scaling=raw.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),

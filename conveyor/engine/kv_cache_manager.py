@@ -1,0 +1,147 @@
+"""Per-request block tables on top of the BlockPool: prefix adoption, growth, copy-on-write, release."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.request import Request
+
+
+def chain_hashes(token_ids: list[int], block_size: int, num_full_blocks: int,
+                 start: int = 0, parent: int | None = None) -> list[int]:
+    """Hash of each full block chained through its parent, so a hash names the whole prefix."""
+    hashes = []
+    for i in range(start, num_full_blocks):
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class CacheCounters:
+    hit_tokens: int = 0
+    miss_tokens: int = 0  # prompt tokens that had to be computed at admission
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.req_blocks: dict[str, list[int]] = {}
+        self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
+        self.counters = CacheCounters()
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ---------------------------------------------------------------------------
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest cached prefix of the request's tokens, in whole blocks; at least one token is left to run."""
+        if not self.pool.enable_caching or not request.cache_prompt:
+            return PrefixHit()
+        tokens = request.all_token_ids
+        max_blocks = len(tokens) // self.block_size
+        hit = PrefixHit()
+        parent = None
+        for i in range(max_blocks):
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash((parent, block_tokens))
+            block = self.pool.lookup(parent, block_tokens)
+            if block is None:
+                break
+            hit.blocks.append(block)
+        # The last token must run to produce logits; if it sits in an adopted block, that
+        # block is copied before the write (copy-on-write), see admit().
+        hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
+        return hit
+
+    def num_blocks_to_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> int:
+        """Fresh blocks an admission needs: the adopted prefix is already paid for, unless it sits free-cached."""
+        need = self.blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
+        revived = sum(1 for b in hit.blocks if self.pool.ref_counts[b] == 0)
+        copy = 1 if hit.num_tokens % self.block_size else 0
+        return max(need, 0) + revived + copy
+
+    def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """All-or-nothing: adopt the prefix and allocate room for num_new_tokens more."""
+        if self.num_blocks_to_admit(request, hit, num_new_tokens) > self.pool.num_free_blocks:
+            return False
+        self.pool.share(hit.blocks)
+        self.req_blocks[request.request_id] = list(hit.blocks)
+        self._req_hashes[request.request_id] = []
+        if not self.grow(request, hit.num_tokens + num_new_tokens):
+            self.free(request)  # unreachable when the count above is right; keeps the grant atomic anyway
+            return False
+        request.num_computed_tokens = hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
+        copy = self.copy_on_write(request)
+        if copy is not None:
+            self.pending_copies.append(copy)
+        self.counters.hit_tokens += hit.num_tokens
+        self.counters.miss_tokens += request.num_tokens - hit.num_tokens
+        return True
+
+    # -- growth ------------------------------------------------------------------------------
+    def grow(self, request: Request, total_tokens: int) -> bool:
+        """Make room for total_tokens; all-or-nothing."""
+        blocks = self.req_blocks[request.request_id]
+        need = self.blocks_needed(total_tokens) - len(blocks)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        blocks.extend(new)
+        return True
+
+    def copy_on_write(self, request: Request) -> tuple[int, int] | None:
+        """If the next write lands in a shared or cached block, swap in a private copy: (src, dst) to copy."""
+        blocks = self.req_blocks[request.request_id]
+        index = request.num_computed_tokens // self.block_size
+        if index >= len(blocks):
+            return None
+        src = blocks[index]
+        if self.pool.ref_counts[src] == 1 and not self.pool.is_cached(src):
+            return None
+        new = self.pool.allocate(1)
+        if new is None:
+            return None
+        blocks[index] = new[0]
+        self.pool.free([src])
+        return src, new[0]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks to the prefix cache."""
+        if not self.pool.enable_caching or not request.cache_prompt:
+            return
+        hashes = self._req_hashes[request.request_id]
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= len(hashes):
+            return
+        tokens = request.all_token_ids
+        new = chain_hashes(tokens, self.block_size, num_full, start=len(hashes), parent=hashes[-1] if hashes else None)
+        blocks = self.req_blocks[request.request_id]
+        for i, block_hash in enumerate(new, start=len(hashes)):
+            self.pool.cache_block(blocks[i], block_hash, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+        hashes.extend(new)
+
+    # -- release -----------------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self._req_hashes.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.req_blocks[request_id]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))

@@ -1,0 +1,66 @@
+"""The contracts between scheduler, runner and the engine's callers. Plain data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's share of a forward: a prefill chunk or a single decode token."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the sequence's last known token, so a new token is drawn
+    sampling_params: SamplingParams
+    # Token history for penalties (the request's own lists, not copies); None when unused.
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
+    finished_request_ids: list[str] = field(default_factory=list)  # runner drops their sampling state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # alternatives, best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """One delta of a request's stream: the tokens and text produced since the last delta."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None

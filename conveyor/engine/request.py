@@ -1,0 +1,90 @@
+"""A request's state as the scheduler sees it (no tensors here)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from conveyor.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOP on is terminal."""
+
+    QUEUED = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED_STOP = 3
+    FINISHED_LENGTH = 4
+    FINISHED_CANCELLED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOP
+
+
+# The one map from terminal states to OpenAI's finish_reason.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOP: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # higher runs first
+    cache_prompt: bool = True  # per-request opt out of the prefix cache
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.QUEUED
+    output_token_ids: list[int] = field(default_factory=list)
+    # The one scheduling variable: tokens whose KV is in the cache. It catches up with
+    # num_tokens through prefill chunks, prefix hits, decode steps and re-prefill.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens adopted from the prefix cache at last admission
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """Terminal status implied by the last sampled token (stop strings are checked by the detokenizer)."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOP
+        if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

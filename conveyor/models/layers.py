@@ -1,0 +1,109 @@
+"""Building blocks shared by the model families: norms, rotary embeddings, row-invariant linears."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.models.config import ModelConfigError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers (fp32 statistics, cast back before the weight).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RowInvariantLinear(nn.Module):
+    """y = x W^T (+ b), computed in row tiles small enough that each row's bits never depend on M.
+
+    CPU GEMM libraries switch kernels with the row count M (measured here: bf16 rows are
+    bitwise stable up to M=32, fp32 only at M=1), which would make a request's output depend
+    on its batch-mates. `row_tile` comes from calibrate_row_tile(); None means one GEMM.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.row_tile: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        tile = self.row_tile
+        if tile is None or x.shape[0] <= tile:
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, x.shape[0], tile):
+            out[start:start + tile] = nn.functional.linear(x[start:start + tile], self.weight, self.bias)
+        return out
+
+
+def calibrate_row_tile(weight: torch.Tensor, max_tile: int = 64) -> int:
+    """Largest tile T (power of two, <= max_tile) for which every M <= T gives bitwise the rows of M=1."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(max_tile, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    single = torch.cat([nn.functional.linear(x[i:i + 1], weight) for i in range(max_tile)])
+    tile = max_tile
+    while tile > 1:
+        sizes = {tile, tile - 1, tile // 2 + 1, 3, 2}
+        if all(torch.equal(nn.functional.linear(x[:m], weight), single[:m]) for m in sizes if m >= 1):
+            return tile
+        tile //= 2
+    return 1
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position (HF 'rotate_half' convention)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)  # (P, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (T, 1, D)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")

@@ -1,0 +1,127 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
+chunks and decode steps run through one forward; only attention looks at sequence
+boundaries, through AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conveyor.models.config import ModelConfig
+from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.runner.attention import AttentionMetadata, paged_attention, write_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projections fused into one GEMM at load time.
+        self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
+        self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+        self.use_kernel = True
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.use_kernel)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        x = self.norm(x[logits_indices])  # only rows that sample need the head
+        return self.lm_head(x).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+        cfg = self.config
+        dtype = self.embed_tokens.weight.dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing tensor {name}")
+            return weights[name].to(dtype)
+
+        self.embed_tokens.weight.data = take("model.embed_tokens.weight")
+        self.norm.weight.data = take("model.norm.weight")
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights else "lm_head.weight"
+        self.lm_head.weight.data = take(head)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            attn.qkv_proj.weight.data = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if cfg.attention_bias:
+                attn.qkv_proj.bias.data = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            attn.o_proj.weight.data = take(p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                attn.q_norm.weight.data = take(p + "self_attn.q_norm.weight")
+                attn.k_norm.weight.data = take(p + "self_attn.k_norm.weight")
+            layer.mlp.gate_up_proj.weight.data = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                            take(p + "mlp.up_proj.weight")])
+            layer.mlp.down_proj.weight.data = take(p + "mlp.down_proj.weight")
+            layer.input_layernorm.weight.data = take(p + "input_layernorm.weight")
+            layer.post_attention_layernorm.weight.data = take(p + "post_attention_layernorm.weight")

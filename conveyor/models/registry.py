@@ -1,0 +1,48 @@
+"""Architecture name -> model class, and building a model ready to run."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
+from conveyor.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, batch_invariant: bool = True) -> nn.Module:
+    cls = MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise ModelConfigError(f"no model implementation for architecture {config.architecture!r}")
+    with torch.device("meta"):
+        model = cls(config)
+    # Materialize on the target device, then copy the checkpoint in.
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers computed in __init__ were lost on the meta device; rebuild the rotary tables for real.
+    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                   config.rope_scaling).to(device)
+    model.load_hf_weights(weights)
+    model.eval()
+    if batch_invariant:
+        set_row_tiles(model)
+    return model
+
+
+def set_row_tiles(model: nn.Module) -> dict[tuple[int, int], int]:
+    """Calibrate once per distinct weight shape and store the tile in every linear."""
+    tiles: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, RowInvariantLinear):
+            shape = tuple(module.weight.shape)
+            if shape not in tiles:
+                tiles[shape] = calibrate_row_tile(module.weight.data)
+            module.row_tile = tiles[shape]
+    return tiles

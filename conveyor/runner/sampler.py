@@ -1,0 +1,140 @@
+"""Batched token sampling: one pass over the (rows, vocab) logits for every rule at once.
+
+Per-request RNG (a torch.Generator per seeded request) makes a seeded request's draws
+independent of its batch-mates; the draw itself is an exponential race (argmax p/q,
+q ~ Exp(1)), which needs no normalisation and no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.engine.outputs import TokenLogprob
+from conveyor.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._shared_generator = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits (R, V) float32 -> one token id per row (+ logprobs where asked)."""
+        raw_logits = logits
+        logits = self._apply_bias_and_penalties(logits, rows)
+        params = [r.params for r in rows]
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample_random(logits, rows))
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logits, token_list, params)
+
+    # -- logits processing -------------------------------------------------------------------
+    def _apply_bias_and_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        penalized = [i for i, r in enumerate(rows) if r.output_token_ids is not None]
+        if not biased and not penalized:
+            return logits
+        logits = logits.clone()
+        for i in biased:  # sparse, few entries per row
+            ids = torch.tensor(list(rows[i].params.logit_bias), device=self.device)
+            values = torch.tensor(list(rows[i].params.logit_bias.values()), device=self.device, dtype=logits.dtype)
+            logits[i].index_add_(0, ids, values)
+        if penalized:
+            self._apply_penalties(logits, [rows[i] for i in penalized], torch.tensor(penalized, device=self.device))
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], index: torch.Tensor) -> None:
+        n, vocab = len(rows), self.vocab_size
+        out_counts = torch.zeros(n, vocab, device=self.device)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=self.device)
+        for j, row in enumerate(rows):
+            if row.output_token_ids:
+                ids = torch.tensor(row.output_token_ids, device=self.device)
+                out_counts[j].index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            seen[j, torch.tensor(row.prompt_token_ids or [], dtype=torch.long, device=self.device)] = True
+        seen |= out_counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
+        presence = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)[:, None]
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)[:, None]
+        sub = logits[index]
+        # Repetition penalty as in transformers/vLLM: shrink positive logits, grow negative ones.
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - frequency * out_counts - presence * (out_counts > 0).float()
+        logits[index] = sub
+
+    # -- random draws ------------------------------------------------------------------------
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                   device=self.device)[:, None]
+        logits = logits / temperature
+        logits = self._top_k_top_p(logits, params)
+        min_p = torch.tensor([p.min_p for p in params], device=self.device)[:, None]
+        if bool((min_p > 0).any()):
+            rel = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)  # p / p_max
+            logits = logits.masked_fill(rel < min_p, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=self._generator_for(row))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, row: SamplingRow) -> torch.Generator:
+        seed = row.params.seed
+        if seed is None:
+            return self._shared_generator
+        generator = self._generators.get(row.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[row.request_id] = generator
+        return generator
+
+    def _top_k_top_p(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if all(k >= self.vocab_size for k in top_k) and all(p >= 1.0 for p in top_p):
+            return logits
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=self.device)[None, :]
+        drop = ranks >= torch.tensor(top_k, device=self.device)[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= torch.tensor(top_p, device=self.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    # -- logprobs ----------------------------------------------------------------------------
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int],
+                  params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(params)
+        if not wanted:
+            return result
+        logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        k = max(params[i].logprobs for i in wanted)
+        top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=self.device))
+        chosen_list, values, ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            result[i] = TokenLogprob(tokens[i], chosen_list[j], list(zip(ids[j][:n], values[j][:n])))
+        return result
