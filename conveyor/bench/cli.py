@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     modes = parser.add_argument_group("modes (instead of the concurrency sweep)")
     modes.add_argument("--check-consistency", action="store_true",
-                       help="greedy outputs at concurrency 1 vs the highest level must be byte-identical; exit 1 if not")
+                       help="greedy outputs at concurrency 1 vs the highest level must be byte-identical "
+                       "(exit 1 if not)")
     modes.add_argument("--scenario", choices=("long-prompt-admission",),
                        help="streams decode while one long prompt is admitted; report their ITL in that window")
     modes.add_argument("--streams", type=int, default=4, help="decoding streams in the scenario")

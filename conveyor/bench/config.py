@@ -65,7 +65,7 @@ class BenchConfig:
             raise ValueError("--check-consistency and --scenario are separate runs; pick one")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BenchConfig":
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
         gflops_per_token = args.model_gflops_per_token
         if args.model_params is not None:
             gflops_per_token = gflops_per_token_from_params(parse_param_count(args.model_params))

@@ -75,7 +75,7 @@ async def check_consistency(
     batched = await run_level(client, target, specs, concurrency, progress=progress,
                               desc=f"consistency c={concurrency}")
     mismatches, errors = [], []
-    for index, (a, b) in enumerate(zip(single.records, batched.records)):
+    for index, (a, b) in enumerate(zip(single.records, batched.records, strict=True)):
         if not (a.ok and b.ok):
             errors.append(a.error or b.error or "")
         elif a.text != b.text:

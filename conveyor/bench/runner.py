@@ -7,7 +7,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 from tqdm import tqdm

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import sys
 from dataclasses import dataclass
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ def run_bench(cfg: BenchConfig) -> int:
     if cfg.output_md:
         Path(cfg.output_md).write_text(report.markdown, encoding="utf-8")
     if cfg.output_json:
-        write_json(cfg.output_json, {"config": dataclasses.asdict(cfg), **report.payload})
+        write_json(cfg.output_json, {"created": datetime.now(UTC).isoformat(timespec="seconds"),
+                                     "config": _public_config(cfg), **report.payload})
     if cfg.plot and report.levels:
         try:
             write_plot(cfg.plot, report.levels, title=report.payload.get("model", ""))
@@ -80,6 +82,11 @@ async def _run(cfg: BenchConfig) -> BenchReport:
     dead = any(s.num_errors == s.num_requests for s in levels)
     return BenchReport(markdown_table(levels, roofline, title), {"model": model, **levels_payload(levels, roofline)},
                        EXIT_FAILED if dead else EXIT_OK, levels)
+
+
+def _public_config(cfg: BenchConfig) -> dict[str, Any]:
+    # Result files get shared; the key must not travel with them.
+    return dataclasses.asdict(dataclasses.replace(cfg, api_key="<redacted>" if cfg.api_key else None))
 
 
 def _roofline(cfg: BenchConfig) -> Roofline | None:

@@ -28,12 +28,14 @@ class Percentiles:
     p95: float
     p99: float
     mean: float
+    max: float
 
     @classmethod
-    def of(cls, values: list[float], scale: float = 1.0) -> "Percentiles":
+    def of(cls, values: list[float], scale: float = 1.0) -> Percentiles:
         scaled = [v * scale for v in values]
         mean = sum(scaled) / len(scaled) if scaled else math.nan
-        return cls(percentile(scaled, 50), percentile(scaled, 95), percentile(scaled, 99), mean)
+        top = max(scaled) if scaled else math.nan
+        return cls(percentile(scaled, 50), percentile(scaled, 95), percentile(scaled, 99), mean, top)
 
 
 @dataclass(frozen=True)
