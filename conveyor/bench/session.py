@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import sys
 from dataclasses import dataclass
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
