@@ -17,17 +17,21 @@ from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, Scheduler
 from conveyor.engine.request import Request, RequestStatus
 
 
+ADAPTIVE_CHUNK_IDLE = 2048
+ADAPTIVE_CHUNK_DECODING = 512
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 4  # sequences in flight (admitted, prefilling or decoding)
     max_model_len: int = 2048  # prompt + generated tokens per sequence
-    prefill_chunk_size: int = 512  # prompt tokens per tick; 0 = whole prompt in one tick
+    prefill_chunk_size: int = -1  # prompt tokens per tick; -1 = adaptive, 0 = whole prompt in one tick
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        if self.prefill_chunk_size < 0:
-            raise ValueError("prefill_chunk_size must be >= 0")
+        if self.prefill_chunk_size < -1:
+            raise ValueError("prefill_chunk_size must be -1 (adaptive), 0 (off) or positive")
 
 
 @dataclass
@@ -88,9 +92,15 @@ class Scheduler:
         self.kv.pending_copies = []
         return out
 
+    def prefill_chunk_size(self) -> int:
+        chunk = self.config.prefill_chunk_size
+        if chunk < 0:  # adaptive: big chunks keep single-stream TTFT, small ones protect live streams
+            decoding = any(r.status == RequestStatus.DECODING for r in self.running)
+            return ADAPTIVE_CHUNK_DECODING if decoding else ADAPTIVE_CHUNK_IDLE
+        return chunk or self.config.max_model_len
+
     def _token_budget(self) -> int:
-        chunk = self.config.prefill_chunk_size or self.config.max_model_len
-        return chunk + self.config.max_batch_size
+        return self.prefill_chunk_size() + self.config.max_batch_size
 
     def _reserve(self, request: Request, num_new: int, scheduled: set[str]) -> bool:
         """Blocks for num_new more tokens, preempting a not-yet-scheduled row if the pool is dry."""

@@ -29,9 +29,18 @@ CONFIG_TENSORS = {"rope_freqs.weight"}
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
+class _Reader(gguf.GGUFReader):
+    # NOTE: slicing np.memmap costs microseconds per slice and GGUFReader slices once per vocab string;
+    # a plain ndarray view of the same mapping opens SmolLM2 in 1 s instead of 4 s.
+    def _get(self, *args, **kwargs):
+        if type(self.data) is np.memmap:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(*args, **kwargs)
+
+
 def load_gguf(path: str) -> Checkpoint:
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _Reader(path)
     except (ValueError, OSError, IndexError) as exc:
         raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     config = config_from_gguf(reader, path)

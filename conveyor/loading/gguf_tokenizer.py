@@ -55,10 +55,11 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
 
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
     alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
     # Some converters store tokens as raw text; the BPE model needs them spelled in the byte alphabet.
     vocab = {}
     for index, token in enumerate(tokens):
-        spelled = token if set(token) <= set(alphabet.values()) else "".join(alphabet[b] for b in token.encode())
+        spelled = token if letters.issuperset(token) else "".join(alphabet[b] for b in token.encode())
         vocab[spelled] = index
     merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges") or []]
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))

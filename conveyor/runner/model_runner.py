@@ -29,7 +29,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -37,7 +37,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(config.num_hidden_layers)]
-        self.sampler = Sampler(config.vocab_size, device)
+        self.sampler = Sampler(config.vocab_size, device, seed)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(plan.finished_request_ids)

@@ -1,0 +1,193 @@
+"""Every flag of conveyor in one place: CLI option, CONVEYOR_* environment variable and config field.
+
+`FLAGS` is the single source of truth. argparse parsers are generated from it, the
+environment is read only here, and the result is frozen dataclasses validated on creation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto = bfloat16 (CPU and CUDA); float32 / float16 / bfloat16
+    device: str = "auto"  # auto = cuda when present, else cpu
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    batch_invariant: bool = True  # row-tiled GEMMs so outputs never depend on batch-mates
+    seed: int = 0  # seed of the shared RNG for unseeded sampling
+    block_size: int = 16
+    kv_cache_budget: str = "auto"  # auto | none | bytes (suffixes K/M/G accepted)
+    enable_prefix_caching: bool = True
+    parallel: int = 4  # request slots
+    max_batch_size: int = 0  # 0 = same as parallel
+    ctx_size: int = 0  # 0 = the model's context; explicit = total budget split across slots
+    kv_unified: bool = False
+    max_queue_depth: int = 32
+    prefill_chunk_size: int = -1  # -1 = adaptive (2048 idle / 512 while decoding), 0 = no chunking
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+                 f"unknown device {self.device!r}")
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size must be a power of two")
+        _require(self.parallel >= 1, "parallel must be at least 1")
+        _require(self.max_batch_size >= 0, "max_batch_size must be >= 0")
+        _require(self.ctx_size >= 0, "ctx_size must be >= 0")
+        _require(self.max_queue_depth >= 1, "max_queue_depth must be at least 1")
+        _require(self.prefill_chunk_size >= -1, "prefill_chunk_size must be -1 (adaptive), 0 or positive")
+        parse_kv_budget(self.kv_cache_budget)
+
+    @property
+    def effective_max_batch_size(self) -> int:
+        return self.max_batch_size or self.parallel
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    metrics: bool = False
+    served_model_name: str | None = None
+    shutdown_grace_seconds: float = 30.0
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def parse_kv_budget(value: str) -> int | None:
+    """'auto' -> -1, 'none'/'0' -> None (unbounded), '2G' / '1500000' -> bytes."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return -1
+    if text in ("none", "0"):
+        return None
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:], 1)
+    try:
+        number = float(text[:-1] if scale > 1 else text)
+    except ValueError:
+        raise ConfigError(f"kv_cache_budget must be auto, none or a byte count, got {value!r}") from None
+    _require(number > 0, "kv_cache_budget must be positive")
+    return int(number * scale)
+
+
+def _bool(text: str) -> bool:
+    if str(text).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(text).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"expected a boolean, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]  # first is canonical, e.g. ("--parallel", "--n-parallel", "-np")
+    dest: str  # field of EngineConfig or ServerConfig
+    type: Callable[[str], Any] = str
+    help: str = ""
+    switch: bool = False  # store_true style; `negate` flips the stored value
+    negate: bool = False
+    choices: tuple[str, ...] | None = None
+    extra_env: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "CONVEYOR_" + self.dest.upper()
+
+
+FLAGS: list[Flag] = [
+    Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
+    Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
+    Flag(("--device",), "device", help="auto, cpu or cuda[:N]"),
+    Flag(("--threads", "-t"), "threads", int, "torch intra-op threads (0 = default)"),
+    Flag(("--no-batch-invariant",), "batch_invariant", switch=True, negate=True,
+         help="use whole-batch GEMMs: faster prefill, but outputs may depend on batch-mates"),
+    Flag(("--seed",), "seed", int, "seed for unseeded sampling"),
+    Flag(("--block-size",), "block_size", int, "tokens per KV block"),
+    Flag(("--kv-cache-budget",), "kv_cache_budget", help="KV pool cap: auto, none, or bytes (e.g. 2G)"),
+    Flag(("--no-prompt-cache",), "enable_prefix_caching", switch=True, negate=True, help="disable prefix caching"),
+    Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots", extra_env=("LLAMA_ARG_N_PARALLEL",)),
+    Flag(("--max-batch-size",), "max_batch_size", int, "max sequences decoded together (0 = --parallel)"),
+    Flag(("--ctx-size", "-c"), "ctx_size", int, "total context budget split across slots (0 = model default)"),
+    Flag(("--kv-unified",), "kv_unified", switch=True, help="every slot may use the whole --ctx-size window"),
+    Flag(("--max-queue-depth",), "max_queue_depth", int, "max queued requests before HTTP 503"),
+    Flag(("--prefill-chunk-size", "-b", "--batch-size"), "prefill_chunk_size", int,
+         "prompt tokens per prefill chunk (-1 adaptive, 0 off)", extra_env=("LLAMA_ARG_BATCH",)),
+    Flag(("--host",), "host", help="bind address"),
+    Flag(("--port",), "port", int, "listen port"),
+    Flag(("--api-key",), "api_key", help="require this bearer token on /v1 routes"),
+    Flag(("--metrics",), "metrics", switch=True, help="expose Prometheus /metrics"),
+    Flag(("--served-model-name", "--alias"), "served_model_name", help="model id reported by /v1/models"),
+    Flag(("--shutdown-grace-seconds",), "shutdown_grace_seconds", float, "in-flight grace period on SIGTERM"),
+]
+
+_FLAG_BY_DEST = {f.dest: f for f in FLAGS}
+
+
+def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) -> None:
+    """Add the flags (all, or those whose dest is listed) with defaults left unset (None)."""
+    for flag in FLAGS:
+        if dests is not None and flag.dest not in dests:
+            continue
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": f"{flag.help} [env {flag.env}]"}
+        if flag.switch:
+            kwargs["action"] = "store_const"
+            kwargs["const"] = not flag.negate
+        else:
+            kwargs["type"] = flag.type
+            if flag.choices:
+                kwargs["choices"] = flag.choices
+        parser.add_argument(*flag.names, **kwargs)
+
+
+def _from_sources(cls: type, args: argparse.Namespace | None, env: dict[str, str], overrides: dict[str, Any]) -> Any:
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        flag = _FLAG_BY_DEST.get(f.name)
+        value = overrides.get(f.name)
+        if value is None and args is not None:
+            value = getattr(args, f.name, None)
+        if value is None and flag is not None:
+            for name in (flag.env, *flag.extra_env):
+                if name in env:
+                    raw = env[name]
+                    value = _bool(raw) != flag.negate if flag.switch else flag.type(raw)
+                    break
+        if value is not None:
+            values[f.name] = value
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
+                 **overrides: Any) -> tuple[EngineConfig, ServerConfig]:
+    """Precedence: explicit override > CLI flag > environment variable > dataclass default."""
+    env = dict(os.environ) if env is None else env
+    return (_from_sources(EngineConfig, args, env, overrides), _from_sources(ServerConfig, args, env, overrides))
+
+
+def describe(*configs: Any) -> str:
+    """The effective configuration as one readable block (logged at startup)."""
+    lines = []
+    for config in configs:
+        lines.append(f"[{type(config).__name__}]")
+        for f in fields(config):
+            value = getattr(config, f.name)
+            if f.name == "api_key" and value:
+                value = "***"
+            lines.append(f"  {f.name:<24} {value}")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""EngineCore: the step loop (schedule -> execute -> update) plus output processing."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.config import EngineConfig, parse_kv_budget
+from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
+from conveyor.models.registry import build_model
+from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+
+
+@dataclass
+class EngineCounters:
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    consecutive_failures: int = 0
+    last_batch_size: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        checkpoint = checkpoint or load_checkpoint(config.model)
+        self.model_name = checkpoint.name
+        self.model_config = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.max_batch_size = config.effective_max_batch_size
+        self.pool_plan: KVPoolPlan = plan_kv_pool(
+            model_max_len=checkpoint.config.max_position_embeddings, ctx_size=config.ctx_size,
+            num_slots=self.max_batch_size, kv_unified=config.kv_unified, block_size=config.block_size,
+            bytes_per_block=kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype),
+            budget=parse_kv_budget(config.kv_cache_budget), weight_bytes=weight_bytes)
+        self.max_model_len = self.pool_plan.max_model_len
+        self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
+                                                   prefill_chunk_size=config.prefill_chunk_size), self.kv)
+        self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
+                                  self.device, seed=config.seed)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
+        self.counters = EngineCounters()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        del checkpoint  # the fp32 copies of the weights are no longer needed
+        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
+                    self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
+                    self.pool_plan.budget_source, self.max_model_len)
+
+    # -- requests --------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0, cache_prompt: bool = True) -> Request:
+        """Validate before admission: a bad request never reaches the scheduler."""
+        params.validate(self.model_config.vocab_size)
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt contains token ids outside the vocabulary", "prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but the context window is {self.max_model_len} "
+                f"tokens (prompt plus at least one generated token must fit)", "messages")
+        needed = self.kv.blocks_needed(min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
+        if needed > self.pool.num_blocks:
+            raise InvalidRequestError(f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}",
+                                      "max_tokens")
+        return Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
+                       priority=priority, cache_prompt=cache_prompt and self.config.enable_prefix_caching)
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_CANCELLED)
+        return self._final_output(request) if request is not None else None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.block_copies and not plan.finished_request_ids:
+            return []
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # a failed forward ends only the requests that were in it
+            logger.exception("model step failed")
+            self.counters.num_failed_steps += 1
+            self.counters.consecutive_failures += 1
+            failed = self.scheduler.finish_all([c.request_id for c in plan.chunks], RequestStatus.FINISHED_ERROR,
+                                               f"inference backend error: {exc}")
+            return [self._final_output(r) for r in failed]
+        self.counters.consecutive_failures = 0
+        self.counters.num_steps += 1
+        self.counters.last_batch_size = len(plan.chunks)
+        advanced = self.scheduler.update(plan, result)
+        outputs = [self._output_for(r, result.logprobs.get(r.request_id)) for r in advanced]
+        if not self.scheduler.has_work():
+            self.pool.check_integrity()  # cheap when idle; proves nothing leaked
+        return outputs
+
+    def _output_for(self, request: Request, logprob) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        if detok.add_token(request.output_token_ids[-1]) and not request.is_finished:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOP)
+        out = self._build_output(request, detok)
+        out.new_token_ids = [request.output_token_ids[-1]]
+        out.logprobs = [logprob] if logprob is not None else []
+        return out
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        return self._build_output(request, self._detokenizers.get(request.request_id))
+
+    def _build_output(self, request: Request, detok: IncrementalDetokenizer | None) -> RequestOutput:
+        finished = request.is_finished
+        text = detok.take_delta(finished) if detok is not None else ""
+        if finished:
+            self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(request.request_id, new_text=text, finished=finished,
+                             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=len(request.output_token_ids),
+                             num_cached_tokens=request.num_cached_tokens, error=request.error)

@@ -1,0 +1,59 @@
+"""Offline Python API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import EngineCore
+from conveyor.engine.outputs import TokenLogprob
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.loading import Checkpoint
+
+
+@dataclass
+class CompletionResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None, **config_fields) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **config_fields), checkpoint)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionResult]:
+        """Run every prompt through the continuous-batching engine at once; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, CompletionResult] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request = self.engine.make_request(ids, replace(p))
+            self.engine.add_request(request)
+            results[request.request_id] = CompletionResult(request.request_id, ids)
+            order.append(request.request_id)
+        while self.engine.has_work():
+            for out in self.engine.step():
+                result = results[out.request_id]
+                result.token_ids += out.new_token_ids
+                result.text += out.new_text
+                result.logprobs += out.logprobs
+                if out.finished:
+                    result.finish_reason, result.error = out.finish_reason, out.error
+                    result.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionResult:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], params)[0]

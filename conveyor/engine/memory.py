@@ -1,0 +1,72 @@
+"""Sizing the KV block pool: the context window per slot and the byte budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKENS_PER_SLOT = 512
+# auto budget: this share of the memory left after the weights, minus activation headroom.
+AUTO_BUDGET_FRACTION = 0.5
+ACTIVATION_HEADROOM_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    max_model_len: int  # per-slot context window
+    num_blocks: int
+    bytes_per_block: int
+    budget_bytes: int | None  # None = unbounded (sized to fill every slot's window)
+    budget_source: str  # "auto", "explicit" or "none"
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def per_slot_window(model_max_len: int, ctx_size: int, num_slots: int, kv_unified: bool) -> int:
+    """llama-server semantics: an explicit ctx_size is a total shared by the slots unless unified."""
+    if ctx_size == 0:
+        return model_max_len
+    window = ctx_size if kv_unified else ctx_size // num_slots
+    if window < MIN_TOKENS_PER_SLOT:
+        raise ValueError(f"--ctx-size {ctx_size} over {num_slots} slots leaves {window} tokens per slot; "
+                         f"at least {MIN_TOKENS_PER_SLOT} are needed")
+    return min(window, model_max_len) if not kv_unified else window
+
+
+def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unified: bool, block_size: int,
+                 bytes_per_block: int, budget: int | None, weight_bytes: int,
+                 free_bytes: int | None = None) -> KVPoolPlan:
+    """budget: -1 = auto, None = unbounded, else bytes."""
+    window = per_slot_window(model_max_len, ctx_size, num_slots, kv_unified)
+    blocks_per_slot = -(-window // block_size)
+    # What every slot filling its window would need; more than that is never useful.
+    wanted = blocks_per_slot * (1 if kv_unified and ctx_size else num_slots)
+    if budget is None:
+        return KVPoolPlan(window, wanted, bytes_per_block, None, "none")
+    source = "explicit"
+    if budget == -1:
+        free = available_memory_bytes() if free_bytes is None else free_bytes
+        budget = max(int((free - weight_bytes) * AUTO_BUDGET_FRACTION) - ACTIVATION_HEADROOM_BYTES, 0)
+        source = "auto"
+    num_blocks = min(wanted, budget // bytes_per_block)
+    if num_blocks < blocks_per_slot:
+        if source == "explicit":
+            raise ValueError(f"--kv-cache-budget {budget} bytes holds {budget // bytes_per_block} blocks, "
+                             f"fewer than one slot's window needs ({blocks_per_slot})")
+        num_blocks = blocks_per_slot  # auto never makes one request impossible
+    return KVPoolPlan(window, num_blocks, bytes_per_block, budget, source)
