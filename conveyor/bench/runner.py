@@ -44,7 +44,7 @@ async def run_level(
     """
     slots = asyncio.Semaphore(concurrency)
     records: list[RequestRecord | None] = [None] * len(specs)
-    bar = tqdm(total=len(specs), desc=desc or f"c={concurrency}", unit="req", disable=not progress, leave=False)
+    bar = tqdm(total=len(specs), desc=desc or f"c={concurrency}", unit="req", disable=not progress)
 
     async def _one(index: int) -> None:
         async with slots:

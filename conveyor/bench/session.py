@@ -72,6 +72,9 @@ async def _run(cfg: BenchConfig) -> BenchReport:
                                                  cfg.long_prompt_tokens, cfg.timeout_s)
             return BenchReport(result.to_markdown(), {"model": model, "scenario": dataclasses.asdict(result)},
                                EXIT_OK if result.passed else EXIT_FAILED)
+        if cfg.num_requests < cfg.max_concurrency:
+            print(f"warning: --num-requests {cfg.num_requests} < concurrency {cfg.max_concurrency}; "
+                  "the top levels never reach their concurrency", file=sys.stderr)
         roofline = _roofline(cfg)  # before the sweep, so the GEMM does not compete with the server
         levels = await run_sweep(client, target, workload, list(cfg.concurrency_levels), cfg.num_requests,
                                  request_rate=cfg.request_rate, num_warmup=cfg.num_warmup, seed=cfg.seed,

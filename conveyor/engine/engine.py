@@ -112,7 +112,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_CANCELLED)
-        return self._final_output(request) if request is not None else None
+        return self.final_output(request) if request is not None else None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -130,7 +130,7 @@ class EngineCore:
             self.counters.consecutive_failures += 1
             failed = self.scheduler.finish_all([c.request_id for c in plan.chunks], RequestStatus.FINISHED_ERROR,
                                                f"inference backend error: {exc}")
-            return [self._final_output(r) for r in failed]
+            return [self.final_output(r) for r in failed]
         self.counters.consecutive_failures = 0
         self.counters.num_steps += 1
         self.counters.last_batch_size = len(plan.chunks)
@@ -149,7 +149,7 @@ class EngineCore:
         out.logprobs = [logprob] if logprob is not None else []
         return out
 
-    def _final_output(self, request: Request) -> RequestOutput:
+    def final_output(self, request: Request) -> RequestOutput:
         return self._build_output(request, self._detokenizers.get(request.request_id))
 
     def _build_output(self, request: Request, detok: IncrementalDetokenizer | None) -> RequestOutput:

@@ -1,0 +1,187 @@
+"""The engine on its own thread, with per-request async output streams for the server.
+
+The event loop never runs model compute: it validates, enqueues commands and awaits
+RequestOutput deltas; the engine thread steps the EngineCore and hands each step's
+outputs back to the loop in one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from conveyor.engine.engine import EngineCore
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILURES = 5
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue-depth; the caller should answer 503."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (shutdown guard tripped or closed); nothing more can be served."""
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queue_depth: int | None = None,
+                 max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES) -> None:
+        self.core = core
+        self.max_queue_depth = max_queue_depth or core.config.max_queue_depth
+        self.max_consecutive_failures = max_consecutive_failures
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._pending_adds = 0
+        self.dead_reason: str | None = None
+        self.accepting = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_event_loop()
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.scheduler.num_waiting + self._pending_adds
+
+    @property
+    def num_running(self) -> int:
+        return self.core.scheduler.num_running
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        """Enqueue a validated request; raises QueueFullError / EngineDeadError instead of queueing."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        if not self.accepting:
+            raise QueueFullError("server is shutting down")
+        if self.num_waiting >= self.max_queue_depth:
+            raise QueueFullError("waiting queue is full")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._pending_adds += 1
+        self._commands.put(_Add(request))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._commands.put(_Abort(request_id))
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; leaving early (client gone, task cancelled) aborts it."""
+        stream = self.submit(request)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                block = not core.has_work()
+                if not self._drain_commands(block):
+                    break
+                if not core.has_work():
+                    continue
+                outputs = core.step()
+                if outputs:
+                    self._deliver(outputs)
+                if core.counters.consecutive_failures >= self.max_consecutive_failures:
+                    self._die(f"{core.counters.consecutive_failures} consecutive model step failures")
+                    return
+        except Exception as exc:  # a bug in the loop itself must not leave clients hanging
+            logger.exception("engine loop crashed")
+            self._die(f"engine loop crashed: {exc}")
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued add/abort commands; returns False on shutdown."""
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return not self._stop.is_set()
+            block = False
+            if command is None:
+                return False
+            outputs = []
+            if isinstance(command, _Add):
+                self._pending_adds -= 1
+                self.core.add_request(command.request)
+            elif isinstance(command, _Abort):
+                out = self.core.abort(command.request_id)
+                if out is not None:
+                    outputs.append(out)
+            if outputs:
+                self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put_nowait(out)
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine stopping: %s", reason)
+        self.dead_reason = reason
+        core = self.core
+        ids = [r.request_id for r in list(core.scheduler.running) + list(core.scheduler.waiting)]
+        failed = core.scheduler.finish_all(ids, RequestStatus.FINISHED_ERROR, f"engine stopped: {reason}")
+        outputs = [core.final_output(r) for r in failed]
+        # Requests still in the command queue never reached the scheduler; end their streams too.
+        known = {o.request_id for o in outputs}
+        outputs += [RequestOutput(rid, finished=True, finish_reason="error", error=f"engine stopped: {reason}")
+                    for rid in list(self._streams) if rid not in known]
+        self._deliver(outputs)
