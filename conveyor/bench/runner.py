@@ -6,8 +6,8 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import httpx
 from tqdm import tqdm
