@@ -3,22 +3,170 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
+
+from conveyor.config import ConfigError, add_flags, load_configs
+
+# Engine flags that make sense for the single-slot CLI paths.
+_CLI_ENGINE_FLAGS = {"model", "dtype", "device", "threads", "seed", "block_size", "kv_cache_budget", "ctx_size",
+                     "enable_prefix_caching", "prefill_chunk_size", "batch_invariant"}
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate")
+    parser.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Continuous-batching LLM inference server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
+
+    generate = subparsers.add_parser("generate", help="generate text for one prompt")
+    generate.add_argument("-p", "--prompt", required=True, help="prompt text")
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--system", default=None, help="system message (chat mode)")
+    _add_sampling_flags(generate)
+    add_flags(generate, _CLI_ENGINE_FLAGS)
+    generate.set_defaults(func=_run_generate)
+
+    run = subparsers.add_parser("run", help="interactive chat REPL")
+    run.add_argument("-p", "--prompt", default=None, help="answer this one message and exit")
+    run.add_argument("--system", default=None, help="system message")
+    _add_sampling_flags(run)
+    add_flags(run, _CLI_ENGINE_FLAGS)
+    run.set_defaults(func=_run_chat)
+
     from conveyor.bench import cli as bench_cli
 
     bench_cli.add_parser(subparsers)
+    try:
+        from conveyor.server import cli as server_cli
+    except ImportError:  # the server is optional at import time for the offline paths
+        server_cli = None
+    if server_cli is not None and hasattr(server_cli, "add_parser"):
+        server_cli.add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"conveyor: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _single_slot_engine(args: argparse.Namespace):
+    """The server's engine path at one slot (CLI and server share every step)."""
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.engine import EngineCore
+    from conveyor.loading import LoadError
+
+    engine_config, _ = load_configs(args, parallel=1, max_batch_size=1)
+    try:
+        core = EngineCore(engine_config)
+    except LoadError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return AsyncEngine(core)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from conveyor.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+async def _stream_reply(engine, prompt_ids: list[int], params) -> str:
+    request = engine.core.make_request(prompt_ids, params)
+    text = []
+    async for out in engine.generate(request):
+        print(out.new_text, end="", flush=True)
+        text.append(out.new_text)
+        if out.error:
+            print(f"\n[error: {out.error}]", file=sys.stderr)
+    print()
+    return "".join(text)
+
+
+def _prompt_ids(engine, messages: list[dict] | None, raw_text: str | None) -> list[int]:
+    tokenizer = engine.core.tokenizer
+    if messages is None:
+        return tokenizer.encode(raw_text)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                            add_special_tokens=False)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from conveyor.engine.sampling_params import InvalidRequestError
+
+    async def go() -> int:
+        engine = _single_slot_engine(args)
+        engine.start(asyncio.get_running_loop())
+        try:
+            messages = None if args.raw else _with_system(args.system, [{"role": "user", "content": args.prompt}])
+            await _stream_reply(engine, _prompt_ids(engine, messages, args.prompt), _sampling_params(args))
+            return 0
+        except InvalidRequestError as exc:
+            print(f"conveyor: invalid request: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(go())
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from conveyor.engine.sampling_params import InvalidRequestError
+
+    async def go() -> int:
+        engine = _single_slot_engine(args)
+        engine.start(asyncio.get_running_loop())
+        history = _with_system(args.system, [])
+        try:
+            while True:
+                if args.prompt is not None:
+                    line = args.prompt
+                else:
+                    try:
+                        line = await asyncio.to_thread(input, "> ")
+                    except EOFError:
+                        return 0
+                if line.strip() in ("/exit", "/quit"):
+                    return 0
+                if not line.strip():
+                    continue
+                history.append({"role": "user", "content": line})
+                try:
+                    reply = await _stream_reply(engine, _prompt_ids(engine, history, None), _sampling_params(args))
+                except InvalidRequestError as exc:
+                    print(f"[invalid request: {exc}]", file=sys.stderr)
+                    history.pop()
+                    continue
+                history.append({"role": "assistant", "content": reply})
+                if args.prompt is not None:
+                    return 0
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(go())
+
+
+def _with_system(system: str | None, messages: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + messages
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Preemption under a tight KV budget and prefix-cache adoption never change greedy output."""
+
+import pytest
+
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _prompts(n):
+    return [f"Story {i}: " + "once upon a time " * (3 + i % 5) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_checkpoint):
+    return LLM(checkpoint=tiny_checkpoint, parallel=8, ctx_size=8 * 512, kv_cache_budget="none",
+               enable_prefix_caching=False)
+
+
+def test_preemption_under_tight_budget_keeps_outputs_exact(tiny_checkpoint, roomy):
+    # 36 blocks of 16 tokens for 8 requests that each grow to ~9 blocks: rows must be preempted.
+    bytes_per_block = roomy.engine.pool_plan.bytes_per_block
+    tight = LLM(checkpoint=tiny_checkpoint, parallel=8, ctx_size=8 * 512, kv_cache_budget=str(36 * bytes_per_block),
+                enable_prefix_caching=False)
+    assert tight.engine.pool.num_blocks == 36
+    params = [SamplingParams(max_tokens=80, **GREEDY) for _ in range(8)]
+    want = roomy.generate(_prompts(8), params)
+    got = tight.generate(_prompts(8), params)
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    tight.engine.pool.check_integrity()
+    assert tight.engine.pool.all_free()
+
+
+def test_prefix_cache_hit_is_exact_and_skips_prefill(tiny_checkpoint, roomy):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=8, ctx_size=8 * 512)
+    system = "You are a helpful assistant. " * 12
+    prompts = [system + f"Question {i}?" for i in range(6)]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    cold = roomy.generate(prompts, [params] * 6)
+    first = llm.generate(prompts[:1], [params])[0]
+    assert first.num_cached_tokens == 0
+    computed_before = llm.engine.scheduler.stats.num_prompt_tokens_computed
+    warm = llm.generate(prompts, [params] * 6)
+    assert all(w.num_cached_tokens >= 16 * 4 for w in warm)
+    assert [w.token_ids for w in warm] == [c.token_ids for c in cold]
+    computed = llm.engine.scheduler.stats.num_prompt_tokens_computed - computed_before
+    assert computed < sum(len(w.prompt_token_ids) for w in warm) // 2
+    # A fully cached prompt adopts every block and copy-on-writes the last one.
+    again = llm.generate(prompts[:1], [params])[0]
+    assert again.token_ids == cold[0].token_ids
+    assert again.num_cached_tokens == len(again.prompt_token_ids) - 1 or again.num_cached_tokens % 16 == 0
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.stats().num_used == 0
+
+
+def test_cache_prompt_false_opts_out(tiny_checkpoint):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=2, ctx_size=2 * 512)
+    prompt = llm.tokenizer.encode("shared prefix " * 30)
+    engine = llm.engine
+    llm.generate([prompt], [SamplingParams(max_tokens=2, **GREEDY)])
+    request = engine.make_request(prompt, SamplingParams(max_tokens=2, **GREEDY), cache_prompt=False)
+    engine.add_request(request)
+    while engine.has_work():
+        engine.step()
+    assert request.num_cached_tokens == 0
