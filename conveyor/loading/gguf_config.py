@@ -98,7 +98,7 @@ def llama3_rope_factors(scaling: dict[str, Any], theta: float, dim: int) -> np.n
     """The divisor llama.cpp (and HF's llama3 rope) applies to each rotary frequency."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)  # 2*pi / inv_freq
     smooth = (original / wavelen - low) / (high - low)
     out = 1.0 / ((1 - smooth) / factor + smooth)
     out = np.where(wavelen < original / high, 1.0, out)

@@ -35,7 +35,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     elif kind == "llama":
         backend = _sentencepiece_bpe(reader, tokens)
     else:
-        raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+        raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; "
+                        "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
     token_types = field_value(reader, "tokenizer.ggml.token_type") or []
     _add_special_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
 
@@ -45,12 +46,12 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
 
     special = {"bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
                "pad_token": token("padding")}
-    extra_eos = [i for i in (field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if i is not None]
+    extra_eos = [field_value(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
     add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
     return build_tokenizer(backend, special, field_value(reader, "tokenizer.chat_template"),
-                           extra_eos_ids=extra_eos, add_bos=add_bos, add_eos=add_eos)
+                           extra_eos_ids=[i for i in extra_eos if i is not None], add_bos=add_bos, add_eos=add_eos)
 
 
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
@@ -88,8 +89,8 @@ def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers
         pairs = _merges_from_scores(vocab, field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
     prefix = bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return backend
@@ -109,10 +110,10 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tupl
 def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int],
                         byte_level: bool) -> None:
     # Control tokens (<|im_start|>) and user-defined ones (<think>) must match whole in text, never split.
-    alphabet = set(_byte_alphabet().values())
+    letters = set(_byte_alphabet().values())
     # In a byte-level vocabulary a control token outside the byte alphabet is a converter mislabel.
     control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
-               if kind == CONTROL and not (byte_level and not set(t) <= alphabet)]
+               if kind == CONTROL and (not byte_level or letters.issuperset(t))]
     backend.add_special_tokens(control)
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, kind in zip(tokens, token_types) if kind == USER_DEFINED])

@@ -46,11 +46,11 @@ def load_hf_tokenizer(path: str, extra_eos_ids: tuple[int, ...] = ()) -> Tokeniz
     special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
     generation = _optional_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
     generation_eos = generation if isinstance(generation, list) else [generation] if generation is not None else []
-    return build_tokenizer(
-        backend, special, _chat_template(path, settings),
-        extra_eos_ids=[*extra_eos_ids, *generation_eos],
-        add_bos=settings.get("add_bos_token"), add_eos=settings.get("add_eos_token"),
-    )
+    # Like transformers, tokenizer.json's post-processor decides BOS/EOS; the add_*_token flags only fill a gap.
+    flags = {"add_bos": settings.get("add_bos_token"), "add_eos": settings.get("add_eos_token")}
+    return build_tokenizer(backend, special, _chat_template(path, settings),
+                           extra_eos_ids=[*extra_eos_ids, *generation_eos],
+                           **(flags if backend.post_processor is None else {}))
 
 
 def read_json(path: str) -> dict[str, Any]:

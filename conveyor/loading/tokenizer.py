@@ -57,11 +57,12 @@ class Tokenizer:
                            add_generation_prompt=add_generation_prompt, **variables)
 
 
-def build_tokenizer(backend: tokenizers.Tokenizer, special_tokens: dict[str, str], chat_template: str | None,
+def build_tokenizer(backend: tokenizers.Tokenizer, special_tokens: dict[str, str | None], chat_template: str | None,
                     extra_eos_ids: Sequence[int] = (), add_bos: bool | None = None,
                     add_eos: bool | None = None) -> Tokenizer:
     """Wrap `backend`; explicit add_bos/add_eos flags rewrite its post-processor, as transformers does."""
-    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
+    known = {k: v for k, v in special_tokens.items() if v is not None and backend.token_to_id(v) is not None}
+    bos, eos = known.get("bos_token"), known.get("eos_token")
     if add_bos is not None or add_eos is not None or backend.post_processor is None:
         _set_post_processor(backend, bos if add_bos else None, eos if add_eos else None)
     eos_ids = [backend.token_to_id(eos)] if eos is not None else []
@@ -72,11 +73,12 @@ def build_tokenizer(backend: tokenizers.Tokenizer, special_tokens: dict[str, str
         bos_token_id=backend.token_to_id(bos) if bos is not None else None,
         eos_token_ids=list(dict.fromkeys(i for i in eos_ids if i is not None)),
         chat_template=chat_template,
-        special_tokens={k: v for k, v in special_tokens.items() if v is not None},
+        special_tokens=known,
     )
 
 
 def _set_post_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> None:
+    """transformers' update_post_processor: `[bos] $A [eos]` for one sequence, the same again for a pair."""
     single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
     pair = " ".join([single] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
     specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]

@@ -33,7 +33,8 @@ def test_special_tokens_tools_and_kwargs_reach_the_template() -> None:
 
 
 def test_none_fields_are_dropped() -> None:
-    out = _tokenizer(TEMPLATE).apply_chat_template([{"role": "assistant", "content": None}], add_generation_prompt=False)
+    messages = [{"role": "assistant", "content": None}]
+    out = _tokenizer(TEMPLATE).apply_chat_template(messages, add_generation_prompt=False)
     assert out == "<s>assistant: (none)</s>\n"
 
 
@@ -50,3 +51,8 @@ def test_missing_template_is_a_clear_error() -> None:
 def test_end_of_turn_tokens_used_by_the_template_stop_generation() -> None:
     assert _tokenizer("{{ '<|im_end|>' }}").eos_token_ids == [1, 2]
     assert _tokenizer("plain").eos_token_ids == [1]
+
+
+def test_template_runs_in_a_sandbox() -> None:
+    with pytest.raises(ValueError, match="chat template error"):
+        _tokenizer("{{ messages.__class__.__mro__ }}").apply_chat_template([{"role": "user", "content": "x"}])

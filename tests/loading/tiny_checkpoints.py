@@ -28,6 +28,10 @@ def tiny_hf_model(arch: str, tie: bool, **overrides) -> transformers.PreTrainedM
     return model.eval()
 
 
+def head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def permute_for_llama_cpp(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """convert_hf_to_gguf's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
     rows = weight.shape[0]
@@ -55,7 +59,7 @@ def write_gguf(path, arch: str, model: transformers.PreTrainedModel, dtype=gguf.
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
+    writer.add_key_length(head_dim(cfg))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     (tokenizer or add_tiny_bpe_vocab)(writer)
@@ -92,3 +96,21 @@ def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "he", "ll", "llo", "hello", "\u2581hello",
+              "\u2581w", "or", "wor", "world", "\u2581world", "ab", "abc", "\u2581abc", "\u2581a"]
+
+
+def add_tiny_sentencepiece_vocab(writer: gguf.GGUFWriter) -> None:
+    """A SentencePiece-style vocabulary: <unk>, <s>, </s>, 256 byte tokens, a user-defined <tool>, then pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<tool>"] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [4] + [1] * len(SPM_PIECES)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}")

@@ -1,0 +1,80 @@
+"""Hugging Face model directories written by transformers' save_pretrained load back unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tokenizers
+import torch
+import transformers
+from tokenizers import processors
+from tiny_checkpoints import head_dim, tiny_hf_model
+
+from conveyor.loading import load_checkpoint
+
+CASES = [  # (architecture, tied embeddings, dtype)
+    ("llama", True, torch.float32),
+    ("mistral", False, torch.bfloat16),
+    ("qwen2", False, torch.float32),
+    ("qwen3", True, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("arch", "tie", "dtype"), CASES)
+def test_weights_and_config_round_trip(tmp_path, copy_tokenizer, arch: str, tie: bool, dtype: torch.dtype) -> None:
+    model = tiny_hf_model(arch, tie).to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    copy_tokenizer(tmp_path)
+
+    ck = load_checkpoint(str(tmp_path))
+    hf = model.config
+    c = ck.config
+    assert c.architecture == arch and c.tie_word_embeddings == tie
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, head_dim(hf))
+    assert c.attention_bias == (arch == "qwen2") and c.qk_norm == (arch == "qwen3")
+    assert c.rms_norm_eps == hf.rms_norm_eps and c.vocab_size == 256
+    assert ck.name == tmp_path.name and ck.source == str(tmp_path.resolve())
+
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert set(ck.weights) == set(expected)
+    for name, weight in expected.items():
+        assert ck.weights[name].dtype == dtype and torch.equal(ck.weights[name], weight), name
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, copy_tokenizer):
+    tiny_hf_model("llama", tie=True).save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    return tmp_path
+
+
+def test_tokenizer_matches_transformers(tiny_dir) -> None:
+    ours = load_checkpoint(str(tiny_dir)).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    for text in ["Hello world", "<|im_start|>user\n12 + 30<|im_end|>", "  ünï\tcode()"]:
+        assert ours.encode(text) == theirs.encode(text)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token_ids[0] == theirs.eos_token_id
+
+
+def test_bos_comes_from_the_tokenizer_json_post_processor(tiny_dir) -> None:
+    backend = tokenizers.Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    bos = ("<|im_start|>", 1)
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[bos])
+    backend.save(str(tiny_dir / "tokenizer.json"))
+    ours = load_checkpoint(str(tiny_dir)).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert ours.encode("hi") == theirs.encode("hi") == [1, 6004]
+    assert ours.encode("hi", add_special_tokens=False) == [6004]
+
+
+def test_generation_config_eos_ids_end_generation(tiny_dir) -> None:
+    (tiny_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    ck = load_checkpoint(str(tiny_dir))
+    assert ck.tokenizer.eos_token_ids == [2, 0]
+    assert ck.config.eos_token_ids == (2, 0)
