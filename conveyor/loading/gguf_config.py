@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 
 from conveyor.loading.checkpoint import LoadError
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import ModelConfig, ModelConfigError
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -20,9 +20,17 @@ def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
-    value = field.contents()
-    if isinstance(value, float):
-        # GGUF stores float32; print-and-parse gives back the value the converter started from (1e-05, not 9.99e-06).
+    # Decoded by hand rather than with ReaderField.contents(), which only gguf >= 0.16 has.
+    values = [_scalar(field.parts[index], field.types[-1]) for index in field.data]
+    return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
+
+
+def _scalar(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    value = part.tolist()[0]
+    if kind == gguf.GGUFValueType.FLOAT32:
+        # Print-and-parse gives back the value the converter started from (1e-05, not 9.99e-06).
         value = float(str(np.float32(value)))
     return value
 
@@ -35,6 +43,13 @@ def config_from_gguf(reader: gguf.GGUFReader, source: str) -> ModelConfig:
     if "token_embd.weight" not in tensors:
         raise LoadError(f"{source}: GGUF file has no token_embd.weight tensor")
 
+    try:
+        return _build_config(reader, arch, tensors, source)
+    except (ModelConfigError, TypeError, ValueError) as exc:  # e.g. per-layer head counts (a list)
+        raise LoadError(f"{source}: unusable GGUF metadata ({exc})") from exc
+
+
+def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str) -> ModelConfig:
     def meta(key: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{key}", default)
         if value is None:

@@ -29,7 +29,15 @@ def load_hf_dir(path: str) -> Checkpoint:
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=os.path.basename(os.path.normpath(path)))
+                      source=path, name=model_name(path))
+
+
+def model_name(path: str) -> str:
+    """The folder name; for a Hub cache snapshot (models--org--name/snapshots/<hash>) the repo name."""
+    parts = os.path.normpath(path).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].split("--")[-1]
+    return parts[-1]
 
 
 def load_hf_tokenizer(path: str, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:

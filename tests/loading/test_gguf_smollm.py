@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conveyor.loading import Checkpoint, expected_weight_names
-from conveyor.loading.gguf_loader import _Reader  # same bytes as gguf.GGUFReader, 4x faster to open
+from conveyor.loading.gguf_loader import _Reader, model_name  # _Reader: gguf.GGUFReader, faster to open
 
 
 def test_default_model_is_found(gguf_path: str) -> None:
@@ -29,7 +29,9 @@ def test_config(smollm: Checkpoint) -> None:
 
 
 def test_checkpoint_fields(smollm: Checkpoint, gguf_path: str) -> None:
-    assert smollm.name == "SmolLM2-135M-Instruct"
+    assert smollm.name == "SmolLM2-135M-Instruct"  # the file name less its quantization suffix
+    assert model_name("/m/Qwen2.5-0.5B-Instruct-q4_k_m.gguf") == "Qwen2.5-0.5B-Instruct"
+    assert model_name("/m/Llama-3.2-1B.BF16.gguf") == "Llama-3.2-1B"
     assert smollm.source == os.path.realpath(gguf_path)
 
 

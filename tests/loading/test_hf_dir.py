@@ -12,6 +12,7 @@ from tokenizers import processors
 from tiny_checkpoints import head_dim, tiny_hf_model
 
 from conveyor.loading import load_checkpoint
+from conveyor.loading.hf_loader import model_name
 
 CASES = [  # (architecture, tied embeddings, dtype)
     ("llama", True, torch.float32),
@@ -78,3 +79,9 @@ def test_generation_config_eos_ids_end_generation(tiny_dir) -> None:
     ck = load_checkpoint(str(tiny_dir))
     assert ck.tokenizer.eos_token_ids == [2, 0]
     assert ck.config.eos_token_ids == (2, 0)
+
+
+def test_model_name() -> None:
+    assert model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
+    snapshot = "/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/12ab34"
+    assert model_name(snapshot) == "SmolLM2-135M-Instruct"
