@@ -1,0 +1,155 @@
+"""create_app(engine, config): the routes and their wiring. No module-level state.
+
+The app owns the engine's thread: its lifespan starts the engine on the server's event loop
+and shuts it down on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from conveyor.config import ServerConfig
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.server import errors, observability
+from conveyor.server.errors import APIError
+from conveyor.server.lifecycle import Lifecycle
+from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
+from conveyor.server.openai_serving import OpenAIServing
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise errors.invalid(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise errors.invalid("The request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise errors.from_validation(exc) from None
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -> FastAPI:
+    config = server_config or ServerConfig()
+    model_id = config.served_model_name or engine.core.model_name
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(engine, model_id, metrics)
+    lifecycle = Lifecycle(engine, serving, config.shutdown_grace_seconds)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        sampler = asyncio.create_task(metrics.sample_batch_sizes()) if config.metrics else None
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.serving, app.state.metrics, app.state.lifecycle = engine, serving, metrics, lifecycle
+    errors.install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = observability.health(engine, serving.draining)
+        return JSONResponse(body, status_code=status)
+
+    if config.metrics:
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(_api_router(engine, serving, model_id), dependencies=[Depends(_api_key_check(config.api_key))])
+    return app
+
+
+def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str) -> APIRouter:
+    router = APIRouter()
+    core = engine.core
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        return await serving.chat(request, await parse_body(request, ChatCompletionRequest), arrival)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        return await serving.completion(request, await parse_body(request, CompletionRequest), arrival)
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor",
+                "root": core.model_name, "max_model_len": core.max_model_len}
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        serving.check_model(name)
+        return model_card()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest)
+        ids = core.tokenizer.encode(body.text, add_special_tokens=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": serving.token_text(i)[0]} for i in ids]}
+        return {"tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest)
+        vocab = core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise errors.invalid(f"token ids must be in [0, {vocab})", "tokens")
+        return {"content": core.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @router.get("/slots")
+    async def slots(fail_on_no_slot: bool = False) -> Response:
+        body = observability.slots(engine)
+        if fail_on_no_slot and all(s["is_processing"] for s in body):
+            return errors.APIError(503, "no slot available", "unavailable").response()
+        return JSONResponse(body)
+
+    @router.get("/props")
+    async def props() -> dict:
+        return observability.props(engine, model_id)
+
+    @router.get("/v1/cache/stats")
+    async def cache_stats() -> dict:
+        return observability.cache_stats(engine)
+
+    @router.get("/v1/loads")
+    async def loads() -> dict:
+        return observability.loads(engine)
+
+    return router

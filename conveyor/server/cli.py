@@ -1,0 +1,65 @@
+"""`conveyor serve`: load the model, start the engine and serve the HTTP API until a signal.
+
+Also runnable alone: `python -m conveyor.server.cli [flags]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from conveyor.config import ConfigError, EngineConfig, ServerConfig, add_flags, describe, load_configs
+
+logger = logging.getLogger("conveyor.server")
+
+SOCKET_CLOSE_TIMEOUT_S = 5.0  # after draining: how long uvicorn waits for connections to close
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                   description="Serve the OpenAI-compatible HTTP API with continuous batching.")
+    add_flags(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_config, server_config = load_configs(args)
+    except ConfigError as exc:
+        print(f"conveyor serve: {exc}", file=sys.stderr)
+        return 2
+    logger.info("effective configuration:\n%s", describe(engine_config, server_config))
+    server = build_server(engine_config, server_config)
+    server.run()
+    logger.info("server stopped")
+    return 0
+
+
+def build_server(engine_config: EngineConfig, server_config: ServerConfig):
+    """Load the model and wire engine, app and uvicorn (nothing runs until `.run()`)."""
+    # Imported here so `conveyor --help` stays fast.
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.engine import EngineCore
+    from conveyor.server.app import create_app
+    from conveyor.server.lifecycle import GracefulServer
+
+    engine = AsyncEngine(EngineCore(engine_config))
+    app = create_app(engine, server_config)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
+                            timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
+    return GracefulServer(config, app.state.lifecycle)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conveyor.server.cli", description=__doc__)
+    add_flags(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} for every failure path."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.engine.async_engine import EngineDeadError, QueueFullError
+from conveyor.engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+OVERLOADED_MESSAGE = "Server is busy. Retry later."
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+def overloaded() -> APIError:
+    return APIError(503, OVERLOADED_MESSAGE, "overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "Server is shutting down.", "unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def engine_dead(reason: str) -> APIError:
+    return APIError(503, f"The inference engine has stopped: {reason}", "server_error", code="engine_dead")
+
+
+def generation_failed(message: str) -> APIError:
+    return APIError(500, message, "server_error", code="inference_error")
+
+
+def from_engine(exc: Exception) -> APIError:
+    """The one map from engine exceptions to HTTP answers."""
+    if isinstance(exc, InvalidRequestError):
+        return invalid(str(exc), exc.param)
+    if isinstance(exc, QueueFullError):
+        return overloaded()
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(str(exc))
+    raise TypeError(f"not an engine error: {exc!r}")
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _param(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages.[0].content'; union branch tags are dropped."""
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif part != "body" and part.isidentifier() and part not in _UNION_TAGS:
+            parts.append(part)
+    return ".".join(parts)
+
+
+def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = _param(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return invalid(f"{message} (at '{param}')" if param else message, param or None)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"Invalid URL ({request.method} {request.url.path})", "invalid_request_error",
+                             code="not_found")
+        elif exc.status_code == 405:
+            error = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                             "invalid_request_error", code="method_not_allowed")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {exc}", "server_error").response()

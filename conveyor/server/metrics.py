@@ -1,0 +1,128 @@
+"""Prometheus metrics on a per-app registry.
+
+Two sources: what the engine already counts is read at scrape time by `EngineCollector`
+(never double-counted in the server), and latencies that only the server can see (TTFT,
+inter-token, end-to-end) are measured from the arrival times of each request's deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BATCH_SAMPLE_PERIOD_S = 0.02
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters the engine keeps itself, read when Prometheus scrapes."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        engine, core = self.engine, self.engine.core
+        stats, pool = core.scheduler.stats, core.pool.stats()
+        yield _gauge("conveyor_engine_healthy", "1 while the engine can serve requests", int(engine.is_alive))
+        yield _gauge("conveyor_num_requests_running", "Requests admitted to the batch", engine.num_running)
+        yield _gauge("conveyor_num_requests_waiting", "Requests queued for admission", engine.num_waiting)
+        finished = CounterMetricFamily("conveyor_requests_finished", "Requests finished, by finish reason "
+                                       "(abort = cancelled by the client or the server)", labels=["finish_reason"])
+        # Every reason is always present, so rate() works from zero.
+        counts = {"stop": 0, "length": 0, "abort": 0, "error": 0, **dict(stats.finished_by_reason)}
+        for reason, count in counts.items():
+            finished.add_metric([reason], count)
+        yield finished
+        yield _counter("conveyor_prompt_tokens", "Prompt tokens prefilled (prefix-cache hits excluded, "
+                       "re-prefill after preemption included)", stats.num_prompt_tokens_computed)
+        yield _counter("conveyor_generation_tokens", "Tokens generated", stats.num_generated_tokens)
+        yield _counter("conveyor_preemptions", "Running requests preempted to free KV blocks", stats.num_preemptions)
+        yield _counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens adopted from the prefix cache",
+                       core.kv.counters.hit_tokens)
+        yield _counter("conveyor_prefix_cache_miss_tokens", "Prompt tokens that missed the prefix cache",
+                       core.kv.counters.miss_tokens)
+        yield _counter("conveyor_engine_steps", "Successful engine steps", core.counters.num_steps)
+        yield _counter("conveyor_engine_failed_steps", "Engine steps whose forward raised",
+                       core.counters.num_failed_steps)
+        yield _gauge("conveyor_kv_blocks_total", "KV blocks in the pool", pool.num_blocks)
+        yield _gauge("conveyor_kv_blocks_used", "KV blocks held by requests", pool.num_used)
+        yield _gauge("conveyor_kv_blocks_free", "KV blocks free (including evictable cached prefixes)", pool.num_free)
+        yield _gauge("conveyor_kv_blocks_cached", "KV blocks holding a reusable prefix", pool.num_cached)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+@dataclass
+class RequestTiming:
+    """Per engine request: when it arrived and when its last token arrived."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.ttft = Histogram("conveyor_time_to_first_token_seconds", "Arrival at the server to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("conveyor_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("conveyor_e2e_request_latency_seconds", "Arrival at the server to the last delta",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("conveyor_batch_size", "Sequences per engine step (sampled every "
+                                    f"{BATCH_SAMPLE_PERIOD_S * 1000:.0f} ms while the engine steps)",
+                                    buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.rejected = Counter("conveyor_requests_rejected", "Requests refused before admission, by reason",
+                                ["reason"], registry=self.registry)
+        for reason in ("overloaded", "shutting_down", "engine_dead"):
+            self.rejected.labels(reason)
+
+    def observe(self, timing: RequestTiming, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids:
+            if timing.first_token is None:
+                timing.first_token = now
+                self.ttft.observe(now - timing.arrival)
+            else:
+                self.itl.observe((now - timing.last_token) / len(out.new_token_ids))  # type: ignore[operator]
+            timing.last_token = now
+        if out.finished:
+            self.e2e.observe(now - timing.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def sample_batch_sizes(self) -> None:
+        """Record the last step's batch size whenever the engine advanced since the previous look.
+
+        NOTE: a sample, not every step: the engine exposes no per-step hook to the server.
+        """
+        counters = self.engine.core.counters
+        seen = counters.num_steps
+        while True:
+            await asyncio.sleep(BATCH_SAMPLE_PERIOD_S)
+            if counters.num_steps != seen:
+                seen = counters.num_steps
+                self.batch_size.observe(counters.last_batch_size)

@@ -1,0 +1,126 @@
+"""Request bodies of the OpenAI-compatible and llama-server style endpoints (pydantic, strict).
+
+Strict mode: a JSON string is never coerced into a number, nor a number into a bool, so a
+wrong type is a 400 rather than a silent guess. Unknown fields are refused, except the
+common OpenAI fields listed in each model that we accept and ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16  # choices per request; each one takes a queue slot
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]  # json_object / json_schema need constrained decoding, which we lack
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Messages echo back whatever a client stored (tool_calls, refusal...): extra keys are ignored.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class SamplingFields(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: {"1234": -100}
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    priority: int | None = None  # higher runs first; overrides the X-Priority header
+    cache_prompt: bool = True
+    # Accepted and ignored: they change nothing about generation here.
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict], Field(max_length=0)] | None = None  # no tool calling yet
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # One prompt or a batch; a prompt is text or token ids.
+    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    logprobs: int | None = None
+    echo: Literal[False] = False  # echoing the prompt would need prompt logprobs
+    suffix: None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Body):
+    content: str | None = None
+    prompt: str | None = None  # alias some clients send
+    add_special: bool = False
+    with_pieces: bool = False
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.content is None) == (self.prompt is None):
+            raise ValueError("give exactly one of content or prompt")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if self.content is not None else self.prompt  # type: ignore[return-value]
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
