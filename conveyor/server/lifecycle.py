@@ -81,8 +81,13 @@ class GracefulServer(uvicorn.Server):
             logger.warning("second signal: exiting now")
             self.should_exit = self.force_exit = True
             return
-        self._drain_requested = True
         logger.info("received %s: draining before exit", signal.Signals(sig).name)
+        self.request_drain()
+
+    def request_drain(self) -> None:
+        """Thread- and signal-safe: drain, then exit (what the first SIGTERM does)."""
+        assert self._loop is not None, "the server is not running"
+        self._drain_requested = True
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:

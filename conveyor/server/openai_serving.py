@@ -76,7 +76,8 @@ class OpenAIServing:
             raise errors.invalid(str(exc), "messages") from None
         prompt = self.core.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        requests = self._make_requests(body, [prompt], max_tokens, logprobs, _priority(body, http), "messages")
+        requests = self._make_requests(body, [prompt], max_tokens, logprobs, _priority(body, http),
+                                       {"prompt": "messages", "logprobs": "top_logprobs"})
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=True,
                                 want_logprobs=logprobs is not None)
         return await self._run(http, body, header, requests, arrival)
@@ -87,7 +88,8 @@ class OpenAIServing:
             raise errors.invalid("best_of is not supported (omit it or set it equal to n)", "best_of")
         tokenizer = self.core.tokenizer
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-        requests = self._make_requests(body, prompts, body.max_tokens, body.logprobs, _priority(body, http), "prompt")
+        requests = self._make_requests(body, prompts, body.max_tokens, body.logprobs, _priority(body, http),
+                                       {"messages": "prompt"})
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=False,
                                 want_logprobs=body.logprobs is not None)
         return await self._run(http, body, header, requests, arrival)
@@ -99,19 +101,21 @@ class OpenAIServing:
 
     # -- request -> engine requests --------------------------------------------------------
     def _make_requests(self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None, priority: int, prompt_param: str) -> list[Request]:
-        """n requests per prompt, all validated before any is submitted. Choice index = prompt * n + i."""
+                       logprobs: int | None, priority: int, params: dict[str, str]) -> list[Request]:
+        """n requests per prompt, all validated before any is submitted. Choice index = prompt * n + i.
+
+        `params` renames the engine's error params to this endpoint's field names.
+        """
         base_id = uuid.uuid4().hex[:12]
         requests = []
         for p, prompt in enumerate(prompts):
             for i in range(body.n):
-                params = self._sampling_params(body, prompt, max_tokens, logprobs, i)
                 try:
-                    requests.append(self.core.make_request(prompt, params, f"{base_id}-{p * body.n + i}",
+                    sampling = self._sampling_params(body, prompt, max_tokens, logprobs, i)
+                    requests.append(self.core.make_request(prompt, sampling, f"{base_id}-{p * body.n + i}",
                                                            priority=priority, cache_prompt=body.cache_prompt))
                 except InvalidRequestError as exc:
-                    param = prompt_param if exc.param in ("messages", "prompt") else exc.param
-                    raise errors.invalid(str(exc), param) from None
+                    raise errors.invalid(str(exc), params.get(exc.param or "", exc.param)) from None
         return requests
 
     def _sampling_params(self, body: SamplingFields, prompt: list[int], max_tokens: int | None,
@@ -122,11 +126,8 @@ class OpenAIServing:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         # Each choice gets its own seed, so n > 1 with a seed gives n different (reproducible) answers.
         seed = body.seed + choice if body.seed is not None else None
-        try:
-            return SamplingParams(max_tokens=max_tokens, logit_bias=_logit_bias(body.logit_bias), stop=stop,
-                                  ignore_eos=body.ignore_eos, logprobs=logprobs, seed=seed, **fields)
-        except InvalidRequestError as exc:
-            raise errors.invalid(str(exc), exc.param) from None
+        return SamplingParams(max_tokens=max_tokens, logit_bias=_logit_bias(body.logit_bias), stop=stop,
+                              ignore_eos=body.ignore_eos, logprobs=logprobs, seed=seed, **fields)
 
     # -- running ---------------------------------------------------------------------------
     def admit(self, requests: list[Request], arrival: float) -> RequestGroup:

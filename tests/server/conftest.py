@@ -1,0 +1,95 @@
+"""Real uvicorn servers on free 127.0.0.1 ports, each in a background thread, over a tiny random model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine.engine import EngineCore
+from conveyor.loading import Checkpoint
+from conveyor.server import create_app
+from conveyor.server.lifecycle import GracefulServer
+from conveyor.testing import tiny_checkpoint
+
+
+@dataclass
+class Served:
+    url: str
+    core: EngineCore
+    engine: AsyncEngine
+    app: FastAPI
+    server: GracefulServer
+    thread: threading.Thread
+
+    @property
+    def model(self) -> str:
+        return self.app.state.serving.model_id
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def wait_until(self, predicate, timeout: float = 10.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+
+@contextmanager
+def serve(checkpoint: Checkpoint, engine_config: EngineConfig | None = None,
+          server_config: ServerConfig | None = None, engine_kwargs: dict | None = None) -> Iterator[Served]:
+    core = EngineCore(engine_config or EngineConfig(parallel=4), checkpoint=checkpoint)
+    engine = AsyncEngine(core, **(engine_kwargs or {}))
+    app = create_app(engine, server_config or ServerConfig(metrics=True))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; uvicorn serves this very socket
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    server = GracefulServer(config, app.state.lifecycle)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    served = Served(f"http://127.0.0.1:{port}", core, engine, app, server, thread)
+    served.wait_until(lambda: server.started or not thread.is_alive(), what="server start")
+    assert server.started, "uvicorn failed to start"
+    try:
+        yield served
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Checkpoint:
+    return tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def serve_tiny(tiny: Checkpoint):
+    """A factory: `with serve_tiny(EngineConfig(...), ServerConfig(...)) as served:` for a dedicated server."""
+    def factory(engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
+                **engine_kwargs):
+        return serve(tiny, engine_config, server_config, engine_kwargs)
+    return factory
+
+
+@pytest.fixture(scope="session")
+def served(tiny: Checkpoint) -> Iterator[Served]:
+    """The shared server: 4 slots, metrics on, no API key. Tests must leave it idle."""
+    with serve(tiny, EngineConfig(parallel=4, max_queue_depth=32), ServerConfig(metrics=True)) as s:
+        yield s
