@@ -29,6 +29,13 @@ class EngineConfig:
     kv_unified: bool = False
     max_queue_depth: int = 32
     prefill_chunk_size: int = -1  # -1 = adaptive (2048 idle / 512 while decoding), 0 = no chunking
+    prefill_grant_interval: int = 16
+    max_batch_prefill: int = 4
+    max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * chunk, 0 = no cap
+    tick_policy: str = "mixed"
+    enable_preemption: bool = False
+    preemption_policy: str = "longest-first"
+    kv_admission_watermark: float = 0.01
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
@@ -42,6 +49,13 @@ class EngineConfig:
         _require(self.max_queue_depth >= 1, "max_queue_depth must be at least 1")
         _require(self.prefill_chunk_size >= -1, "prefill_chunk_size must be -1 (adaptive), 0 or positive")
         parse_kv_budget(self.kv_cache_budget)
+        _require(self.tick_policy in ("mixed", "alternate"), "tick_policy must be mixed or alternate")
+        _require(self.preemption_policy in ("longest-first", "lowest-priority"),
+                 "preemption_policy must be longest-first or lowest-priority")
+        _require(0.0 <= self.kv_admission_watermark <= 0.5, "kv_admission_watermark must be in [0.0, 0.5]")
+        _require(self.prefill_grant_interval >= 0, "prefill_grant_interval must be >= 0")
+        _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
+        _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
 
     @property
     def effective_max_batch_size(self) -> int:
@@ -125,6 +139,19 @@ FLAGS: list[Flag] = [
     Flag(("--max-queue-depth",), "max_queue_depth", int, "max queued requests before HTTP 503"),
     Flag(("--prefill-chunk-size", "-b", "--batch-size"), "prefill_chunk_size", int,
          "prompt tokens per prefill chunk (-1 adaptive, 0 off)", extra_env=("LLAMA_ARG_BATCH",)),
+    Flag(("--prefill-grant-interval",), "prefill_grant_interval", int,
+         "alternate policy: decode ticks before a parked prefill is granted one (0 = unbounded wait)"),
+    Flag(("--max-batch-prefill",), "max_batch_prefill", int, "queued prompts prefilled in one forward"),
+    Flag(("--max-batch-prefill-tokens",), "max_batch_prefill_tokens", int,
+         "token cap of one batched prefill (-1 derived = 2 * max_batch_prefill * chunk, 0 = no cap)"),
+    Flag(("--tick-policy",), "tick_policy", choices=("mixed", "alternate"),
+         help="mixed: decode + prefill in one forward; alternate: decode or prefill per tick"),
+    Flag(("--enable-preemption",), "enable_preemption", switch=True,
+         help="let a higher-priority arrival evict a running lower-priority sequence"),
+    Flag(("--preemption-policy",), "preemption_policy", choices=("longest-first", "lowest-priority"),
+         help="victim selection for --enable-preemption"),
+    Flag(("--kv-admission-watermark",), "kv_admission_watermark", float,
+         "fraction of the KV budget kept free at admission while rows decode (0.0-0.5)"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on /v1 routes"),

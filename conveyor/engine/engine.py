@@ -17,7 +17,8 @@ from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
-from conveyor.engine.scheduler import Scheduler, SchedulerConfig
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduling_policy import SchedulerConfig
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -67,8 +68,13 @@ class EngineCore:
         self.max_model_len = self.pool_plan.max_model_len
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
-                                                   prefill_chunk_size=config.prefill_chunk_size), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
+            prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
+            max_batch_prefill=config.max_batch_prefill, max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
+            preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
+            watermark_applies=self.pool_plan.budget_bytes is not None), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)

@@ -1,42 +1,37 @@
 """Iteration-level scheduler: which sequences run this tick, and what their results mean.
 
-Every tick: running sequences first (decode rows, then any unfinished prefill), then
-admissions from the queue, all under one token budget. Each request advances through a
-single variable, num_computed_tokens, so chunked prefill, prefix hits and re-prefill
-after preemption are the same path.
+Each request advances through one variable, num_computed_tokens, so chunked prefill,
+prefix hits and re-prefill after preemption share one path. A tick is built by the
+policy (see scheduling_policy.py):
+
+  mixed      decode rows + [parked prefill chunk | new admissions]  under one chunk budget
+  alternate  decode rows only, or prefill only; a parked prefill is granted a tick after
+             prefill_grant_interval consecutive decode ticks
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.scheduling_policy import (SchedulerConfig, TickPolicy, pick_arrival_victim, pick_reclaim_victim,
+                                               priority_key)
 
-
-ADAPTIVE_CHUNK_IDLE = 2048
-ADAPTIVE_CHUNK_DECODING = 512
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_size: int = 4  # sequences in flight (admitted, prefilling or decoding)
-    max_model_len: int = 2048  # prompt + generated tokens per sequence
-    prefill_chunk_size: int = -1  # prompt tokens per tick; -1 = adaptive, 0 = whole prompt in one tick
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
-        if self.prefill_chunk_size < -1:
-            raise ValueError("prefill_chunk_size must be -1 (adaptive), 0 (off) or positive")
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_reclaim_passes: int = 0  # a running row needed a block and a victim had to give way
+    num_prefill_grants: int = 0  # alternate policy: ticks granted to a parked prefill over live decode
+    num_mixed_steps: int = 0  # forwards carrying decode rows and prefill together
+    num_decode_steps: int = 0
+    num_prefill_steps: int = 0
     num_completed: int = 0
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
@@ -47,16 +42,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # kept sorted by priority_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
+        self._decode_ticks_since_prefill = 0
 
     # -- queue -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=priority_key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,76 +65,130 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def prefill_chunk_size(self) -> int:
+        return self.config.chunk_size(decoding=any(_is_decode_row(r) for r in self.running))
+
     # -- schedule --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self._token_budget()
-        scheduled: set[str] = set()
-        # Running rows first: a decode row costs one token and is never starved by prefill.
-        for request in sorted(self.running, key=lambda r: r.status != RequestStatus.DECODING):
-            if request not in self.running:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, max(budget, 1))
-            if num_new <= 0 or (budget <= 0 and request.status != RequestStatus.DECODING):
-                continue
-            if not self._reserve(request, num_new, scheduled):
-                continue
-            out.chunks.append(self._chunk(request, num_new))
-            scheduled.add(request.request_id)
-            budget -= num_new
-        self._admit(out, budget)
+        decode_rows = sorted((r for r in self.running if _is_decode_row(r)),
+                             key=lambda r: (-r.priority, -r.num_computed_tokens))
+        parked = [r for r in self.running if not _is_decode_row(r)]
+        chunk = self.config.chunk_size(decoding=bool(decode_rows))
+        if self.config.tick_policy == TickPolicy.MIXED:
+            self._schedule_rows(out, decode_rows, budget=None)
+            budget = self._schedule_rows(out, parked, budget=chunk)
+            if not parked:
+                self._admit(out, budget, chunk, decoding=bool(decode_rows))
+        else:
+            self._schedule_alternate(out, decode_rows, parked, chunk)
+        self._count_step(out)
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
         return out
 
-    def prefill_chunk_size(self) -> int:
-        chunk = self.config.prefill_chunk_size
-        if chunk < 0:  # adaptive: big chunks keep single-stream TTFT, small ones protect live streams
-            decoding = any(r.status == RequestStatus.DECODING for r in self.running)
-            return ADAPTIVE_CHUNK_DECODING if decoding else ADAPTIVE_CHUNK_IDLE
-        return chunk or self.config.max_model_len
+    def _schedule_alternate(self, out: SchedulerOutput, decode_rows: list[Request], parked: list[Request],
+                            chunk: int) -> None:
+        interval = self.config.prefill_grant_interval
+        if parked:
+            if decode_rows and (interval == 0 or self._decode_ticks_since_prefill < interval):
+                self._schedule_rows(out, decode_rows, budget=None)
+                self._decode_ticks_since_prefill += 1
+                return
+            if decode_rows:
+                self.stats.num_prefill_grants += 1
+            self._schedule_rows(out, parked[:1], budget=chunk)
+            self._decode_ticks_since_prefill = 0
+            return
+        if self.waiting:
+            self._admit(out, chunk, chunk, decoding=bool(decode_rows))
+            if out.chunks:
+                self._decode_ticks_since_prefill = 0
+                return
+        self._schedule_rows(out, decode_rows, budget=None)
 
-    def _token_budget(self) -> int:
-        return self.prefill_chunk_size() + self.config.max_batch_size
+    def _schedule_rows(self, out: SchedulerOutput, rows: list[Request], budget: int | None) -> int:
+        """Schedule running rows (decode: 1 token each; prefill: up to budget); returns what budget is left."""
+        for request in rows:
+            if request not in self.running:
+                continue  # preempted to make room earlier in this tick
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = remaining if budget is None else min(remaining, budget)
+            if num_new <= 0 or not self._reserve(request, num_new, out):
+                continue
+            out.chunks.append(self._chunk(request, num_new))
+            if budget is not None:
+                budget -= num_new
+        return budget or 0
 
-    def _reserve(self, request: Request, num_new: int, scheduled: set[str]) -> bool:
-        """Blocks for num_new more tokens, preempting a not-yet-scheduled row if the pool is dry."""
+    def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for num_new more tokens. If the pool is dry (cold cached prefixes are already
+        evicted by the pool itself), preempt a running row not yet in this tick."""
         while not self.kv.grow(request, request.num_computed_tokens + num_new):
-            victim = self._pick_victim(exclude=scheduled | {request.request_id})
+            protected = {c.request_id for c in out.chunks} | {request.request_id}
+            victim = pick_reclaim_victim(self.running, protected)
             if victim is None:
                 return False
+            self.stats.num_reclaim_passes += 1
             self.preempt(victim)
         return True
 
-    def _pick_victim(self, exclude: set[str]) -> Request | None:
-        candidates = [r for r in self.running if r.request_id not in exclude]
-        if not candidates:
-            return None
-        # Least progress loses: it has the least work to redo.
-        return min(candidates, key=lambda r: (r.priority, len(r.output_token_ids), -r.arrival_time))
+    def _admit(self, out: SchedulerOutput, budget: int, chunk: int, decoding: bool) -> None:
+        cap = self.config.batch_prefill_token_cap(chunk)
+        admitted = tokens = 0
+        while self.waiting and budget > 0 and admitted < self.config.max_batch_prefill:
+            request = self.waiting[0]
+            if len(self.running) >= self.config.max_batch_size and not self._evict_for(request, out):
+                break
+            hit = self.kv.find_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if cap is not None and admitted and tokens + num_new > cap:
+                break  # bounds one batched prefill's transient; the rest go next tick
+            if not self._fits(request, hit, num_new, decoding, out):
+                break  # FIFO within a priority: it waits, nothing behind it jumps ahead
+            if not self.kv.admit(request, hit, num_new):
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.PREFILLING
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            tokens += num_new
+            admitted += 1
+
+    def _fits(self, request: Request, hit, num_new: int, decoding: bool, out: SchedulerOutput) -> bool:
+        """Room for an admission, keeping the watermark free while rows decode; with preemption on,
+        strictly lower-priority rows give way first."""
+        pool = self.kv.pool
+        reserve = 0
+        if decoding and self.config.watermark_applies:
+            reserve = int(self.config.kv_admission_watermark * pool.num_blocks)
+        while self.kv.num_blocks_to_admit(request, hit, num_new) + reserve > pool.num_free_blocks:
+            if not self._evict_for(request, out):
+                return False
+        return True
+
+    def _evict_for(self, arrival: Request, out: SchedulerOutput) -> bool:
+        if not self.config.enable_preemption:
+            return False
+        victim = pick_arrival_victim(self.running, arrival, self.config.preemption_policy)
+        if victim is None:
+            return False
+        # The victim may already hold a row in this tick's plan; it has not run yet, so drop it.
+        out.chunks = [c for c in out.chunks if c.request_id != victim.request_id]
+        self.preempt(victim)
+        return True
 
     def preempt(self, request: Request) -> None:
+        """Release a running row's KV and requeue it; it re-prefills prompt + generated tokens later."""
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.QUEUED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
-            hit = self.kv.find_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if not self.kv.admit(request, hit, num_new):
-                break  # waits for room; FIFO keeps the order fair
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.PREFILLING
-            out.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+        bisect.insort(self.waiting, request, key=priority_key)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -152,6 +202,17 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids if needs_history else None,
             output_token_ids=request.output_token_ids if needs_history else None,
         )
+
+    def _count_step(self, out: SchedulerOutput) -> None:
+        if not out.chunks:
+            return
+        decodes = sum(1 for c in out.chunks if len(c.token_ids) == 1 and c.sample)
+        if decodes == len(out.chunks):
+            self.stats.num_decode_steps += 1
+        elif decodes:
+            self.stats.num_mixed_steps += 1
+        else:
+            self.stats.num_prefill_steps += 1
 
     # -- results ---------------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -199,3 +260,8 @@ class Scheduler:
 
     def finish_all(self, request_ids: Iterable[str], status: RequestStatus, error: str | None = None) -> list[Request]:
         return [r for rid in list(request_ids) if (r := self.finish(rid, status, error)) is not None]
+
+
+def _is_decode_row(request: Request) -> bool:
+    """One token left to compute: the row samples on its next forward."""
+    return request.num_tokens - request.num_computed_tokens == 1

@@ -65,3 +65,46 @@ def test_cache_prompt_false_opts_out(tiny_checkpoint):
     while engine.has_work():
         engine.step()
     assert request.num_cached_tokens == 0
+
+
+def test_priority_preemption_is_exact_end_to_end(tiny_checkpoint, roomy):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=2, ctx_size=2 * 512, enable_preemption=True,
+              preemption_policy="longest-first", tick_policy="alternate")
+    engine = llm.engine
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    want = roomy.generate(prompts, [params] * 3)
+    low = [engine.make_request(llm.tokenizer.encode(p), params, priority=0) for p in prompts[:2]]
+    for r in low:
+        engine.add_request(r)
+    for _ in range(10):
+        engine.step()
+    high = engine.make_request(llm.tokenizer.encode(prompts[2]), params, priority=10)
+    engine.add_request(high)
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.stats.num_preemptions >= 1
+    assert max(r.num_preemptions for r in low) >= 1
+    assert [r.output_token_ids for r in low + [high]] == [w.token_ids for w in want]
+    engine.pool.check_integrity()
+    assert engine.pool.all_free()
+
+
+def test_grant_interval_bounds_ttft_end_to_end(tiny_checkpoint):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=4, ctx_size=4 * 1024, tick_policy="alternate",
+              prefill_chunk_size=32, prefill_grant_interval=2, enable_prefix_caching=False)
+    engine = llm.engine
+    streams = [engine.make_request(llm.tokenizer.encode(p), SamplingParams(max_tokens=200, **GREEDY))
+               for p in _prompts(2)]
+    for r in streams:
+        engine.add_request(r)
+    while not all(r.output_token_ids for r in streams):
+        engine.step()
+    long = engine.make_request(list(range(100, 100 + 160)), SamplingParams(max_tokens=1, **GREEDY))
+    engine.add_request(long)
+    ticks = 0
+    while not long.output_token_ids:
+        engine.step()
+        ticks += 1
+    assert ticks <= (160 // 32) * (2 + 1)
+    assert engine.scheduler.stats.num_prefill_grants >= 4

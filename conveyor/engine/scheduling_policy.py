@@ -1,0 +1,88 @@
+"""Scheduling knobs and the small pure decisions the scheduler makes with them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from conveyor.engine.request import Request
+
+ADAPTIVE_CHUNK_IDLE = 2048  # nothing decodes: big chunks keep single-stream TTFT
+ADAPTIVE_CHUNK_DECODING = 512  # streams are live: small chunks bound their inter-token hiccup
+
+
+class TickPolicy(str, enum.Enum):
+    MIXED = "mixed"  # one forward carries the decode rows plus prefill under a token budget
+    ALTERNATE = "alternate"  # a tick is either a decode step or a prefill, with a grant interval
+
+
+class PreemptionPolicy(str, enum.Enum):
+    LONGEST_FIRST = "longest-first"
+    LOWEST_PRIORITY = "lowest-priority"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 4  # sequences in flight (admitted, prefilling or decoding)
+    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    prefill_chunk_size: int = -1  # -1 adaptive, 0 = whole prompt in one tick, else fixed
+    prefill_grant_interval: int = 16  # alternate policy: decode ticks before a parked prefill gets one
+    max_batch_prefill: int = 4  # new prompts admitted into one forward
+    max_batch_prefill_tokens: int = -1  # -1 derived (2 * max_batch_prefill * chunk), 0 = no cap
+    tick_policy: TickPolicy = TickPolicy.MIXED
+    enable_preemption: bool = False
+    preemption_policy: PreemptionPolicy = PreemptionPolicy.LONGEST_FIRST
+    kv_admission_watermark: float = 0.01  # share of the pool kept free at admission while rows decode
+    watermark_applies: bool = True  # False when the pool is unbounded (no budget)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.prefill_chunk_size < -1:
+            raise ValueError("prefill_chunk_size must be -1 (adaptive), 0 (off) or positive")
+        if self.prefill_grant_interval < 0:
+            raise ValueError("prefill_grant_interval must be >= 0")
+        if self.max_batch_prefill < 1:
+            raise ValueError("max_batch_prefill must be at least 1")
+        if self.max_batch_prefill_tokens < -1:
+            raise ValueError("max_batch_prefill_tokens must be -1 (derived), 0 (no cap) or positive")
+        if not 0.0 <= self.kv_admission_watermark <= 0.5:
+            raise ValueError("kv_admission_watermark must be in [0.0, 0.5]")
+        object.__setattr__(self, "tick_policy", TickPolicy(self.tick_policy))
+        object.__setattr__(self, "preemption_policy", PreemptionPolicy(self.preemption_policy))
+
+    def chunk_size(self, decoding: bool) -> int:
+        if self.prefill_chunk_size < 0:
+            return ADAPTIVE_CHUNK_DECODING if decoding else ADAPTIVE_CHUNK_IDLE
+        return self.prefill_chunk_size or self.max_model_len
+
+    def batch_prefill_token_cap(self, chunk: int) -> int | None:
+        if self.max_batch_prefill_tokens == 0:
+            return None
+        if self.max_batch_prefill_tokens > 0:
+            return self.max_batch_prefill_tokens
+        return 2 * self.max_batch_prefill * chunk
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """Waiting-queue order: higher priority first, then arrival (a preempted request keeps its place)."""
+    return (-request.priority, request.arrival_time)
+
+
+def pick_arrival_victim(running: Iterable[Request], arrival: Request, policy: PreemptionPolicy) -> Request | None:
+    """A running row the arrival may evict: strictly lower priority, chosen by the policy."""
+    candidates = [r for r in running if r.priority < arrival.priority]
+    if not candidates:
+        return None
+    if policy == PreemptionPolicy.LOWEST_PRIORITY:
+        return min(candidates, key=lambda r: (r.priority, -len(r.output_token_ids)))
+    return max(candidates, key=lambda r: (len(r.output_token_ids), -r.priority))
+
+
+def pick_reclaim_victim(running: Iterable[Request], protected: set[str]) -> Request | None:
+    """When a row needs a block and none is free: lowest priority, then least progressed, loses."""
+    candidates = [r for r in running if r.request_id not in protected]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (r.priority, r.num_computed_tokens, -r.arrival_time))

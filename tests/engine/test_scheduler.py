@@ -1,0 +1,202 @@
+"""Scheduler policies against hand-built runner outputs: no model, milliseconds per test."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.outputs import ModelRunnerOutput
+from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduling_policy import SchedulerConfig
+
+BLOCK = 4
+
+
+def make(num_blocks=64, caching=False, **config) -> Scheduler:
+    config.setdefault("max_model_len", 512)
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(BlockPool(num_blocks, caching), BLOCK))
+
+
+def request(rid, prompt_len, max_tokens=8, priority=0, arrival=0.0):
+    return Request(rid, [(i * 7 + len(rid)) % 50 for i in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority, arrival_time=arrival)
+
+
+def tick(s: Scheduler, token=3):
+    """One engine step with a fake runner that samples `token` for every sampling row."""
+    plan = s.schedule()
+    result = ModelRunnerOutput(sampled_token_ids={c.request_id: token for c in plan.chunks if c.sample})
+    s.update(plan, result)
+    return plan
+
+
+def run_to_completion(s: Scheduler, limit=10_000):
+    for _ in range(limit):
+        if not s.has_work():
+            return
+        tick(s)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_mixed_tick_carries_decode_and_prefill_chunk():
+    s = make(max_batch_size=4, prefill_chunk_size=8)
+    s.add_request(request("a", 5))
+    tick(s)  # a prefills whole and samples
+    s.add_request(request("b", 20))
+    plan = tick(s)
+    sizes = {c.request_id: len(c.token_ids) for c in plan.chunks}
+    assert sizes == {"a": 1, "b": 8}
+    assert s.stats.num_mixed_steps == 1
+
+
+def test_alternate_grant_interval_bounds_parked_prefill():
+    interval, chunk = 3, 8
+    s = make(max_batch_size=4, prefill_chunk_size=chunk, tick_policy="alternate", prefill_grant_interval=interval)
+    for rid in ("a", "b"):
+        s.add_request(request(rid, 4, max_tokens=500))
+    tick(s)
+    long_prompt = 5 * chunk
+    s.add_request(request("long", long_prompt, max_tokens=2))
+    ticks = 0
+    while not s.requests["long"].output_token_ids:
+        plan = tick(s)
+        ticks += 1
+        kinds = {len(c.token_ids) == 1 and c.sample for c in plan.chunks}
+        assert len(kinds) == 1  # alternate: never both decode and prefill in one forward
+    num_chunks = long_prompt // chunk
+    assert ticks <= num_chunks * (interval + 1)
+    assert s.stats.num_prefill_grants == num_chunks - 1
+
+
+def test_grant_interval_zero_waits_for_decode_to_finish():
+    s = make(max_batch_size=4, prefill_chunk_size=8, tick_policy="alternate", prefill_grant_interval=0)
+    s.add_request(request("a", 4, max_tokens=30))
+    tick(s)
+    s.add_request(request("long", 24, max_tokens=2))
+    for _ in range(20):
+        tick(s)
+    assert s.requests["long"].num_computed_tokens == 8  # parked after chunk 0 while "a" decodes
+    run_to_completion(s)
+
+
+def test_max_batch_prefill_and_token_cap():
+    s = make(max_batch_size=8, prefill_chunk_size=64, max_batch_prefill=3)
+    for i in range(6):
+        s.add_request(request(f"r{i}", 10))
+    plan = tick(s)
+    assert len(plan.chunks) == 3
+    s = make(max_batch_size=8, prefill_chunk_size=64, max_batch_prefill=4, max_batch_prefill_tokens=25)
+    for i in range(4):
+        s.add_request(request(f"r{i}", 10))
+    assert len(tick(s).chunks) == 2  # a third 10-token prompt would pass the 25-token cap
+
+
+def test_priority_preemption_longest_first():
+    s = make(max_batch_size=2, enable_preemption=True)
+    s.add_request(request("low-long", 4, max_tokens=50))
+    tick(s)
+    s.add_request(request("low-short", 4, max_tokens=50))
+    for _ in range(3):
+        tick(s)
+    s.add_request(request("high", 4, priority=5))
+    tick(s)
+    running = {r.request_id for r in s.running}
+    assert "high" in running and "low-long" not in running
+    victim = s.requests["low-long"]
+    assert victim.status == RequestStatus.QUEUED and victim.num_computed_tokens == 0
+    assert len(victim.output_token_ids) == 4  # generated tokens are kept for the re-prefill
+    run_to_completion(s)
+    assert s.kv.pool.all_free() and s.stats.num_preemptions == 1
+
+
+def test_priority_preemption_lowest_priority_and_disabled():
+    s = make(max_batch_size=2, enable_preemption=True, preemption_policy="lowest-priority")
+    s.add_request(request("p1", 4, max_tokens=50, priority=1))
+    s.add_request(request("p0", 4, max_tokens=50, priority=0, arrival=1.0))
+    tick(s)
+    s.add_request(request("p9", 4, priority=9))
+    tick(s)
+    assert {r.request_id for r in s.running} == {"p1", "p9"}
+    off = make(max_batch_size=1)
+    off.add_request(request("a", 4, max_tokens=50))
+    tick(off)
+    off.add_request(request("vip", 4, priority=9))
+    tick(off)
+    assert [r.request_id for r in off.running] == ["a"] and off.stats.num_preemptions == 0
+
+
+def test_higher_priority_waits_first_in_queue():
+    s = make(max_batch_size=1)
+    s.add_request(request("first", 4, max_tokens=2))
+    order = [tick(s).chunks[0].request_id]
+    s.add_request(request("later-low", 4, max_tokens=2, arrival=1.0))
+    s.add_request(request("later-high", 4, max_tokens=2, priority=3, arrival=2.0))
+    while s.has_work():
+        for c in tick(s).chunks:
+            if c.start_position == 0:
+                order.append(c.request_id)
+    assert order == ["first", "later-high", "later-low"]
+
+
+def test_dry_pool_preempts_least_progressed_row_and_nothing_is_lost():
+    s = make(num_blocks=6, max_batch_size=3)
+    for i in range(3):
+        s.add_request(request(f"r{i}", 4, max_tokens=12, arrival=float(i)))
+    run_to_completion(s)
+    assert s.stats.num_preemptions > 0 and s.stats.num_reclaim_passes > 0
+    assert s.stats.finished_by_reason == {"length": 3}
+    s.kv.pool.check_integrity()
+    assert s.kv.pool.all_free()
+
+
+def test_watermark_holds_back_admission_while_decoding():
+    s = make(num_blocks=20, max_batch_size=4, kv_admission_watermark=0.25)
+    s.add_request(request("a", 4, max_tokens=100))
+    tick(s)
+    s.add_request(request("b", 48))  # needs 12 blocks; 19 free minus 5 reserved = 14, fits
+    tick(s)
+    assert "b" in {r.request_id for r in s.running}
+    s.add_request(request("c", 8))  # 2 blocks; free is 7 minus 5 reserved = 2, fits
+    tick(s)
+    s.add_request(request("d", 8))
+    tick(s)
+    assert s.requests["d"].status == RequestStatus.QUEUED  # would eat into the watermark
+    assert s.requests["a"].status == RequestStatus.DECODING
+
+
+def test_adaptive_chunk_size():
+    s = make(num_blocks=2000, max_batch_size=4, max_model_len=8192)
+    s.add_request(request("big", 3000, max_tokens=2))
+    assert len(tick(s).chunks[0].token_ids) == 2048  # nothing decoding
+    s2 = make(num_blocks=2000, max_batch_size=4, max_model_len=8192)
+    s2.add_request(request("a", 4, max_tokens=100))
+    tick(s2)
+    s2.add_request(request("big", 3000, max_tokens=2))
+    sizes = [len(c.token_ids) for c in tick(s2).chunks]
+    assert sorted(sizes) == [1, 512]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "tick", "abort", "preempt"]), st.integers(1, 40),
+                          st.integers(0, 3)), max_size=50),
+       st.sampled_from(["mixed", "alternate"]), st.booleans())
+def test_random_traffic_keeps_pool_integrity(ops, policy, caching):
+    s = make(num_blocks=24, caching=caching, max_batch_size=3, prefill_chunk_size=8, tick_policy=policy,
+             enable_preemption=True)
+    n = 0
+    for op, size, prio in ops:
+        if op == "add":
+            s.add_request(request(f"q{n}", size % 30 + 1, max_tokens=size % 9 + 1, priority=prio, arrival=float(n)))
+            n += 1
+        elif op == "tick":
+            tick(s, token=size % 50)
+        elif op == "abort" and s.requests:
+            s.finish(sorted(s.requests)[size % len(s.requests)], RequestStatus.FINISHED_CANCELLED)
+        elif op == "preempt" and s.running:
+            s.preempt(s.running[size % len(s.running)])
+        s.kv.pool.check_integrity()
+    run_to_completion(s)
+    s.kv.pool.check_integrity()
+    assert s.kv.pool.all_free()
