@@ -27,17 +27,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging()
     try:
         engine_config, server_config = load_configs(args)
     except ConfigError as exc:
-        print(f"conveyor serve: {exc}", file=sys.stderr)
+        print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
         return 2
     logger.info("effective configuration:\n%s", describe(engine_config, server_config))
-    server = build_server(engine_config, server_config)
+    from conveyor.loading import LoadError
+
+    try:
+        server = build_server(engine_config, server_config)
+    except (LoadError, ValueError) as exc:  # unreadable model, a context window that does not fit...
+        print(f"conveyor serve: cannot start: {exc}", file=sys.stderr)
+        return 1
     server.run()
     logger.info("server stopped")
     return 0
+
+
+def _setup_logging() -> None:
+    # A no-op format-wise when `conveyor` already configured logging; a server logs at INFO at least
+    # (the effective config, startup, drain), so only lower a higher root level.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)
 
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig):

@@ -166,10 +166,11 @@ class OpenAIServing:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collect.done():  # the client left (or we are cancelled): stop generating for it
+            client_left = not collect.done()  # (or this handler was cancelled)
+            if client_left:
                 collect.cancel()
-                group.close()
-        if collect.cancelled():
+                group.close()  # frees the KV blocks now, not when the cancellation lands
+        if client_left:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = collect.result()
         failed = next((c for c in choices if c.finish_reason == "error"), None)
