@@ -31,6 +31,8 @@ class RowInvariantLinear(nn.Module):
     CPU GEMM libraries switch kernels with the row count M (measured here: bf16 rows are
     bitwise stable up to M=32, fp32 only at M=1), which would make a request's output depend
     on its batch-mates. `row_tile` comes from calibrate_row_tile(); None means one GEMM.
+    On CPU in bf16 the weight is also prepacked for oneDNN once (measured: a cold 3072x576
+    GEMM at 16 rows drops from ~0.30 ms to ~0.23 ms, as plain linear repacks it every call).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -38,26 +40,44 @@ class RowInvariantLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.row_tile: int | None = None
+        self._packed: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        """Pack the weight for oneDNN when that path exists (CPU, bf16); returns whether it did."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 32)
+        except (RuntimeError, AttributeError):
+            self._packed = None
+        return self._packed is not None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         tile = self.row_tile
         if tile is None or x.shape[0] <= tile:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return self.matmul(x)
         out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
         for start in range(0, x.shape[0], tile):
-            out[start:start + tile] = nn.functional.linear(x[start:start + tile], self.weight, self.bias)
+            out[start:start + tile] = self.matmul(x[start:start + tile])
         return out
 
 
-def calibrate_row_tile(weight: torch.Tensor, max_tile: int = 64) -> int:
+def calibrate_row_tile(linear: RowInvariantLinear, max_tile: int = 64) -> int:
     """Largest tile T (power of two, <= max_tile) for which every M <= T gives bitwise the rows of M=1."""
+    weight = linear.weight
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(max_tile, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
-    single = torch.cat([nn.functional.linear(x[i:i + 1], weight) for i in range(max_tile)])
+    single = torch.cat([linear.matmul(x[i:i + 1]) for i in range(max_tile)])
     tile = max_tile
     while tile > 1:
         sizes = {tile, tile - 1, tile // 2 + 1, 3, 2}
-        if all(torch.equal(nn.functional.linear(x[:m], weight), single[:m]) for m in sizes if m >= 1):
+        if all(torch.equal(linear.matmul(x[:m]), single[:m]) for m in sizes if m >= 1):
             return tile
         tile //= 2
     return 1

@@ -31,18 +31,21 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
                                    config.rope_scaling).to(device)
     model.load_hf_weights(weights)
     model.eval()
+    for module in model.modules():
+        if isinstance(module, RowInvariantLinear):
+            module.prepack()
     if batch_invariant:
         set_row_tiles(model)
     return model
 
 
 def set_row_tiles(model: nn.Module) -> dict[tuple[int, int], int]:
-    """Calibrate once per distinct weight shape and store the tile in every linear."""
+    """Calibrate once per distinct weight shape (after prepacking) and store the tile in every linear."""
     tiles: dict[tuple[int, int], int] = {}
     for module in model.modules():
         if isinstance(module, RowInvariantLinear):
             shape = tuple(module.weight.shape)
             if shape not in tiles:
-                tiles[shape] = calibrate_row_tile(module.weight.data)
+                tiles[shape] = calibrate_row_tile(module)
             module.row_tile = tiles[shape]
     return tiles

@@ -24,7 +24,7 @@ def test_prefill_stall_shows_in_window_itl(fake_server):
     assert result.long_ttft_ms >= 150
     assert result.num_window_gaps >= 3  # at least the stalled gap of each stream
     assert result.window_itl_ms.p95 >= 100  # the stall
-    assert result.overall_itl_ms.p50 < 50  # ordinary decode gaps
+    assert result.overall_itl_ms.p50 < result.window_itl_ms.p95  # ordinary gaps are shorter than the stall
     assert "Long-prompt admission" in result.to_markdown()
 
 

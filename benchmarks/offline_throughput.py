@@ -1,0 +1,84 @@
+"""Offline decode throughput of the engine on SmolLM2 at several batch sizes.
+
+Usage: python benchmarks/offline_throughput.py [--batches 1,4,8,16,32] [--max-tokens 128] [--out results.md]
+Each level runs B short prompts with ignore_eos for max_tokens tokens through LLM.generate
+and reports decode tokens/s (generated tokens over the decode phase) and time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {platform.system()}"
+
+
+def run_level(llm: LLM, batch: int, max_tokens: int) -> dict:
+    prompts = [f"Write a short note about topic number {i}." for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.engine
+    steps_before = engine.counters.num_steps
+    start = time.perf_counter()
+    first_token_at = None
+    ids = []
+    for p in prompts:
+        request = engine.make_request(llm.tokenizer.encode(p), params)
+        engine.add_request(request)
+        ids.append(request)
+    generated = 0
+    while engine.has_work():
+        outs = engine.step()
+        generated += sum(len(o.new_token_ids) for o in outs)
+        if first_token_at is None and all(r.output_token_ids for r in ids):
+            first_token_at = time.perf_counter()
+            generated_at_first = generated
+    end = time.perf_counter()
+    steps = engine.counters.num_steps - steps_before
+    decode_tokens = generated - generated_at_first
+    decode_time = end - first_token_at
+    return dict(batch=batch, tokens=generated, wall_s=end - start, decode_tok_s=decode_tokens / decode_time,
+                total_tok_s=generated / (end - start), ms_per_step=1000 * decode_time / max(steps - 1, 1),
+                prefill_s=first_token_at - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,4,8,16,32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-batch-invariant", action="store_true")
+    parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(parallel=max(batches), dtype=args.dtype, batch_invariant=not args.no_batch_invariant)
+    run_level(llm, 2, 8)  # warm-up: kernels, allocator
+    rows = [run_level(llm, b, args.max_tokens) for b in batches]
+    lines = [f"Machine: {machine()}; dtype {args.dtype}; batch_invariant {not args.no_batch_invariant}; "
+             f"{args.max_tokens} new tokens, short prompts, ignore_eos", "",
+             "| batch | decode tok/s | ms/step | prefill s | total tok/s |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.1f} | {r['prefill_s']:.2f} | "
+                     f"{r['total_tok_s']:.1f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
