@@ -93,18 +93,19 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        sin = emb.sin() * attention_factor
+        half = head_dim // 2
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: one roll instead of slice/neg/cat.
+        self.register_buffer("signed_sin", torch.cat([-sin[:, :half], sin[:, half:]], dim=-1), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, D) cos and signed sin for these positions, computed once per forward."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:

@@ -33,16 +33,18 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.use_kernel = True
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k sit side by side in the fused output, so one rotary pass covers both.
+        qk = RotaryEmbedding.apply(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.use_kernel)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -68,9 +70,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,8 +93,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         x = self.norm(x[logits_indices])  # only rows that sample need the head
         return self.lm_head(x).float()
 
