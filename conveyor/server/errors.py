@@ -10,9 +10,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.async_engine import EngineDeadError, QueueFullError
-from conveyor.engine.sampling_params import InvalidRequestError
-
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
@@ -55,17 +52,6 @@ def engine_dead(reason: str) -> APIError:
 
 def generation_failed(message: str) -> APIError:
     return APIError(500, message, "server_error", code="inference_error")
-
-
-def from_engine(exc: Exception) -> APIError:
-    """The one map from engine exceptions to HTTP answers."""
-    if isinstance(exc, InvalidRequestError):
-        return invalid(str(exc), exc.param)
-    if isinstance(exc, QueueFullError):
-        return overloaded()
-    if isinstance(exc, EngineDeadError):
-        return engine_dead(str(exc))
-    raise TypeError(f"not an engine error: {exc!r}")
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}

@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from conveyor.config import EngineConfig, ServerConfig
 
