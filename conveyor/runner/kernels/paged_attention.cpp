@@ -67,11 +67,113 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
   }
   for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, load_bf16x16(v + d));
 }
+
+// Pass 3 for bf16 with D = 16 * DV and G query heads per KV head: the G x D accumulator
+// stays in registers across all keys (the generic loop reloads and stores it every key).
+template <int G, int DV>
+void weighted_sum_bf16(const float* scores, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table,
+                       int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* acc_out) {
+  const int bs_shift = __builtin_ctzll(BS);
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const c10::BFloat16* v = vc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kv_offset;
+    __m512 vf[DV];
+    for (int d = 0; d < DV; ++d) vf[d] = load_bf16x16(v + 16 * d);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * num_keys + j]);
+      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(p, vf[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc_out + g * DV * 16 + 16 * d, acc[g][d]);
+}
+
+// x[j] = exp(x[j] - m) for x <= m, 16 lanes at a time: the same range reduction and
+// polynomial as exp_nonpositive(). The scalar tail depends only on n, so a row's result
+// never depends on its batch-mates.
+inline void exp_shifted(float* x, int64_t n, float m);
+
+// Pass 1 for bf16: q (G x D, fp32, scaled) stays in registers; one key row is loaded once for all G heads.
+template <int G, int DV>
+void scores_bf16(const float* qf, int64_t num_keys, const c10::BFloat16* kc, const int32_t* table, int64_t BS,
+                 int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+  const int bs_shift = __builtin_ctzll(BS);
+  __m512 q[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) q[g][d] = _mm512_loadu_ps(qf + g * DV * 16 + 16 * d);
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const c10::BFloat16* k = kc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kv_offset;
+    __m512 kf[DV];
+    for (int d = 0; d < DV; ++d) kf[d] = load_bf16x16(k + 16 * d);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], kf[0]);
+      for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(q[g][d], kf[d], acc);
+      scores[g * num_keys + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+using ScoresFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t, float*);
+
+template <int DV>
+ScoresFn pick_scores(int64_t G) {
+  switch (G) {
+    case 1: return scores_bf16<1, DV>;
+    case 2: return scores_bf16<2, DV>;
+    case 3: return scores_bf16<3, DV>;
+    case 4: return scores_bf16<4, DV>;
+    default: return nullptr;
+  }
+}
+
+inline ScoresFn fast_scores(const c10::BFloat16*, int64_t G, int64_t D) {
+  if (D == 64) return pick_scores<4>(G);
+  if (D == 128) return pick_scores<8>(G);
+  return nullptr;
+}
+
+using WeightedSumFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t,
+                               int64_t, int64_t, float*);
+
+template <int DV>
+WeightedSumFn pick_weighted_sum(int64_t G) {
+  switch (G) {
+    case 1: return weighted_sum_bf16<1, DV>;
+    case 2: return weighted_sum_bf16<2, DV>;
+    case 3: return weighted_sum_bf16<3, DV>;
+    case 4: return weighted_sum_bf16<4, DV>;
+    default: return nullptr;
+  }
+}
+
+inline WeightedSumFn fast_weighted_sum(const c10::BFloat16*, int64_t G, int64_t D) {
+  if (D == 64) return pick_weighted_sum<4>(G);
+  if (D == 128) return pick_weighted_sum<8>(G);
+  return nullptr;
+}
+#define CONVEYOR_HAVE_FAST_SUM 1
 #else
 inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
 }
 #endif
+template <typename scalar_t>
+inline void (*fast_scores(const scalar_t*, int64_t, int64_t))(const float*, int64_t, const scalar_t*,
+                                                              const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                                              float*) {
+  return nullptr;
+}
+
+template <typename scalar_t>
+inline void (*fast_weighted_sum(const scalar_t*, int64_t, int64_t))(const float*, int64_t, const scalar_t*,
+                                                                    const int32_t*, int64_t, int64_t, int64_t,
+                                                                    int64_t, float*) {
+  return nullptr;  // only bf16 on AVX-512 has the register-blocked path
+}
+
 template <typename scalar_t>
 inline void load_row(const scalar_t* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
@@ -97,6 +199,33 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+inline void exp_shifted(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.f), log2e = _mm512_set1_ps(1.44269504f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, c1, v);
+    r = _mm512_fnmadd_ps(k, c2, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    _mm512_storeu_ps(x + j, _mm512_scalef_ps(p, k));
+  }
+  for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+}
+#else
+inline void exp_shifted(float* x, int64_t n, float m) {
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+}
+#endif
+
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
@@ -104,6 +233,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t G = H / KVH;
+  const int bs_shift = __builtin_ctzll(BS);  // block sizes are powers of two (checked by the caller)
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* kc = key_cache.data_ptr<scalar_t>();
@@ -114,6 +244,8 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t q_row = H * D, kv_tok = KVH * D, kv_block = BS * KVH * D;
   const float fscale = static_cast<float>(scale);
+  const auto fast_sum = fast_weighted_sum(vc, G, D);
+  const auto fast_qk = fast_scores(kc, G, D);
 
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
@@ -126,8 +258,9 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_float(q[t * q_row + (kvh * G + g) * D + d]) * fscale;
       // Pass 1: scores, in key order.
-      for (int64_t j = 0; j < num_keys; ++j) {
-        const scalar_t* k = kc + table[j / BS] * kv_block + (j % BS) * kv_tok + kvh * D;
+      if (fast_qk != nullptr) fast_qk(qf.data(), num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
+      for (int64_t j = 0; fast_qk == nullptr && j < num_keys; ++j) {
+        const scalar_t* k = kc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kvh * D;
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
       // Pass 2: softmax weights per head (max is order-free; the sum runs in key order).
@@ -135,15 +268,19 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         float* sg = scores.data() + g * num_keys;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < num_keys; ++j) m = sg[j] > m ? sg[j] : m;
-        for (int64_t j = 0; j < num_keys; ++j) sg[j] = exp_nonpositive(sg[j] - m);
+        exp_shifted(sg, num_keys, m);
         float l = 0.f;
         for (int64_t j = 0; j < num_keys; ++j) l += sg[j];
         denom[g] = l;
       }
       // Pass 3: weighted sum of values, in key order.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < num_keys; ++j) {
-        const scalar_t* v = vc + table[j / BS] * kv_block + (j % BS) * kv_tok + kvh * D;
+      if (fast_sum != nullptr) {
+        fast_sum(scores.data(), num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+      }
+      for (int64_t j = 0; fast_sum == nullptr && j < num_keys; ++j) {
+        const scalar_t* v = vc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kvh * D;
         load_row(v, vf.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * num_keys + j];
@@ -167,6 +304,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                               double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_attention: dtype mismatch");
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "paged_attention: block size must be a power of two");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && token_seq.scalar_type() == torch::kInt32 &&
                   token_pos.scalar_type() == torch::kInt32, "paged_attention: index tensors must be int32");
   // NOTE: the caches are whole-pool tensors; a hidden .contiguous() copy would cost the pool per call.
