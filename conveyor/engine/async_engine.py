@@ -52,7 +52,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._pending_adds = 0
+        self._pending_adds = 0  # submitted, not yet seen by the engine thread (both threads touch it)
+        self._pending_lock = threading.Lock()
         self.dead_reason: str | None = None
         self.accepting = True
 
@@ -95,7 +96,8 @@ class AsyncEngine:
             raise QueueFullError("waiting queue is full")
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
-        self._pending_adds += 1
+        with self._pending_lock:
+            self._pending_adds += 1
         self._commands.put(_Add(request))
         return stream
 
@@ -148,8 +150,9 @@ class AsyncEngine:
                 return False
             outputs = []
             if isinstance(command, _Add):
-                self._pending_adds -= 1
                 self.core.add_request(command.request)
+                with self._pending_lock:
+                    self._pending_adds -= 1
             elif isinstance(command, _Abort):
                 out = self.core.abort(command.request_id)
                 if out is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,7 @@ class EngineCounters:
     num_failed_steps: int = 0
     consecutive_failures: int = 0
     last_batch_size: int = 0
+    batch_size_counts: dict[int, int] = field(default_factory=dict)  # rows per forward -> forwards
 
 
 class EngineCore:
@@ -140,6 +141,8 @@ class EngineCore:
         self.counters.consecutive_failures = 0
         self.counters.num_steps += 1
         self.counters.last_batch_size = len(plan.chunks)
+        counts = self.counters.batch_size_counts
+        counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)
         outputs = [self._output_for(r, result.logprobs.get(r.request_id)) for r in advanced]
         if not self.scheduler.has_work():

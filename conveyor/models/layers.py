@@ -9,6 +9,16 @@ import torch
 from torch import nn
 
 from conveyor.models.config import ModelConfigError
+from conveyor.runner.kernels import cpu_kernels
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused (T, 2I) gate|up projection."""
+    kernels = cpu_kernels() if gate_up.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers (fp32 statistics, cast back before the weight).
         dtype = x.dtype
         x = x.float()

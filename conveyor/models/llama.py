@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conveyor.models.config import ModelConfig
-from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear, silu_mul
 from conveyor.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
@@ -58,8 +58,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

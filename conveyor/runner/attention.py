@@ -7,17 +7,11 @@ and prefill chunking. Where it cannot be built (or off CPU), a torch reference r
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-_KERNEL_SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+from conveyor.runner.kernels import cpu_kernels
 
 
 @dataclass
@@ -33,23 +27,8 @@ class AttentionMetadata:
     seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
 
 
-@lru_cache(maxsize=1)
 def _load_kernel():
-    if os.environ.get("CONVEYOR_DISABLE_KERNEL") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name="conveyor_paged_attention",
-            sources=[str(_KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # compiler or ninja missing: the reference path still works
-        logger.warning("paged attention kernel unavailable (%s); using the torch reference path", exc)
-        return None
+    return cpu_kernels()
 
 
 def kernel_available() -> bool:

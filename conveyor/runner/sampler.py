@@ -13,6 +13,7 @@ import torch
 
 from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.runner.kernels import cpu_kernels
 
 
 @dataclass
@@ -40,7 +41,8 @@ class Sampler:
         logits = self._apply_bias_and_penalties(logits, rows)
         params = [r.params for r in rows]
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
-        tokens = logits.argmax(dim=-1)
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
+        tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._sample_random(logits, rows))
         token_list = tokens.tolist()

@@ -319,6 +319,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   return out;
 }
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up on a fused gate|up tensor (CPU)");
+  m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)");
 }

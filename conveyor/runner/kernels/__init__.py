@@ -1,0 +1,31 @@
+"""Our C++ CPU kernels, compiled on first use (torch.utils.cpp_extension, cached per machine).
+
+Every caller has a pure-torch fallback: set CONVEYOR_DISABLE_KERNEL=1, or lack a compiler,
+and everything still runs (slower, and without the chunk-invariance of the attention kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "paged_attention.cpp", Path(__file__).parent / "fused_ops.cpp"]
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    if os.environ.get("CONVEYOR_DISABLE_KERNEL") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="conveyor_cpu_kernels", sources=[str(s) for s in _SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # compiler or ninja missing: the torch paths still work
+        logger.warning("C++ kernels unavailable (%s); using torch reference paths", exc)
+        return None
