@@ -13,10 +13,7 @@ from conveyor.runner.kernels import cpu_kernels
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a fused (T, 2I) gate|up projection."""
-    kernels = cpu_kernels() if gate_up.device.type == "cpu" else None
-    if kernels is not None:
-        return kernels.silu_mul(gate_up)
+    """silu(gate) * up for a fused (T, 2I) gate|up projection (torch's vectorized silu beat a C++ loop here)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 

@@ -13,6 +13,7 @@ from torch import nn
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear, silu_mul
 from conveyor.runner.attention import AttentionMetadata, paged_attention, write_kv
+from conveyor.runner.kernels import cpu_kernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 
@@ -36,7 +37,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        kernels = cpu_kernels() if x.device.type == "cpu" and self.q_norm is None else None
+        if kernels is not None:  # rotary + cache write fused into one pass
+            q = kernels.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
+                                      meta.slot_mapping, self.num_heads)
+            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.use_kernel)  # (T, H, D)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -1,9 +1,10 @@
-// Small fused CPU ops for the decode hot path. Each replaces several torch ops (and their
+// Small fused CPU ops for the decode hot path (RMSNorm, greedy argmax). Each replaces several torch ops (and their
 // per-op dispatch cost, which dominates at decode sizes) with one pass over the row, and
 // reduces every row in a fixed order of its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace {
@@ -38,21 +39,33 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t 
   });
 }
 
-// silu(gate) * up on a fused (rows, 2 * n) gate|up tensor, rounding like torch does per op.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline float row_max(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
+  float m = _mm512_reduce_max_ps(best);
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+#else
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+#endif
+
+// HF rotary on one head: x*cos + rotate_half(x)*sin, rounding after each op as torch does.
 template <typename scalar_t>
-void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* g = gu + r * 2 * n;
-      const scalar_t* u = g + n;
-      scalar_t* o = out + r * n;
-      for (int64_t j = 0; j < n; ++j) {
-        const float gv = static_cast<float>(g[j]);
-        const scalar_t act = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
-        o[j] = round_to<scalar_t>(static_cast<float>(act) * static_cast<float>(u[j]));
-      }
-    }
-  });
+inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* ssin, scalar_t* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const scalar_t a = round_to<scalar_t>(static_cast<float>(x[d]) * static_cast<float>(cos[d]));
+    const scalar_t b = round_to<scalar_t>(static_cast<float>(x[(d + half) % D]) * static_cast<float>(ssin[d]));
+    out[d] = round_to<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+  }
 }
 
 }  // namespace
@@ -70,18 +83,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  gate_up = gate_up.contiguous();
-  const int64_t n = gate_up.size(-1) / 2;
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = n;
-  auto out = torch::empty(sizes, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / (2 * n), n);
-  });
-  return out;
-}
-
 // argmax per row of fp32 logits; the first maximum wins, as torch.argmax does.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "argmax_rows: (R, V) float32 only");
@@ -93,12 +94,49 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x + r * n;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) best = xr[j] > best ? xr[j] : best;  // vectorizes: max is order-free
+      const float best = row_max(xr, n);  // max is order-free, so vector lanes are safe
       int64_t index = 0;
       while (index < n && !(xr[index] == best)) ++index;
       o[r] = index < n ? index : 0;  // all-NaN row: 0
     }
   });
   return out;
+}
+
+// One pass over a fused q|k|v projection: rotary on q and k, k and v scattered into their
+// cache slots, rotated q returned as (T, H, D). Replaces ~10 small torch ops per layer.
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && key_cache.dim() == 4, "rope_write_kv: bad ranks");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "rope_write_kv: caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "rope_write_kv: slot_mapping must be int64");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  signed_sin = signed_sin.contiguous();
+  const int64_t T = qkv.size(0), KVH = key_cache.size(2), D = key_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * KVH) * D, "rope_write_kv: qkv width mismatch");
+  auto q_out = torch::empty({T, num_heads, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* ss = signed_sin.data_ptr<scalar_t>();
+    scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    scalar_t* q = q_out.data_ptr<scalar_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t width = qkv.size(1);
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = src + t * width;
+        const scalar_t* ct = c + t * D;
+        const scalar_t* st = ss + t * D;
+        for (int64_t h = 0; h < num_heads; ++h) rotate_head(row + h * D, ct, st, q + (t * num_heads + h) * D, D);
+        scalar_t* k_dst = kc + slots[t] * KVH * D;
+        scalar_t* v_dst = vc + slots[t] * KVH * D;
+        for (int64_t h = 0; h < KVH; ++h) rotate_head(row + (num_heads + h) * D, ct, st, k_dst + h * D, D);
+        std::memcpy(v_dst, row + (num_heads + KVH) * D, KVH * D * sizeof(scalar_t));
+      }
+    });
+  });
+  return q_out;
 }

@@ -320,12 +320,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up on a fused gate|up tensor (CPU)");
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)");
+  m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)");
 }
