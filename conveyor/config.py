@@ -32,7 +32,7 @@ class EngineConfig:
     prefill_grant_interval: int = 16
     max_batch_prefill: int = 4
     max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * chunk, 0 = no cap
-    tick_policy: str = "mixed"
+    tick_policy: str = "alternate"  # measured better for live streams, see benchmarks/results.md
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"
     kv_admission_watermark: float = 0.01
@@ -145,7 +145,7 @@ FLAGS: list[Flag] = [
     Flag(("--max-batch-prefill-tokens",), "max_batch_prefill_tokens", int,
          "token cap of one batched prefill (-1 derived = 2 * max_batch_prefill * chunk, 0 = no cap)"),
     Flag(("--tick-policy",), "tick_policy", choices=("mixed", "alternate"),
-         help="mixed: decode + prefill in one forward; alternate: decode or prefill per tick"),
+         help="alternate (default): decode or prefill per tick; mixed: decode + prefill in one forward"),
     Flag(("--enable-preemption",), "enable_preemption", switch=True,
          help="let a higher-priority arrival evict a running lower-priority sequence"),
     Flag(("--preemption-policy",), "preemption_policy", choices=("longest-first", "lowest-priority"),

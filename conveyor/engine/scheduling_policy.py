@@ -30,7 +30,7 @@ class SchedulerConfig:
     prefill_grant_interval: int = 16  # alternate policy: decode ticks before a parked prefill gets one
     max_batch_prefill: int = 4  # new prompts admitted into one forward
     max_batch_prefill_tokens: int = -1  # -1 derived (2 * max_batch_prefill * chunk), 0 = no cap
-    tick_policy: TickPolicy = TickPolicy.MIXED
+    tick_policy: TickPolicy = TickPolicy.ALTERNATE
     enable_preemption: bool = False
     preemption_policy: PreemptionPolicy = PreemptionPolicy.LONGEST_FIRST
     kv_admission_watermark: float = 0.01  # share of the pool kept free at admission while rows decode

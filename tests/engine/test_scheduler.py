@@ -41,7 +41,7 @@ def run_to_completion(s: Scheduler, limit=10_000):
 
 
 def test_mixed_tick_carries_decode_and_prefill_chunk():
-    s = make(max_batch_size=4, prefill_chunk_size=8)
+    s = make(max_batch_size=4, prefill_chunk_size=8, tick_policy="mixed")
     s.add_request(request("a", 5))
     tick(s)  # a prefills whole and samples
     s.add_request(request("b", 20))
@@ -94,7 +94,7 @@ def test_max_batch_prefill_and_token_cap():
 
 
 def test_priority_preemption_longest_first():
-    s = make(max_batch_size=2, enable_preemption=True)
+    s = make(max_batch_size=2, enable_preemption=True, tick_policy="mixed")
     s.add_request(request("low-long", 4, max_tokens=50))
     tick(s)
     s.add_request(request("low-short", 4, max_tokens=50))
@@ -170,7 +170,7 @@ def test_adaptive_chunk_size():
     s = make(num_blocks=2000, max_batch_size=4, max_model_len=8192)
     s.add_request(request("big", 3000, max_tokens=2))
     assert len(tick(s).chunks[0].token_ids) == 2048  # nothing decoding
-    s2 = make(num_blocks=2000, max_batch_size=4, max_model_len=8192)
+    s2 = make(num_blocks=2000, max_batch_size=4, max_model_len=8192, tick_policy="mixed")
     s2.add_request(request("a", 4, max_tokens=100))
     tick(s2)
     s2.add_request(request("big", 3000, max_tokens=2))
