@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from conveyor.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 5
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 class QueueFullError(RuntimeError):
@@ -60,6 +62,9 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_event_loop()
+        # NOTE: the engine thread takes the GIL back between every torch op; with the default 5 ms
+        # switch interval each event-loop burst (SSE writes) could stall a decode step that long.
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
         self._thread.start()
 
