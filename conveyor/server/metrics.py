@@ -54,6 +54,13 @@ class EngineCollector(Collector):
                        core.kv.counters.hit_tokens)
         yield _counter("conveyor_prefix_cache_miss_tokens", "Prompt tokens that missed the prefix cache",
                        core.kv.counters.miss_tokens)
+        yield _counter("conveyor_reclaim_passes", "Times a running row needed a KV block and another row was "
+                       "preempted to free one", stats.num_reclaim_passes)
+        yield _counter("conveyor_prefill_grants", "Ticks granted to a parked chunked prefill over live decode "
+                       "(alternate tick policy)", stats.num_prefill_grants)
+        yield _counter("conveyor_mixed_steps", "Forwards that carried decode rows and prefill together",
+                       stats.num_mixed_steps)
+        yield _counter("conveyor_kv_evictions", "Cold cached-prefix blocks evicted for reuse", pool.num_evictions)
         yield _counter("conveyor_engine_steps", "Successful engine steps", core.counters.num_steps)
         yield _counter("conveyor_engine_failed_steps", "Engine steps whose forward raised",
                        core.counters.num_failed_steps)
@@ -61,6 +68,7 @@ class EngineCollector(Collector):
         yield _gauge("conveyor_kv_blocks_used", "KV blocks held by requests", pool.num_used)
         yield _gauge("conveyor_kv_blocks_free", "KV blocks free (including evictable cached prefixes)", pool.num_free)
         yield _gauge("conveyor_kv_blocks_cached", "KV blocks holding a reusable prefix", pool.num_cached)
+        yield _gauge("conveyor_kv_blocks_shared", "KV blocks referenced by more than one sequence", pool.num_shared)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
