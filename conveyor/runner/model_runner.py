@@ -35,7 +35,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
+        # a large pool then cost no RAM until used.
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                           for _ in range(config.num_hidden_layers)]
         self.sampler = Sampler(config.vocab_size, device, seed)
 
