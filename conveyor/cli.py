@@ -71,16 +71,14 @@ def main(argv: list[str] | None = None) -> int:
 def _single_slot_engine(args: argparse.Namespace):
     """The server's engine path at one slot (CLI and server share every step)."""
     from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.engine import EngineCore
     from conveyor.loading import LoadError
 
     engine_config, _ = load_configs(args, parallel=1, max_batch_size=1)
     try:
-        core = EngineCore(engine_config)
+        return AsyncEngine.from_config(engine_config)
     except LoadError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    return AsyncEngine(core)
 
 
 def _sampling_params(args: argparse.Namespace):

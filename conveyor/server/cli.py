@@ -59,11 +59,10 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     """Load the model and wire engine, app and uvicorn (nothing runs until `.run()`)."""
     # Imported here so `conveyor --help` stays fast.
     from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.engine import EngineCore
     from conveyor.server.app import create_app
     from conveyor.server.lifecycle import GracefulServer
 
-    engine = AsyncEngine(EngineCore(engine_config))
+    engine = AsyncEngine.from_config(engine_config)  # built on the thread that will step it
     app = create_app(engine, server_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
                             timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)

@@ -1,0 +1,50 @@
+import asyncio
+
+import pytest
+
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import AsyncEngine, QueueFullError
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_from_config_builds_on_its_thread_and_streams(tiny_checkpoint):
+    want = LLM(checkpoint=tiny_checkpoint).generate(["hello async"], GREEDY)[0]
+    engine = AsyncEngine.from_config(EngineConfig(parallel=2), tiny_checkpoint)
+
+    async def go():
+        engine.start(asyncio.get_running_loop())
+        request = engine.core.make_request(engine.core.tokenizer.encode("hello async"), GREEDY)
+        return [out async for out in engine.generate(request)]
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert [t for o in outs for t in o.new_token_ids] == want.token_ids
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert engine.core.pool.all_free()
+
+
+def test_from_config_reports_build_errors(tiny_checkpoint):
+    with pytest.raises(ValueError, match="tokens per slot"):
+        AsyncEngine.from_config(EngineConfig(parallel=8, ctx_size=1024), tiny_checkpoint)
+
+
+def test_queue_depth_is_enforced(tiny_checkpoint):
+    engine = AsyncEngine.from_config(EngineConfig(parallel=1, max_queue_depth=2), tiny_checkpoint)
+
+    async def go():
+        # Not started: nothing drains, so the third submission finds the queue full.
+        engine._loop = asyncio.get_running_loop()
+        for i in range(2):
+            engine.submit(engine.core.make_request([1, 2, 3], GREEDY))
+        with pytest.raises(QueueFullError):
+            engine.submit(engine.core.make_request([1, 2, 3], GREEDY))
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.shutdown()
