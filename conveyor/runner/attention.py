@@ -27,12 +27,8 @@ class AttentionMetadata:
     seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
 
 
-def _load_kernel():
-    return cpu_kernels()
-
-
 def kernel_available() -> bool:
-    return _load_kernel() is not None
+    return cpu_kernels() is not None
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -46,7 +42,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:
     """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]."""
-    kernel = _load_kernel() if use_kernel and query.device.type == "cpu" else None
+    kernel = cpu_kernels() if use_kernel and query.device.type == "cpu" else None
     if kernel is not None:
         return kernel.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
                                       meta.token_pos, scale)
