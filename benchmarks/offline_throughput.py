@@ -60,14 +60,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--no-batch-invariant", action="store_true")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(parallel=max(batches), dtype=args.dtype, batch_invariant=not args.no_batch_invariant)
+    llm = LLM(parallel=max(batches), dtype=args.dtype, weight_dtype=args.weight_dtype,
+              batch_invariant=not args.no_batch_invariant)
     run_level(llm, 2, 8)  # warm-up: kernels, allocator
     rows = [run_level(llm, b, args.max_tokens) for b in batches]
-    lines = [f"Machine: {machine()}; dtype {args.dtype}; batch_invariant {not args.no_batch_invariant}; "
+    lines = [f"Machine: {machine()}; dtype {args.dtype}; weights {args.weight_dtype}; "
+             f"batch_invariant {not args.no_batch_invariant}; "
              f"{args.max_tokens} new tokens, short prompts, ignore_eos", "",
              "| batch | decode tok/s | ms/step | prefill s | total tok/s |", "|---|---|---|---|---|"]
     for r in rows:

@@ -18,6 +18,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = bfloat16 (CPU and CUDA); float32 / float16 / bfloat16
     device: str = "auto"  # auto = cuda when present, else cpu
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    weight_dtype: str = "auto"  # auto = same as dtype; int8 = weight-only int8 linears (CPU)
     batch_invariant: bool = True  # row-tiled GEMMs so outputs never depend on batch-mates
     seed: int = 0  # seed of the shared RNG for unseeded sampling
     block_size: int = 16
@@ -39,6 +40,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
+        _require(self.weight_dtype in ("auto", "int8"), f"unknown weight_dtype {self.weight_dtype!r}")
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                  f"unknown device {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -125,6 +127,8 @@ FLAGS: list[Flag] = [
     Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
     Flag(("--device",), "device", help="auto, cpu or cuda[:N]"),
+    Flag(("--weight-dtype",), "weight_dtype", choices=("auto", "int8"),
+         help="int8: weight-only int8 linears (CPU); about 2x faster decode at low concurrency, slower at 16+"),
     Flag(("--threads", "-t"), "threads", int, "torch intra-op threads (0 = default)"),
     Flag(("--no-batch-invariant",), "batch_invariant", switch=True, negate=True,
          help="use whole-batch GEMMs: faster prefill, but outputs may depend on batch-mates"),

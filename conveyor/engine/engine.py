@@ -58,7 +58,8 @@ class EngineCore:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
-        model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant)
+        model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant,
+                            config.weight_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.max_batch_size = config.effective_max_batch_size
         self.pool_plan: KVPoolPlan = plan_kv_pool(

@@ -18,7 +18,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, batch_invariant: bool = True) -> nn.Module:
+                device: torch.device, batch_invariant: bool = True, weight_dtype: str = "auto") -> nn.Module:
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelConfigError(f"no model implementation for architecture {config.architecture!r}")
@@ -33,6 +33,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
     model.eval()
     for module in model.modules():
         if isinstance(module, RowInvariantLinear):
+            if weight_dtype == "int8" and module.quantize_int8():
+                continue
             module.prepack()
     if batch_invariant:
         set_row_tiles(model)
