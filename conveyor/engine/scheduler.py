@@ -65,9 +65,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def prefill_chunk_size(self) -> int:
-        return self.config.chunk_size(decoding=any(_is_decode_row(r) for r in self.running))
-
     # -- schedule --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)

@@ -64,12 +64,9 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
-        sampler = asyncio.create_task(metrics.sample_batch_sizes()) if config.metrics else None
         try:
             yield
         finally:
-            if sampler is not None:
-                sampler.cancel()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -7,19 +7,17 @@ inter-token, end-to-end) are measured from the arrival times of each request's d
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-BATCH_SAMPLE_PERIOD_S = 0.02
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -69,6 +67,15 @@ class EngineCollector(Collector):
         yield _gauge("conveyor_kv_blocks_free", "KV blocks free (including evictable cached prefixes)", pool.num_free)
         yield _gauge("conveyor_kv_blocks_cached", "KV blocks holding a reusable prefix", pool.num_cached)
         yield _gauge("conveyor_kv_blocks_shared", "KV blocks referenced by more than one sequence", pool.num_shared)
+        yield _batch_size_histogram(dict(core.counters.batch_size_counts))
+
+
+def _batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+    """Exact per-step batch sizes, from the engine's own counts (no sampling)."""
+    buckets = [(str(bound), sum(n for size, n in counts.items() if size <= bound)) for bound in _BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    return HistogramMetricFamily("conveyor_batch_size", "Sequences per engine step", buckets=buckets,
+                                 sum_value=sum(size * n for size, n in counts.items()))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -99,9 +106,6 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("conveyor_e2e_request_latency_seconds", "Arrival at the server to the last delta",
                              buckets=_E2E_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("conveyor_batch_size", "Sequences per engine step (sampled every "
-                                    f"{BATCH_SAMPLE_PERIOD_S * 1000:.0f} ms while the engine steps)",
-                                    buckets=_BATCH_BUCKETS, registry=self.registry)
         self.rejected = Counter("conveyor_requests_rejected", "Requests refused before admission, by reason",
                                 ["reason"], registry=self.registry)
         for reason in ("overloaded", "shutting_down", "engine_dead"):
@@ -121,16 +125,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    async def sample_batch_sizes(self) -> None:
-        """Record the last step's batch size whenever the engine advanced since the previous look.
-
-        NOTE: a sample, not every step: the engine exposes no per-step hook to the server.
-        """
-        counters = self.engine.core.counters
-        seen = counters.num_steps
-        while True:
-            await asyncio.sleep(BATCH_SAMPLE_PERIOD_S)
-            if counters.num_steps != seen:
-                seen = counters.num_steps
-                self.batch_size.observe(counters.last_batch_size)

@@ -70,6 +70,8 @@ def test_metrics_exposition(served):
     assert values["conveyor_time_to_first_token_seconds_count"] >= 1
     assert values["conveyor_inter_token_latency_seconds_count"] >= 3
     assert values["conveyor_kv_blocks_total"] == served.core.pool.num_blocks
+    # Every successful step is in the batch-size histogram (counted, not sampled).
+    assert values['conveyor_batch_size_bucket{le="+Inf"}'] == served.core.counters.num_steps >= 4
 
 
 def test_cache_stats(served):
