@@ -30,6 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -90,6 +91,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 qk_norm=model_type == "qwen3",
+                # Qwen2's per-layer windows (use_sliding_window) are not supported; it runs full attention.
+                sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -40,17 +40,18 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, use_kernel: bool = True) -> torch.Tensor:
-    """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]."""
-    kernel = cpu_kernels() if use_kernel and query.device.type == "cpu" else None
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
+    (or only the last `window` of them, for sliding-window attention)."""
+    kernel = cpu_kernels() if query.device.type == "cpu" else None
     if kernel is not None:
         return kernel.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
-                                      meta.token_pos, scale)
-    return reference_paged_attention(query, key_cache, value_cache, meta, scale)
+                                      meta.token_pos, scale, window)
+    return reference_paged_attention(query, key_cache, value_cache, meta, scale, window)
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Gather each sequence's keys and run masked softmax attention, one sequence at a time."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -66,7 +67,10 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, R, L)
         positions = meta.token_pos[row:row + num_rows].long()
-        mask = torch.arange(seq_len, device=query.device)[None, :] > positions[:, None]  # (R, L)
+        keys = torch.arange(seq_len, device=query.device)[None, :]
+        mask = keys > positions[:, None]  # (R, L)
+        if window > 0:
+            mask |= keys <= positions[:, None] - window
         scores = scores.masked_fill(mask[None], float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
         outputs.append(out.transpose(0, 1).to(query.dtype))

@@ -25,6 +25,8 @@ def _hf_model(family: str):
         cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=True)
     elif family == "mistral":
         cfg = transformers.MistralConfig(**COMMON, sliding_window=None)
+    elif family == "mistral_window":
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=5)  # shorter than the prompt on purpose
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(**COMMON)
     elif family == "qwen3":
@@ -51,7 +53,7 @@ def _forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list
     return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, every_row)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3"])
 def test_logits_match_transformers(family):
     hf = _hf_model(family)
     runner = _runner(hf)

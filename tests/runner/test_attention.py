@@ -37,10 +37,11 @@ needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel cou
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(dtype):
+@pytest.mark.parametrize("window", [0, 7])
+def test_kernel_matches_reference(dtype, window):
     query, kc, vc, meta = _random_batch([5, 40, 17, 100], [5, 1, 17, 3], dtype)
-    got = paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5)
-    want = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5)
+    got = paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
+    want = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 

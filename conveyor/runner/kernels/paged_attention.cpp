@@ -71,14 +71,16 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
 // Pass 3 for bf16 with D = 16 * DV and G query heads per KV head: the G x D accumulator
 // stays in registers across all keys (the generic loop reloads and stores it every key).
 template <int G, int DV>
-void weighted_sum_bf16(const float* scores, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table,
-                       int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* acc_out) {
+void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                       const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                       float* acc_out) {
   const int bs_shift = __builtin_ctzll(BS);
   __m512 acc[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < num_keys; ++j) {
-    const c10::BFloat16* v = vc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kv_offset;
+    const int64_t key = j + first;
+    const c10::BFloat16* v = vc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
     __m512 vf[DV];
     for (int d = 0; d < DV; ++d) vf[d] = load_bf16x16(v + 16 * d);
     for (int g = 0; g < G; ++g) {
@@ -97,14 +99,15 @@ inline void exp_shifted(float* x, int64_t n, float m);
 
 // Pass 1 for bf16: q (G x D, fp32, scaled) stays in registers; one key row is loaded once for all G heads.
 template <int G, int DV>
-void scores_bf16(const float* qf, int64_t num_keys, const c10::BFloat16* kc, const int32_t* table, int64_t BS,
-                 int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BFloat16* kc, const int32_t* table,
+                 int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
   const int bs_shift = __builtin_ctzll(BS);
   __m512 q[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) q[g][d] = _mm512_loadu_ps(qf + g * DV * 16 + 16 * d);
   for (int64_t j = 0; j < num_keys; ++j) {
-    const c10::BFloat16* k = kc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kv_offset;
+    const int64_t key = j + first;
+    const c10::BFloat16* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
     __m512 kf[DV];
     for (int d = 0; d < DV; ++d) kf[d] = load_bf16x16(k + 16 * d);
     for (int g = 0; g < G; ++g) {
@@ -115,8 +118,8 @@ void scores_bf16(const float* qf, int64_t num_keys, const c10::BFloat16* kc, con
   }
 }
 
-using ScoresFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
-                          int64_t, float*);
+using ScoresFn = void (*)(const float*, int64_t, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t,
+                          int64_t, int64_t, float*);
 
 template <int DV>
 ScoresFn pick_scores(int64_t G) {
@@ -135,8 +138,8 @@ inline ScoresFn fast_scores(const c10::BFloat16*, int64_t G, int64_t D) {
   return nullptr;
 }
 
-using WeightedSumFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t,
-                               int64_t, int64_t, float*);
+using WeightedSumFn = void (*)(const float*, int64_t, int64_t, const c10::BFloat16*, const int32_t*, int64_t,
+                               int64_t, int64_t, int64_t, float*);
 
 template <int DV>
 WeightedSumFn pick_weighted_sum(int64_t G) {
@@ -161,16 +164,16 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
 }
 #endif
 template <typename scalar_t>
-inline void (*fast_scores(const scalar_t*, int64_t, int64_t))(const float*, int64_t, const scalar_t*,
+inline void (*fast_scores(const scalar_t*, int64_t, int64_t))(const float*, int64_t, int64_t, const scalar_t*,
                                                               const int32_t*, int64_t, int64_t, int64_t, int64_t,
                                                               float*) {
   return nullptr;
 }
 
 template <typename scalar_t>
-inline void (*fast_weighted_sum(const scalar_t*, int64_t, int64_t))(const float*, int64_t, const scalar_t*,
-                                                                    const int32_t*, int64_t, int64_t, int64_t,
-                                                                    int64_t, float*) {
+inline void (*fast_weighted_sum(const scalar_t*, int64_t, int64_t))(const float*, int64_t, int64_t,
+                                                                    const scalar_t*, const int32_t*, int64_t, int64_t,
+                                                                    int64_t, int64_t, float*) {
   return nullptr;  // only bf16 on AVX-512 has the register-blocked path
 }
 
@@ -229,7 +232,7 @@ inline void exp_shifted(float* x, int64_t n, float m) {
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                 double scale, torch::Tensor& out) {
+                 double scale, int64_t window, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t G = H / KVH;
@@ -251,16 +254,20 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / KVH, kvh = task % KVH;
-      const int64_t num_keys = static_cast<int64_t>(pos[t]) + 1;
+      // Keys [first, pos]: the whole history, or the last `window` positions (sliding window).
+      const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
+      const int64_t first = window > 0 && visible > window ? visible - window : 0;
+      const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_float(q[t * q_row + (kvh * G + g) * D + d]) * fscale;
       // Pass 1: scores, in key order.
-      if (fast_qk != nullptr) fast_qk(qf.data(), num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
+      if (fast_qk != nullptr) fast_qk(qf.data(), first, num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
       for (int64_t j = 0; fast_qk == nullptr && j < num_keys; ++j) {
-        const scalar_t* k = kc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kvh * D;
+        const int64_t key = j + first;
+        const scalar_t* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kvh * D;
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
       // Pass 2: softmax weights per head (max is order-free; the sum runs in key order).
@@ -275,12 +282,13 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {
-        fast_sum(scores.data(), num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
+        fast_sum(scores.data(), first, num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
       }
       for (int64_t j = 0; fast_sum == nullptr && j < num_keys; ++j) {
-        const scalar_t* v = vc + table[j >> bs_shift] * kv_block + (j & (BS - 1)) * kv_tok + kvh * D;
+        const int64_t key = j + first;
+        const scalar_t* v = vc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kvh * D;
         load_row(v, vf.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * num_keys + j];
@@ -301,7 +309,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor token_seq, torch::Tensor token_pos,
-                              double scale) {
+                              double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_attention: dtype mismatch");
   const int64_t block_size = key_cache.size(1);
@@ -314,7 +322,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                          token_pos.contiguous(), scale, out);
+                          token_pos.contiguous(), scale, window, out);
   });
   return out;
 }
