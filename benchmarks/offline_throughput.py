@@ -27,6 +27,15 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {platform.system()}"
 
 
+def emit_table(lines: list[str], out: str | None) -> None:
+    """Print a markdown table and, when asked, append it to a results file."""
+    table = "\n".join(lines)
+    print(table)
+    if out:
+        with open(out, "a") as f:
+            f.write(table + "\n\n")
+
+
 def run_level(llm: LLM, batch: int, max_tokens: int) -> dict:
     prompts = [f"Write a short note about topic number {i}." for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -76,11 +85,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['batch']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.1f} | {r['prefill_s']:.2f} | "
                      f"{r['total_tok_s']:.1f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n\n")
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":

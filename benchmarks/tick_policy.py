@@ -13,7 +13,7 @@ import time
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
-from offline_throughput import machine
+from offline_throughput import emit_table, machine
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,11 +68,7 @@ def main() -> None:
     for r in results:
         lines.append(f"| {r['policy']} | {r['ttft_s']:.2f} | {r['itl_p50_ms']:.1f} | {r['itl_p95_ms']:.1f} | "
                      f"{r['itl_mean_ms']:.1f} | {r['stream_tokens']} | {r['grants']} | {r['mixed']} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n\n")
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ class EngineCounters:
     num_steps: int = 0
     num_failed_steps: int = 0
     consecutive_failures: int = 0
-    last_batch_size: int = 0
     batch_size_counts: dict[int, int] = field(default_factory=dict)  # rows per forward -> forwards
 
 
@@ -141,7 +140,6 @@ class EngineCore:
             return [self.final_output(r) for r in failed]
         self.counters.consecutive_failures = 0
         self.counters.num_steps += 1
-        self.counters.last_batch_size = len(plan.chunks)
         counts = self.counters.batch_size_counts
         counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)

@@ -118,63 +118,52 @@ void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BF
   }
 }
 
-using ScoresFn = void (*)(const float*, int64_t, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t,
-                          int64_t, int64_t, float*);
+// Both register-blocked passes share one signature:
+// (q or scores, first key, num keys, cache, block table, block size, block stride, token stride, head offset, out)
+template <typename scalar_t>
+using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t,
+                        int64_t, float*);
 
-template <int DV>
-ScoresFn pick_scores(int64_t G) {
+enum class Pass { kScores, kWeightedSum };
+
+template <Pass P, int G, int DV>
+PassFn<c10::BFloat16> pass_fn() {
+  return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16<G, DV>;
+}
+
+template <Pass P, int DV>
+PassFn<c10::BFloat16> pick_pass(int64_t G) {
   switch (G) {
-    case 1: return scores_bf16<1, DV>;
-    case 2: return scores_bf16<2, DV>;
-    case 3: return scores_bf16<3, DV>;
-    case 4: return scores_bf16<4, DV>;
+    case 1: return pass_fn<P, 1, DV>();
+    case 2: return pass_fn<P, 2, DV>();
+    case 3: return pass_fn<P, 3, DV>();
+    case 4: return pass_fn<P, 4, DV>();
     default: return nullptr;
   }
 }
 
-inline ScoresFn fast_scores(const c10::BFloat16*, int64_t G, int64_t D) {
-  if (D == 64) return pick_scores<4>(G);
-  if (D == 128) return pick_scores<8>(G);
+// The fast path for bf16 with D = 64 or 128 and up to 4 query heads per KV head; nullptr otherwise.
+template <Pass P>
+PassFn<c10::BFloat16> fast_pass(const c10::BFloat16*, int64_t G, int64_t D) {
+  if (D == 64) return pick_pass<P, 4>(G);
+  if (D == 128) return pick_pass<P, 8>(G);
   return nullptr;
 }
-
-using WeightedSumFn = void (*)(const float*, int64_t, int64_t, const c10::BFloat16*, const int32_t*, int64_t,
-                               int64_t, int64_t, int64_t, float*);
-
-template <int DV>
-WeightedSumFn pick_weighted_sum(int64_t G) {
-  switch (G) {
-    case 1: return weighted_sum_bf16<1, DV>;
-    case 2: return weighted_sum_bf16<2, DV>;
-    case 3: return weighted_sum_bf16<3, DV>;
-    case 4: return weighted_sum_bf16<4, DV>;
-    default: return nullptr;
-  }
-}
-
-inline WeightedSumFn fast_weighted_sum(const c10::BFloat16*, int64_t G, int64_t D) {
-  if (D == 64) return pick_weighted_sum<4>(G);
-  if (D == 128) return pick_weighted_sum<8>(G);
-  return nullptr;
-}
-#define CONVEYOR_HAVE_FAST_SUM 1
 #else
 inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
 }
 #endif
+#if !defined(__AVX512F__)
 template <typename scalar_t>
-inline void (*fast_scores(const scalar_t*, int64_t, int64_t))(const float*, int64_t, int64_t, const scalar_t*,
-                                                              const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                                              float*) {
-  return nullptr;
-}
+using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t,
+                        int64_t, float*);
+enum class Pass { kScores, kWeightedSum };
+#endif
 
-template <typename scalar_t>
-inline void (*fast_weighted_sum(const scalar_t*, int64_t, int64_t))(const float*, int64_t, int64_t,
-                                                                    const scalar_t*, const int32_t*, int64_t, int64_t,
-                                                                    int64_t, int64_t, float*) {
-  return nullptr;  // only bf16 on AVX-512 has the register-blocked path
+template <Pass P, typename scalar_t>
+PassFn<scalar_t> fast_pass(const scalar_t*, int64_t, int64_t) {
+  return nullptr;  // only bf16 on AVX-512 has the register-blocked paths
 }
 
 template <typename scalar_t>
@@ -247,8 +236,8 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t q_row = H * D, kv_tok = KVH * D, kv_block = BS * KVH * D;
   const float fscale = static_cast<float>(scale);
-  const auto fast_sum = fast_weighted_sum(vc, G, D);
-  const auto fast_qk = fast_scores(kc, G, D);
+  const auto fast_sum = fast_pass<Pass::kWeightedSum>(vc, G, D);
+  const auto fast_qk = fast_pass<Pass::kScores>(kc, G, D);
 
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
