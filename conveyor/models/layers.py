@@ -36,13 +36,15 @@ class RMSNorm(nn.Module):
 
 
 class RowInvariantLinear(nn.Module):
-    """y = x W^T (+ b), computed in row tiles small enough that each row's bits never depend on M.
+    """y = x W^T (+ b), with each row's bits independent of how many rows share the call.
 
-    CPU GEMM libraries switch kernels with the row count M (measured here: bf16 rows are
-    bitwise stable up to M=32, fp32 only at M=1), which would make a request's output depend
-    on its batch-mates. `row_tile` comes from calibrate_row_tile(); None means one GEMM.
-    On CPU in bf16 the weight is also prepacked for oneDNN once (measured: a cold 3072x576
-    GEMM at 16 rows drops from ~0.30 ms to ~0.23 ms, as plain linear repacks it every call).
+    CPU GEMM libraries switch kernels with the row count M (measured here: oneDNN's bf16 rows
+    are bitwise stable only up to M=32, fp32 only at M=1), which would make a request's output
+    depend on its batch-mates. On CPU in bf16 with AVX-512 BF16 / AMX we run our own GEMM
+    (kernels/bf16_linear.cpp): every output element is one fixed reduction over k whatever M
+    is, so no tiling is needed, and it streams the weights at close to memory bandwidth (oneDNN
+    reached ~40% at M=1). Elsewhere the weight is prepacked for oneDNN and run in row tiles of
+    `row_tile` rows, found by calibrate_row_tile(); None means one call.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -51,6 +53,7 @@ class RowInvariantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.row_tile: int | None = None
         self._packed: torch.Tensor | None = None
+        self._bf16_packed: torch.Tensor | None = None  # our kernel's layout (see bf16_linear_pack)
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight (out, in) int8, per-row scale)
 
     def quantize_int8(self) -> bool:
@@ -65,13 +68,24 @@ class RowInvariantLinear(nn.Module):
         scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
         q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self._int8 = (q.contiguous(), scale.to(w.dtype))
-        self._packed = None
+        self._packed = self._bf16_packed = None
         return True
 
+    @property
+    def row_invariant_kernel(self) -> bool:
+        """Whether this linear runs our own GEMM, row-invariant at every M (no tiling needed)."""
+        return self._bf16_packed is not None
+
     def prepack(self) -> bool:
-        """Pack the weight for oneDNN when that path exists (CPU, bf16); returns whether it did."""
+        """Pack the weight once for the fastest path here (our bf16 GEMM, else oneDNN); whether it did."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+            return False
+        kernels = cpu_kernels()
+        if kernels is not None and kernels.bf16_linear_backend():
+            self._bf16_packed = kernels.bf16_linear_pack(w.data)
+            return True
+        if not torch.backends.mkldnn.is_available():
             return False
         try:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 32)
@@ -80,6 +94,8 @@ class RowInvariantLinear(nn.Module):
         return self._packed is not None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._bf16_packed is not None:
+            return cpu_kernels().bf16_linear(x, self._bf16_packed, self.weight.shape[0], self.bias)
         if self._int8 is not None:
             out = torch.ops.aten._weight_int8pack_mm(x, *self._int8)
             return out if self.bias is None else out + self.bias

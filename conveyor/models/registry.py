@@ -42,10 +42,13 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
 
 
 def set_row_tiles(model: nn.Module) -> dict[tuple[int, int], int]:
-    """Calibrate once per distinct weight shape (after prepacking) and store the tile in every linear."""
+    """Calibrate once per distinct weight shape (after prepacking) and store the tile in every linear.
+
+    Linears on our own GEMM need no tile: it is row-invariant at every M by construction.
+    """
     tiles: dict[tuple[int, int], int] = {}
     for module in model.modules():
-        if isinstance(module, RowInvariantLinear):
+        if isinstance(module, RowInvariantLinear) and not module.row_invariant_kernel:
             shape = tuple(module.weight.shape)
             if shape not in tiles:
                 tiles[shape] = calibrate_row_tile(module)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "paged_attention.cpp", Path(__file__).parent / "fused_ops.cpp"]
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 
 
 @lru_cache(maxsize=1)

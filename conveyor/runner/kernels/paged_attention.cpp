@@ -315,18 +315,3 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   });
   return out;
 }
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor argmax_rows(torch::Tensor logits);
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
-
-// NOTE: every entry point releases the GIL, as torch's own ops do; holding it here stalled the
-// server's event loop for whole kernels and then made the engine wait out the GIL switch interval.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", release());
-  m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)", release());
-  m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
-  m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
-}
