@@ -13,7 +13,10 @@ from conveyor.runner.kernels import cpu_kernels
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a fused (T, 2I) gate|up projection (torch's vectorized silu beat a C++ loop here)."""
+    """silu(gate) * up for a fused (T, 2I) gate|up projection, rounding where torch's two ops would."""
+    kernels = cpu_kernels() if gate_up.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
@@ -33,6 +36,15 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add fused into the norm that follows it."""
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        if kernels is not None:
+            summed, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            return summed, normed
+        summed = x + delta
+        return summed, self(summed)
 
 
 class RowInvariantLinear(nn.Module):

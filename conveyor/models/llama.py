@@ -77,10 +77,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous layer's MLP output, residual stream) -> (this layer's MLP output, residual stream).
+
+        Each residual add is fused into the norm after it (vLLM's scheme); the first layer
+        gets the embeddings as `delta` and no residual yet.
+        """
+        if residual is None:
+            residual, h = delta, self.input_layernorm(delta)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, delta)
+        attn_out = self.self_attn(h, rope, kv_cache, meta)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, attn_out)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -101,9 +111,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.tables(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        x = self.norm(x[logits_indices])  # only rows that sample need the head
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        # Only rows that sample need the last add, the final norm and the head.
+        _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
         return self.lm_head(x).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

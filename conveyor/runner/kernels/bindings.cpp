@@ -3,6 +3,8 @@
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor argmax_rows(torch::Tensor logits);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads);
 
@@ -20,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", release());
   m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)", release());
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
   m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
   m.def("bf16_linear_backend", &bf16_linear_backend, "bf16_linear's kernel in this process: amx, avx512_bf16 or empty");

@@ -1,11 +1,16 @@
-// Small fused CPU ops for the decode hot path (RMSNorm, greedy argmax). Each replaces several torch ops (and their
-// per-op dispatch cost, which dominates at decode sizes) with one pass over the row, and
-// reduces every row in a fixed order of its own.
+// Small fused CPU ops for the decode hot path (residual add + RMSNorm, SiLU-and-multiply,
+// rotary + KV write, greedy argmax). Each replaces several torch ops (and their per-op
+// dispatch cost, which dominates at decode sizes) with one pass over the row, rounds to the
+// activation dtype wherever torch's op chain would, and reduces every row in a fixed order
+// of its own. bf16 rows take AVX-512 paths; other dtypes take the scalar templates.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
+
+#include "bf16_vec.h"
 
 namespace {
 
@@ -13,11 +18,21 @@ template <typename scalar_t>
 inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
 
 // transformers' LlamaRMSNorm: fp32 statistics, cast to the input dtype, then times the weight.
+// With `delta`, the row is first x + delta rounded to the dtype (the residual add), and that
+// sum is written to `sum_out` as well.
 template <typename scalar_t>
-void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(const scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, scalar_t* sum_out,
+                   int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> summed(delta != nullptr ? n : 0);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * n;
+      if (delta != nullptr) {
+        for (int64_t j = 0; j < n; ++j)
+          summed[j] = round_to<scalar_t>(static_cast<float>(xr[j]) + static_cast<float>(delta[r * n + j]));
+        std::memcpy(sum_out + r * n, summed.data(), n * sizeof(scalar_t));
+        xr = summed.data();
+      }
       float part[16] = {0.f};
       int64_t i = 0;
       for (; i + 16 <= n; i += 16)
@@ -40,7 +55,74 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t 
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+using namespace conveyor_vec;
+
+template <>
+void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* delta, const c10::BFloat16* w,
+                                  c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* xr = x + r * n;
+      if (delta != nullptr) {
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 mask = lanes_mask(n - j);
+          store_bf16(sum_out + r * n + j, _mm512_add_ps(load_bf16(xr + j, mask), load_bf16(delta + r * n + j, mask)), mask);
+        }
+        xr = sum_out + r * n;
+      }
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = load_bf16(xr + j, lanes_mask(n - j));
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps);
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mask = lanes_mask(n - j);
+        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(xr + j, mask), vinv));
+        store_bf16(out + r * n + j, _mm512_mul_ps(load_bf16(w + j, mask), normed), mask);
+      }
+    }
+  });
+}
+#endif
+
+// silu(gate) * up over a fused (T, 2I) gate|up row: silu rounds to the dtype, then the product does.
+template <typename scalar_t>
+void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gate_up + r * 2 * inter;
+      const scalar_t* u = g + inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gf = static_cast<float>(g[j]);
+        const scalar_t silu = round_to<scalar_t>(gf / (1.f + std::exp(-gf)));
+        out[r * inter + j] = round_to<scalar_t>(static_cast<float>(silu) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+template <>
+void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = gate_up + r * 2 * inter;
+      const c10::BFloat16* u = g + inter;
+      for (int64_t j = 0; j < inter; j += 16) {
+        const __mmask16 mask = lanes_mask(inter - j);
+        const __m512 gf = load_bf16(g + j, mask);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gf));
+        const __m512 silu = round_bf16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store_bf16(out + r * inter + j, _mm512_mul_ps(silu, load_bf16(u + j, mask)), mask);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512F__)
 inline float row_max(const float* x, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
@@ -68,17 +150,71 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
   }
 }
 
+#if defined(__AVX512F__)
+template <>
+inline void rotate_head<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* ssin,
+                                       c10::BFloat16* out, int64_t D) {
+  const int64_t half = D / 2;
+  if (half % 16 != 0) {  // lanes would straddle the roll; the scalar loop handles odd head sizes
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = static_cast<float>(round_to<c10::BFloat16>(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
+      const float b = static_cast<float>(
+          round_to<c10::BFloat16>(static_cast<float>(x[(d + half) % D]) * static_cast<float>(ssin[d])));
+      out[d] = round_to<c10::BFloat16>(a + b);
+    }
+    return;
+  }
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + d), load_bf16(cos + d)));
+    const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(x + (d + half) % D), load_bf16(ssin + d)));
+    store_bf16(out + d, _mm512_add_ps(a, b));
+  }
+}
+#endif
+
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: dtype mismatch");
   x = x.contiguous();
+  weight = weight.contiguous();
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.numel() == n, "rms_norm: weight size mismatch");
   auto out = torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), x.numel() / n, n, static_cast<float>(eps));
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            nullptr, x.numel() / n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (x + delta, rms_norm(x + delta)): the residual add fused into the next norm.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm: dtype mismatch");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "add_rms_norm: shape mismatch");
+  x = x.contiguous();
+  delta = delta.contiguous();
+  weight = weight.contiguous();
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "add_rms_norm: weight size mismatch");
+  auto summed = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), summed.data_ptr<scalar_t>(), x.numel() / n, n,
+                            static_cast<float>(eps));
+  });
+  return {summed, out};
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: expects (T, 2I)");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter);
   });
   return out;
 }
