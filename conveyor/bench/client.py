@@ -81,13 +81,21 @@ def make_client(
     return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport)
 
 
-async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+    """The first card of GET /v1/models (at least an "id")."""
     response = await client.get(f"{base_url}/v1/models")
     response.raise_for_status()
     models = response.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no models; pass --model")
-    return models[0]["id"]
+    return models[0]
+
+
+def card_param_count(card: dict[str, Any]) -> float | None:
+    """meta.n_params of a model card (llama-server and conveyor send it), if present and sane."""
+    meta = card.get("meta")
+    count = meta.get("n_params") if isinstance(meta, dict) else None
+    return float(count) if isinstance(count, (int, float)) and count > 0 else None
 
 
 def build_body(target: Target, spec: RequestSpec) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def markdown_table(levels: list[LevelStats], roofline: Roofline | None = None, t
                      f"{roofline.gflops_per_token:.3f} GFLOP/token = {roofline.max_tok_s:.1f} tok/s")
     elif roofline is not None:
         lines.append(f"\nGEMM throughput: {roofline.gflops:.1f} GFLOP/s{' (measured)' if roofline.measured else ''}; "
-                     "pass --model-params or --model-gflops-per-token for a roofline fraction")
+                     "the server reported no meta.n_params: pass --model-params or --model-gflops-per-token "
+                     "for a roofline fraction")
     errors = [f"- c={s.concurrency}: {e}" for s in levels for e in s.error_samples]
     if errors:
         lines += ["", "errors (most common first):", *errors]

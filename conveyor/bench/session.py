@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 
-from conveyor.bench.client import Target, fetch_first_model, make_client
+from conveyor.bench.client import Target, card_param_count, fetch_first_model, make_client
 from conveyor.bench.config import BenchConfig
 from conveyor.bench.consistency import check_consistency
 from conveyor.bench.report import levels_payload, markdown_table, write_json, write_plot
-from conveyor.bench.roofline import Roofline, measure_bf16_gemm_gflops
+from conveyor.bench.roofline import Roofline, gflops_per_token_from_params, measure_bf16_gemm_gflops
 from conveyor.bench.runner import run_sweep
 from conveyor.bench.scenarios import long_prompt_admission
 from conveyor.bench.stats import LevelStats
@@ -60,7 +60,17 @@ async def _run(cfg: BenchConfig) -> BenchReport:
     # The scenario holds its streams and the long prompt open at once.
     max_connections = max(cfg.max_concurrency, cfg.num_streams + 1)
     async with make_client(cfg.api_key, cfg.timeout_s, max_connections) as client:
-        model = cfg.model or await fetch_first_model(client, cfg.base_url)
+        try:
+            card = await fetch_first_model(client, cfg.base_url)
+        except (httpx.HTTPError, ValueError):
+            if cfg.model is None:
+                raise
+            card = {"id": cfg.model}  # told which model: a server without /v1/models still works
+        model = cfg.model or card["id"]
+        num_params = card_param_count(card) if card["id"] == model else None
+        if cfg.model_gflops_per_token is None and num_params is not None:
+            # The server says how big its model is; an explicit --model-params still wins.
+            cfg = dataclasses.replace(cfg, model_gflops_per_token=gflops_per_token_from_params(num_params))
         target = Target(cfg.base_url, cfg.endpoint, model)
         if cfg.check_consistency:
             result = await check_consistency(client, target, workload, cfg.num_requests, cfg.max_concurrency,

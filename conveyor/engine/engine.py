@@ -60,6 +60,10 @@ class EngineCore:
         model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant,
                             config.weight_dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Parameter count as model cards state it: a tied head is the embedding, counted once.
+        tied = checkpoint.config.tie_word_embeddings
+        self.num_params = sum(p.numel() for name, p in model.named_parameters()
+                              if not (tied and name == "lm_head.weight"))
         self.max_batch_size = config.effective_max_batch_size
         self.pool_plan: KVPoolPlan = plan_kv_pool(
             model_max_len=checkpoint.config.max_position_embeddings, ctx_size=config.ctx_size,

@@ -102,8 +102,12 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str) -> A
         return await serving.completion(request, await parse_body(request, CompletionRequest), arrival)
 
     def model_card() -> dict:
+        cfg = core.model_config
+        # `meta` as llama-server reports it; `conveyor bench` reads n_params for its roofline.
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor",
-                "root": core.model_name, "max_model_len": core.max_model_len}
+                "root": core.model_name, "max_model_len": core.max_model_len,
+                "meta": {"n_params": core.num_params, "n_vocab": cfg.vocab_size, "n_embd": cfg.hidden_size,
+                         "n_ctx_train": cfg.max_position_embeddings}}
 
     @router.get("/v1/models")
     async def models() -> dict:

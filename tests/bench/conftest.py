@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 @dataclass
 class FakeState:
     model: str = "fake-model"
+    n_params: int | None = None  # sent as the card's meta.n_params when set
     chunk_delay_s: float = 0.002
     tokens_per_chunk: int = 1
     eos_after: int | None = None  # stop early unless the request sets ignore_eos
@@ -93,7 +94,10 @@ def create_fake_app(state: FakeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model, "object": "model"}]}
+        card: dict[str, Any] = {"id": state.model, "object": "model"}
+        if state.n_params is not None:
+            card["meta"] = {"n_params": state.n_params}
+        return {"object": "list", "data": [card]}
 
     async def _complete(request: Request, endpoint: str):
         body = await request.json()

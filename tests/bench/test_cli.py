@@ -26,6 +26,17 @@ def test_end_to_end_sweep_writes_reports(fake_server, tmp_path, capsys):
     assert set(fake_server.state.auth_headers) == {"Bearer sk-secret"}
 
 
+def test_roofline_uses_the_servers_param_count(fake_server, tmp_path):
+    """No --model-params: the model card's meta.n_params (llama-server's field) sizes the roofline."""
+    fake_server.state.n_params = 135_000_000
+    out_json = tmp_path / "r.json"
+    assert main(["bench", "--url", fake_server.url, "--concurrency", "1", "--num-requests", "2", "--max-tokens", "4",
+                 "--no-progress", "--roofline-gflops", "100", "--output-json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["roofline"]["gflops_per_token"] == 0.27
+    assert data["levels"][0]["roofline_fraction"] is not None
+
+
 def test_consistency_gate_exit_code(fake_server, capsys):
     argv = ["bench", "--url", fake_server.url, "--check-consistency", "--concurrency", "1,4",
             "--num-requests", "8", "--max-tokens", "4", "--no-progress"]

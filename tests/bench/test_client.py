@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from conveyor.bench.client import (RequestSpec, Target, build_body, fetch_first_model, make_client,
+from conveyor.bench.client import (RequestSpec, Target, build_body, card_param_count, fetch_first_model, make_client,
                                    normalize_base_url, send_request)
 
 
@@ -63,4 +63,11 @@ def test_first_model(fake_server):
     async def go():
         async with make_client(None, 10.0, 1) as client:
             return await fetch_first_model(client, fake_server.url)
-    assert asyncio.run(go()) == "fake-model"
+    card = asyncio.run(go())
+    assert card["id"] == "fake-model" and card_param_count(card) is None  # the fake sends no meta
+
+
+def test_card_param_count():
+    assert card_param_count({"id": "m", "meta": {"n_params": 134515008}}) == 134515008
+    assert card_param_count({"id": "m", "meta": {"n_params": "big"}}) is None
+    assert card_param_count({"id": "m", "meta": None}) is None

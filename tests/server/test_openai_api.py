@@ -14,6 +14,12 @@ def test_models_lists_the_served_model(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [served.model]
     assert served.client().models.retrieve(served.model).id == served.model
+    # llama-server's meta block; the tied head is the embedding, so it is counted once.
+    meta = httpx.get(f"{served.url}/v1/models").json()["data"][0]["meta"]
+    cfg = served.core.model_config
+    embedding = cfg.vocab_size * cfg.hidden_size
+    assert meta["n_params"] == served.core.num_params and meta["n_vocab"] == cfg.vocab_size
+    assert embedding < meta["n_params"] < (2 if cfg.tie_word_embeddings else 3) * embedding + 10**9
 
 
 def test_chat_completion(served):
