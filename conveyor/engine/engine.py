@@ -79,7 +79,8 @@ class EngineCore:
             max_batch_prefill=config.max_batch_prefill, max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
-            watermark_applies=self.pool_plan.budget_bytes is not None), self.kv)
+            watermark_applies=self.pool_plan.budget_bytes is not None,
+            speculative_ngram=config.speculative_ngram, speculative_max_batch=config.speculative_max_batch), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
@@ -147,17 +148,25 @@ class EngineCore:
         counts = self.counters.batch_size_counts
         counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)
-        outputs = [self._output_for(r, result.logprobs.get(r.request_id)) for r in advanced]
+        outputs = [self._output_for(r, n, result.logprobs.get(r.request_id)) for r, n in advanced]
         if not self.scheduler.has_work():
             self.pool.check_integrity()  # cheap when idle; proves nothing leaked
         return outputs
 
-    def _output_for(self, request: Request, logprob) -> RequestOutput:
+    def _output_for(self, request: Request, num_new: int, logprob) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
-        if detok.add_token(request.output_token_ids[-1]) and not request.is_finished:
-            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOP)
+        new_tokens = request.output_token_ids[-num_new:]
+        for i, token in enumerate(new_tokens):
+            if detok.add_token(token):  # a stop string: tokens after it never happened
+                del request.output_token_ids[len(request.output_token_ids) - num_new + i + 1:]
+                if not request.is_finished:
+                    self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOP)
+                elif i < len(new_tokens) - 1:
+                    request.status = RequestStatus.FINISHED_STOP  # the stop string came before the length limit
+                new_tokens = new_tokens[:i + 1]
+                break
         out = self._build_output(request, detok)
-        out.new_token_ids = [request.output_token_ids[-1]]
+        out.new_token_ids = new_tokens
         out.logprobs = [logprob] if logprob is not None else []
         return out
 

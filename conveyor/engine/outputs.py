@@ -17,6 +17,9 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # the chunk reaches the sequence's last known token, so a new token is drawn
     sampling_params: SamplingParams
+    # Speculative decoding: the last num_draft_tokens of token_ids are unverified guesses; every
+    # row from the last known token on is scored (greedy), see Scheduler.update.
+    num_draft_tokens: int = 0
     # Token history for penalties (the request's own lists, not copies); None when unused.
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
@@ -48,6 +51,8 @@ class TokenLogprob:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Chunks with drafts: the greedy token after each of their 1 + num_draft_tokens scored rows.
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -53,6 +53,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     error: str | None = None
+    # Speculative decoding back-off: after k straight fully-rejected drafts, skip 2^k - 1 ticks.
+    spec_rejections: int = 0
+    spec_skip_ticks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

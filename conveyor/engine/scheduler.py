@@ -16,12 +16,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.ngram_proposer import NgramProposer
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.engine.request import Request, RequestStatus
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduling_policy import (SchedulerConfig, TickPolicy, pick_arrival_victim, pick_reclaim_victim,
                                                priority_key)
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
+
+# A request whose drafts keep missing retries after 1, 3, 7, ... ticks, at most every 2^6 - 1 = 63.
+MAX_SPEC_BACKOFF_EXP = 6
 
 
 @dataclass
@@ -35,6 +40,8 @@ class SchedulerStats:
     num_completed: int = 0
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative tokens proposed (prompt lookup) and scored
+    num_accepted_tokens: int = 0  # of those, the ones the model's greedy choice confirmed
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -48,6 +55,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
         self._decode_ticks_since_prefill = 0
+        self.proposer = NgramProposer()
 
     # -- queue -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,6 +88,8 @@ class Scheduler:
                 self._admit(out, budget, chunk, decoding=bool(decode_rows))
         else:
             self._schedule_alternate(out, decode_rows, parked, chunk)
+        if self.config.speculative_ngram:
+            self._add_drafts(out)
         self._count_step(out)
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
@@ -200,10 +210,39 @@ class Scheduler:
             output_token_ids=request.output_token_ids if needs_history else None,
         )
 
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Speculative decoding: extend small-batch greedy decode rows with prompt-lookup drafts.
+
+        Verification is exact: the drafts run as a prefill chunk of the row, whose logits are
+        bitwise those of one-at-a-time decoding (row-invariant kernels), so accepted tokens are
+        the tokens greedy decoding would have produced, only several per forward.
+        """
+        decodes = [c for c in out.chunks if c.sample and len(c.token_ids) == 1]
+        if not decodes or len(decodes) > self.config.speculative_max_batch:
+            return
+        for chunk in decodes:
+            request = self.requests[chunk.request_id]
+            params = request.sampling_params
+            if not _can_speculate(params):
+                continue
+            if request.spec_skip_ticks:  # its recent drafts all missed: stop paying for them a while
+                request.spec_skip_ticks -= 1
+                continue
+            # Every draft accepted plus the bonus token must still fit max_tokens and the context.
+            room = min(self.config.speculative_ngram, params.max_tokens - len(request.output_token_ids) - 1,
+                       self.config.max_model_len - request.num_tokens - 1)
+            draft = self.proposer.propose(request.all_token_ids, room)
+            # A guess never preempts anyone: no free block, no draft.
+            if not draft or not self.kv.grow(request, request.num_computed_tokens + 1 + len(draft)):
+                continue
+            chunk.token_ids = chunk.token_ids + draft
+            chunk.num_draft_tokens = len(draft)
+            self.stats.num_draft_tokens += len(draft)
+
     def _count_step(self, out: SchedulerOutput) -> None:
         if not out.chunks:
             return
-        decodes = sum(1 for c in out.chunks if len(c.token_ids) == 1 and c.sample)
+        decodes = sum(1 for c in out.chunks if len(c.token_ids) - c.num_draft_tokens == 1 and c.sample)
         if decodes == len(out.chunks):
             self.stats.num_decode_steps += 1
         elif decodes:
@@ -212,27 +251,40 @@ class Scheduler:
             self.stats.num_prefill_steps += 1
 
     # -- results ---------------------------------------------------------------------------
-    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Apply a forward's results; returns the requests that received a token this tick."""
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Apply a forward's results; returns each request that received tokens this tick, with how many."""
         advanced = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the forward ran
-            request.num_computed_tokens += len(chunk.token_ids)
+            token = result.sampled_token_ids.get(chunk.request_id)
+            new_tokens = [token] if chunk.sample and token is not None else []
+            accepted = 0
+            if chunk.num_draft_tokens and new_tokens:
+                new_tokens, accepted = _verify(chunk, result.verified_token_ids.get(chunk.request_id), token)
+                self.stats.num_accepted_tokens += accepted
+                request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
+                request.spec_skip_ticks = 2 ** request.spec_rejections - 1
+            # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens + accepted
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(request)
-            token = result.sampled_token_ids.get(chunk.request_id)
-            if not chunk.sample or token is None:
+            if not new_tokens:
+                self.kv.cache_computed_blocks(request)
                 continue
             request.status = RequestStatus.DECODING
-            request.append_output_token(token)
-            self.stats.num_generated_tokens += 1
-            advanced.append(request)
-            status = request.check_stop_token()
-            if status is None and request.num_tokens >= self.config.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
+            status = None
+            for count, new_token in enumerate(new_tokens, start=1):
+                request.append_output_token(new_token)
+                status = request.check_stop_token()
+                if status is None and request.num_tokens >= self.config.max_model_len:
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break  # tokens past a stop are dropped, as if decoded one by one
+            self.stats.num_generated_tokens += count
+            self.kv.cache_computed_blocks(request)
+            advanced.append((request, count))
             if status is not None:
                 self.finish(request.request_id, status)
         return advanced
@@ -257,6 +309,23 @@ class Scheduler:
 
     def finish_all(self, request_ids: Iterable[str], status: RequestStatus, error: str | None = None) -> list[Request]:
         return [r for rid in list(request_ids) if (r := self.finish(rid, status, error)) is not None]
+
+
+def _can_speculate(params: SamplingParams) -> bool:
+    """Greedy rows whose choice depends on nothing but the logits (no penalties, no logprobs to report)."""
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty)
+
+
+def _verify(chunk: ScheduledChunk, verified: list[int] | None, token: int) -> tuple[list[int], int]:
+    """Tokens a draft chunk yields: the accepted drafts plus the model's own next token."""
+    if verified is None:  # a runner that scored only the first row: nothing accepted
+        return [token], 0
+    drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+        accepted += 1
+    return verified[:accepted + 1], accepted
 
 
 def _is_decode_row(request: Request) -> bool:

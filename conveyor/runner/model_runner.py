@@ -19,7 +19,7 @@ class ForwardInputs:
     positions: torch.Tensor  # (T,)
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (R,) rows that sample
-    sample_chunk_indices: list[int]  # chunk index of each sampled row
+    sample_chunk_indices: list[int]  # chunk index of each sampled row (a chunk with drafts has several)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -55,6 +55,10 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, rows)
         out = ModelRunnerOutput()
         for chunk, token, logprob in zip(chunks, tokens, logprobs):
+            if chunk.num_draft_tokens:  # rows of one chunk are consecutive: the first is the next token
+                out.verified_token_ids.setdefault(chunk.request_id, []).append(token)
+                out.sampled_token_ids.setdefault(chunk.request_id, token)
+                continue
             out.sampled_token_ids[chunk.request_id] = token
             if logprob is not None:
                 out.logprobs[chunk.request_id] = logprob
@@ -79,9 +83,10 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             token_seq += [i] * n
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            if chunk.sample:
-                logits_indices.append(len(input_ids) - 1)
-                sample_chunks.append(i)
+            if chunk.sample:  # the last known token's row, plus one row per draft token after it
+                scored = chunk.num_draft_tokens + 1
+                logits_indices += range(len(input_ids) - scored, len(input_ids))
+                sample_chunks += [i] * scored
         dev = self.device
         pos_tensor = torch.tensor(positions, dtype=torch.int32)
         meta = AttentionMetadata(

@@ -58,6 +58,10 @@ class EngineCollector(Collector):
                        "(alternate tick policy)", stats.num_prefill_grants)
         yield _counter("conveyor_mixed_steps", "Forwards that carried decode rows and prefill together",
                        stats.num_mixed_steps)
+        yield _counter("conveyor_spec_draft_tokens", "Speculative tokens proposed by prompt lookup and scored",
+                       stats.num_draft_tokens)
+        yield _counter("conveyor_spec_accepted_tokens", "Speculative tokens the model's greedy choice confirmed",
+                       stats.num_accepted_tokens)
         yield _counter("conveyor_kv_evictions", "Cold cached-prefix blocks evicted for reuse", pool.num_evictions)
         yield _counter("conveyor_engine_steps", "Successful engine steps", core.counters.num_steps)
         yield _counter("conveyor_engine_failed_steps", "Engine steps whose forward raised",

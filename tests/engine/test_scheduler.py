@@ -200,3 +200,77 @@ def test_random_traffic_keeps_pool_integrity(ops, policy, caching):
     run_to_completion(s)
     s.kv.pool.check_integrity()
     assert s.kv.pool.all_free()
+
+
+# -- speculative decoding (prompt lookup) ----------------------------------------------------
+def cyclic_tick(s: Scheduler, period=5):
+    """A fake greedy model: the token after t is (t + 1) % period, so outputs cycle and drafts can match."""
+    plan = s.schedule()
+    result = ModelRunnerOutput()
+    for c in plan.chunks:
+        if not c.sample:
+            continue
+        scored = c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1:]
+        greedy = [(t + 1) % period for t in scored]
+        result.sampled_token_ids[c.request_id] = greedy[0]
+        if c.num_draft_tokens:
+            result.verified_token_ids[c.request_id] = greedy
+    s.update(plan, result)
+    return plan
+
+
+def greedy_request(rid, max_tokens, prompt=(1, 2, 3, 4, 0, 1)):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def run_cyclic(s: Scheduler, requests, limit=1000):
+    for r in requests:
+        s.add_request(r)
+    ticks = 0
+    while s.has_work() and ticks < limit:
+        cyclic_tick(s)
+        ticks += 1
+    return ticks
+
+
+def test_speculation_yields_the_same_tokens_in_fewer_ticks():
+    plain = [greedy_request(f"r{i}", 23 + i) for i in range(3)]
+    fast = [greedy_request(f"r{i}", 23 + i) for i in range(3)]
+    plain_ticks = run_cyclic(make(), plain)
+    s = make(speculative_ngram=4)
+    fast_ticks = run_cyclic(s, fast)
+    assert [r.output_token_ids for r in fast] == [r.output_token_ids for r in plain]
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in fast)  # never past max_tokens
+    assert fast_ticks < plain_ticks / 2
+    assert s.stats.num_accepted_tokens == s.stats.num_draft_tokens > 0  # a perfect fake model accepts all
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    s.kv.pool.check_integrity()
+
+
+def test_rejected_drafts_back_off_and_cost_no_tokens():
+    class WrongGuesses:
+        calls = 0
+
+        def propose(self, token_ids, num_tokens):
+            self.calls += 1
+            return [99] * num_tokens  # the cyclic model never says 99
+
+    plain = greedy_request("r", 40)
+    run_cyclic(make(), [plain])
+    s = make(speculative_ngram=4)
+    s.proposer = WrongGuesses()
+    request = greedy_request("r", 40)
+    run_cyclic(s, [request])
+    assert request.output_token_ids == plain.output_token_ids
+    assert s.stats.num_accepted_tokens == 0
+    assert 0 < s.proposer.calls <= 6  # back-off: drafts on decode ticks 1, 3, 7, 15, 31 of 40
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_no_speculation_for_sampled_requests_or_large_batches():
+    s = make(speculative_ngram=4, speculative_max_batch=2)
+    sampled = Request("t", [1, 2, 3, 1, 2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True))
+    run_cyclic(s, [sampled])
+    assert s.stats.num_draft_tokens == 0
+    run_cyclic(s, [greedy_request(f"g{i}", 12) for i in range(3)])  # 3 decode rows > 2: no drafts
+    assert s.stats.num_draft_tokens == 0

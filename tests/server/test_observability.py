@@ -12,6 +12,7 @@ METRIC_NAMES = [
     "conveyor_kv_blocks_free", "conveyor_kv_blocks_total", "conveyor_preemptions_total",
     "conveyor_prefix_cache_hit_tokens_total", "conveyor_prefix_cache_miss_tokens_total", "conveyor_engine_healthy",
     "conveyor_reclaim_passes_total", "conveyor_prefill_grants_total", "conveyor_mixed_steps_total",
+    "conveyor_spec_draft_tokens_total", "conveyor_spec_accepted_tokens_total",
     "conveyor_kv_evictions_total", "conveyor_kv_blocks_shared",
 ]
 
