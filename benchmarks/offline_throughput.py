@@ -3,6 +3,7 @@
 Usage: python benchmarks/offline_throughput.py [--batches 1,4,8,16,32] [--max-tokens 128] [--out results.md]
 Each level runs B short prompts with ignore_eos for max_tokens tokens through LLM.generate
 and reports decode tokens/s (generated tokens over the decode phase) and time per step.
+Speculative decoding is off unless --speculative-ngram is given, so ms/step is one token per row.
 """
 
 from __future__ import annotations
@@ -71,15 +72,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--no-batch-invariant", action="store_true")
+    parser.add_argument("--speculative-ngram", type=int, default=0,
+                        help="prompt-lookup drafts per step (off by default here: this script measures raw steps)")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(parallel=max(batches), dtype=args.dtype, weight_dtype=args.weight_dtype,
-              batch_invariant=not args.no_batch_invariant)
+              batch_invariant=not args.no_batch_invariant, speculative_ngram=args.speculative_ngram)
     run_level(llm, 2, 8)  # warm-up: kernels, allocator
     rows = [run_level(llm, b, args.max_tokens) for b in batches]
     lines = [f"Machine: {machine()}; dtype {args.dtype}; weights {args.weight_dtype}; "
-             f"batch_invariant {not args.no_batch_invariant}; "
+             f"batch_invariant {not args.no_batch_invariant}; speculative_ngram {args.speculative_ngram}; "
              f"{args.max_tokens} new tokens, short prompts, ignore_eos", "",
              "| batch | decode tok/s | ms/step | prefill s | total tok/s |", "|---|---|---|---|---|"]
     for r in rows:

@@ -38,7 +38,7 @@ class EngineConfig:
     preemption_policy: str = "longest-first"
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
-    speculative_max_batch: int = 16  # speculate only while at most this many sequences decode
+    speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
@@ -59,7 +59,7 @@ class EngineConfig:
         _require(0.0 <= self.kv_admission_watermark <= 0.5, "kv_admission_watermark must be in [0.0, 0.5]")
         _require(self.prefill_grant_interval >= 0, "prefill_grant_interval must be >= 0")
         _require(0 <= self.speculative_ngram <= 16, "speculative_ngram must be in [0, 16]")
-        _require(self.speculative_max_batch >= 1, "speculative_max_batch must be at least 1")
+        _require(self.speculative_max_rows >= 1, "speculative_max_rows must be at least 1")
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
 
@@ -162,8 +162,8 @@ FLAGS: list[Flag] = [
          "fraction of the KV budget kept free at admission while rows decode (0.0-0.5)"),
     Flag(("--speculative-ngram",), "speculative_ngram", int,
          "speculative decoding by prompt lookup: draft up to N tokens per step for greedy requests (0 = off)"),
-    Flag(("--speculative-max-batch",), "speculative_max_batch", int,
-         "speculate only while at most this many sequences decode (drafts cost compute at large batches)"),
+    Flag(("--speculative-max-rows",), "speculative_max_rows", int,
+         "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on /v1 routes"),

@@ -80,7 +80,7 @@ class EngineCore:
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
-            speculative_ngram=config.speculative_ngram, speculative_max_batch=config.speculative_max_batch), self.kv)
+            speculative_ngram=config.speculative_ngram, speculative_max_rows=config.speculative_max_rows), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)

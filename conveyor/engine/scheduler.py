@@ -218,9 +218,10 @@ class Scheduler:
         the tokens greedy decoding would have produced, only several per forward.
         """
         decodes = [c for c in out.chunks if c.sample and len(c.token_ids) == 1]
-        if not decodes or len(decodes) > self.config.speculative_max_batch:
-            return
+        budget = self.config.speculative_max_rows - len(decodes)  # rows the forward may still grow by
         for chunk in decodes:
+            if budget <= 0:
+                return
             request = self.requests[chunk.request_id]
             params = request.sampling_params
             if not _can_speculate(params):
@@ -229,7 +230,7 @@ class Scheduler:
                 request.spec_skip_ticks -= 1
                 continue
             # Every draft accepted plus the bonus token must still fit max_tokens and the context.
-            room = min(self.config.speculative_ngram, params.max_tokens - len(request.output_token_ids) - 1,
+            room = min(self.config.speculative_ngram, budget, params.max_tokens - len(request.output_token_ids) - 1,
                        self.config.max_model_len - request.num_tokens - 1)
             draft = self.proposer.propose(request.all_token_ids, room)
             # A guess never preempts anyone: no free block, no draft.
@@ -238,6 +239,7 @@ class Scheduler:
             chunk.token_ids = chunk.token_ids + draft
             chunk.num_draft_tokens = len(draft)
             self.stats.num_draft_tokens += len(draft)
+            budget -= len(draft)
 
     def _count_step(self, out: SchedulerOutput) -> None:
         if not out.chunks:

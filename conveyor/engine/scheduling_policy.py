@@ -36,7 +36,7 @@ class SchedulerConfig:
     kv_admission_watermark: float = 0.01  # share of the pool kept free at admission while rows decode
     watermark_applies: bool = True  # False when the pool is unbounded (no budget)
     speculative_ngram: int = 0  # draft tokens per decode row (prompt lookup); 0 = off
-    speculative_max_batch: int = 4  # no drafts while more sequences than this decode
+    speculative_max_rows: int = 16  # decode rows + draft tokens per tick; drafts fill what is left
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

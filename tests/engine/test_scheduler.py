@@ -268,9 +268,9 @@ def test_rejected_drafts_back_off_and_cost_no_tokens():
 
 
 def test_no_speculation_for_sampled_requests_or_large_batches():
-    s = make(speculative_ngram=4, speculative_max_batch=2)
+    s = make(speculative_ngram=4, speculative_max_rows=3)
     sampled = Request("t", [1, 2, 3, 1, 2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True))
     run_cyclic(s, [sampled])
     assert s.stats.num_draft_tokens == 0
-    run_cyclic(s, [greedy_request(f"g{i}", 12) for i in range(3)])  # 3 decode rows > 2: no drafts
+    run_cyclic(s, [greedy_request(f"g{i}", 12) for i in range(3)])  # 3 decode rows fill the 3 rows: no drafts
     assert s.stats.num_draft_tokens == 0

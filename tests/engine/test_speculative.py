@@ -15,7 +15,7 @@ def plain(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def spec(tiny_checkpoint):
-    return LLM(checkpoint=tiny_checkpoint, parallel=8, speculative_ngram=4, speculative_max_batch=8)
+    return LLM(checkpoint=tiny_checkpoint, parallel=8, speculative_ngram=4, speculative_max_rows=40)
 
 
 def _params(i: int, **extra) -> SamplingParams:
