@@ -14,6 +14,11 @@
 
 namespace {
 
+// Rows per thread before an op goes parallel. At decode sizes these ops take microseconds,
+// less than waking the second thread, and every parallel region is a point where a step waits
+// for a thread the OS may have lent to the HTTP side.
+constexpr int64_t kRowGrain = 64;
+
 template <typename scalar_t>
 inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
 
@@ -23,7 +28,7 @@ inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, scalar_t* sum_out,
                    int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> summed(delta != nullptr ? n : 0);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * n;
@@ -60,7 +65,7 @@ using namespace conveyor_vec;
 template <>
 void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* delta, const c10::BFloat16* w,
                                   c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* xr = x + r * n;
       if (delta != nullptr) {
@@ -90,7 +95,7 @@ void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* d
 // silu(gate) * up over a fused (T, 2I) gate|up row: silu rounds to the dtype, then the product does.
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* g = gate_up + r * 2 * inter;
       const scalar_t* u = g + inter;
@@ -106,7 +111,7 @@ void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t
 #if defined(__AVX512F__)
 template <>
 void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* g = gate_up + r * 2 * inter;
       const c10::BFloat16* u = g + inter;
@@ -261,7 +266,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     scalar_t* q = q_out.data_ptr<scalar_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t width = qkv.size(1);
-    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* row = src + t * width;
         const scalar_t* ct = c + t * D;
