@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -93,34 +95,7 @@ constexpr PanelFn kPanelFns[kMaxRows + 1] = {nullptr, panel_rows<1>, panel_rows<
 #endif
 
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define CONVEYOR_HAS_AMX 1
-
-// Linux hands out the AMX tile state only to processes that ask for it.
-bool request_amx_permission() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: C, 16 rows x 16 fp32 (64 output columns); tmm4: A, 16 rows x 32 bf16;
-// tmm5/6: B, 16 k-pairs x (16 columns x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
+#if CONVEYOR_HAS_AMX
 constexpr int kTileRows = 16;
 constexpr int64_t kKBlock = 32;  // k per tile op
 constexpr int64_t kPrefetchBlocks = 2;
@@ -154,8 +129,6 @@ inline void amx_panel_block(const uint16_t* a, int64_t lda_bytes, int64_t k_bloc
   _tile_stored(2, cbuf + 32, 4 * kPanel);
   _tile_stored(3, cbuf + 48, 4 * kPanel);
 }
-#else
-#define CONVEYOR_HAS_AMX 0
 #endif
 
 #if CONVEYOR_HAS_BF16_LINEAR
@@ -180,15 +153,20 @@ enum class Backend { kNone, kAvx512, kAmx };
 
 Backend backend() {
   static const Backend chosen = [] {
-#if CONVEYOR_HAS_AMX
-    if (std::getenv("CONVEYOR_DISABLE_AMX") == nullptr && request_amx_permission()) return Backend::kAmx;
-#endif
+    if (conveyor_amx::enabled()) return Backend::kAmx;
     return CONVEYOR_HAS_BF16_LINEAR ? Backend::kAvx512 : Backend::kNone;
   }();
   return chosen;
 }
 
 }  // namespace
+
+#if CONVEYOR_HAS_AMX
+bool conveyor_amx::enabled() {
+  static const bool ok = std::getenv("CONVEYOR_DISABLE_AMX") == nullptr && request_permission();
+  return ok;
+}
+#endif
 
 std::string bf16_linear_backend() {
   switch (backend()) {
@@ -241,7 +219,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
     const auto* xp = reinterpret_cast<const uint16_t*>(xa.data_ptr<at::BFloat16>());
     const auto* tp = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      configure_tiles();
+      conveyor_amx::configure_tiles();
       alignas(64) float cbuf[kTileRows * kPanel];
       for (int64_t p = begin; p < end; ++p) {
         const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
