@@ -6,6 +6,7 @@ and everything still runs (slower, and without the chunk-invariance of the atten
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -15,6 +16,12 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+
+
+def _headers_digest() -> str:
+    # torch re-builds when a source or a flag changes, but not a header: fold them into a flag.
+    return hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
 
 
 @lru_cache(maxsize=1)
@@ -25,7 +32,8 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         return load(name="conveyor_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DCONVEYOR_HEADERS={_headers_digest()}"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # compiler or ninja missing: the torch paths still work
         logger.warning("C++ kernels unavailable (%s); using torch reference paths", exc)
         return None
