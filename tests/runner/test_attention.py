@@ -9,11 +9,11 @@ from conveyor.runner.attention import (AttentionMetadata, kernel_available, page
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 64, 16, 2, 6, 32
 
 
-def _random_batch(seq_lens, rows_per_seq, dtype, seed=0):
+def _random_batch(seq_lens, rows_per_seq, dtype, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
     """Random paged caches plus metadata where sequence i owns shuffled blocks and its last rows query."""
     gen = torch.Generator().manual_seed(seed)
-    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
     blocks = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(blocks)
     max_blocks = max((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
@@ -28,7 +28,7 @@ def _random_batch(seq_lens, rows_per_seq, dtype, seed=0):
                              token_seq=torch.tensor(token_seq, dtype=torch.int32),
                              token_pos=torch.tensor(token_pos, dtype=torch.int32),
                              seq_lens=list(seq_lens), seq_token_counts=list(rows_per_seq))
-    query = torch.randn(len(token_seq), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(len(token_seq), heads, head_dim, generator=gen).to(dtype)
     return query, key_cache, value_cache, meta
 
 
@@ -44,6 +44,29 @@ def test_kernel_matches_reference(dtype, window):
     want = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# SmolLM2's shape (64-dim heads, 3 query heads per KV head) and a 128-dim one take the
+# transposed vdpbf16ps path for q.k on AVX-512 BF16 CPUs; key counts straddle groups of 16.
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_wide_heads_match_reference_and_stay_invariant(heads, kv_heads, head_dim, window):
+    seq_lens, rows = [5, 40, 17, 100], [5, 1, 17, 3]
+    query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, heads=heads, kv_heads=kv_heads,
+                                        head_dim=head_dim)
+    got = paged_attention(query, kc, vc, meta, scale=head_dim ** -0.5, window=window)
+    want = reference_paged_attention(query, kc, vc, meta, scale=head_dim ** -0.5, window=window)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    start = 0
+    for i, r in enumerate(rows):  # every row alone == the same row in the batch
+        for j in range(r):
+            one = AttentionMetadata(meta.slot_mapping, meta.block_tables[i:i + 1], torch.zeros(1, dtype=torch.int32),
+                                    meta.token_pos[start + j:start + j + 1], [seq_lens[i]], [1])
+            alone = paged_attention(query[start + j:start + j + 1], kc, vc, one, scale=head_dim ** -0.5,
+                                    window=window)
+            assert torch.equal(alone, got[start + j:start + j + 1])
+        start += r
 
 
 @needs_kernel

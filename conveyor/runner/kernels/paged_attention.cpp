@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -192,6 +193,26 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
+inline float row_max(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
+  float m = _mm512_reduce_max_ps(best);
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// 16 lane sums (lane l takes keys l, l + 16, ...), a fixed tree across lanes, then the tail:
+// the order depends only on n, and it avoids a 4-cycle add chain per key.
+inline float row_sum(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+  float s = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
 inline void exp_shifted(float* x, int64_t n, float m) {
   const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.f), log2e = _mm512_set1_ps(1.44269504f);
   const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
@@ -213,8 +234,111 @@ inline void exp_shifted(float* x, int64_t n, float m) {
   for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
 #else
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+inline float row_sum(const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t j = 0; j < n; ++j) s += x[j];
+  return s;
+}
+
 inline void exp_shifted(float* x, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Pass 1 for bf16 with D = 32 * DH and G query heads per KV head, 16 keys at a time and no
+// horizontal sums: the 16 key rows are transposed in registers so that one vector holds one
+// (d, d+1) pair for all 16 keys, and vdpbf16ps adds q's matching pair into 16 key lanes at
+// once. Every score is the same chain of pair products in d order (even and odd pairs in two
+// accumulators, added at the end), wherever the key sits in its group of 16, so a row's
+// scores depend only on its own keys. Replaced a per-key reduce_add that dominated decode.
+using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const c10::BFloat16*, const int32_t*,
+                              int64_t, int64_t, int64_t, int64_t, float*);
+
+// r[i] holds 16 dwords of row i; afterwards r[c] holds column c of all 16 rows, in row order.
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], 128-bit lane L: rows i..i+3 at column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+template <int G, int DH>
+void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
+                   const c10::BFloat16* kc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok,
+                   int64_t kv_offset, float* scores) {
+  constexpr int D = 32 * DH;
+  const int bs_shift = __builtin_ctzll(BS);
+  int32_t qpair[G][16 * DH];
+  std::memcpy(qpair, q_heads, sizeof(qpair));  // G heads x D bf16 = G x (D / 2) pairs
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    __m512 even[G], odd[G];
+    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h) {
+      __m512i rows[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= n) {  // past the last key: zeros, never stored
+          rows[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const int64_t key = first + j0 + i;
+        const c10::BFloat16* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
+        rows[i] = _mm512_loadu_si512(k + 32 * h);
+      }
+      transpose16x16_epi32(rows);
+      for (int c = 0; c < 16; c += 2)
+        for (int g = 0; g < G; ++g) {
+          even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[c], (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
+          odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[c + 1],
+                                    (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
+        }
+    }
+    const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
+  }
+}
+
+template <int DH>
+ScoresBf16Fn pick_dpbf16(int64_t G) {
+  switch (G) {
+    case 1: return scores_dpbf16<1, DH>;
+    case 2: return scores_dpbf16<2, DH>;
+    case 3: return scores_dpbf16<3, DH>;
+    case 4: return scores_dpbf16<4, DH>;
+    default: return nullptr;
+  }
+}
+
+inline ScoresBf16Fn dpbf16_scores_fn(int64_t G, int64_t D) {
+  if (D == 64) return pick_dpbf16<2>(G);
+  if (D == 128) return pick_dpbf16<4>(G);
+  return nullptr;
 }
 #endif
 
@@ -238,6 +362,11 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const float fscale = static_cast<float>(scale);
   const auto fast_sum = fast_pass<Pass::kWeightedSum>(vc, G, D);
   const auto fast_qk = fast_pass<Pass::kScores>(kc, G, D);
+#if defined(__AVX512BF16__)
+  const ScoresBf16Fn dp_qk = std::is_same_v<scalar_t, c10::BFloat16> ? dpbf16_scores_fn(G, D) : nullptr;
+#else
+  const void* dp_qk = nullptr;
+#endif
 
   at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
@@ -249,25 +378,27 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
-      for (int64_t g = 0; g < G; ++g)
+      // Pass 1: scores, in key order.
+#if defined(__AVX512BF16__)
+      if (dp_qk != nullptr)
+        dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + kvh * G * D), fscale, first, num_keys,
+              reinterpret_cast<const c10::BFloat16*>(kc), table, BS, kv_block, kv_tok, kvh * D, scores.data());
+#endif
+      for (int64_t g = 0; dp_qk == nullptr && g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_float(q[t * q_row + (kvh * G + g) * D + d]) * fscale;
-      // Pass 1: scores, in key order.
-      if (fast_qk != nullptr) fast_qk(qf.data(), first, num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
-      for (int64_t j = 0; fast_qk == nullptr && j < num_keys; ++j) {
+      if (dp_qk == nullptr && fast_qk != nullptr)
+        fast_qk(qf.data(), first, num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
+      for (int64_t j = 0; dp_qk == nullptr && fast_qk == nullptr && j < num_keys; ++j) {
         const int64_t key = j + first;
         const scalar_t* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kvh * D;
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
-      // Pass 2: softmax weights per head (max is order-free; the sum runs in key order).
+      // Pass 2: softmax weights per head (max is order-free; the sum's order depends only on num_keys).
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * num_keys;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < num_keys; ++j) m = sg[j] > m ? sg[j] : m;
-        exp_shifted(sg, num_keys, m);
-        float l = 0.f;
-        for (int64_t j = 0; j < num_keys; ++j) l += sg[j];
-        denom[g] = l;
+        exp_shifted(sg, num_keys, row_max(sg, num_keys));
+        denom[g] = row_sum(sg, num_keys);
       }
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {
