@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "bf16_vec.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -127,22 +127,7 @@ void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* o
 }
 #endif
 
-#if defined(__AVX512F__)
-inline float row_max(const float* x, int64_t n) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
-  float m = _mm512_reduce_max_ps(best);
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-#else
-inline float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-#endif
+using conveyor_vec::row_max;
 
 // HF rotary on one head: x*cos + rotate_half(x)*sin, rounding after each op as torch does.
 template <typename scalar_t>

@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -193,59 +195,13 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-inline float row_max(const float* x, int64_t n) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
-  float m = _mm512_reduce_max_ps(best);
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
-// 16 lane sums (lane l takes keys l, l + 16, ...), a fixed tree across lanes, then the tail:
-// the order depends only on n, and it avoids a 4-cycle add chain per key.
-inline float row_sum(const float* x, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
-  float s = _mm512_reduce_add_ps(acc);
-  for (; j < n; ++j) s += x[j];
-  return s;
-}
-
 inline void exp_shifted(float* x, int64_t n, float m) {
-  const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.f), log2e = _mm512_set1_ps(1.44269504f);
-  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 vm = _mm512_set1_ps(m);
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, c1, v);
-    r = _mm512_fnmadd_ps(k, c2, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    _mm512_storeu_ps(x + j, _mm512_scalef_ps(p, k));
-  }
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)));
   for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
 #else
-inline float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
-inline float row_sum(const float* x, int64_t n) {
-  float s = 0.f;
-  for (int64_t j = 0; j < n; ++j) s += x[j];
-  return s;
-}
-
 inline void exp_shifted(float* x, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
@@ -413,8 +369,8 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       // Pass 2: softmax weights per head (max is order-free; the sum's order depends only on num_keys).
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * num_keys;
-        exp_shifted(sg, num_keys, row_max(sg, num_keys));
-        denom[g] = row_sum(sg, num_keys);
+        exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
+        denom[g] = conveyor_vec::row_sum(sg, num_keys);
       }
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {

@@ -1,11 +1,15 @@
-// AVX-512 helpers for bf16 rows: 16 lanes in fp32, rounded back exactly as c10::BFloat16 does
-// (round to nearest even, NaN -> 0x7FC0), so vector code keeps the bits of torch's scalar ops.
+// Vector helpers shared by the kernels. bf16 rows: 16 lanes in fp32, rounded back exactly as
+// c10::BFloat16 does (round to nearest even, NaN -> 0x7FC0), so vector code keeps the bits of
+// torch's scalar ops. Row max/sum: reductions whose order depends only on the row's length.
 #pragma once
+#include <cstdint>
+#include <limits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <cstdint>
+#endif
 
 namespace conveyor_vec {
+#if defined(__AVX512F__)
 
 inline __mmask16 lanes_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
@@ -51,5 +55,35 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-}  // namespace conveyor_vec
+inline float row_max(const float* x, int64_t n) {  // max is order-free, so vector lanes are safe
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(x + j));
+  float m = _mm512_reduce_max_ps(best);
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// 16 lane sums (lane l takes l, l + 16, ...), a fixed tree across lanes, then the tail in order.
+inline float row_sum(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+  float s = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+#else
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+inline float row_sum(const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t j = 0; j < n; ++j) s += x[j];
+  return s;
+}
 #endif
+}  // namespace conveyor_vec
