@@ -271,7 +271,7 @@ class Scheduler:
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
             request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens + accepted
             if request.status == RequestStatus.PREFILLING:
-                self.stats.num_prompt_tokens_computed += len(chunk.token_ids)
+                self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
             if not new_tokens:
                 self.kv.cache_computed_blocks(request)
                 continue
