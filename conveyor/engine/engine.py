@@ -21,6 +21,7 @@ from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
+from conveyor.runner.kernels import cpu_kernels
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class EngineCore:
         self.max_model_len = self.pool_plan.max_model_len
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
+        self.speculative_ngram = self._speculation_allowed(config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
@@ -80,7 +82,7 @@ class EngineCore:
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
-            speculative_ngram=config.speculative_ngram, speculative_max_rows=config.speculative_max_rows), self.kv)
+            speculative_ngram=self.speculative_ngram, speculative_max_rows=config.speculative_max_rows), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
@@ -91,6 +93,17 @@ class EngineCore:
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
+
+    def _speculation_allowed(self, config: EngineConfig) -> int:
+        """Drafts are only exact where a verified row equals a decoded one bit for bit: our CPU
+        kernels with batch invariance on. Elsewhere (CUDA, no compiler, --no-batch-invariant)
+        whether a row drafts would depend on its batch-mates, so speculation is switched off."""
+        if not config.speculative_ngram:
+            return 0
+        if self.device.type != "cpu" or cpu_kernels() is None or not config.batch_invariant:
+            logger.info("speculative decoding off: it needs the CPU kernels with batch invariance")
+            return 0
+        return config.speculative_ngram
 
     # -- requests --------------------------------------------------------------------------
     def next_request_id(self) -> str:

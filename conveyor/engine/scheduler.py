@@ -220,14 +220,14 @@ class Scheduler:
         decodes = [c for c in out.chunks if c.sample and len(c.token_ids) == 1]
         budget = self.config.speculative_max_rows - len(decodes)  # rows the forward may still grow by
         for chunk in decodes:
-            if budget <= 0:
-                return
             request = self.requests[chunk.request_id]
             params = request.sampling_params
             if not _can_speculate(params):
                 continue
             if request.spec_skip_ticks:  # its recent drafts all missed: stop paying for them a while
-                request.spec_skip_ticks -= 1
+                request.spec_skip_ticks -= 1  # counted per tick even when the budget is spent
+                continue
+            if budget <= 0:
                 continue
             # Every draft accepted plus the bonus token must still fit max_tokens and the context.
             room = min(self.config.speculative_ngram, budget, params.max_tokens - len(request.output_token_ids) - 1,

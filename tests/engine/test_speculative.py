@@ -67,3 +67,11 @@ def test_sampled_and_logprob_requests_are_left_alone(plain, spec):
     got = spec.generate(PROMPTS[:4], params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.engine.scheduler.stats.num_draft_tokens == drafted
+
+
+def test_speculation_is_off_where_rows_are_not_invariant(tiny_checkpoint, spec):
+    """Without batch invariance a verified row may differ from a decoded one, and whether a row
+    drafts depends on its batch-mates: the engine refuses to speculate there."""
+    loose = LLM(checkpoint=tiny_checkpoint, parallel=2, speculative_ngram=4, batch_invariant=False)
+    assert loose.engine.scheduler.config.speculative_ngram == 0
+    assert spec.engine.scheduler.config.speculative_ngram == 4
