@@ -28,8 +28,10 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {platform.system()}"
 
 
-def emit_table(lines: list[str], out: str | None) -> None:
-    """Print a markdown table and, when asked, append it to a results file."""
+def emit_table(caption: str, header: list[str], rows: list[list[str]], out: str | None) -> None:
+    """Print a captioned markdown table and, when asked, append it to a results file."""
+    lines = [caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     table = "\n".join(lines)
     print(table)
     if out:
@@ -81,14 +83,12 @@ def main() -> None:
               batch_invariant=not args.no_batch_invariant, speculative_ngram=args.speculative_ngram)
     run_level(llm, 2, 8)  # warm-up: kernels, allocator
     rows = [run_level(llm, b, args.max_tokens) for b in batches]
-    lines = [f"Machine: {machine()}; dtype {args.dtype}; weights {args.weight_dtype}; "
-             f"batch_invariant {not args.no_batch_invariant}; speculative_ngram {args.speculative_ngram}; "
-             f"{args.max_tokens} new tokens, short prompts, ignore_eos", "",
-             "| batch | decode tok/s | ms/step | prefill s | total tok/s |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['batch']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.1f} | {r['prefill_s']:.2f} | "
-                     f"{r['total_tok_s']:.1f} |")
-    emit_table(lines, args.out)
+    caption = (f"Machine: {machine()}; dtype {args.dtype}; weights {args.weight_dtype}; "
+               f"batch_invariant {not args.no_batch_invariant}; speculative_ngram {args.speculative_ngram}; "
+               f"{args.max_tokens} new tokens, short prompts, ignore_eos")
+    emit_table(caption, ["batch", "decode tok/s", "ms/step", "prefill s", "total tok/s"],
+               [[str(r["batch"]), f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}", f"{r['prefill_s']:.2f}",
+                 f"{r['total_tok_s']:.1f}"] for r in rows], args.out)
 
 
 if __name__ == "__main__":

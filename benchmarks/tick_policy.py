@@ -61,14 +61,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = [run(p, args.streams, args.long_tokens, args.grant_interval) for p in ("mixed", "alternate")]
-    lines = [f"Machine: {machine()}. SmolLM2-135M bf16, {args.streams} streams decoding, a {args.long_tokens}-token "
-             f"prompt admitted; adaptive chunk (512 while decoding), grant interval {args.grant_interval}.", "",
-             "| policy | long TTFT s | stream ITL p50 ms | ITL p95 ms | ITL mean ms | stream tokens in window |"
-             " grants | mixed steps |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['policy']} | {r['ttft_s']:.2f} | {r['itl_p50_ms']:.1f} | {r['itl_p95_ms']:.1f} | "
-                     f"{r['itl_mean_ms']:.1f} | {r['stream_tokens']} | {r['grants']} | {r['mixed']} |")
-    emit_table(lines, args.out)
+    caption = (f"Machine: {machine()}. SmolLM2-135M bf16, {args.streams} streams decoding, a {args.long_tokens}-token "
+               f"prompt admitted; adaptive chunk (512 while decoding), grant interval {args.grant_interval}.")
+    header = ["policy", "long TTFT s", "stream ITL p50 ms", "ITL p95 ms", "ITL mean ms", "stream tokens in window",
+              "grants", "mixed steps"]
+    emit_table(caption, header, [[r["policy"], f"{r['ttft_s']:.2f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p95_ms']:.1f}",
+                                  f"{r['itl_mean_ms']:.1f}", str(r["stream_tokens"]), str(r["grants"]), str(r["mixed"])]
+                                 for r in results], args.out)
 
 
 if __name__ == "__main__":

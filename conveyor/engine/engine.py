@@ -74,7 +74,6 @@ class EngineCore:
         self.max_model_len = self.pool_plan.max_model_len
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
-        self.speculative_ngram = self._speculation_allowed(config)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
@@ -82,7 +81,7 @@ class EngineCore:
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
-            speculative_ngram=self.speculative_ngram, speculative_max_rows=config.speculative_max_rows), self.kv)
+            speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)

@@ -264,7 +264,7 @@ class Scheduler:
             new_tokens = [token] if chunk.sample and token is not None else []
             accepted = 0
             if chunk.num_draft_tokens and new_tokens:
-                new_tokens, accepted = _verify(chunk, result.verified_token_ids.get(chunk.request_id), token)
+                new_tokens, accepted = _verify(chunk, result.verified_token_ids[chunk.request_id])
                 self.stats.num_accepted_tokens += accepted
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
                 request.spec_skip_ticks = 2 ** request.spec_rejections - 1
@@ -272,24 +272,27 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens + accepted
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
-            if not new_tokens:
-                self.kv.cache_computed_blocks(request)
+            count, status = self._append_tokens(request, new_tokens)
+            self.kv.cache_computed_blocks(request)  # after the append: accepted drafts fill blocks too
+            if not count:
                 continue
-            request.status = RequestStatus.DECODING
-            status = None
-            for count, new_token in enumerate(new_tokens, start=1):
-                request.append_output_token(new_token)
-                status = request.check_stop_token()
-                if status is None and request.num_tokens >= self.config.max_model_len:
-                    status = RequestStatus.FINISHED_LENGTH
-                if status is not None:
-                    break  # tokens past a stop are dropped, as if decoded one by one
             self.stats.num_generated_tokens += count
-            self.kv.cache_computed_blocks(request)
             advanced.append((request, count))
             if status is not None:
                 self.finish(request.request_id, status)
         return advanced
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[int, RequestStatus | None]:
+        """Append in order until one ends the request; tokens past it are dropped, as if decoded one by one."""
+        for count, token in enumerate(tokens, start=1):
+            request.status = RequestStatus.DECODING
+            request.append_output_token(token)
+            status = request.check_stop_token()
+            if status is None and request.num_tokens >= self.config.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                return count, status
+        return len(tokens), None
 
     def finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
         """Terminal transition from any state; frees the request's blocks at once."""
@@ -319,10 +322,8 @@ def _can_speculate(params: SamplingParams) -> bool:
             and not params.presence_penalty and not params.frequency_penalty)
 
 
-def _verify(chunk: ScheduledChunk, verified: list[int] | None, token: int) -> tuple[list[int], int]:
+def _verify(chunk: ScheduledChunk, verified: list[int]) -> tuple[list[int], int]:
     """Tokens a draft chunk yields: the accepted drafts plus the model's own next token."""
-    if verified is None:  # a runner that scored only the first row: nothing accepted
-        return [token], 0
     drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == verified[accepted]:

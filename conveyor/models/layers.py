@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         kernels = cpu_kernels() if x.device.type == "cpu" else None
         if kernels is not None:
             summed, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
-            return summed, normed
+            return summed, normed  # the binding hands back a list
         summed = x + delta
         return summed, self(summed)
 
@@ -66,6 +66,8 @@ class RowInvariantLinear(nn.Module):
         self.row_tile: int | None = None
         self._packed: torch.Tensor | None = None
         self._bf16_packed: torch.Tensor | None = None  # our kernel's layout (see bf16_linear_pack)
+        self._bf16_linear = None  # the kernel, bound once at prepack
+        self._bias_f32: torch.Tensor | None = None  # our kernel adds the bias in fp32
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight (out, in) int8, per-row scale)
 
     def quantize_int8(self) -> bool:
@@ -80,7 +82,7 @@ class RowInvariantLinear(nn.Module):
         scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
         q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self._int8 = (q.contiguous(), scale.to(w.dtype))
-        self._packed = self._bf16_packed = None
+        self._packed = self._bf16_packed = self._bf16_linear = None
         return True
 
     @property
@@ -96,6 +98,8 @@ class RowInvariantLinear(nn.Module):
         kernels = cpu_kernels()
         if kernels is not None and kernels.bf16_linear_backend():
             self._bf16_packed = kernels.bf16_linear_pack(w.data)
+            self._bf16_linear = kernels.bf16_linear
+            self._bias_f32 = None if self.bias is None else self.bias.data.float()
             return True
         if not torch.backends.mkldnn.is_available():
             return False
@@ -107,7 +111,7 @@ class RowInvariantLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_packed is not None:
-            return cpu_kernels().bf16_linear(x, self._bf16_packed, self.weight.shape[0], self.bias)
+            return self._bf16_linear(x, self._bf16_packed, self.weight.shape[0], self._bias_f32)
         if self._int8 is not None:
             out = torch.ops.aten._weight_int8pack_mm(x, *self._int8)
             return out if self.bias is None else out + self.bias

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -197,7 +198,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(packed.size(0) * kPanel >= out_features, "out_features mismatch");
   auto out = torch::empty({m, out_features}, x.options());
   if (m == 0) return out;
-  torch::Tensor bias_f32;
+  torch::Tensor bias_f32;  // callers pass it in fp32 already (see RowInvariantLinear.prepack): no copy then
   if (bias.has_value() && bias->defined()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -211,13 +212,14 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
     const int64_t k_pad = packed.size(1) * 2, k_blocks = k_pad / kKBlock;
     torch::Tensor xa = k_pad == k ? x.contiguous() : torch::constant_pad_nd(x, {0, k_pad - k});
     const int64_t full = m / kTileRows * kTileRows;
-    torch::Tensor tail;
-    if (full < m) {
-      tail = torch::zeros({kTileRows, k_pad}, x.options());
-      tail.narrow(0, 0, m - full).copy_(xa.narrow(0, full, m - full));
-    }
     const auto* xp = reinterpret_cast<const uint16_t*>(xa.data_ptr<at::BFloat16>());
-    const auto* tp = tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
+    // Decode always has a partial block (M < 16): a reused per-thread buffer, not a tensor per call.
+    thread_local std::vector<uint16_t> tail;
+    if (full < m) {
+      tail.assign(kTileRows * k_pad, 0);
+      std::memcpy(tail.data(), xp + full * k_pad, (m - full) * k_pad * sizeof(uint16_t));
+    }
+    const uint16_t* tp = full < m ? tail.data() : nullptr;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       conveyor_amx::configure_tiles();
       alignas(64) float cbuf[kTileRows * kPanel];

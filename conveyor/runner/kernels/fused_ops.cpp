@@ -131,7 +131,8 @@ using conveyor_vec::row_max;
 
 // HF rotary on one head: x*cos + rotate_half(x)*sin, rounding after each op as torch does.
 template <typename scalar_t>
-inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* ssin, scalar_t* out, int64_t D) {
+inline void rotate_head_scalar(const scalar_t* x, const scalar_t* cos, const scalar_t* ssin, scalar_t* out,
+                               int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; ++d) {
     const scalar_t a = round_to<scalar_t>(static_cast<float>(x[d]) * static_cast<float>(cos[d]));
@@ -140,18 +141,19 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
   }
 }
 
+template <typename scalar_t>
+inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* ssin, scalar_t* out, int64_t D) {
+  rotate_head_scalar(x, cos, ssin, out, D);
+}
+
 #if defined(__AVX512F__)
+// Same ops 16 lanes at a time; lanes would straddle the roll unless half the head is a multiple of 16.
 template <>
 inline void rotate_head<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* ssin,
                                        c10::BFloat16* out, int64_t D) {
   const int64_t half = D / 2;
-  if (half % 16 != 0) {  // lanes would straddle the roll; the scalar loop handles odd head sizes
-    for (int64_t d = 0; d < D; ++d) {
-      const float a = static_cast<float>(round_to<c10::BFloat16>(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
-      const float b = static_cast<float>(
-          round_to<c10::BFloat16>(static_cast<float>(x[(d + half) % D]) * static_cast<float>(ssin[d])));
-      out[d] = round_to<c10::BFloat16>(a + b);
-    }
+  if (half % 16 != 0) {
+    rotate_head_scalar(x, cos, ssin, out, D);
     return;
   }
   for (int64_t d = 0; d < D; d += 16) {

@@ -28,6 +28,13 @@ inline float to_float(c10::BFloat16 x) {
   return out;
 }
 
+// Element offset of `key`'s row for one KV head, read through the block table (block sizes
+// are powers of two: 1 << bs_shift).
+inline int64_t cache_row(const int32_t* table, int64_t key, int bs_shift, int64_t kv_block, int64_t kv_tok,
+                         int64_t head_offset) {
+  return table[key >> bs_shift] * kv_block + (key & ((int64_t{1} << bs_shift) - 1)) * kv_tok + head_offset;
+}
+
 // Dot product with kLanes independent partial sums combined in a fixed order: the compiler
 // vectorizes it without reassociating, so the result is reproducible.
 template <typename scalar_t>
@@ -48,10 +55,7 @@ inline float dot(const float* q, const scalar_t* k, int64_t n) {
 #include <immintrin.h>
 // bf16 rows with D % 16 == 0: explicit AVX-512 (the generic loops above do not vectorize
 // well around the bf16 conversion). _mm512_reduce_add_ps is a fixed tree, so still reproducible.
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using conveyor_vec::load_bf16;
 template <>
 inline float dot<c10::BFloat16>(const float* q, const c10::BFloat16* k, int64_t n) {
   if (n % 16) {
@@ -60,7 +64,7 @@ inline float dot<c10::BFloat16>(const float* q, const c10::BFloat16* k, int64_t 
     return s;
   }
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16x16(k + d), acc);
+  for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16(k + d), acc);
   return _mm512_reduce_add_ps(acc);
 }
 inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
@@ -68,7 +72,7 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
     for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
     return;
   }
-  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, load_bf16x16(v + d));
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, load_bf16(v + d));
 }
 
 // Pass 3 for bf16 with D = 16 * DV and G query heads per KV head: the G x D accumulator
@@ -83,9 +87,9 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
     for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < num_keys; ++j) {
     const int64_t key = j + first;
-    const c10::BFloat16* v = vc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
+    const c10::BFloat16* v = vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
     __m512 vf[DV];
-    for (int d = 0; d < DV; ++d) vf[d] = load_bf16x16(v + 16 * d);
+    for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * num_keys + j]);
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(p, vf[d], acc[g][d]);
@@ -110,9 +114,9 @@ void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BF
     for (int d = 0; d < DV; ++d) q[g][d] = _mm512_loadu_ps(qf + g * DV * 16 + 16 * d);
   for (int64_t j = 0; j < num_keys; ++j) {
     const int64_t key = j + first;
-    const c10::BFloat16* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
+    const c10::BFloat16* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
     __m512 kf[DV];
-    for (int d = 0; d < DV; ++d) kf[d] = load_bf16x16(k + 16 * d);
+    for (int d = 0; d < DV; ++d) kf[d] = load_bf16(k + 16 * d);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g][0], kf[0]);
       for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(q[g][d], kf[d], acc);
@@ -263,11 +267,11 @@ void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int
     for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
     // The next group's keys for this pass, and this group's values for pass 3.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
-      const int64_t row = table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
+      const int64_t row = cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
       prefetch_row(vc + row, 2 * D);
       if (key + 16 < first + num_keys) {
         const int64_t ahead = key + 16;
-        prefetch_row(kc + table[ahead >> bs_shift] * kv_block + (ahead & (BS - 1)) * kv_tok + kv_offset, 2 * D);
+        prefetch_row(kc + cache_row(table, ahead, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
       }
     }
     for (int h = 0; h < DH; ++h) {
@@ -278,7 +282,7 @@ void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int
           continue;
         }
         const int64_t key = first + j0 + i;
-        const c10::BFloat16* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kv_offset;
+        const c10::BFloat16* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
         rows[i] = _mm512_loadu_si512(k + 32 * h);
       }
       transpose16x16_epi32(rows);
@@ -363,7 +367,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         fast_qk(qf.data(), first, num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
       for (int64_t j = 0; dp_qk == nullptr && fast_qk == nullptr && j < num_keys; ++j) {
         const int64_t key = j + first;
-        const scalar_t* k = kc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kvh * D;
+        const scalar_t* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
       // Pass 2: softmax weights per head (max is order-free; the sum's order depends only on num_keys).
@@ -380,7 +384,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       for (int64_t j = 0; fast_sum == nullptr && j < num_keys; ++j) {
         const int64_t key = j + first;
-        const scalar_t* v = vc + table[key >> bs_shift] * kv_block + (key & (BS - 1)) * kv_tok + kvh * D;
+        const scalar_t* v = vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         load_row(v, vf.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * num_keys + j];
