@@ -154,7 +154,9 @@ enum class Backend { kNone, kAvx512, kAmx };
 
 Backend backend() {
   static const Backend chosen = [] {
+#if CONVEYOR_HAS_AMX
     if (conveyor_amx::enabled()) return Backend::kAmx;
+#endif
     return CONVEYOR_HAS_BF16_LINEAR ? Backend::kAvx512 : Backend::kNone;
   }();
   return chosen;
