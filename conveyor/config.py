@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from conveyor.kernels.backend import KernelSettings
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class EngineConfig:
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
+    kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
+    require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
+    disable_kernel: bool = False  # torch paths only (no C++ kernels: no batch invariance, no speculation)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
@@ -62,6 +68,14 @@ class EngineConfig:
         _require(self.speculative_max_rows >= 1, "speculative_max_rows must be at least 1")
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
+        _require(bool(self.kernel_arch.strip()) and self.kernel_arch.strip() == self.kernel_arch
+                 and not self.kernel_arch.startswith("-"), f"bad kernel_arch {self.kernel_arch!r}")
+
+    @property
+    def kernel_settings(self) -> "KernelSettings":
+        from conveyor.kernels.backend import KernelSettings
+
+        return KernelSettings(arch=self.kernel_arch, require=self.require_kernels, disable=self.disable_kernel)
 
     @property
     def effective_max_batch_size(self) -> int:
@@ -164,6 +178,12 @@ FLAGS: list[Flag] = [
          "speculative decoding by prompt lookup: draft up to N tokens per step for greedy requests (0 = off)"),
     Flag(("--speculative-max-rows",), "speculative_max_rows", int,
          "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
+    Flag(("--kernel-arch",), "kernel_arch",
+         help="-march the C++ CPU kernels are built for (native, x86-64-v3, x86-64, ...); cached per value and CPU"),
+    Flag(("--require-kernels",), "require_kernels", switch=True,
+         help="refuse to start when a C++ kernel does not build (instead of the slower torch paths)"),
+    Flag(("--disable-kernel",), "disable_kernel", switch=True,
+         help="run the torch paths only (no batch invariance, no speculation; for debugging)"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on /v1 routes"),

@@ -19,9 +19,9 @@ from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
+from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
-from conveyor.runner.kernels import cpu_kernels
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,15 @@ class EngineCore:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
+        # The compute backend is resolved once, here, and handed to every layer and the sampler.
+        self.backend: KernelBackend = resolve_backend(self.device, self.dtype, config.kernel_settings,
+                                                      config.batch_invariant)
+        logger.info("%s", self.backend.summary())
+        if not self.backend.batch_invariant:
+            logger.warning("batch invariance is OFF on this backend (%s): greedy outputs may depend on "
+                           "batch-mates, and speculative decoding is disabled", self.backend.name)
         model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant,
-                            config.weight_dtype)
+                            config.weight_dtype, ops=self.backend)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
         tied = checkpoint.config.tie_word_embeddings
@@ -83,7 +90,7 @@ class EngineCore:
             watermark_applies=self.pool_plan.budget_bytes is not None,
             speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows), self.kv)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
-                                  self.device, seed=config.seed)
+                                  self.device, self.backend, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -94,13 +101,14 @@ class EngineCore:
                     self.pool_plan.budget_source, self.max_model_len)
 
     def _speculation_allowed(self, config: EngineConfig) -> int:
-        """Drafts are only exact where a verified row equals a decoded one bit for bit: our CPU
-        kernels with batch invariance on. Elsewhere (CUDA, no compiler, --no-batch-invariant)
-        whether a row drafts would depend on its batch-mates, so speculation is switched off."""
+        """Drafts are only exact where a verified row equals a decoded one bit for bit: a backend
+        with batch invariance. Elsewhere (CUDA, no compiler, --no-batch-invariant) whether a row
+        drafts would depend on its batch-mates, so speculation is switched off."""
         if not config.speculative_ngram:
             return 0
-        if self.device.type != "cpu" or cpu_kernels() is None or not config.batch_invariant:
-            logger.info("speculative decoding off: it needs the CPU kernels with batch invariance")
+        if not self.backend.speculation:
+            logger.info("speculative decoding off: it needs a batch-invariant backend (this one: %s)",
+                        self.backend.name)
             return 0
         return config.speculative_ngram
 

@@ -9,42 +9,22 @@ import torch
 from torch import nn
 
 from conveyor.models.config import ModelConfigError
-from conveyor.runner.kernels import cpu_kernels
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a fused (T, 2I) gate|up projection, rounding where torch's two ops would."""
-    kernels = cpu_kernels() if gate_up.device.type == "cpu" else None
-    if kernels is not None:
-        return kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+from conveyor.kernels import KernelBackend
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels() if x.device.type == "cpu" else None
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        # Same op order as transformers (fp32 statistics, cast back before the weight).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add fused into the norm that follows it."""
-        kernels = cpu_kernels() if x.device.type == "cpu" else None
-        if kernels is not None:
-            summed, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
-            return summed, normed  # the binding hands back a list
-        summed = x + delta
-        return summed, self(summed)
+        return self.ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class RowInvariantLinear(nn.Module):
@@ -52,21 +32,21 @@ class RowInvariantLinear(nn.Module):
 
     CPU GEMM libraries switch kernels with the row count M (measured here: oneDNN's bf16 rows
     are bitwise stable only up to M=32, fp32 only at M=1), which would make a request's output
-    depend on its batch-mates. On CPU in bf16 with AVX-512 BF16 / AMX we run our own GEMM
-    (kernels/bf16_linear.cpp): every output element is one fixed reduction over k whatever M
-    is, so no tiling is needed, and it streams the weights at close to memory bandwidth (oneDNN
-    reached ~40% at M=1). Elsewhere the weight is prepacked for oneDNN and run in row tiles of
+    depend on its batch-mates. On CPU in bf16 we run our own GEMM (kernels/csrc/gemm.cpp, AMX,
+    AVX-512 BF16, AVX2 or portable C++): every output element is one fixed reduction over k
+    whatever M is, so no tiling is needed, and it streams the weights at close to memory
+    bandwidth (oneDNN reached ~40% at M=1). Elsewhere the weight is prepacked for oneDNN and run in row tiles of
     `row_tile` rows, found by calibrate_row_tile(); None means one call.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend) -> None:
         super().__init__()
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.row_tile: int | None = None
         self._packed: torch.Tensor | None = None
         self._bf16_packed: torch.Tensor | None = None  # our kernel's layout (see bf16_linear_pack)
-        self._bf16_linear = None  # the kernel, bound once at prepack
         self._bias_f32: torch.Tensor | None = None  # our kernel adds the bias in fp32
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight (out, in) int8, per-row scale)
 
@@ -82,7 +62,7 @@ class RowInvariantLinear(nn.Module):
         scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
         q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self._int8 = (q.contiguous(), scale.to(w.dtype))
-        self._packed = self._bf16_packed = self._bf16_linear = None
+        self._packed = self._bf16_packed = None
         return True
 
     @property
@@ -95,10 +75,8 @@ class RowInvariantLinear(nn.Module):
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return False
-        kernels = cpu_kernels()
-        if kernels is not None and kernels.bf16_linear_backend():
-            self._bf16_packed = kernels.bf16_linear_pack(w.data)
-            self._bf16_linear = kernels.bf16_linear
+        self._bf16_packed = self.ops.pack_linear(w.data)
+        if self._bf16_packed is not None:
             self._bias_f32 = None if self.bias is None else self.bias.data.float()
             return True
         if not torch.backends.mkldnn.is_available():
@@ -111,7 +89,7 @@ class RowInvariantLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_packed is not None:
-            return self._bf16_linear(x, self._bf16_packed, self.weight.shape[0], self._bias_f32)
+            return self.ops.linear(x, self._bf16_packed, self.weight.shape[0], self._bias_f32)
         if self._int8 is not None:
             out = torch.ops.aten._weight_int8pack_mm(x, *self._int8)
             return out if self.bias is None else out + self.bias

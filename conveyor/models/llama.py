@@ -11,26 +11,26 @@ import torch
 from torch import nn
 
 from conveyor.models.config import ModelConfig
-from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear, silu_mul
-from conveyor.runner.attention import AttentionMetadata, paged_attention, write_kv
-from conveyor.runner.kernels import cpu_kernels
+from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one GEMM at load time.
-        self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops)
+        self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
         self.window = config.sliding_window or 0
 
@@ -38,11 +38,10 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        kernels = cpu_kernels() if x.device.type == "cpu" and self.q_norm is None else None
-        if kernels is not None:  # rotary + cache write fused into one pass
-            q = kernels.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
+        if self.ops.fuses_rope and self.q_norm is None:  # rotary + cache write fused into one pass
+            q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
-            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
+            out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
@@ -53,29 +52,30 @@ class LlamaAttention(nn.Module):
         qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
+        self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, bias=False, ops=ops)
+        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,14 +94,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
 

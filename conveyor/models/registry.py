@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
 from conveyor.models.llama import LlamaForCausalLM
@@ -18,12 +19,15 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, batch_invariant: bool = True, weight_dtype: str = "auto") -> nn.Module:
+                device: torch.device, batch_invariant: bool = True, weight_dtype: str = "auto",
+                ops: KernelBackend | None = None) -> nn.Module:
+    """A model ready to run on `ops` (resolved here for `device` when not given)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelConfigError(f"no model implementation for architecture {config.architecture!r}")
+    ops = ops if ops is not None else resolve_backend(device, dtype, batch_invariant=batch_invariant)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, ops)
     # Materialize on the target device, then copy the checkpoint in.
     model = model.to_empty(device=device).to(dtype)
     # Buffers computed in __init__ were lost on the meta device; rebuild the rotary tables for real.

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from conveyor.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.config import ModelConfig
-from conveyor.runner.attention import AttentionMetadata
 from conveyor.runner.sampler import Sampler, SamplingRow
 
 
@@ -29,7 +29,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -39,7 +39,7 @@ class ModelRunner:
         # a large pool then cost no RAM until used.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                           for _ in range(config.num_hidden_layers)]
-        self.sampler = Sampler(config.vocab_size, device, seed)
+        self.sampler = Sampler(config.vocab_size, device, ops, seed)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(plan.finished_request_ids)

@@ -13,7 +13,7 @@ import torch
 
 from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.runner.kernels import cpu_kernels
+from conveyor.kernels import KernelBackend
 
 
 @dataclass
@@ -25,8 +25,9 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, ops: KernelBackend, seed: int = 0) -> None:
         self.vocab_size = vocab_size
+        self.ops = ops
         self.device = device
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -41,8 +42,7 @@ class Sampler:
         logits = self._apply_bias_and_penalties(logits, rows)
         params = [r.params for r in rows]
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
-        kernels = cpu_kernels() if logits.device.type == "cpu" else None
-        tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
+        tokens = self.ops.argmax(logits)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._sample_random(logits, rows))
         token_list = tokens.tolist()

@@ -1,13 +1,14 @@
 import torch
 
 from conveyor.engine.llm import LLM
+from conveyor.kernels import resolve_backend
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.models.layers import RowInvariantLinear, calibrate_row_tile
 
 
 def test_int8_linear_is_close_and_row_invariant():
     torch.manual_seed(0)
-    linear = RowInvariantLinear(96, 160, bias=True)
+    linear = RowInvariantLinear(96, 160, bias=True, ops=resolve_backend("cpu"))
     linear.weight.data = (torch.randn(160, 96) * 0.05).bfloat16()
     linear.bias.data = torch.randn(160).bfloat16()
     x = torch.randn(40, 96).bfloat16()

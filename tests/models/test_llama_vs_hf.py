@@ -43,7 +43,8 @@ def _hf_model(family: str):
 def _runner(hf_model) -> ModelRunner:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     model = build_model(config, hf_model.state_dict(), torch.float32, torch.device("cpu"), batch_invariant=False)
-    return ModelRunner(model, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
+    return ModelRunner(model, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"),
+                       ops=model.ops)
 
 
 def _forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:

@@ -1,8 +1,6 @@
-"""Paged attention: write new K/V into the block pool, attend through block tables.
-
-The CPU path is a small C++ kernel compiled on first use (torch.utils.cpp_extension) that
-reduces each query row in a fixed order, making results independent of batch composition
-and prefill chunking. Where it cannot be built (or off CPU), a torch reference runs instead.
+"""Paged attention's metadata and torch paths: K/V writes into the block pool, and the reference
+attention through block tables that runs where the C++ kernel (csrc/attention.cpp, fixed
+per-row reduction order) is missing or off CPU. KernelBackend.paged_attention picks between them.
 """
 
 from __future__ import annotations
@@ -10,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from conveyor.runner.kernels import cpu_kernels
 
 
 @dataclass
@@ -27,27 +23,12 @@ class AttentionMetadata:
     seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
 
 
-def kernel_available() -> bool:
-    return cpu_kernels() is not None
-
-
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows (T, KVH, D) into their cache slots."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
-    """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-    (or only the last `window` of them, for sliding-window attention)."""
-    kernel = cpu_kernels() if query.device.type == "cpu" else None
-    if kernel is not None:
-        return kernel.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
-                                      meta.token_pos, scale, window)
-    return reference_paged_attention(query, key_cache, value_cache, meta, scale, window)
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx.h"
+#include "isa.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -258,4 +259,12 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   });
 #endif
   return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  m.def("backend", &bf16_linear_backend, "bf16_linear's kernel in this process: amx, avx512_bf16, ... or empty");
+  m.def("pack", &bf16_linear_pack, "pack a (N, K) bf16 weight for bf16_linear", release());
+  m.def("linear", &bf16_linear, "row-invariant bf16 x W^T (+ b) (CPU)", release());
 }

@@ -3,8 +3,11 @@ import random
 import pytest
 import torch
 
-from conveyor.runner.attention import (AttentionMetadata, kernel_available, paged_attention,
-                                       reference_paged_attention, write_kv)
+from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
+from tests.kernels.conftest import kernel_backend
+
+backend = kernel_backend("attention")
+paged_attention = backend.paged_attention
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 64, 16, 2, 6, 32
 
@@ -32,10 +35,6 @@ def _random_batch(seq_lens, rows_per_seq, dtype, seed=0, heads=HEADS, kv_heads=K
     return query, key_cache, value_cache, meta
 
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="C++ kernel could not be built here")
-
-
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 7])
 def test_kernel_matches_reference(dtype, window):
@@ -48,7 +47,6 @@ def test_kernel_matches_reference(dtype, window):
 
 # SmolLM2's shape (64-dim heads, 3 query heads per KV head) and a 128-dim one take the
 # transposed vdpbf16ps path for q.k on AVX-512 BF16 CPUs; key counts straddle groups of 16.
-@needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
 @pytest.mark.parametrize("window", [0, 21])
 def test_wide_heads_match_reference_and_stay_invariant(heads, kv_heads, head_dim, window):
@@ -69,7 +67,6 @@ def test_wide_heads_match_reference_and_stay_invariant(heads, kv_heads, head_dim
         start += r
 
 
-@needs_kernel
 def test_kernel_rows_are_batch_and_chunk_invariant():
     """A row's output is bitwise the same alone, in any batch, and under any prefill split."""
     seq_lens, rows = [33, 7, 120, 64], [1, 7, 30, 1]

@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "isa.h"
 #include "vec_math.h"
 
 namespace {
@@ -267,4 +268,14 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     });
   });
   return q_out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)", release());
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
+  m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
+  m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
 }

@@ -4,17 +4,17 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import _get_build_directory
 
-from conveyor.runner import kernels
+from conveyor.kernels import build
 
 
 def test_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
     """A build killed mid-way leaves torch's lock behind, and torch would wait on it forever."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = Path(_get_build_directory(kernels._EXTENSION, verbose=False)) / "lock"
+    lock = Path(_get_build_directory(build.extension_name("gemm", "native"), verbose=False)) / "lock"
     lock.touch()
-    kernels._clear_stale_build_lock()
+    build._clear_stale_build_lock(build.extension_name("gemm", "native"))
     assert lock.exists()  # fresh: another process may be building right now
-    old = time.time() - kernels._STALE_LOCK_S - 60
+    old = time.time() - build._STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    kernels._clear_stale_build_lock()
+    build._clear_stale_build_lock(build.extension_name("gemm", "native"))
     assert not lock.exists()

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "vec_math.h"
 
 namespace {
@@ -421,4 +422,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                           token_pos.contiguous(), scale, window, out);
   });
   return out;
+}
+
+// NOTE: every entry point releases the GIL, as torch's own ops do; holding it here stalled the
+// server's event loop for whole kernels and then made the engine wait out the GIL switch interval.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", release());
 }

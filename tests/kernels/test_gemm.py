@@ -1,4 +1,4 @@
-"""Our bf16 GEMM (kernels/bf16_linear.cpp): close to fp32 math, and every row's bits independent of M."""
+"""Our bf16 GEMM (kernels/csrc/gemm.cpp): close to fp32 math, and every row's bits independent of M."""
 
 import os
 import subprocess
@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from conveyor.models.layers import RowInvariantLinear
-from conveyor.runner.kernels import cpu_kernels
+from tests.kernels.conftest import kernel_backend
 
-kernels = cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.bf16_linear_backend(),
-                                reason="needs the C++ kernels on a CPU with AVX-512 BF16")
+backend = kernel_backend("gemm")
 
 # Odd shapes on purpose: K not a multiple of 32 (nor even), N not a multiple of the 64-column panel.
 IN_FEATURES, OUT_FEATURES = 75, 150
@@ -20,7 +18,7 @@ IN_FEATURES, OUT_FEATURES = 75, 150
 
 def make_linear(bias: bool) -> RowInvariantLinear:
     gen = torch.Generator().manual_seed(0)
-    linear = RowInvariantLinear(IN_FEATURES, OUT_FEATURES, bias=bias)
+    linear = RowInvariantLinear(IN_FEATURES, OUT_FEATURES, bias=bias, ops=backend)
     linear.weight.data = (torch.randn(OUT_FEATURES, IN_FEATURES, generator=gen) * 0.1).bfloat16()
     if bias:
         linear.bias.data = torch.randn(OUT_FEATURES, generator=gen).bfloat16()
@@ -54,10 +52,11 @@ def test_rows_do_not_depend_on_batch():
     assert row_invariance_holds()
 
 
+@pytest.mark.skipif(backend.name != "amx", reason="the AMX -> AVX-512 BF16 switch exists only on AMX CPUs")
 def test_avx512_fallback_is_row_invariant_too():
     """Without AMX the kernel runs on AVX-512 BF16 dot products; chosen once per process."""
-    code = ("import torch, tests.models.test_bf16_linear as t; "
-            "assert t.kernels.bf16_linear_backend() == 'avx512_bf16'; "
+    code = ("import torch, tests.kernels.test_gemm as t; "
+            "assert t.backend.name == 'avx512_bf16'; "
             "assert t.row_invariance_holds(); t.test_matches_fp32_reference(True)")
     env = {**os.environ, "CONVEYOR_DISABLE_AMX": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

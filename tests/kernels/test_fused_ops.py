@@ -1,13 +1,13 @@
-"""Fused CPU ops (kernels/fused_ops.cpp) against the torch op chains they replace."""
+"""Fused CPU ops (kernels/csrc/fused_ops.cpp) against the torch op chains they replace."""
 
 import pytest
 import torch
 
 from conveyor.models.layers import RMSNorm, RotaryEmbedding
-from conveyor.runner.kernels import cpu_kernels
+from conveyor.kernels import KernelSettings, resolve_backend
+from tests.kernels.conftest import kernel_backend
 
-kernels = cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels unavailable")
+kernels = kernel_backend("fused_ops").fused
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -23,7 +23,7 @@ def test_add_rms_norm_matches_add_then_norm(dtype):
     weight = torch.randn(200, generator=gen).to(dtype)
     summed, normed = kernels.add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(summed, x + delta)  # one rounding, exactly torch's add
-    ref = RMSNorm(200, 1e-5)
+    ref = RMSNorm(200, 1e-5, resolve_backend("cpu", settings=KernelSettings(disable=True)))
     ref.weight.data = weight
     want = (ref.weight * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype))
     assert torch.allclose(normed.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)

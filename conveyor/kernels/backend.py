@@ -1,0 +1,180 @@
+"""The compute backend of one model: which kernels run, and what that guarantees.
+
+Resolved once, at model build (`resolve_backend`), and passed to every layer, so no call site
+looks anything up and every call of a process takes the same arithmetic path. Each op has a
+torch fallback, used where a kernel is missing (no compiler, off CPU); the backend then says
+plainly that batch invariance, and with it speculation, is off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
+from conveyor.kernels.build import KERNELS, load_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class KernelsRequiredError(RuntimeError):
+    """CONVEYOR_REQUIRE_KERNELS=1 and a kernel did not build (CI: never fall back silently)."""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """The kernel knobs of EngineConfig (CONVEYOR_KERNEL_ARCH, _REQUIRE_KERNELS, _DISABLE_KERNEL)."""
+
+    arch: str = "native"
+    require: bool = False
+    disable: bool = False
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str  # amx | avx512_bf16 | avx512 | avx2 | neon | generic | torch | cuda | mps
+    device: str  # cpu | cuda | mps
+    arch: str | None  # -march the CPU kernels were built for; None off CPU or without kernels
+    batch_invariant: bool  # greedy rows bitwise independent of batch-mates, chunking, prefix hits
+    gemm: ModuleType | None = None
+    attention: ModuleType | None = None
+    fused: ModuleType | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # kernel -> why it is missing (first compiler error)
+
+    @property
+    def speculation(self) -> bool:
+        """Drafts are verified as a prefill chunk: their rows must be bitwise the decoded rows."""
+        return self.batch_invariant
+
+    def describe(self) -> dict[str, Any]:
+        """The /props, /health and `conveyor env` view."""
+        return {"backend": self.name, "arch": self.arch, "batch_invariant": self.batch_invariant,
+                "speculation": self.speculation, "device": self.device,
+                "kernels": {k: (getattr(self, _ATTR[k]).isa() if getattr(self, _ATTR[k]) is not None else None)
+                            for k in KERNELS},
+                "errors": dict(self.errors)}
+
+    def summary(self) -> str:
+        text = (f"kernels: backend={self.name} arch={self.arch} batch_invariant={self.batch_invariant} "
+                f"speculation={self.speculation}")
+        if self.errors:
+            text += " (" + "; ".join(f"{k}: {e}" for k, e in self.errors.items()) + ")"
+        return text
+
+    # --- the ops, each with its torch fallback ---------------------------------------------
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Our GEMM's packed weight, or None where it does not run (the caller keeps oneDNN/torch)."""
+        if self.gemm is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return None
+        return self.gemm.pack(weight)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias_f32: torch.Tensor | None) -> torch.Tensor:
+        return self.gemm.linear(x, packed, out_features, bias_f32)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.fused is not None and x.device.type == "cpu":
+            return self.fused.rms_norm(x, weight, eps)
+        # Same op order as transformers (fp32 statistics, cast back before the weight).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and x.device.type == "cpu":
+            summed, normed = self.fused.add_rms_norm(x, delta, weight, eps)
+            return summed, normed  # the binding hands back a list
+        summed = x + delta
+        return summed, self.rms_norm(summed, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a fused (T, 2I) gate|up projection, rounding where torch's two ops would."""
+        if self.fused is not None and gate_up.device.type == "cpu":
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and logits.device.type == "cpu":
+            return self.fused.argmax_rows(logits)
+        return logits.argmax(dim=-1)
+
+    @property
+    def fuses_rope(self) -> bool:
+        return self.fused is not None and self.device == "cpu"
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_heads: int) -> torch.Tensor:
+        """Rotary on q|k, k/v scattered into their slots, rotated q returned as (T, H, D) (needs fuses_rope)."""
+        return self.fused.rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping, num_heads)
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
+        (or only the last `window` of them, for sliding-window attention)."""
+        if self.attention is not None and query.device.type == "cpu":
+            return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
+                                                  meta.token_pos, scale, window)
+        return reference_paged_attention(query, key_cache, value_cache, meta, scale, window)
+
+
+_ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused"}
+
+
+def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                    settings: KernelSettings = KernelSettings(), batch_invariant: bool = True) -> KernelBackend:
+    """The backend for a model on `device` in `dtype`: our CPU kernels where they build, else torch.
+
+    Batch invariance on CPU needs the attention kernel (fixed per-row order, chunk-invariant)
+    and linears that are row-invariant: our GEMM in bf16, oneDNN in calibrated row tiles otherwise.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        # NOTE: torch's CUDA/MPS kernels pick algorithms by shape; rows are not bitwise batch-invariant.
+        return KernelBackend(name=device.type, device=device.type, arch=None, batch_invariant=False)
+    if settings.disable:
+        return _torch_cpu_backend({k: "disabled (CONVEYOR_DISABLE_KERNEL=1)" for k in KERNELS})
+    builds = load_kernels(settings.arch)
+    errors = {k: b.error for k, b in builds.items() if b.module is None}
+    if errors and settings.require:
+        raise KernelsRequiredError("C++ kernels required (CONVEYOR_REQUIRE_KERNELS=1) but unavailable: "
+                                   + "; ".join(f"{k}: {e}" for k, e in errors.items()))
+    gemm, attention, fused = (builds[k].module for k in KERNELS)
+    if gemm is None and attention is None and fused is None:
+        return _torch_cpu_backend(errors)
+    gemm_level = gemm.backend() if gemm is not None else None
+    name = gemm_level or (attention or fused).isa()
+    # Linears without our GEMM (no gemm module, or not bf16) run oneDNN in row tiles calibrated at load.
+    invariant = batch_invariant and attention is not None
+    return KernelBackend(name=name, device="cpu", arch=settings.arch, batch_invariant=invariant, gemm=gemm,
+                         attention=attention, fused=fused, errors=errors)
+
+
+def _torch_cpu_backend(errors: dict[str, str]) -> KernelBackend:
+    return KernelBackend(name="torch", device="cpu", arch=None, batch_invariant=False, errors=errors)
+
+
+@lru_cache(maxsize=4)
+def cpu_backend(arch: str | None = None) -> KernelBackend:
+    """The CPU backend the environment asks for (tests, tools): CONVEYOR_KERNEL_ARCH etc."""
+    from conveyor.config import load_configs
+
+    engine_config, _ = load_configs()
+    settings = engine_config.kernel_settings
+    if arch is not None:
+        settings = KernelSettings(arch=arch, require=settings.require, disable=settings.disable)
+    return resolve_backend("cpu", torch.bfloat16, settings)
