@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(run, _CLI_ENGINE_FLAGS)
     run.set_defaults(func=_run_chat)
 
+    env = subparsers.add_parser("env", help="the kernel backend, CPU, torch build and compiler (for bug reports)")
+    env.add_argument("--json", action="store_true", help="print JSON")
+    add_flags(env, {"kernel_arch", "require_kernels", "disable_kernel", "batch_invariant"})
+    env.set_defaults(func=_run_env)
+
     from conveyor.bench import cli as bench_cli
 
     bench_cli.add_parser(subparsers)
@@ -66,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from conveyor import env
+
+    engine_config, _ = load_configs(args)
+    return env.main(engine_config, as_json=args.json)
 
 
 def _single_slot_engine(args: argparse.Namespace):

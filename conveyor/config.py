@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto = bfloat16 (CPU and CUDA); float32 / float16 / bfloat16
-    device: str = "auto"  # auto = cuda when present, else cpu
+    device: str = "auto"  # auto = cuda when present, else mps (Apple GPU), else cpu
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     weight_dtype: str = "auto"  # auto = same as dtype; int8 = weight-only int8 linears (CPU)
     batch_invariant: bool = True  # row-tiled GEMMs so outputs never depend on batch-mates
@@ -49,7 +49,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
         _require(self.weight_dtype in ("auto", "int8"), f"unknown weight_dtype {self.weight_dtype!r}")
-        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+        _require(self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:"),
                  f"unknown device {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "block_size must be a power of two")
@@ -144,7 +144,7 @@ class Flag:
 FLAGS: list[Flag] = [
     Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
-    Flag(("--device",), "device", help="auto, cpu or cuda[:N]"),
+    Flag(("--device",), "device", help="auto (cuda, else mps, else cpu), cpu, cuda[:N] or mps"),
     Flag(("--weight-dtype",), "weight_dtype", choices=("auto", "int8"),
          help="int8: weight-only int8 linears (CPU); about 2x faster decode at low concurrency, slower at 16+"),
     Flag(("--threads", "-t"), "threads", int, "torch intra-op threads (0 = default)"),

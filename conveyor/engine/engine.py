@@ -31,7 +31,10 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
     return torch.device(name)
 
 
@@ -111,6 +114,12 @@ class EngineCore:
                         self.backend.name)
             return 0
         return config.speculative_ngram
+
+    def kernel_report(self) -> dict:
+        """What /props, /health and the metrics say about the compute backend."""
+        return {"backend": self.backend.name, "arch": self.backend.arch,
+                "batch_invariant": self.backend.batch_invariant,
+                "speculation": self.scheduler.config.speculative_ngram > 0}
 
     # -- requests --------------------------------------------------------------------------
     def next_request_id(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -32,10 +33,16 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
-    """Gather each sequence's keys and run masked softmax attention, one sequence at a time."""
+                              meta: AttentionMetadata, scale: float, window: int = 0,
+                              fused: bool | None = None) -> torch.Tensor:
+    """Gather each sequence's keys and run masked softmax attention, one sequence at a time.
+
+    `fused` (default: off CPU) runs torch's scaled_dot_product_attention on the gathered copy
+    in the activation dtype (flash / memory-efficient kernels on GPUs); else fp32 matmuls."""
+    fused = query.device.type != "cpu" if fused is None else fused
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
+    work = query.dtype if fused else torch.float32
     outputs = []
     row = 0
     for seq_idx, (seq_len, num_rows) in enumerate(zip(meta.seq_lens, meta.seq_token_counts)):
@@ -43,17 +50,20 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         table = meta.block_tables[seq_idx, :num_blocks].long()
         keys = key_cache[table].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len]  # (L, KVH, D)
         values = value_cache[table].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len]
-        q = query[row:row + num_rows].float().transpose(0, 1)  # (H, R, D)
-        k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
-        v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, R, L)
+        q = query[row:row + num_rows].to(work).transpose(0, 1)  # (H, R, D)
+        k = keys.to(work).repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+        v = values.to(work).repeat_interleave(group, dim=1).transpose(0, 1)
         positions = meta.token_pos[row:row + num_rows].long()
         keys = torch.arange(seq_len, device=query.device)[None, :]
         mask = keys > positions[:, None]  # (R, L)
         if window > 0:
             mask |= keys <= positions[:, None] - window
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
+        if fused:
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask[None], scale=scale)
+        else:
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, R, L)
+            scores = scores.masked_fill(mask[None], float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
         outputs.append(out.transpose(0, 1).to(query.dtype))
         row += num_rows
     return torch.cat(outputs, dim=0)

@@ -134,10 +134,12 @@ def missing_features(arch: str) -> frozenset[str]:
 
 def first_error(log: str) -> str | None:
     """The compiler's first error line from a build log (what a user needs to see first)."""
-    for line in log.splitlines():
-        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.lstrip().startswith("["):
-            return line.strip()[:500]
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    lines = log.splitlines()
+    for pattern in (r":\d+:\d+: (fatal )?error:", r"\berror\b"):  # gcc/clang's "file:line:col: error:" first
+        for line in lines:
+            if re.search(pattern, line, re.IGNORECASE) and not line.lstrip().startswith("["):
+                return line.strip()[:500]
+    lines = [line.strip() for line in lines if line.strip()]
     return lines[0][:500] if lines else None
 
 

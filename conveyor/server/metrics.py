@@ -72,6 +72,12 @@ class EngineCollector(Collector):
         yield _gauge("conveyor_kv_blocks_cached", "KV blocks holding a reusable prefix", pool.num_cached)
         yield _gauge("conveyor_kv_blocks_shared", "KV blocks referenced by more than one sequence", pool.num_shared)
         yield _batch_size_histogram(dict(core.counters.batch_size_counts))
+        kernels = core.kernel_report()
+        info = GaugeMetricFamily("conveyor_kernel_backend_info", "The compute backend (always 1; see labels)",
+                                 labels=["backend", "arch", "batch_invariant", "speculation"])
+        info.add_metric([kernels["backend"], str(kernels["arch"] or ""), str(kernels["batch_invariant"]).lower(),
+                         str(kernels["speculation"]).lower()], 1)
+        yield info
 
 
 def _batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:

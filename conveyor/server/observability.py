@@ -28,6 +28,7 @@ def health(engine: AsyncEngine, draining: bool) -> tuple[int, dict]:
         "slots": {"total": core.max_batch_size, "idle": max(core.max_batch_size - running, 0),
                   "processing": running},
         "n_ctx_slot": core.max_model_len,
+        "kernels": core.kernel_report(),
     }
     return (503 if draining else 200), body
 
@@ -75,6 +76,7 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "prefix_caching": core.config.enable_prefix_caching,
         "modalities": {"vision": False, "audio": False},
         "build_info": f"conveyor {_version()}",
+        "kernels": core.kernel_report(),
     }
 
 

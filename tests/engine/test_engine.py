@@ -21,6 +21,7 @@ def _assert_pool_clean(llm: LLM) -> None:
     assert llm.engine.pool.stats().num_used == 0
 
 
+@pytest.mark.batch_invariant
 def test_batched_greedy_equals_one_at_a_time(llm):
     prompts = _prompts(20)
     params = [SamplingParams(temperature=0, max_tokens=4 + 5 * (i % 6), ignore_eos=True) for i in range(20)]
@@ -34,6 +35,7 @@ def test_batched_greedy_equals_one_at_a_time(llm):
     _assert_pool_clean(llm)
 
 
+@pytest.mark.batch_invariant
 def test_seeded_sampling_is_batch_independent(llm):
     prompts = _prompts(16)
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=12, seed=1000 + i, ignore_eos=True)

@@ -18,6 +18,7 @@ def roomy(tiny_checkpoint):
                enable_prefix_caching=False)
 
 
+@pytest.mark.batch_invariant
 def test_preemption_under_tight_budget_keeps_outputs_exact(tiny_checkpoint, roomy):
     # 36 blocks of 16 tokens for 8 requests that each grow to ~9 blocks: rows must be preempted.
     bytes_per_block = roomy.engine.pool_plan.bytes_per_block
@@ -33,6 +34,7 @@ def test_preemption_under_tight_budget_keeps_outputs_exact(tiny_checkpoint, room
     assert tight.engine.pool.all_free()
 
 
+@pytest.mark.batch_invariant
 def test_prefix_cache_hit_is_exact_and_skips_prefill(tiny_checkpoint, roomy):
     llm = LLM(checkpoint=tiny_checkpoint, parallel=8, ctx_size=8 * 512)
     system = "You are a helpful assistant. " * 12
@@ -67,6 +69,7 @@ def test_cache_prompt_false_opts_out(tiny_checkpoint):
     assert request.num_cached_tokens == 0
 
 
+@pytest.mark.batch_invariant
 def test_priority_preemption_is_exact_end_to_end(tiny_checkpoint, roomy):
     llm = LLM(checkpoint=tiny_checkpoint, parallel=2, ctx_size=2 * 512, enable_preemption=True,
               preemption_policy="longest-first", tick_policy="alternate")

@@ -22,6 +22,7 @@ def _params(i: int, **extra) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=20 + 7 * (i % 3), ignore_eos=True, **extra)
 
 
+@pytest.mark.batch_invariant
 def test_batched_greedy_outputs_match_plain_decoding(plain, spec):
     params = [_params(i) for i in range(len(PROMPTS))]
     want = plain.generate(PROMPTS, params)
@@ -34,6 +35,7 @@ def test_batched_greedy_outputs_match_plain_decoding(plain, spec):
     assert spec.engine.pool.stats().num_used == 0
 
 
+@pytest.mark.batch_invariant
 def test_a_looping_request_takes_fewer_steps(plain, spec):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     steps = []
@@ -45,6 +47,7 @@ def test_a_looping_request_takes_fewer_steps(plain, spec):
     assert steps[1] < steps[0]
 
 
+@pytest.mark.batch_invariant
 def test_stops_inside_an_accepted_draft_end_exactly_where_plain_decoding_does(plain, spec):
     base = plain.generate(PROMPTS[:4], [_params(i) for i in range(4)])
     for i, reference in enumerate(base):

@@ -41,6 +41,7 @@ def test_greedy_matches_transformers_float32(checkpoint):
         assert got.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_token_ids else "length")
 
 
+@pytest.mark.batch_invariant
 def test_sixteen_concurrent_bf16_requests_equal_one_at_a_time(checkpoint):
     llm = LLM(checkpoint=checkpoint, parallel=16)
     prompts = [_chat_ids(llm.tokenizer, QUESTIONS[i % 4] + " " * (i // 4) + ("Be brief." if i % 3 else ""))

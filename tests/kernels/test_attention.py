@@ -94,3 +94,13 @@ def test_write_kv_places_rows_in_slots():
     slots = torch.tensor([0, BLOCK_SIZE + 2, 3 * BLOCK_SIZE + 15])
     write_kv(kc, vc, key, -key, slots)
     assert torch.equal(kc[1, 2], key[1]) and torch.equal(vc[3, 15], -key[2]) and torch.equal(kc[0, 0], key[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sdpa_path_matches_the_reference(dtype):
+    """The GPU path (SDPA over the gathered copy, in the activation dtype), run here on CPU tensors."""
+    query, kc, vc, meta = _random_batch([5, 40, 17], [5, 1, 17], dtype)
+    want = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=7)
+    got = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=7, fused=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

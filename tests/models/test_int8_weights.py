@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from conveyor.engine.llm import LLM
@@ -21,6 +22,7 @@ def test_int8_linear_is_close_and_row_invariant():
     assert torch.equal(linear(x), rows)
 
 
+@pytest.mark.batch_invariant
 def test_int8_engine_keeps_batch_invariance(tiny_checkpoint):
     llm = LLM(checkpoint=tiny_checkpoint, parallel=8, weight_dtype="int8")
     prompts = [f"int8 prompt {i} " + "x " * (3 * i) for i in range(8)]

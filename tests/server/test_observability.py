@@ -13,7 +13,7 @@ METRIC_NAMES = [
     "conveyor_prefix_cache_hit_tokens_total", "conveyor_prefix_cache_miss_tokens_total", "conveyor_engine_healthy",
     "conveyor_reclaim_passes_total", "conveyor_prefill_grants_total", "conveyor_mixed_steps_total",
     "conveyor_spec_draft_tokens_total", "conveyor_spec_accepted_tokens_total",
-    "conveyor_kv_evictions_total", "conveyor_kv_blocks_shared",
+    "conveyor_kv_evictions_total", "conveyor_kv_blocks_shared", "conveyor_kernel_backend_info",
 ]
 
 
@@ -58,6 +58,17 @@ def test_props(served):
     assert props["default_generation_settings"]["n_ctx"] == served.core.max_model_len
     assert props["total_slots"] == 4 and props["model_alias"] == served.model
     assert "<|im_start|>" in props["chat_template"]
+    kernels = props["kernels"]
+    backend = served.core.backend
+    assert kernels == {"backend": backend.name, "arch": backend.arch, "batch_invariant": backend.batch_invariant,
+                       "speculation": served.core.scheduler.config.speculative_ngram > 0}
+    assert _get(served, "/health")["kernels"] == kernels
+
+
+def test_kernel_backend_metric_carries_the_backend(served):
+    text = httpx.get(f"{served.url}/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("conveyor_kernel_backend_info{"))
+    assert f'backend="{served.core.backend.name}"' in line and line.endswith(" 1.0")
 
 
 def test_metrics_exposition(served):

@@ -171,6 +171,7 @@ def test_prefix_cache_reports_cached_tokens(served):
     assert r.usage.prompt_tokens_details.cached_tokens >= 64
 
 
+@pytest.mark.batch_invariant
 def test_concurrent_streams_equal_sequential(served):
     """Batched greedy output is the same text as one request at a time."""
     prompts = [("Hello", 12), ("The weather today", 20), ("1 2 3 4", 8), ("Write a poem", 16),
