@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup serve generate test bench clean
+.PHONY: setup serve generate test test-levels bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,8 +23,14 @@ serve: setup
 generate: setup
 	$(VENV)/bin/conveyor generate -p "$(or $(PROMPT),Tell me a short story about a robot.)" $(ARGS)
 
+# The whole suite with the native kernels required (a kernel that does not build fails, never
+# skips), then the kernels at the other ISA levels this machine can build (scripts/kernel-levels.sh).
 test: setup
-	$(PY) -m pytest -q -x $(ARGS)
+	CONVEYOR_REQUIRE_KERNELS=1 $(PY) -m pytest -q -x $(ARGS)
+	PY=$(PY) scripts/kernel-levels.sh
+
+test-levels: setup
+	PY=$(PY) scripts/kernel-levels.sh
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)

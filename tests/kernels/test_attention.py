@@ -12,12 +12,13 @@ paged_attention = backend.paged_attention
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 64, 16, 2, 6, 32
 
 
-def _random_batch(seq_lens, rows_per_seq, dtype, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+def _random_batch(seq_lens, rows_per_seq, dtype, seed=0, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  num_blocks=NUM_BLOCKS):
     """Random paged caches plus metadata where sequence i owns shuffled blocks and its last rows query."""
     gen = torch.Generator().manual_seed(seed)
-    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
-    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
-    blocks = list(range(NUM_BLOCKS))
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    blocks = list(range(num_blocks))
     random.Random(seed).shuffle(blocks)
     max_blocks = max((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
@@ -104,3 +105,81 @@ def test_fused_sdpa_path_matches_the_reference(dtype):
     got = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=7, fused=True)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def _rows_meta(meta, seq, positions):
+    """Metadata for rows of sequence `seq` at `positions` alone (one prefill chunk, or decode rows)."""
+    n = len(positions)
+    return AttentionMetadata(meta.slot_mapping, meta.block_tables[seq:seq + 1], torch.zeros(n, dtype=torch.int32),
+                             torch.tensor(positions, dtype=torch.int32), [max(positions) + 1], [n])
+
+
+# Key counts straddling the vector paths' groups (8 keys on AVX2, 16 on AVX-512 BF16) and their
+# register-blocked shapes: query heads per KV head 1-4, head dims 64 and 128 (9/3/64 is SmolLM2-135M).
+STRADDLING_LENS = [1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 33, 135]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 3, 64), (8, 2, 64), (3, 3, 128),
+                                                     (4, 2, 128), (6, 2, 128), (12, 3, 128)])
+def test_wide_heads_at_every_group_boundary(heads, kv_heads, head_dim):
+    seq_lens = STRADDLING_LENS
+    rows = [min(n, 3) for n in seq_lens]  # the last rows of each: key counts n-2, n-1, n
+    query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, seed=5, heads=heads, kv_heads=kv_heads,
+                                        head_dim=head_dim, num_blocks=48)
+    scale = head_dim ** -0.5
+    got = paged_attention(query, kc, vc, meta, scale=scale)
+    want = reference_paged_attention(query, kc, vc, meta, scale=scale)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    start = 0
+    for i, r in enumerate(rows):  # each row alone, as a decode row would run
+        for j in range(r):
+            pos = int(meta.token_pos[start + j])
+            alone = paged_attention(query[start + j:start + j + 1], kc, vc, _rows_meta(meta, i, [pos]), scale=scale)
+            assert torch.equal(alone, got[start + j:start + j + 1]), (seq_lens[i], pos)
+        start += r
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
+    """A 70-token prompt prefilled whole, in uneven chunks next to other sequences, or one row at a
+    time: every row bitwise the same."""
+    seq_lens = [70, 19, 40]
+    query, kc, vc, meta = _random_batch(seq_lens, [70, 1, 5], torch.bfloat16, seed=6, heads=heads,
+                                        kv_heads=kv_heads, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    whole = paged_attention(query[:70], kc, vc, _rows_meta(meta, 0, list(range(70))), scale=scale)
+    batched = paged_attention(query, kc, vc, meta, scale=scale)
+    assert torch.equal(batched[:70], whole)
+    for chunks in ([3, 13, 1, 37, 16], [8, 8, 9, 45], [70]):
+        start = 0
+        for size in chunks:  # each chunk shares its call with the other sequences' rows
+            rows = list(range(start, start + size))
+            q = torch.cat([query[start:start + size], query[70:]])
+            m = AttentionMetadata(meta.slot_mapping, meta.block_tables,
+                                  torch.tensor([0] * size + [1] + [2] * 5, dtype=torch.int32),
+                                  torch.cat([torch.tensor(rows, dtype=torch.int32), meta.token_pos[70:]]),
+                                  [start + size, 19, 40], [size, 1, 5])
+            out = paged_attention(q, kc, vc, m, scale=scale)
+            assert torch.equal(out[:size], whole[start:start + size]), (chunks, start)
+            assert torch.equal(out[size:], batched[70:])
+            start += size
+    for pos in (0, 7, 8, 15, 16, 69):
+        assert torch.equal(paged_attention(query[pos:pos + 1], kc, vc, _rows_meta(meta, 0, [pos]), scale=scale),
+                           whole[pos:pos + 1])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (6, 2, 32)])
+def test_keys_past_a_row_are_never_read(heads, kv_heads, head_dim):
+    """Cache slots no row may see (past each sequence's end, unowned blocks) hold NaN: no output changes."""
+    seq_lens, rows = [9, 17, 135, 1], [1, 2, 3, 1]
+    query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, seed=7, heads=heads, kv_heads=kv_heads,
+                                        head_dim=head_dim)
+    clean = paged_attention(query, kc, vc, meta, scale=0.125)
+    visible = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, dtype=torch.bool)
+    for i, n in enumerate(seq_lens):
+        for key in range(n):
+            visible[meta.block_tables[i, key // BLOCK_SIZE], key % BLOCK_SIZE] = True
+    kc_nan, vc_nan = kc.clone(), vc.clone()
+    kc_nan[~visible] = float("nan")
+    vc_nan[~visible] = float("nan")
+    assert torch.equal(paged_attention(query, kc_nan, vc_nan, meta, scale=0.125), clean)

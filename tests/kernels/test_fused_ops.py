@@ -16,23 +16,48 @@ def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
     return int((got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max())
 
 
+# 200: a masked 16-lane tail (AVX-512), whole 8-lane groups (AVX2); 77 and 5: tails for both,
+# 5 shorter than one vector.
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_matches_add_then_norm(dtype):
+@pytest.mark.parametrize("n", [200, 77, 5])
+def test_add_rms_norm_matches_add_then_norm(dtype, n):
     gen = torch.Generator().manual_seed(0)
-    x, delta = (torch.randn(9, 200, generator=gen).to(dtype) for _ in range(2))  # 200: a masked tail lane group
-    weight = torch.randn(200, generator=gen).to(dtype)
+    x, delta = (torch.randn(9, n, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(n, generator=gen).to(dtype)
     summed, normed = kernels.add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(summed, x + delta)  # one rounding, exactly torch's add
-    ref = RMSNorm(200, 1e-5, resolve_backend("cpu", settings=KernelSettings(disable=True)))
+    ref = RMSNorm(n, 1e-5, resolve_backend("cpu", settings=KernelSettings(disable=True)))
     ref.weight.data = weight
     want = (ref.weight * (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype))
     assert torch.allclose(normed.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     assert torch.equal(kernels.rms_norm(summed, weight, 1e-5), normed)
+    for r in (0, 4, 8):  # a row alone is bitwise the row in the batch
+        alone_sum, alone = kernels.add_rms_norm(x[r:r + 1], delta[r:r + 1], weight, 1e-5)
+        assert torch.equal(alone_sum, summed[r:r + 1]) and torch.equal(alone, normed[r:r + 1])
+
+
+def test_add_rounds_specials_like_torch():
+    """Ties, overflow to inf, inf - inf and NaN: the residual sum's bits are torch's. A NaN is
+    c10::BFloat16's 0x7FC0 (torch's own vector loops write 0xFFFF, its scalar ones 0x7FC0)."""
+    big = torch.finfo(torch.bfloat16).max
+    tiny = torch.finfo(torch.bfloat16).tiny
+    values = [1.0, 1.0 + 2 ** -7, big, -big, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, tiny, 3.0]
+    x = torch.tensor(values * 3, dtype=torch.bfloat16)[:29]  # 29: tails for 8 and 16 lanes
+    delta = torch.tensor([2 ** -8, 2 ** -8, big, -big, float("-inf"), 1.0, 2.0, -0.0, -0.0, tiny, -3.0] * 3,
+                         dtype=torch.bfloat16)[:29]
+    summed, _ = kernels.add_rms_norm(x[None], delta[None], torch.ones(29, dtype=torch.bfloat16), 1e-5)
+    want = x + delta
+    nan = want.isnan()
+    assert nan.any() and torch.equal(summed[0].isnan(), nan)
+    assert torch.equal(summed[0][~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert (summed[0][nan].view(torch.int16) == 0x7FC0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype):
-    gate_up = (torch.randn(5, 2 * 120, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+# 120: whole 8-lane groups, a 16-lane tail; 100 and 13: tails for both (13: one 8-lane vector and a tail).
+@pytest.mark.parametrize("inter", [120, 100, 13])
+def test_silu_mul_matches_torch(dtype, inter):
+    gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     got = kernels.silu_mul(gate_up)
@@ -42,7 +67,9 @@ def test_silu_mul_matches_torch(dtype):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("head_dim", [64, 24])  # 24: half not a multiple of 16 takes the scalar loop
+# 64 and 128: vector paths everywhere; 16 and 48: half a multiple of 8, not of 16 (vector on AVX2,
+# scalar on AVX-512); 24: half not a multiple of 8 takes the scalar loop.
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 48, 24])
 def test_rope_write_kv_is_torch_rotary_bit_for_bit(head_dim):
     gen = torch.Generator().manual_seed(2)
     tokens, heads, kv_heads = 7, 4, 2
@@ -59,3 +86,15 @@ def test_rope_write_kv_is_torch_rotary_bit_for_bit(head_dim):
     assert torch.equal(q, qk[:, :heads])
     assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[slots], qk[:, heads:])
     assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[slots], v.view(tokens, kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 33, 49152])
+def test_argmax_rows_first_max_wins(n):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, n, generator=gen)
+    logits[1] = 0.5  # all equal: index 0
+    logits[2, n // 2:] = float("inf")  # ties at +inf: the first one
+    logits[3] = float("-inf")
+    logits[4, -1] = 100.0  # the max in the tail
+    got = kernels.argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))

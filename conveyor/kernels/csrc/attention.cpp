@@ -52,6 +52,28 @@ inline float dot(const float* q, const scalar_t* k, int64_t n) {
   return s;
 }
 
+// The register-blocked passes share one signature:
+// (q or scores, first key, num keys, cache, block table, block size, block stride, token stride, head offset, out)
+template <typename scalar_t>
+using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t,
+                        int64_t, float*);
+
+enum class Pass { kScores, kWeightedSum };
+
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+// Pass 1 for bf16 straight from the bf16 query heads (G x D), the scale applied by the pass:
+// (q heads, scale, first key, num keys, K cache, V cache, block table, block size, block stride,
+// token stride, head offset, scores).
+using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const c10::BFloat16*,
+                              const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float*);
+
+// Cache rows are scattered over the pool by the block tables, so the hardware prefetcher
+// cannot follow them: at 32 rows x 135 keys the K/V reads are ~100 MB per step.
+inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 // bf16 rows with D % 16 == 0: explicit AVX-512 (the generic loops above do not vectorize
@@ -126,14 +148,6 @@ void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BF
   }
 }
 
-// Both register-blocked passes share one signature:
-// (q or scores, first key, num keys, cache, block table, block size, block stride, token stride, head offset, out)
-template <typename scalar_t>
-using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t,
-                        int64_t, float*);
-
-enum class Pass { kScores, kWeightedSum };
-
 template <Pass P, int G, int DV>
 PassFn<c10::BFloat16> pass_fn() {
   return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16<G, DV>;
@@ -157,21 +171,168 @@ PassFn<c10::BFloat16> fast_pass(const c10::BFloat16*, int64_t G, int64_t D) {
   if (D == 128) return pick_pass<P, 8>(G);
   return nullptr;
 }
+#elif defined(CONVEYOR_AVX2)
+// AVX2 + FMA (x86-64-v3): 8 fp32 lanes, 16 ymm registers, no masks and no bf16 dot products.
+// One 256-bit load holds 16 bf16; a shift widens its even elements and a mask its odd ones (no
+// cross-lane shuffle), and the fp32 side (q, or the accumulators) is laid out to match.
+
+// Pass 1 for bf16 with D = 16 * DH and G query heads per KV head, 8 keys at a time. Each score
+// is one FMA chain over its 8 lanes (lane l takes elements 16h + 2l, then 16h + 2l + 1, for
+// h = 0, 1, ..), then the lanes' fixed tree (reduce_add8: the same tree for every key of the
+// group, with one horizontal pass for 8 keys instead of 8). Slots past the last key repeat the
+// group's first row and are never stored, so a row's scores depend only on its own keys.
+// q * scale is rounded once, as the generic path does.
+template <int G, int DH>
+void scores_avx2(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
+                 const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
+                 int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+  constexpr int D = 16 * DH;
+  const int bs_shift = __builtin_ctzll(BS);
+  alignas(32) float qf[G][DH][2][8];  // [g][h][0]: elements 16h + 2l; [g][h][1]: 16h + 2l + 1
+  for (int g = 0; g < G; ++g)
+    for (int h = 0; h < DH; ++h)
+      for (int l = 0; l < 8; ++l) {
+        qf[g][h][0][l] = to_float(q_heads[g * D + 16 * h + 2 * l]) * scale;
+        qf[g][h][1][l] = to_float(q_heads[g * D + 16 * h + 2 * l + 1]) * scale;
+      }
+  const int64_t last = first + num_keys;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, num_keys - j0);
+    const c10::BFloat16* k[8];
+    for (int i = 0; i < 8; ++i)  // past the last key: the group's first row again, never stored
+      k[i] = kc + cache_row(table, first + j0 + (i < n ? i : 0), bs_shift, kv_block, kv_tok, kv_offset);
+    // This group's values for pass 3, and the keys 16 ahead for this pass.
+    for (int64_t key = first + j0; key < first + j0 + n; ++key) {
+      prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      if (key + 16 < last) prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+    }
+    __m256 part[G][8];
+    for (int i = 0; i < 8; i += 2) {  // two keys per sweep: each q vector loaded once for both
+      __m256 a[G], b[G];
+      for (int g = 0; g < G; ++g) a[g] = b[g] = _mm256_setzero_ps();
+      if (i < n) {
+        for (int h = 0; h < DH; ++h) {
+          __m256 ea, oa, eb, ob;
+          conveyor_vec::load_bf16_even_odd(k[i] + 16 * h, ea, oa);
+          conveyor_vec::load_bf16_even_odd(k[i + 1] + 16 * h, eb, ob);
+          for (int g = 0; g < G; ++g) {
+            const __m256 qe = _mm256_load_ps(qf[g][h][0]);
+            a[g] = _mm256_fmadd_ps(qe, ea, a[g]);
+            b[g] = _mm256_fmadd_ps(qe, eb, b[g]);
+            const __m256 qo = _mm256_load_ps(qf[g][h][1]);
+            a[g] = _mm256_fmadd_ps(qo, oa, a[g]);
+            b[g] = _mm256_fmadd_ps(qo, ob, b[g]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        part[g][i] = a[g];
+        part[g][i + 1] = b[g];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = conveyor_vec::reduce_add8(part[g]);
+      float* dst = scores + g * num_keys + j0;
+      if (n == 8) {
+        _mm256_storeu_ps(dst, s);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, s);
+        std::memcpy(dst, tmp, n * sizeof(float));
+      }
+    }
+  }
+}
+
+// Pass 3 for bf16 with D = 16 * DH: every output element is one FMA chain over the keys in key
+// order (the AVX-512 pass's arithmetic, so the same bits). G x D accumulators do not fit 16
+// registers, so the keys are swept once per CH 16-element chunks of the row (a 64-byte line
+// per key for CH = 2), with G x CH x 2 accumulators held in registers.
+template <int G, int DH, int CH>
+void weighted_sum_avx2(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                       const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                       float* acc_out) {
+  static_assert(DH % CH == 0, "chunks must tile the head");
+  constexpr int D = 16 * DH;
+  const int bs_shift = __builtin_ctzll(BS);
+  for (int c0 = 0; c0 < DH; c0 += CH) {
+    __m256 even[G][CH], odd[G][CH];  // lane l: element 16c + 2l, and 16c + 2l + 1
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) even[g][c] = odd[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset) + 16 * c0;
+      for (int c = 0; c < CH; ++c) {
+        __m256 e, o;
+        conveyor_vec::load_bf16_even_odd(v + 16 * c, e, o);
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores + g * num_keys + j);
+          even[g][c] = _mm256_fmadd_ps(p, e, even[g][c]);
+          odd[g][c] = _mm256_fmadd_ps(p, o, odd[g][c]);
+        }
+      }
+    }
+    // Back in element order: pairs (0 1 2 3 | 8 9 10 11) and (4 5 6 7 | 12 13 14 15), then the halves.
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) {
+        const __m256 lo = _mm256_unpacklo_ps(even[g][c], odd[g][c]);
+        const __m256 hi = _mm256_unpackhi_ps(even[g][c], odd[g][c]);
+        float* dst = acc_out + g * D + 16 * (c0 + c);
+        _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
+  }
+}
+
+template <int DH>
+PassFn<c10::BFloat16> pick_sum_avx2(int64_t G) {
+  switch (G) {  // chunks per sweep: G x CH x 2 accumulators <= 12 of the 16 registers
+    case 1: return weighted_sum_avx2<1, DH, 4>;
+    case 2: return weighted_sum_avx2<2, DH, 2>;
+    case 3: return weighted_sum_avx2<3, DH, 2>;
+    case 4: return weighted_sum_avx2<4, DH, 1>;
+    default: return nullptr;
+  }
+}
+
+// Pass 3 for bf16 with D = 64 or 128 and up to 4 query heads per KV head; nullptr otherwise.
+// Pass 1 runs scores_avx2 (wide_scores_fn), which reads the bf16 query itself.
+template <Pass P>
+PassFn<c10::BFloat16> fast_pass(const c10::BFloat16*, int64_t G, int64_t D) {
+  if (P != Pass::kWeightedSum) return nullptr;
+  if (D == 64) return pick_sum_avx2<4>(G);
+  if (D == 128) return pick_sum_avx2<8>(G);
+  return nullptr;
+}
+
+template <int DH>
+ScoresBf16Fn pick_scores_avx2(int64_t G) {
+  switch (G) {
+    case 1: return scores_avx2<1, DH>;
+    case 2: return scores_avx2<2, DH>;
+    case 3: return scores_avx2<3, DH>;
+    case 4: return scores_avx2<4, DH>;
+    default: return nullptr;
+  }
+}
+
+inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
+  if (D == 64) return pick_scores_avx2<4>(G);
+  if (D == 128) return pick_scores_avx2<8>(G);
+  return nullptr;
+}
+
+inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
+}
 #else
 inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
 }
 #endif
-#if !defined(__AVX512F__)
-template <typename scalar_t>
-using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t,
-                        int64_t, float*);
-enum class Pass { kScores, kWeightedSum };
-#endif
 
 template <Pass P, typename scalar_t>
 PassFn<scalar_t> fast_pass(const scalar_t*, int64_t, int64_t) {
-  return nullptr;  // only bf16 on AVX-512 has the register-blocked paths
+  return nullptr;  // only bf16 on AVX-512 and AVX2 has the register-blocked paths
 }
 
 template <typename scalar_t>
@@ -206,6 +367,13 @@ inline void exp_shifted(float* x, int64_t n, float m) {
   for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)));
   for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
+#elif defined(CONVEYOR_AVX2)
+inline void exp_shifted(float* x, int64_t n, float m) {  // 8 lanes, then the same scalar tail
+  const __m256 vm = _mm256_set1_ps(m);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)));
+  for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+}
 #else
 inline void exp_shifted(float* x, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
@@ -219,14 +387,6 @@ inline void exp_shifted(float* x, int64_t n, float m) {
 // once. Every score is the same chain of pair products in d order (even and odd pairs in two
 // accumulators, added at the end), wherever the key sits in its group of 16, so a row's
 // scores depend only on its own keys. Replaced a per-key reduce_add that dominated decode.
-using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const c10::BFloat16*,
-                              const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float*);
-
-// Cache rows are scattered over the pool by the block tables, so the hardware prefetcher
-// cannot follow them: at 32 rows x 135 keys the K/V reads are ~100 MB per step.
-inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
-}
 
 // r[i] holds 16 dwords of row i; afterwards r[c] holds column c of all 16 rows, in row order.
 inline void transpose16x16_epi32(__m512i r[16]) {
@@ -311,7 +471,7 @@ ScoresBf16Fn pick_dpbf16(int64_t G) {
   }
 }
 
-inline ScoresBf16Fn dpbf16_scores_fn(int64_t G, int64_t D) {
+inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   if (D == 64) return pick_dpbf16<2>(G);
   if (D == 128) return pick_dpbf16<4>(G);
   return nullptr;
@@ -338,8 +498,9 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const float fscale = static_cast<float>(scale);
   const auto fast_sum = fast_pass<Pass::kWeightedSum>(vc, G, D);
   const auto fast_qk = fast_pass<Pass::kScores>(kc, G, D);
-#if defined(__AVX512BF16__)
-  const ScoresBf16Fn dp_qk = std::is_same_v<scalar_t, c10::BFloat16> ? dpbf16_scores_fn(G, D) : nullptr;
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+  // Pass 1 straight from the bf16 query: vdpbf16ps (AVX-512 BF16) or scores_avx2.
+  const ScoresBf16Fn dp_qk = std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
 #else
   const void* dp_qk = nullptr;
 #endif
@@ -355,7 +516,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
       // Pass 1: scores, in key order.
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
       if (dp_qk != nullptr)
         dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + kvh * G * D), fscale, first, num_keys,
               reinterpret_cast<const c10::BFloat16*>(kc), reinterpret_cast<const c10::BFloat16*>(vc), table, BS,

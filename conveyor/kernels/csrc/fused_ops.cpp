@@ -2,7 +2,7 @@
 // rotary + KV write, greedy argmax). Each replaces several torch ops (and their per-op
 // dispatch cost, which dominates at decode sizes) with one pass over the row, rounds to the
 // activation dtype wherever torch's op chain would, and reduces every row in a fixed order
-// of its own. bf16 rows take AVX-512 paths; other dtypes take the scalar templates.
+// of its own. bf16 rows take AVX-512 or AVX2 paths; other dtypes take the scalar templates.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -91,6 +91,68 @@ void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* d
     }
   });
 }
+#elif defined(CONVEYOR_AVX2)
+using namespace conveyor_vec;
+
+// 8 lanes at a time; a row's last n % 8 elements are loaded zero-padded and stored lane by lane.
+// The squares are the AVX-512 path's 16 lane sums (lanes 0-7 and 8-15 of every 16 elements in
+// two accumulators, zeros past the end) and GCC's _mm512_reduce_add_ps tree across them, so the
+// statistics, and with them the output bits, match a GCC AVX-512 build's. Pointers and sizes are
+// copied into locals: the vector stores may alias anything and would make the compiler reload
+// the lambda's captures every iteration.
+template <>
+void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* delta, const c10::BFloat16* w,
+                                  c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+    const int64_t len = n;
+    const c10::BFloat16* const xs = x;
+    const c10::BFloat16* const ds = delta;
+    const c10::BFloat16* const ws = w;
+    c10::BFloat16* const os = out;
+    c10::BFloat16* const ss = sum_out;
+    const float feps = eps;
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* xr = xs + r * len;
+      if (ds != nullptr) {
+        const c10::BFloat16* dr = ds + r * len;
+        c10::BFloat16* sr = ss + r * len;
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) store_bf16(sr + j, _mm256_add_ps(load_bf16(xr + j), load_bf16(dr + j)));
+        if (j < len)
+          store_bf16_tail(sr + j, _mm256_add_ps(load_bf16_tail(xr + j, len - j), load_bf16_tail(dr + j, len - j)),
+                          len - j);
+        xr = sr;
+      }
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= len; j += 16) {
+        const __m256 a = load_bf16(xr + j), b = load_bf16(xr + j + 8);
+        lo = _mm256_fmadd_ps(a, a, lo);
+        hi = _mm256_fmadd_ps(b, b, hi);
+      }
+      if (j < len) {  // the last, partial 16: the lanes past the end would add 0 * 0
+        const __m256 a = load_bf16(xr + j, len - j);
+        lo = _mm256_fmadd_ps(a, a, lo);
+        if (j + 8 < len) {
+          const __m256 b = load_bf16_tail(xr + j + 8, len - j - 8);
+          hi = _mm256_fmadd_ps(b, b, hi);
+        }
+      }
+      const float inv = 1.f / std::sqrt(reduce_add(_mm256_add_ps(hi, lo)) / static_cast<float>(len) + feps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      c10::BFloat16* o = os + r * len;
+      j = 0;
+      for (; j + 8 <= len; j += 8) {
+        const __m256 normed = round_bf16(_mm256_mul_ps(load_bf16(xr + j), vinv));
+        store_bf16(o + j, _mm256_mul_ps(load_bf16(ws + j), normed));
+      }
+      if (j < len) {
+        const __m256 normed = round_bf16(_mm256_mul_ps(load_bf16_tail(xr + j, len - j), vinv));
+        store_bf16_tail(o + j, _mm256_mul_ps(load_bf16_tail(ws + j, len - j), normed), len - j);
+      }
+    }
+  });
+}
 #endif
 
 // silu(gate) * up over a fused (T, 2I) gate|up row: silu rounds to the dtype, then the product does.
@@ -123,6 +185,30 @@ void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* o
         const __m512 silu = round_bf16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         store_bf16(out + r * inter + j, _mm512_mul_ps(silu, load_bf16(u + j, mask)), mask);
       }
+    }
+  });
+}
+#elif defined(CONVEYOR_AVX2)
+inline __m256 silu_times(__m256 gf, __m256 up) {  // the AVX-512 path's ops, 8 lanes
+  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gf));
+  const __m256 silu = round_bf16(_mm256_div_ps(gf, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  return _mm256_mul_ps(silu, up);
+}
+
+template <>
+void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+    const int64_t len = inter;  // locals: the vector stores may alias the captures
+    const c10::BFloat16* const src = gate_up;
+    c10::BFloat16* const dst = out;
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = src + r * 2 * len;
+      const c10::BFloat16* u = g + len;
+      c10::BFloat16* o = dst + r * len;
+      int64_t j = 0;
+      for (; j + 8 <= len; j += 8) store_bf16(o + j, silu_times(load_bf16(g + j), load_bf16(u + j)));
+      if (j < len)
+        store_bf16_tail(o + j, silu_times(load_bf16_tail(g + j, len - j), load_bf16_tail(u + j, len - j)), len - j);
     }
   });
 }
@@ -161,6 +247,22 @@ inline void rotate_head<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat
     const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + d), load_bf16(cos + d)));
     const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(x + (d + half) % D), load_bf16(ssin + d)));
     store_bf16(out + d, _mm512_add_ps(a, b));
+  }
+}
+#elif defined(CONVEYOR_AVX2)
+// Same ops 8 lanes at a time; lanes would straddle the roll unless half the head is a multiple of 8.
+template <>
+inline void rotate_head<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* ssin,
+                                       c10::BFloat16* out, int64_t D) {
+  const int64_t half = D / 2;
+  if (half % 8 != 0) {
+    rotate_head_scalar(x, cos, ssin, out, D);
+    return;
+  }
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 a = round_bf16(_mm256_mul_ps(load_bf16(x + d), load_bf16(cos + d)));
+    const __m256 b = round_bf16(_mm256_mul_ps(load_bf16(x + (d + half) % D), load_bf16(ssin + d)));
+    store_bf16(out + d, _mm256_add_ps(a, b));
   }
 }
 #endif

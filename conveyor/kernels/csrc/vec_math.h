@@ -1,11 +1,18 @@
-// Vector helpers shared by the kernels. bf16 rows: 16 lanes in fp32, rounded back exactly as
-// c10::BFloat16 does (round to nearest even, NaN -> 0x7FC0), so vector code keeps the bits of
-// torch's scalar ops. Row max/sum: reductions whose order depends only on the row's length.
+// Vector helpers shared by the kernels. bf16 rows: 16 lanes (AVX-512) or 8 lanes (AVX2) in
+// fp32, rounded back exactly as c10::BFloat16 does (round to nearest even, NaN -> 0x7FC0), so
+// vector code keeps the bits of torch's scalar ops. Row max/sum: reductions whose order depends
+// only on the row's length.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// AVX2 + FMA without AVX-512 (x86-64-v3: Haswell and later Intel client CPUs, AMD Zen 1-3):
+// the kernels take 8-lane __m256 paths under this macro.
+#define CONVEYOR_AVX2 1
 #endif
 
 namespace conveyor_vec {
@@ -70,6 +77,122 @@ inline float row_sum(const float* x, int64_t n) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
   float s = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+#elif defined(CONVEYOR_AVX2)
+// AVX2 has no mask registers: a row's last n % 8 elements go through a small zero-padded
+// buffer (load_bf16_tail / store_bf16_tail), so neither reads nor writes leave the row.
+
+inline __m256 load_bf16(const void* p) {  // 8 bf16 -> 8 fp32
+  const __m128i bits = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline __m256 load_bf16_tail(const void* p, int64_t n) {  // n < 8 bf16, the other lanes 0
+  alignas(16) uint16_t buf[8] = {0};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
+  return load_bf16(buf);
+}
+
+inline __m256 load_bf16(const void* p, int64_t remaining) {
+  return remaining >= 8 ? load_bf16(p) : load_bf16_tail(p, remaining);
+}
+
+// 16 bf16 (one 256-bit load) as two fp32 vectors: even elements 0, 2, .., 14 and odd 1, 3, .., 15.
+// No cross-lane shuffle, so it is the cheapest way to widen bf16 where the caller can live with
+// the interleaved order (dot products, per-element sums that are put back in order at the end).
+inline void load_bf16_even_odd(const void* p, __m256& even, __m256& odd) {
+  const __m256i bits = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// fp32 -> bf16 bits in the top half of each dword (low half zero): round to nearest even,
+// NaN -> 0x7FC0, exactly c10::BFloat16's rounding.
+inline __m256i round_bf16_bits_hi(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
+}
+
+inline __m128i to_bf16_bits(__m256 v) {  // 8 bf16, in order
+  const __m256i r = _mm256_srli_epi32(round_bf16_bits_hi(v), 16);  // every dword <= 0xFFFF: packus keeps it
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline void store_bf16(void* p, __m256 v) { _mm_storeu_si128(static_cast<__m128i*>(p), to_bf16_bits(v)); }
+
+inline void store_bf16_tail(void* p, __m256 v, int64_t n) {  // the first n < 8 lanes only
+  alignas(16) uint16_t buf[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), to_bf16_bits(v));
+  std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+
+// What a bf16 op hands the next one: the fp32 result rounded to bf16, widened again.
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(round_bf16_bits_hi(v)); }
+
+// exp(x) on [-87, 88] (clamped): the AVX-512 exp_ps's Cody-Waite reduction and degree-6
+// polynomial. 2^k is built in the exponent field (k is in [-126, 127], a normal float), and
+// p * 2^k rounds once, as scalef does.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Fixed trees across the 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7)) for the sum.
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight rows' sums at once: out lane i = sum of v[i]'s lanes, by the same tree for every i
+// ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)), so no sum depends on which slot its row sits in.
+inline __m256 reduce_add8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float row_max(const float* x, int64_t n) {  // max is order-free, so vector lanes are safe
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(x + j));
+  float m = reduce_max(best);
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// 8 lane sums (lane l takes l, l + 8, ...), a fixed tree across lanes, then the tail in order.
+inline float row_sum(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
+  float s = reduce_add(acc);
   for (; j < n; ++j) s += x[j];
   return s;
 }

@@ -1,0 +1,152 @@
+"""Our bf16 GEMM (conveyor/kernels/csrc/gemm.cpp) at one ISA level against oneDNN and F.linear.
+
+The level is the one CONVEYOR_KERNEL_ARCH selects (read through conveyor.kernels.cpu_backend()),
+so the same script measures every level this machine runs:
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 CONVEYOR_KERNEL_ARCH=x86-64-v3 python benchmarks/gemm_levels.py
+    CONVEYOR_KERNEL_ARCH=skylake-avx512 python benchmarks/gemm_levels.py
+    CONVEYOR_KERNEL_ARCH=native python benchmarks/gemm_levels.py
+
+(ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA cap torch and oneDNN at the same level, as on an AVX2
+machine.) Shapes are SmolLM2-135M's linears (out x in): qkv 960x576, o 576x576, gate_up
+3072x576, down 576x1536, lm_head 49152x576, at M = 1, 16, 32, 128, 512 rows. Columns:
+- ours: RowInvariantLinear's path (gemm.pack once, gemm.linear per call, bf16 out);
+- oneDNN bf16: torch.ops.mkldnn._linear_pointwise on a weight reordered for that M
+  (_reorder_linear_weight(w, M)), RowInvariantLinear's fallback; n/a where oneDNN has no bf16
+  linear (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, so not under ONEDNN_MAX_CPU_ISA=AVX2:
+  there RowInvariantLinear falls back to F.linear);
+- oneDNN fp32: the same in fp32 (x, weight and output fp32): what an AVX2 machine's oneDNN does at
+  full speed, reading twice the weight bytes;
+- F.linear: torch.nn.functional.linear on the plain (N, K) bf16 weight.
+"best torch / ours" is the fastest torch column's time over ours (> 1: ours is faster).
+Each call takes the next of several copies of the weight, enough copies for --stream-mb MB
+(default 256, several times any L3 here), so weights come from memory as in a decode step, where
+the other layers' weights pass through the caches in between (--stream-mb 0: one copy, the
+cache-resident view). Each entry is the median over ~2 ms blocks of calls, --seconds per entry
+(at least 5 blocks; the machine may be shared), after warm-up. GFLOP/s = 2 M N K / time;
+"W GB/s" is our weight stream (bytes of the bf16 weight per call / time), the number to hold
+against memory bandwidth at M = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from conveyor.kernels import cpu_backend
+from offline_throughput import emit_table, machine
+
+SHAPES = {  # name -> (out_features N, in_features K)
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def time_call(fn: Callable[[], object], seconds: float, min_blocks: int = 5, block_s: float = 0.002) -> float:
+    """Median seconds per call over timed blocks of calls (each block ~block_s, as many blocks as
+    fit in `seconds`, at least min_blocks). Short blocks: on a shared machine a preempted thread
+    spoils a few blocks, not all of them, and the median keeps out of them."""
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, int(block_s / once))
+    blocks = max(min_blocks, min(1000, int(seconds / (once * calls))))
+    samples = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def cycling(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs the next of `fns` on each call (one per weight copy)."""
+    state = {"i": 0}
+
+    def call() -> object:
+        i = state["i"]
+        state["i"] = (i + 1) % len(fns)
+        return fns[i]()
+
+    return call
+
+
+def time_onednn(x: torch.Tensor, weights: list[torch.Tensor], m: int, repeats: int) -> float | None:
+    """oneDNN's linear in x's dtype on weights reordered for M rows; None where oneDNN has no such
+    path (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(x.dtype), m) for w in weights]
+    except (RuntimeError, AttributeError):
+        return None
+    return time_call(cycling([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                              for p in packed]), repeats)
+
+
+def read_bandwidth(seconds: float) -> float:
+    """GB/s of torch.sum over 256 MB of fp32 (this process's threads): the M = 1 yardstick."""
+    data = torch.ones(64 * 2**20)
+    return data.numel() * 4 / time_call(lambda: data.sum(), seconds) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="1,16,32,128,512")
+    parser.add_argument("--stream-mb", type=float, default=256, help="cycle weight copies totalling this much")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing budget per entry (at least 5 blocks)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-torch", action="store_true", help="only our GEMM (skip oneDNN and F.linear)")
+    parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    backend = cpu_backend()
+    if backend.gemm is None:
+        raise SystemExit(f"our GEMM did not build: {backend.errors.get('gemm')}")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = max(1, math.ceil(args.stream_mb * 2**20 / (n * k * 2)))
+        weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for _ in range(copies)]
+        packed = [backend.gemm.pack(w) for w in weights]
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            flops = 2.0 * m * n * k
+            ours = time_call(cycling([lambda p=p: backend.gemm.linear(x, p, n, None) for p in packed]), args.seconds)
+            row = [name, f"{n}x{k}", str(m), f"{ours * 1e3:.3f}", f"{flops / ours / 1e9:.1f}",
+                   f"{n * k * 2 / ours / 1e9:.1f}"]
+            if not args.no_torch:
+                times = [time_onednn(x, weights, m, args.seconds), time_onednn(x.float(), weights, m, args.seconds),
+                         time_call(cycling([lambda w=w: torch.nn.functional.linear(x, w) for w in weights]),
+                                   args.seconds)]
+                for t in times:
+                    row += ["n/a", "n/a"] if t is None else [f"{t * 1e3:.3f}", f"{flops / t / 1e9:.1f}"]
+                row.append(f"{min(t for t in times if t is not None) / ours:.2f}")
+            rows.append(row)
+            print(" | ".join(row), flush=True)
+        del weights, packed
+    header = ["shape", "N x K", "M", "ours ms", "ours GFLOP/s", "ours W GB/s"]
+    if not args.no_torch:
+        header += ["oneDNN bf16 ms", "GFLOP/s", "oneDNN fp32 ms", "GFLOP/s", "F.linear ms", "GFLOP/s",
+                   "best torch / ours"]
+    bandwidth = read_bandwidth(args.seconds)
+    caption = (f"bf16 GEMM, ours = {backend.gemm.backend()} (built for -march={backend.arch}) vs torch "
+               f"(ATen CPU capability {torch.backends.cpu.get_cpu_capability()}). Machine: {machine()}. "
+               f"Median over ~2 ms blocks of calls ({args.seconds:g} s per entry); bf16 weights cycled over copies "
+               f"totalling >= {args.stream_mb:.0f} MB. Read bandwidth (torch.sum, 256 MB fp32): {bandwidth:.1f} GB/s.")
+    emit_table(caption, header, rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
