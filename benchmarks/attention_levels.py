@@ -166,8 +166,9 @@ def main() -> None:
           lambda: ours.rope_write_kv(qkv, cos2, ssin2, kcache, vcache, slots, HEADS), rope_torch, args.repeats)
 
     cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    capped = f", ATEN_CPU_CAPABILITY={cap}" if cap else ""
     caption = (f"Kernels at CONVEYOR_KERNEL_ARCH={ours.arch} (compiled level {level}) vs torch "
-               f"(capability {torch.backends.cpu.get_cpu_capability()}{', ATEN_CPU_CAPABILITY=' + cap if cap else ''}); "
+               f"(capability {torch.backends.cpu.get_cpu_capability()}{capped}); "
                f"medians of {args.repeats} blocks, microseconds per call. {machine()}; load average "
                f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (above the thread count, a parallel "
                f"region waits for a descheduled thread and times jump).")

@@ -199,7 +199,7 @@ def compile_check(arch: str, cxx: str = "c++", kernels: tuple[str, ...] = KERNEL
     from torch.utils.cpp_extension import include_paths
 
     includes = [*include_paths(), sysconfig.get_paths()["include"], str(CSRC)]
-    flags = [f for f in compile_flags(arch) if f != "-O3"] + ["-O1", "-std=c++17", "-fPIC", "-w",
+    flags = [f for f in compile_flags(arch) if f != "-O3"] + ["-O0", "-std=c++17", "-fPIC", "-w",
                                                               "-DTORCH_EXTENSION_NAME=conveyor_check"]
 
     def one(kernel: str) -> str | None:
