@@ -22,8 +22,9 @@ machine.) Shapes are SmolLM2-135M's linears (out x in): qkv 960x576, o 576x576, 
 Each call takes the next of several copies of the weight, enough copies for --stream-mb MB
 (default 256, several times any L3 here), so weights come from memory as in a decode step, where
 the other layers' weights pass through the caches in between (--stream-mb 0: one copy, the
-cache-resident view). Each entry is the median over ~2 ms blocks of calls, --seconds per entry
-(at least 5 blocks; the machine may be shared), after warm-up. GFLOP/s = 2 M N K / time;
+cache-resident view). Each entry is the median over ~2 ms blocks of calls after warm-up, the
+columns' blocks taken in turn (so load from other work falls on all of them alike), --seconds
+per column and entry (at least 5 blocks each). GFLOP/s = 2 M N K / time;
 "W GB/s" is our weight stream (bytes of the bf16 weight per call / time), the number to hold
 against memory bandwidth at M = 1.
 """
@@ -50,24 +51,41 @@ SHAPES = {  # name -> (out_features N, in_features K)
 }
 
 
-def time_call(fn: Callable[[], object], seconds: float, min_blocks: int = 5, block_s: float = 0.002) -> float:
-    """Median seconds per call over timed blocks of calls (each block ~block_s, as many blocks as
-    fit in `seconds`, at least min_blocks). Short blocks: on a shared machine a preempted thread
-    spoils a few blocks, not all of them, and the median keeps out of them."""
+def block_timer(fn: Callable[[], object], block_s: float = 0.002) -> Callable[[], float]:
+    """Warms `fn` up and returns a timer of one block of calls (~block_s): seconds per call."""
     for _ in range(3):
         fn()
     start = time.perf_counter()
     fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(block_s / once))
-    blocks = max(min_blocks, min(1000, int(seconds / (once * calls))))
-    samples = []
-    for _ in range(blocks):
+    calls = max(1, int(block_s / max(time.perf_counter() - start, 1e-7)))
+
+    def block() -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+        return (time.perf_counter() - start) / calls
+
+    return block
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], seconds: float, min_rounds: int = 5) -> dict[str, float]:
+    """Median seconds per call of each fn, timed in rounds that take one short block of each in
+    turn, for about `seconds` per fn (at least min_rounds). On a shared machine a preempted thread
+    spoils a few blocks, not all (the median keeps out of them), and whatever load comes and goes
+    falls on every column alike, so the ratios hold even when the absolute times drift."""
+    timers = {name: block_timer(fn) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    spent: dict[str, float] = {name: 0.0 for name in fns}
+    rounds = 0
+    while rounds < min_rounds or min(spent.values()) < seconds:
+        for name, timer in timers.items():
+            start = time.perf_counter()
+            samples[name].append(timer())
+            spent[name] += time.perf_counter() - start
+        rounds += 1
+        if rounds >= 1000:
+            break
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def cycling(fns: list[Callable[[], object]]) -> Callable[[], object]:
@@ -82,21 +100,20 @@ def cycling(fns: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def time_onednn(x: torch.Tensor, weights: list[torch.Tensor], m: int, repeats: int) -> float | None:
+def onednn_calls(x: torch.Tensor, weights: list[torch.Tensor], m: int) -> Callable[[], object] | None:
     """oneDNN's linear in x's dtype on weights reordered for M rows; None where oneDNN has no such
     path (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not under ONEDNN_MAX_CPU_ISA=AVX2)."""
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(x.dtype), m) for w in weights]
     except (RuntimeError, AttributeError):
         return None
-    return time_call(cycling([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                              for p in packed]), repeats)
+    return cycling([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed])
 
 
 def read_bandwidth(seconds: float) -> float:
     """GB/s of torch.sum over 256 MB of fp32 (this process's threads): the M = 1 yardstick."""
     data = torch.ones(64 * 2**20)
-    return data.numel() * 4 / time_call(lambda: data.sum(), seconds) / 1e9
+    return data.numel() * 4 / time_interleaved({"sum": lambda: data.sum()}, seconds)["sum"] / 1e9
 
 
 def main() -> None:
@@ -104,7 +121,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,16,32,128,512")
     parser.add_argument("--stream-mb", type=float, default=256, help="cycle weight copies totalling this much")
-    parser.add_argument("--seconds", type=float, default=1.0, help="timing budget per entry (at least 5 blocks)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per column and entry (at least 5 blocks)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-torch", action="store_true", help="only our GEMM (skip oneDNN and F.linear)")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
@@ -123,16 +140,21 @@ def main() -> None:
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k, generator=gen).bfloat16()
             flops = 2.0 * m * n * k
-            ours = time_call(cycling([lambda p=p: backend.gemm.linear(x, p, n, None) for p in packed]), args.seconds)
+            fns = {"ours": cycling([lambda p=p: backend.gemm.linear(x, p, n, None) for p in packed])}
+            if not args.no_torch:
+                fns["onednn_bf16"] = onednn_calls(x, weights, m)
+                fns["onednn_fp32"] = onednn_calls(x.float(), weights, m)
+                fns["linear"] = cycling([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
+            times = time_interleaved({key: fn for key, fn in fns.items() if fn is not None}, args.seconds)
+            del fns
+            ours = times["ours"]
             row = [name, f"{n}x{k}", str(m), f"{ours * 1e3:.3f}", f"{flops / ours / 1e9:.1f}",
                    f"{n * k * 2 / ours / 1e9:.1f}"]
             if not args.no_torch:
-                times = [time_onednn(x, weights, m, args.seconds), time_onednn(x.float(), weights, m, args.seconds),
-                         time_call(cycling([lambda w=w: torch.nn.functional.linear(x, w) for w in weights]),
-                                   args.seconds)]
-                for t in times:
+                theirs = [times.get(key) for key in ("onednn_bf16", "onednn_fp32", "linear")]
+                for t in theirs:
                     row += ["n/a", "n/a"] if t is None else [f"{t * 1e3:.3f}", f"{flops / t / 1e9:.1f}"]
-                row.append(f"{min(t for t in times if t is not None) / ours:.2f}")
+                row.append(f"{min(t for t in theirs if t is not None) / ours:.2f}")
             rows.append(row)
             print(" | ".join(row), flush=True)
         del weights, packed
@@ -143,8 +165,9 @@ def main() -> None:
     bandwidth = read_bandwidth(args.seconds)
     caption = (f"bf16 GEMM, ours = {backend.gemm.backend()} (built for -march={backend.arch}) vs torch "
                f"(ATen CPU capability {torch.backends.cpu.get_cpu_capability()}). Machine: {machine()}. "
-               f"Median over ~2 ms blocks of calls ({args.seconds:g} s per entry); bf16 weights cycled over copies "
-               f"totalling >= {args.stream_mb:.0f} MB. Read bandwidth (torch.sum, 256 MB fp32): {bandwidth:.1f} GB/s.")
+               f"Medians over ~2 ms blocks of calls, the columns' blocks interleaved ({args.seconds:g} s per column "
+               f"and entry); bf16 weights cycled over copies totalling >= {args.stream_mb:.0f} MB. "
+               f"Read bandwidth (torch.sum, 256 MB fp32): {bandwidth:.1f} GB/s.")
     emit_table(caption, header, rows, args.out)
 
 

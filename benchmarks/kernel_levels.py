@@ -11,7 +11,8 @@ engine (benchmarks/offline_throughput.py, batch 1 and 16). Levels:
 - avx2:   kernels for x86-64-v3 with torch and oneDNN capped at AVX2 too, i.e. an AVX2 laptop;
 - x86-64: the portable kernels (baseline x86-64), torch capped at its default (SSE) level;
 - torch:  no C++ kernels (CONVEYOR_DISABLE_KERNEL=1): the fallback a machine without a compiler gets,
-          on the uncapped torch build.
+          on the uncapped torch build;
+- torch-avx2: the same fallback with torch and oneDNN capped at AVX2 (the fallback of an AVX2 laptop).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ LEVEL_ENV = {
     "avx2": {"CONVEYOR_KERNEL_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "x86-64": {"CONVEYOR_KERNEL_ARCH": "x86-64", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
     "torch": {"CONVEYOR_DISABLE_KERNEL": "1"},
+    "torch-avx2": {"CONVEYOR_DISABLE_KERNEL": "1", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 
 
