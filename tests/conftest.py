@@ -28,8 +28,3 @@ def pytest_collection_modifyitems(config, items):
 def tiny_checkpoint():
     """A 2-layer random Llama with the real SmolLM2 tokenizer, shared by the whole session."""
     return _tiny_checkpoint()
-
-
-@pytest.fixture(scope="session")
-def test_device() -> str:
-    return TEST_DEVICE
