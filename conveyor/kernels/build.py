@@ -106,9 +106,17 @@ def _headers_digest() -> str:
 
 
 def extension_name(kernel: str, arch: str) -> str:
+    """One build directory per (kernel, arch, CPU, sources, checkout).
+
+    The checkout's path is in the key because torch's build file names the source by path: two
+    checkouts sharing one directory would rebuild it on every alternate start (and block on its lock).
+    """
     slug = re.sub(r"[^A-Za-z0-9]+", "_", arch).strip("_") or "default"
-    features = hashlib.sha1(" ".join(sorted(cpu_features())).encode()).hexdigest()[:8]
-    return f"conveyor_{kernel}_{slug}_{features}"
+    key = hashlib.sha1(" ".join(sorted(cpu_features())).encode())
+    key.update(str(CSRC.resolve()).encode())
+    key.update((CSRC / f"{kernel}.cpp").read_bytes())
+    key.update(" ".join(compile_flags(arch)).encode())
+    return f"conveyor_{kernel}_{slug}_{key.hexdigest()[:10]}"
 
 
 @lru_cache(maxsize=16)

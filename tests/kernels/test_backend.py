@@ -59,6 +59,22 @@ def test_extension_names_are_keyed_by_arch_and_cpu():
     assert build.extension_name("gemm", "x86-64-v3").startswith("conveyor_gemm_x86_64_v3_")
 
 
+def test_extension_names_are_keyed_by_checkout_and_source(tmp_path, monkeypatch):
+    # Two checkouts (or an edited source) must not share one build directory: torch would rebuild it
+    # on every alternate start.
+    here = build.extension_name("gemm", "native")
+    other = tmp_path / "csrc"
+    other.mkdir()
+    for f in build.CSRC.iterdir():
+        if f.suffix in (".cpp", ".h"):
+            (other / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(build, "CSRC", other)
+    elsewhere = build.extension_name("gemm", "native")
+    assert elsewhere != here
+    (other / "gemm.cpp").write_text((other / "gemm.cpp").read_text() + "\n// edited\n")
+    assert build.extension_name("gemm", "native") not in (here, elsewhere)
+
+
 def test_first_error_picks_the_compiler_error():
     log = ("Error building extension 'x':\n[1/2] c++ -c gemm.cpp\nFAILED: gemm.o\n"
            "gemm.cpp:157:7: error: 'conveyor_amx' has not been declared\n  157 | ...\n")

@@ -103,7 +103,7 @@ def test_cli_process_exits_0_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.server.cli", "--port", str(port), "--parallel", "2",
                              "--ctx-size", "2048"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a first start may build the kernels
         while True:
             assert proc.poll() is None, f"server died: {(tmp_path / 'server.log').read_text()}"
             assert time.monotonic() < deadline, "server did not become healthy"
