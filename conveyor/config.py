@@ -90,6 +90,19 @@ class ServerConfig:
     metrics: bool = False
     served_model_name: str | None = None
     shutdown_grace_seconds: float = 30.0
+    # Request limits (server/limits.py): refused with 413 / 400 before anything is tokenized.
+    max_request_bytes: int = 8 << 20
+    max_json_depth: int = 64
+    max_messages: int = 2048
+    max_prompt_chars: int = 1_000_000
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_logit_bias: int = 300
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
+                     "max_stop_strings", "max_logit_bias"):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1")
 
 
 class ConfigError(ValueError):
@@ -190,6 +203,14 @@ FLAGS: list[Flag] = [
     Flag(("--metrics",), "metrics", switch=True, help="expose Prometheus /metrics"),
     Flag(("--served-model-name", "--alias"), "served_model_name", help="model id reported by /v1/models"),
     Flag(("--shutdown-grace-seconds",), "shutdown_grace_seconds", float, "in-flight grace period on SIGTERM"),
+    Flag(("--max-request-bytes",), "max_request_bytes", int, "largest request body in bytes (HTTP 413 beyond)"),
+    Flag(("--max-json-depth",), "max_json_depth", int, "deepest nesting of arrays/objects in a request body"),
+    Flag(("--max-messages",), "max_messages", int, "most chat messages in one request"),
+    Flag(("--max-prompt-chars",), "max_prompt_chars", int,
+         "most prompt characters (or prompt token ids) in one request, checked before tokenization"),
+    Flag(("--max-n",), "max_n", int, "most choices (n) per request"),
+    Flag(("--max-stop-strings",), "max_stop_strings", int, "most stop strings, and most stop_token_ids, per request"),
+    Flag(("--max-logit-bias",), "max_logit_bias", int, "most logit_bias entries per request"),
 ]
 
 _FLAG_BY_DEST = {f.dest: f for f in FLAGS}

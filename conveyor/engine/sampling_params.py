@@ -52,7 +52,8 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20", "logprobs")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings", "stop")
-        _check(len(self.stop) <= 16, "at most 16 stop strings are allowed", "stop")
+        # A torch.Generator takes any seed in [-2^63, 2^64); beyond it the seeding would fail inside the forward.
+        _check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed must fit in 64 bits", "seed")
         for token_id, bias in self.logit_bias.items():
             _check(isinstance(token_id, int) and (vocab_size is None or 0 <= token_id < vocab_size),
                    f"logit_bias token id {token_id!r} is out of the vocabulary", "logit_bias")

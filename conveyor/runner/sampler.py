@@ -110,7 +110,7 @@ class Sampler:
         return generator
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]  # no int64 overflow
         top_p = [p.top_p for p in params]
         if all(k >= self.vocab_size for k in top_k) and all(p >= 1.0 for p in top_p):
             return logits

@@ -7,7 +7,6 @@ and shuts it down on exit.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -22,25 +21,25 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import errors, observability
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
+from conveyor.server.limits import RequestLimits, check_request, parse_json
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
+from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise errors.invalid(f"The request body is not valid JSON: {exc}") from None
+async def parse_body(request: Request, model: type[Body], limits: RequestLimits) -> Body:
+    data = parse_json(await request.body(), limits)
     if not isinstance(data, dict):
         raise errors.invalid("The request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         raise errors.from_validation(exc) from None
+    check_request(body, limits)
+    return body
 
 
 def _api_key_check(api_key: str | None):
@@ -72,6 +71,9 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.serving, app.state.metrics, app.state.lifecycle = engine, serving, metrics, lifecycle
     errors.install_handlers(app)
+    limits = RequestLimits.from_config(config)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
+    app.add_middleware(CatchAll)  # added last = outermost, so it also catches the size layer's errors
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -83,23 +85,23 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
         async def prometheus() -> Response:
             return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.include_router(_api_router(engine, serving, model_id), dependencies=[Depends(_api_key_check(config.api_key))])
+    app.include_router(_api_router(engine, serving, model_id, limits), dependencies=[Depends(_api_key_check(config.api_key))])
     return app
 
 
-def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str) -> APIRouter:
+def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limits: RequestLimits) -> APIRouter:
     router = APIRouter()
     core = engine.core
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest), arrival)
+        return await serving.chat(request, await parse_body(request, ChatCompletionRequest, limits), arrival)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        return await serving.completion(request, await parse_body(request, CompletionRequest), arrival)
+        return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
 
     def model_card() -> dict:
         cfg = core.model_config
@@ -120,7 +122,7 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str) -> A
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest, limits)
         ids = core.tokenizer.encode(body.text, add_special_tokens=body.add_special)
         if body.with_pieces:
             return {"tokens": [{"id": i, "piece": serving.token_text(i)[0]} for i in ids]}
@@ -128,7 +130,7 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str) -> A
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, limits)
         vocab = core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise errors.invalid(f"token ids must be in [0, {vocab})", "tokens")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -31,7 +32,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: a message quoting client input renders whatever that input holds."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -95,8 +103,4 @@ def install_handlers(app: FastAPI) -> None:
         else:
             error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
         return error.response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {exc}", "server_error").response()
+    # Anything else that escapes a route becomes a 500 in middleware.CatchAll (the connection stays open).

@@ -11,8 +11,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 16  # choices per request; each one takes a queue slot
-
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -50,7 +48,7 @@ class SamplingFields(_Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1)] = 1  # at most --max-n (server/limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
