@@ -91,7 +91,8 @@ class EngineCore:
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
-            speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows), self.kv)
+            speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows), self.kv,
+            stop_checker=self._stop_string_ends)
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, self.backend, seed=config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
@@ -182,20 +183,15 @@ class EngineCore:
             self.pool.check_integrity()  # cheap when idle; proves nothing leaked
         return outputs
 
+    def _stop_string_ends(self, request: Request, token_id: int) -> bool:
+        """The scheduler's stop checker: feeds each appended token to the request's detokenizer, so the
+        scheduler decides the finish reason once (a stop string never relabels a finished request)."""
+        detok = self._detokenizers.get(request.request_id)
+        return detok is not None and detok.add_token(token_id)
+
     def _output_for(self, request: Request, num_new: int, logprob) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        new_tokens = request.output_token_ids[-num_new:]
-        for i, token in enumerate(new_tokens):
-            if detok.add_token(token):  # a stop string: tokens after it never happened
-                del request.output_token_ids[len(request.output_token_ids) - num_new + i + 1:]
-                if not request.is_finished:
-                    self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOP)
-                elif i < len(new_tokens) - 1:
-                    request.status = RequestStatus.FINISHED_STOP  # the stop string came before the length limit
-                new_tokens = new_tokens[:i + 1]
-                break
-        out = self._build_output(request, detok)
-        out.new_token_ids = new_tokens
+        out = self._build_output(request, self._detokenizers[request.request_id])
+        out.new_token_ids = request.output_token_ids[-num_new:]
         out.logprobs = [logprob] if logprob is not None else []
         return out
 

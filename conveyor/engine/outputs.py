@@ -14,7 +14,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start_position: int
-    block_table: list[int]
+    block_table: tuple[int, ...]  # a snapshot: the request's own table may grow after the chunk is built
     sample: bool  # the chunk reaches the sequence's last known token, so a new token is drawn
     sampling_params: SamplingParams
     # Speculative decoding: the last num_draft_tokens of token_ids are unverified guesses; every

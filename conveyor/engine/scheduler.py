@@ -12,7 +12,7 @@ policy (see scheduling_policy.py):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from conveyor.engine.kv_cache_manager import KVCacheManager
@@ -43,12 +43,21 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # speculative tokens proposed (prompt lookup) and scored
     num_accepted_tokens: int = 0  # of those, the ones the model's greedy choice confirmed
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Per finish reason, the prompt and output tokens of the requests that finished with it (counted
+    # once, in finish()): what the clients' usage blocks add up to.
+    prompt_tokens_by_reason: dict[str, int] = field(default_factory=dict)
+    generation_tokens_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+# Called for every token appended to a request, in order; True when a stop string ends the text there.
+StopChecker = Callable[[Request, int], bool]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop_checker: StopChecker | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.stop_checker = stop_checker
         self.waiting: list[Request] = []  # kept sorted by priority_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -204,7 +213,7 @@ class Scheduler:
         needs_history = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
         return ScheduledChunk(
             request_id=request.request_id, token_ids=tokens, start_position=start,
-            block_table=self.kv.block_table(request.request_id),
+            block_table=tuple(self.kv.block_table(request.request_id)),
             sample=start + num_new == request.num_tokens, sampling_params=params,
             prompt_token_ids=request.prompt_token_ids if needs_history else None,
             output_token_ids=request.output_token_ids if needs_history else None,
@@ -237,6 +246,7 @@ class Scheduler:
             if not draft or not self.kv.grow(request, request.num_computed_tokens + 1 + len(draft)):
                 continue
             chunk.token_ids = chunk.token_ids + draft
+            chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
             chunk.num_draft_tokens = len(draft)
             self.stats.num_draft_tokens += len(draft)
             budget -= len(draft)
@@ -265,7 +275,6 @@ class Scheduler:
             accepted = 0
             if chunk.num_draft_tokens and new_tokens:
                 new_tokens, accepted = _verify(chunk, result.verified_token_ids[chunk.request_id])
-                self.stats.num_accepted_tokens += accepted
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
                 request.spec_skip_ticks = 2 ** request.spec_rejections - 1
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
@@ -273,6 +282,7 @@ class Scheduler:
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
             count, status = self._append_tokens(request, new_tokens)
+            self.stats.num_accepted_tokens += min(accepted, count)  # drafts past a stop never happened
             self.kv.cache_computed_blocks(request)  # after the append: accepted drafts fill blocks too
             if not count:
                 continue
@@ -283,11 +293,18 @@ class Scheduler:
         return advanced
 
     def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[int, RequestStatus | None]:
-        """Append in order until one ends the request; tokens past it are dropped, as if decoded one by one."""
+        """Append in order until one ends the request; tokens past it are dropped, as if decoded one by one.
+
+        The finish reason is decided here, once, for every way a request can end by itself: a stop
+        token, a stop string (via stop_checker, which also wins over the length limit of the same
+        token: the text was cut there), max_tokens or the context window.
+        """
         for count, token in enumerate(tokens, start=1):
             request.status = RequestStatus.DECODING
             request.append_output_token(token)
             status = request.check_stop_token()
+            if self.stop_checker is not None and self.stop_checker(request, token):
+                status = RequestStatus.FINISHED_STOP
             if status is None and request.num_tokens >= self.config.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
@@ -309,7 +326,11 @@ class Scheduler:
         self._finished_ids.append(request_id)
         self.stats.num_completed += 1
         reason = request.finish_reason or "unknown"
-        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+        stats = self.stats
+        stats.finished_by_reason[reason] = stats.finished_by_reason.get(reason, 0) + 1
+        stats.prompt_tokens_by_reason[reason] = stats.prompt_tokens_by_reason.get(reason, 0) + request.num_prompt_tokens
+        stats.generation_tokens_by_reason[reason] = (stats.generation_tokens_by_reason.get(reason, 0)
+                                                     + len(request.output_token_ids))
         return request
 
     def finish_all(self, request_ids: Iterable[str], status: RequestStatus, error: str | None = None) -> list[Request]:

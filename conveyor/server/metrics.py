@@ -44,6 +44,17 @@ class EngineCollector(Collector):
         for reason, count in counts.items():
             finished.add_metric([reason], count)
         yield finished
+        # Counted once per request when it finishes, by the same reason: sum(usage) over the responses
+        # that ended with a reason equals its series here.
+        for name, doc, by_reason in (
+                ("conveyor_request_prompt_tokens", "Prompt tokens of finished requests (the whole prompt, cache "
+                 "hits included), by finish reason", stats.prompt_tokens_by_reason),
+                ("conveyor_request_generation_tokens", "Output tokens of finished requests, by finish reason",
+                 stats.generation_tokens_by_reason)):
+            family = CounterMetricFamily(name, doc, labels=["finish_reason"])
+            for reason, value in {**dict.fromkeys(counts, 0), **dict(by_reason)}.items():
+                family.add_metric([reason], value)
+            yield family
         yield _counter("conveyor_prompt_tokens", "Prompt tokens prefilled (prefix-cache hits excluded, "
                        "re-prefill after preemption included)", stats.num_prompt_tokens_computed)
         yield _counter("conveyor_generation_tokens", "Tokens generated", stats.num_generated_tokens)
