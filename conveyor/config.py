@@ -155,7 +155,7 @@ class Flag:
 
 
 FLAGS: list[Flag] = [
-    Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
+    Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (none = the bundled SmolLM2-135M-Instruct)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
     Flag(("--device",), "device", help="auto (cuda, else mps, else cpu), cpu, cuda[:N] or mps"),
     Flag(("--weight-dtype",), "weight_dtype", choices=("auto", "int8"),
@@ -199,7 +199,7 @@ FLAGS: list[Flag] = [
          help="run the torch paths only (no batch invariance, no speculation; for debugging)"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
-    Flag(("--api-key",), "api_key", help="require this bearer token on /v1 routes"),
+    Flag(("--api-key",), "api_key", help="require this bearer token on every route but /health and /metrics"),
     Flag(("--metrics",), "metrics", switch=True, help="expose Prometheus /metrics"),
     Flag(("--served-model-name", "--alias"), "served_model_name", help="model id reported by /v1/models"),
     Flag(("--shutdown-grace-seconds",), "shutdown_grace_seconds", float, "in-flight grace period on SIGTERM"),
@@ -214,6 +214,18 @@ FLAGS: list[Flag] = [
 ]
 
 _FLAG_BY_DEST = {f.dest: f for f in FLAGS}
+_CONFIG_CLASSES = (EngineConfig, ServerConfig)
+
+
+def flag_default(flag: Flag) -> str:
+    """The default as `--help` prints it and docs/server.md states it: on/off for switches, none for None."""
+    for cls in _CONFIG_CLASSES:
+        for f in fields(cls):
+            if f.name == flag.dest:
+                if flag.switch:
+                    return "on" if f.default != flag.negate else "off"
+                return "none" if f.default is None else str(f.default)
+    return "none"
 
 
 def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) -> None:
@@ -221,7 +233,8 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
     for flag in FLAGS:
         if dests is not None and flag.dest not in dests:
             continue
-        kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": f"{flag.help} [env {flag.env}]"}
+        help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env}]".replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": help_text}
         if flag.switch:
             kwargs["action"] = "store_const"
             kwargs["const"] = not flag.negate
