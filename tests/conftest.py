@@ -1,4 +1,6 @@
 import os
+import time
+import weakref
 
 import pytest
 
@@ -8,7 +10,37 @@ import pytest
 TEST_DEVICE = os.environ.get("CONVEYOR_TEST_DEVICE", "cpu")
 os.environ["CONVEYOR_DEVICE"] = TEST_DEVICE
 
+from conveyor.engine.block_pool import BlockPool  # noqa: E402
 from conveyor.testing import tiny_checkpoint as _tiny_checkpoint  # noqa: E402
+
+# Every KV block pool any test builds (engines, servers, bare schedulers), for the check below.
+_POOLS: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()
+_block_pool_init = BlockPool.__init__
+
+
+def _tracked_init(self, *args, **kwargs):
+    _block_pool_init(self, *args, **kwargs)
+    _POOLS.add(self)
+
+
+BlockPool.__init__ = _tracked_init
+INTEGRITY_RETRY_S = 2.0  # a server's engine thread may still be finishing an abort when the test returns
+
+
+@pytest.fixture(autouse=True)
+def _kv_pools_intact():
+    """check_integrity() of every live KV pool after every test (README: "nothing leaks")."""
+    yield
+    for pool in list(_POOLS):
+        deadline = time.monotonic() + INTEGRITY_RETRY_S
+        while True:
+            try:
+                pool.check_integrity()
+                break
+            except (AssertionError, RuntimeError):  # RuntimeError: mutated by an engine thread mid-check
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
 
 
 def pytest_configure(config):
