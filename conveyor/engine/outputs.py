@@ -20,9 +20,9 @@ class ScheduledChunk:
     # Speculative decoding: the last num_draft_tokens of token_ids are unverified guesses; every
     # row from the last known token on is scored (greedy), see Scheduler.update.
     num_draft_tokens: int = 0
-    # Token history for penalties (the request's own lists, not copies); None when unused.
-    prompt_token_ids: list[int] | None = None
-    output_token_ids: list[int] | None = None
+    # Token history for penalties, snapshots like block_table; None when unused.
+    prompt_token_ids: tuple[int, ...] | None = None
+    output_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass

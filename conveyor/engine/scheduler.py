@@ -215,8 +215,8 @@ class Scheduler:
             request_id=request.request_id, token_ids=tokens, start_position=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             sample=start + num_new == request.num_tokens, sampling_params=params,
-            prompt_token_ids=request.prompt_token_ids if needs_history else None,
-            output_token_ids=request.output_token_ids if needs_history else None,
+            prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
+            output_token_ids=tuple(request.output_token_ids) if needs_history else None,
         )
 
     def _add_drafts(self, out: SchedulerOutput) -> None:

@@ -79,7 +79,7 @@ def test_counters_equal_sums_over_outputs_with_stops_inside_drafts(llm):
 def test_scheduled_block_table_is_a_snapshot():
     kv = KVCacheManager(BlockPool(32, enable_caching=False), 4)
     s = Scheduler(SchedulerConfig(max_batch_size=2, max_model_len=128, prefill_chunk_size=8), kv)
-    s.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=8, ignore_eos=True)))
+    s.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5)))
     plan = s.schedule()
     (chunk,) = plan.chunks
     table = chunk.block_table
@@ -87,3 +87,6 @@ def test_scheduled_block_table_is_a_snapshot():
     request = s.requests["a"]
     assert kv.grow(request, 16)  # the request's own table grows (next chunk) ...
     assert chunk.block_table == table and len(kv.block_table("a")) == 4  # ... the chunk's does not
+    assert chunk.output_token_ids == () and chunk.prompt_token_ids == tuple(range(20))  # penalty history
+    request.append_output_token(7)
+    assert chunk.output_token_ids == ()
