@@ -49,12 +49,16 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # stateless; built once, not per request
+
+
 def parse_json(raw: bytes, limits: RequestLimits) -> Any:
     """Bytes -> a JSON value that is safe to validate: bounded depth, finite numbers, valid Unicode."""
     if len(raw) > limits.max_request_bytes:  # the middleware stops most; a body without length ends here
         raise too_large(limits.max_request_bytes)
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        # As json.loads(bytes) decodes (UTF-8/16/32 by BOM); UTF-8-encoded surrogates are caught below.
+        data = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except RecursionError:  # the C scanner recurses per level: thousands of '[' end here
         raise _too_deep(limits.max_json_depth) from None
     except ValueError as exc:  # includes UnicodeDecodeError: bytes that are not UTF-8
@@ -68,30 +72,48 @@ def _too_deep(limit: int) -> APIError:
 
 
 def check_json_value(data: Any, max_depth: int) -> None:
-    """Iterative walk (no recursion, whatever the depth): depth, finite floats, no lone surrogates."""
-    stack: list[tuple[Any, int, tuple]] = [(data, 0, ())]
+    """Iterative walk (no recursion, whatever the depth): depth, finite floats, no lone surrogates.
+
+    Only containers go on the stack, and a path is only built for an error: a list of 16k token
+    ids costs about a millisecond.
+    """
+    if not isinstance(data, (dict, list)):
+        _check_scalar(data, ())
+        return
+    stack: list[tuple[dict | list, int, tuple]] = [(data, 1, ())]
     while stack:
         value, depth, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, float):
-            if not math.isfinite(value):  # 1e999 parses as inf
-                raise errors.invalid(f"numbers must be finite (at '{_dotted(path)}')", _dotted(path) or None)
-        elif isinstance(value, (dict, list)):
-            if depth + 1 > max_depth:
-                raise _too_deep(max_depth)
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    _check_text(key, path + (key,))
+        if depth > max_depth:
+            raise _too_deep(max_depth)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if type(key) is str and not _valid_text(key):
+                raise _bad_text(path + (key,))
+            kind = type(item)
+            if kind is dict or kind is list:
                 stack.append((item, depth + 1, path + (key,)))
+            elif kind is str or kind is float:
+                _check_scalar(item, path + (key,))
 
 
-def _check_text(text: str, path: tuple) -> None:
-    if _SURROGATE.search(text) is not None:
+def _check_scalar(value: Any, path: tuple) -> None:
+    if isinstance(value, str) and not _valid_text(value):
+        raise _bad_text(path)
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf
         param = _dotted(path)
-        raise errors.invalid("strings must be valid Unicode: a lone UTF-16 surrogate (e.g. \\ud800) is not "
-                             f"allowed (at '{param}')" if param else "strings must be valid Unicode", param or None)
+        raise errors.invalid(f"numbers must be finite (at '{param}')" if param else "numbers must be finite",
+                             param or None)
+
+
+def _valid_text(text: str) -> bool:
+    # isascii() is O(1) on CPython (a flag of the string); only non-ASCII text is searched.
+    return text.isascii() or _SURROGATE.search(text) is None
+
+
+def _bad_text(path: tuple) -> APIError:
+    param = _dotted(path)
+    return errors.invalid("strings must be valid Unicode: a lone UTF-16 surrogate (e.g. \\ud800) is not "
+                          f"allowed (at '{param}')" if param else "strings must be valid Unicode", param or None)
 
 
 def _dotted(path: tuple) -> str:
