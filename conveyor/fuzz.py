@@ -19,7 +19,6 @@ import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import hypothesis
