@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 OVERLOADED_MESSAGE = "Server is busy. Retry later."
