@@ -105,6 +105,44 @@ class ServerConfig:
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
 
 
+NODE_ROLES = ("prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Disaggregated serving (docs/distributed.md). node_role None = today's single node, untouched."""
+
+    node_role: str | None = None
+    serving_bind: str | None = None  # host:port of this node's role transport
+    decode_peers: str = ""  # comma-separated host:port
+    prefill_peers: str = ""
+    decode_allowlist: str | None = None  # numeric IP:port list a prefill node checks decode_target against
+    health_check_interval: float = 1.0  # seconds between the router's TCP probes of every peer
+
+    def __post_init__(self) -> None:
+        _require(self.node_role is None or self.node_role in NODE_ROLES,
+                 f"node_role must be one of {', '.join(NODE_ROLES)}")
+        _require(self.health_check_interval > 0, "health_check_interval must be positive")
+        if self.node_role is None:
+            return
+        _require(self.serving_bind is not None, f"--node-role {self.node_role} needs --serving-bind host:port")
+        if self.node_role == "router":
+            _require(bool(self.prefill_peer_list) and bool(self.decode_peer_list),
+                     "--node-role router needs --prefill-peers and --decode-peers")
+
+    @property
+    def decode_peer_list(self) -> list[str]:
+        return _split_peers(self.decode_peers)
+
+    @property
+    def prefill_peer_list(self) -> list[str]:
+        return _split_peers(self.prefill_peers)
+
+
+def _split_peers(text: str) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
 class ConfigError(ValueError):
     pass
 
@@ -211,10 +249,20 @@ FLAGS: list[Flag] = [
     Flag(("--max-n",), "max_n", int, "most choices (n) per request"),
     Flag(("--max-stop-strings",), "max_stop_strings", int, "most stop strings, and most stop_token_ids, per request"),
     Flag(("--max-logit-bias",), "max_logit_bias", int, "most logit_bias entries per request"),
+    Flag(("--node-role",), "node_role", choices=NODE_ROLES,
+         help="disaggregated serving role (absent = single node); see docs/distributed.md"),
+    Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),
+    Flag(("--decode-peers",), "decode_peers",
+         help="router: the decode pool; prefill: fallback decode nodes when the router names none (a,b)"),
+    Flag(("--prefill-peers",), "prefill_peers", help="router: the prefill pool; decode: accepted prefill nodes (a,b)"),
+    Flag(("--decode-allowlist",), "decode_allowlist", extra_env=("MLXCEL_DECODE_ALLOWLIST",),
+         help="prefill: numeric IP:port list that a router-chosen decode_target must be in (unset = any)"),
+    Flag(("--health-check-interval",), "health_check_interval", float,
+         help="router: seconds between TCP probes of every peer's serving address"),
 ]
 
 _FLAG_BY_DEST = {f.dest: f for f in FLAGS}
-_CONFIG_CLASSES = (EngineConfig, ServerConfig)
+_CONFIG_CLASSES = (EngineConfig, ServerConfig, ClusterConfig)
 
 
 def flag_default(flag: Flag) -> str:
@@ -271,6 +319,12 @@ def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | N
     """Precedence: explicit override > CLI flag > environment variable > dataclass default."""
     env = dict(os.environ) if env is None else env
     return (_from_sources(EngineConfig, args, env, overrides), _from_sources(ServerConfig, args, env, overrides))
+
+
+def load_cluster_config(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
+                        **overrides: Any) -> ClusterConfig:
+    env = dict(os.environ) if env is None else env
+    return _from_sources(ClusterConfig, args, env, overrides)
 
 
 def describe(*configs: Any) -> str:

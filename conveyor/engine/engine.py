@@ -13,6 +13,7 @@ from conveyor.config import EngineConfig, parse_kv_budget
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.kv_cache_manager import KVCacheManager
+from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
@@ -99,6 +100,7 @@ class EngineCore:
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.kv_transfer = KVTransfer(self)  # disaggregated roles only; inert otherwise
         del checkpoint  # the fp32 copies of the weights are no longer needed
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
@@ -150,9 +152,19 @@ class EngineCore:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output,
             params.skip_special_tokens)
-        self.scheduler.add_request(request)
+        if request.output_token_ids:  # a handed-off sequence: the prefill node streamed these tokens' text
+            detok = self._detokenizers[request.request_id]
+            for token in request.output_token_ids:
+                detok.add_token(token)
+            detok.take_delta(False)
+        if not self.kv_transfer.admit(request):
+            self.scheduler.add_request(request)
+
+    def drop_detokenizer(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        self.kv_transfer.forget(request_id)
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_CANCELLED)
         return self.final_output(request) if request is not None else None
 
@@ -172,6 +184,8 @@ class EngineCore:
             self.counters.consecutive_failures += 1
             failed = self.scheduler.finish_all([c.request_id for c in plan.chunks], RequestStatus.FINISHED_ERROR,
                                                f"inference backend error: {exc}")
+            for request in failed:
+                self.kv_transfer.forget(request.request_id)
             return [self.final_output(r) for r in failed]
         self.counters.consecutive_failures = 0
         self.counters.num_steps += 1
@@ -179,6 +193,8 @@ class EngineCore:
         counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)
         outputs = [self._output_for(r, n, result.logprobs.get(r.request_id)) for r, n in advanced]
+        if self.kv_transfer.handoff_ids:
+            self.kv_transfer.after_step(outputs)
         if not self.scheduler.has_work():
             self.pool.check_integrity()  # cheap when idle; proves nothing leaked
         return outputs

@@ -89,6 +89,11 @@ class KVCacheManager:
         self.counters.miss_tokens += request.num_tokens - hit.num_tokens
         return True
 
+    def assign(self, request: Request, blocks: list[int]) -> None:
+        """Hand freshly allocated blocks to a request whose KV arrives from elsewhere (a KV import)."""
+        self.req_blocks[request.request_id] = list(blocks)
+        self._req_hashes[request.request_id] = []
+
     # -- growth ------------------------------------------------------------------------------
     def grow(self, request: Request, total_tokens: int) -> bool:
         """Make room for total_tokens; all-or-nothing."""

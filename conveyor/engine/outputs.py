@@ -69,3 +69,5 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # Prefill role only: the sequence left this engine after its first token (engine/kv_transfer.py).
+    kv_handoff: object | None = None

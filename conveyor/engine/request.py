@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_CANCELLED = 5
     FINISHED_ERROR = 6
+    FINISHED_HANDED_OFF = 7  # prefill role: the sequence continues on a decode node
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +32,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_CANCELLED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_HANDED_OFF: "handoff",
 }
 
 

@@ -36,6 +36,16 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
+    # A seeded request handed to another engine (KV handoff) carries its generator's state along.
+    def generator_state(self, request_id: str) -> bytes | None:
+        generator = self._generators.get(request_id)
+        return bytes(generator.get_state().numpy().tobytes()) if generator is not None else None
+
+    def set_generator_state(self, request_id: str, state: bytes) -> None:
+        generator = torch.Generator(device=self.device)
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[request_id] = generator
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits (R, V) float32 -> one token id per row (+ logprobs where asked)."""
         raw_logits = logits

@@ -1,0 +1,134 @@
+"""The frames nodes exchange: msgspec structs as MessagePack, behind a fixed header.
+
+    0      4        5        9
+    | CNVY | version | length | body (length bytes of MessagePack) |
+
+A frame whose magic, version or length is wrong, or whose body does not decode into one of
+the known frame types, raises WireError; the node answers with an ErrorFrame and closes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+MAGIC = b"CNVY"
+VERSION = 1
+HEADER = struct.Struct(">4sBI")  # magic, version, body length
+MAX_FRAME_BYTES = 1 << 30  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
+
+
+class WireError(ValueError):
+    """A malformed, truncated, oversized or unknown frame."""
+
+
+class SamplingWire(msgspec.Struct, forbid_unknown_fields=True):
+    """SamplingParams on the wire; max_tokens None = what the worker's context window leaves."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
+    """Router -> prefill node: one request. decode_target is optional (absent: --decode-peers)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingWire
+    priority: int = 0
+    cache_prompt: bool = True
+    decode_target: str | None = None
+
+
+class KVPayload(msgspec.Struct, forbid_unknown_fields=True):
+    """KV of positions [0, num_tokens): data is (layers, 2, num_tokens, kv_heads, head_dim) row-major."""
+
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    data: bytes
+
+
+class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):
+    """Prefill -> decode node: the sequence after its first token, with its KV and sampler state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingWire
+    kv: KVPayload
+    priority: int = 0
+    num_cached_tokens: int = 0
+    rng_state: bytes | None = None  # the seeded request's generator after its first draw
+
+
+class TokenFrame(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
+    """A delta of a request's stream; num_output_tokens is the worker's own count (exact usage)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    node: str = ""  # the role that produced it: "prefill" or "decode"
+
+
+class ErrorFrame(msgspec.Struct, tag="error", forbid_unknown_fields=True):
+    """A refusal before any token: status is the HTTP status the router should answer with."""
+
+    status: int
+    message: str
+    code: str  # overloaded | invalid_request | bad_frame | forbidden | unavailable
+    param: str | None = None
+
+
+Frame = GenerateFrame | HandoffFrame | TokenFrame | ErrorFrame
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode(frame: Frame) -> bytes:
+    body = _encoder.encode(frame)
+    if len(body) > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return HEADER.pack(MAGIC, VERSION, len(body)) + body
+
+
+def parse_header(header: bytes) -> int:
+    """The body length announced by a header; WireError when it is not ours."""
+    if len(header) != HEADER.size:
+        raise WireError("truncated frame header")
+    magic, version, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise WireError("not a conveyor frame (bad magic)")
+    if version != VERSION:
+        raise WireError(f"unsupported frame version {version} (this node speaks {VERSION})")
+    if length > MAX_FRAME_BYTES:
+        raise WireError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return length
+
+
+def decode(body: bytes) -> Frame:
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed frame: {exc}") from None

@@ -1,0 +1,168 @@
+"""KV handoff between two engines: export a prefilled sequence, import it as a running row.
+
+Export (prefill role): right after the step that sampled a marked request's first token, its
+KV for positions [0, num_computed_tokens) is gathered from the paged cache (contents, not
+block ids), its seeded generator state is saved, and it leaves this engine as
+FINISHED_HANDED_OFF: its blocks are freed (full ones stay in the prefix cache), and the
+step's output for it carries the KVHandoff.
+
+Import (decode role): the request is added with its prompt and first token; instead of being
+queued it allocates blocks, gets the KV written into them and joins the running batch as a
+decode row, bitwise the state a single engine would have. With no free slot or block it is
+queued instead and re-prefilled here (the same bits, as after a preemption).
+
+Both run on the engine thread (inside EngineCore.step / add_request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.request import Request, RequestStatus
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+@dataclass
+class KVBlob:
+    """KV of positions [0, num_tokens): data is (layers, 2, num_tokens, kv_heads, head_dim) row-major."""
+
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    data: bytes
+
+    @property
+    def expected_bytes(self) -> int:
+        element = torch.empty(0, dtype=_DTYPES[self.dtype]).element_size() if self.dtype in _DTYPES else 0
+        return self.num_layers * 2 * self.num_tokens * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass
+class KVHandoff:
+    """What the prefill engine hands over: the sequence's tokens, KV and sampler state."""
+
+    request: Request
+    kv: KVBlob
+    rng_state: bytes | None = None
+
+
+@dataclass
+class TransferStats:
+    num_exported: int = 0
+    num_imported: int = 0  # joined the running batch with the transferred KV
+    num_recomputed: int = 0  # no slot/block at arrival: queued and re-prefilled here
+    exported_bytes: int = 0
+    imported_bytes: int = 0
+
+
+@dataclass
+class KVTransfer:
+    core: object  # EngineCore (not imported: it imports us)
+    handoff_ids: set[str] = field(default_factory=set)
+    stats: TransferStats = field(default_factory=TransferStats)
+    _imports: dict[str, tuple[KVBlob, bytes | None]] = field(default_factory=dict)
+
+    # -- prefill side --------------------------------------------------------------------------
+    def mark_for_handoff(self, request_id: str) -> None:
+        """Call before submitting: the request leaves this engine once its first token is sampled."""
+        self.handoff_ids.add(request_id)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.request_id not in self.handoff_ids:
+                continue
+            self.handoff_ids.discard(out.request_id)
+            if out.finished:  # done at its first token (EOS, max_tokens, stop string, error): nothing to hand off
+                continue
+            request = self.core.scheduler.requests[out.request_id]
+            out.kv_handoff = self._export(request)
+            out.finished = True  # this engine's stream for it ends here (the text delta stays as built)
+            self.core.drop_detokenizer(request.request_id)  # held-back text is the decode node's to emit
+            self.core.scheduler.finish(request.request_id, RequestStatus.FINISHED_HANDED_OFF)
+
+    def forget(self, request_id: str) -> None:
+        self.handoff_ids.discard(request_id)
+        self._imports.pop(request_id, None)
+
+    def _export(self, request: Request) -> KVHandoff:
+        core = self.core
+        slots = self._slots(core.kv.block_table(request.request_id), request.num_computed_tokens)
+        layers = []
+        for key_cache, value_cache in core.runner.kv_caches:
+            heads, dim = key_cache.shape[2], key_cache.shape[3]
+            layers.append(torch.stack((key_cache.view(-1, heads, dim)[slots], value_cache.view(-1, heads, dim)[slots])))
+        kv = torch.stack(layers).cpu().contiguous()  # (L, 2, T, H, D)
+        blob = KVBlob(num_layers=kv.shape[0], num_tokens=kv.shape[2], num_kv_heads=kv.shape[3], head_dim=kv.shape[4],
+                      dtype=_DTYPE_NAMES[kv.dtype], data=kv.view(torch.uint8).numpy().tobytes())
+        self.stats.num_exported += 1
+        self.stats.exported_bytes += len(blob.data)
+        return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id))
+
+    # -- decode side ---------------------------------------------------------------------------
+    def check_layout(self, blob: KVBlob) -> None:
+        """ValueError unless the blob fits this engine's KV cache exactly (any thread)."""
+        core = self.core
+        cfg = core.model_config
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, _DTYPE_NAMES.get(core.dtype))
+        got = (blob.num_layers, blob.num_kv_heads, blob.head_dim, blob.dtype)
+        if want != got:
+            raise ValueError(f"KV layout (layers, kv_heads, head_dim, dtype) {got} does not match this node's {want}")
+        if blob.num_tokens < 1 or len(blob.data) != blob.expected_bytes:
+            raise ValueError(f"KV payload has {len(blob.data)} bytes, expected {blob.expected_bytes}")
+
+    def stage_import(self, request: Request, blob: KVBlob, rng_state: bytes | None = None) -> None:
+        """Call before submitting `request` (prompt + first token): add_request will import the KV."""
+        if blob.num_tokens != request.num_tokens - 1:
+            raise ValueError(f"KV covers {blob.num_tokens} tokens; the sequence needs {request.num_tokens - 1}")
+        self._imports[request.request_id] = (blob, rng_state)
+
+    def admit(self, request: Request) -> bool:
+        """add_request's hook: False when the request is not an import (queue it as usual)."""
+        staged = self._imports.pop(request.request_id, None)
+        if staged is None:
+            return False
+        blob, rng_state = staged
+        core = self.core
+        scheduler = core.scheduler
+        if rng_state is not None:
+            core.runner.sampler.set_generator_state(request.request_id, rng_state)
+        if len(scheduler.running) >= scheduler.config.max_batch_size or not self._scatter(request, blob):
+            self.stats.num_recomputed += 1
+            scheduler.add_request(request)  # re-prefilled here later, bitwise the same KV
+            return True
+        request.num_computed_tokens = blob.num_tokens
+        request.status = RequestStatus.DECODING
+        scheduler.requests[request.request_id] = request
+        scheduler.running.append(request)
+        core.kv.cache_computed_blocks(request)  # its full blocks serve later prefix hits here too
+        self.stats.num_imported += 1
+        self.stats.imported_bytes += len(blob.data)
+        return True
+
+    def _scatter(self, request: Request, blob: KVBlob) -> bool:
+        core = self.core
+        blocks = core.pool.allocate(core.kv.blocks_needed(blob.num_tokens + 1))  # + the first token's own KV
+        if blocks is None:
+            return False
+        core.kv.assign(request, blocks)
+        kv = torch.frombuffer(bytearray(blob.data), dtype=torch.uint8).view(_DTYPES[blob.dtype])
+        kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
+        slots = self._slots(blocks, blob.num_tokens)
+        for layer, (key_cache, value_cache) in enumerate(core.runner.kv_caches):
+            heads, dim = key_cache.shape[2], key_cache.shape[3]
+            key_cache.view(-1, heads, dim)[slots] = kv[layer, 0].to(key_cache.device)
+            value_cache.view(-1, heads, dim)[slots] = kv[layer, 1].to(value_cache.device)
+        return True
+
+    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        block_size = self.core.kv.block_size
+        positions = torch.arange(num_tokens)
+        blocks = torch.tensor(table, dtype=torch.long)
+        return (blocks[positions // block_size] * block_size + positions % block_size).to(self.core.device)
