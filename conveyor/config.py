@@ -125,8 +125,9 @@ class ClusterConfig:
         _require(self.health_check_interval > 0, "health_check_interval must be positive")
         if self.node_role is None:
             return
-        _require(self.serving_bind is not None, f"--node-role {self.node_role} needs --serving-bind host:port")
-        if self.node_role == "router":
+        if self.node_role != "router":  # a router only dials out; its HTTP front is --host/--port
+            _require(self.serving_bind is not None, f"--node-role {self.node_role} needs --serving-bind host:port")
+        else:
             _require(bool(self.prefill_peer_list) and bool(self.decode_peer_list),
                      "--node-role router needs --prefill-peers and --decode-peers")
 

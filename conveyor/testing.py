@@ -57,3 +57,30 @@ def tiny_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
     config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **overrides)
     return Checkpoint(config=config, weights=random_weights(config, seed), tokenizer=tokenizer,
                       source="<tiny random>", name="tiny-random-llama")
+
+
+def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
+    """The tiny random model as a Hugging Face directory, for tests that start real server processes."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    checkpoint = tiny_checkpoint(seed, **overrides)
+    cfg, tokenizer = checkpoint.config, checkpoint.tokenizer
+    os.makedirs(path, exist_ok=True)
+    hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+                 "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                 "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+                 "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                 "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+                 "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+                 "eos_token_id": list(cfg.eos_token_ids)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    save_file({k: v.contiguous() for k, v in checkpoint.weights.items()}, os.path.join(path, "model.safetensors"))
+    tokenizer.backend.save(os.path.join(path, "tokenizer.json"))
+    settings = {"chat_template": tokenizer.chat_template, **tokenizer.special_tokens}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(settings, f)
+    return str(path)

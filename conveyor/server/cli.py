@@ -11,7 +11,8 @@ import sys
 
 import uvicorn
 
-from conveyor.config import ConfigError, EngineConfig, ServerConfig, add_flags, describe, load_configs
+from conveyor.config import (ConfigError, EngineConfig, ServerConfig, add_flags, describe, load_cluster_config,
+                             load_configs)
 
 logger = logging.getLogger("conveyor.server")
 
@@ -30,14 +31,21 @@ def run_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         engine_config, server_config = load_configs(args)
+        cluster_config = load_cluster_config(args)
     except ConfigError as exc:
         print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
         return 2
-    logger.info("effective configuration:\n%s", describe(engine_config, server_config))
+    shown = (engine_config, server_config) + ((cluster_config,) if cluster_config.node_role else ())
+    logger.info("effective configuration:\n%s", describe(*shown))
     from conveyor.loading import LoadError
 
     try:
-        server = build_server(engine_config, server_config)
+        if cluster_config.node_role is None:
+            server = build_server(engine_config, server_config)
+        else:  # disaggregated serving, docs/distributed.md
+            from conveyor.cluster.serve import build_cluster_server
+
+            server = build_cluster_server(engine_config, server_config, cluster_config)
     except (LoadError, ValueError) as exc:  # unreadable model, a context window that does not fit...
         print(f"conveyor serve: cannot start: {exc}", file=sys.stderr)
         return 1

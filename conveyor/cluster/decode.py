@@ -1,0 +1,87 @@
+"""Decode role: take a KV handoff into this engine's pool, decode it in the continuous batch
+with every other row, and stream the continuation back on the handoff's connection.
+
+Closing that connection (prefill node gone, router cancelled) aborts the request here and
+frees its blocks on the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from conveyor.cluster import transport
+from conveyor.cluster.node import FrameServer, refuse, run_unless_closed, to_sampling_params
+from conveyor.cluster.prefill import token_frame
+from conveyor.cluster.wire import Frame, HandoffFrame
+from conveyor.config import ClusterConfig
+from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from conveyor.engine.kv_transfer import KVBlob
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeStats:
+    num_handoffs: int = 0
+    num_refused: int = 0
+    num_cancelled: int = 0
+    received_bytes: int = 0
+
+
+class DecodeNode(FrameServer):
+    role = "decode"
+
+    def __init__(self, engine: AsyncEngine, config: ClusterConfig) -> None:
+        super().__init__(config.serving_bind or "")
+        self.engine = engine
+        self.core = engine.core
+        self.stats = DecodeStats()
+
+    async def handle(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not isinstance(frame, HandoffFrame):
+            raise refuse(400, f"a decode node expects a handoff frame, got {type(frame).__name__}", "bad_frame")
+        core = self.core
+        blob = KVBlob(**{name: getattr(frame.kv, name) for name in frame.kv.__struct_fields__})
+        try:
+            if not frame.output_token_ids:
+                raise ValueError("a handoff carries at least the first token")
+            core.kv_transfer.check_layout(blob)
+            params = to_sampling_params(frame.sampling, frame.sampling.max_tokens or 1)
+            request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority)
+            request.output_token_ids = list(frame.output_token_ids)
+            request.num_cached_tokens = frame.num_cached_tokens
+            core.kv_transfer.stage_import(request, blob, frame.rng_state)
+        except InvalidRequestError as exc:
+            self.stats.num_refused += 1
+            raise refuse(400, str(exc), "invalid_request", exc.param) from None
+        except ValueError as exc:
+            self.stats.num_refused += 1
+            raise refuse(400, f"bad handoff: {exc}", "invalid_request") from None
+        try:
+            stream = self.engine.submit(request)
+        except (QueueFullError, EngineDeadError) as exc:
+            core.kv_transfer.forget(request.request_id)
+            self.stats.num_refused += 1
+            code = "overloaded" if isinstance(exc, QueueFullError) else "unavailable"
+            raise refuse(503, f"decode node cannot take it: {exc}", code) from None
+        self.stats.num_handoffs += 1
+        self.stats.received_bytes += len(blob.data)
+        if await run_unless_closed(self._stream(request.request_id, stream, writer), reader):
+            self.stats.num_cancelled += 1
+
+    async def _stream(self, request_id: str, stream: asyncio.Queue[RequestOutput],
+                      writer: asyncio.StreamWriter) -> None:
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                if out.new_text or out.new_token_ids or finished:
+                    await transport.write_frame(writer, token_frame(out, "decode"))
+        finally:
+            if not finished:
+                self.engine.abort(request_id)

@@ -1,0 +1,52 @@
+"""The router's background health monitor: a TCP connect to every peer's serving address.
+
+It covers the decode pool too, which the router never dials for requests (the prefill
+nodes do): a decode node that stops accepting leaves the rotation before a prefill node
+wastes a handoff on it, and comes back when it accepts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from conveyor.cluster import transport
+from conveyor.cluster.registry import Node, Pool, Registry
+
+PROBE_TIMEOUT_S = 1.0
+
+
+class HealthMonitor:
+    def __init__(self, registry: Registry, interval: float, timeout: float = PROBE_TIMEOUT_S) -> None:
+        self.registry = registry
+        self.interval = interval
+        self.timeout = min(timeout, interval)
+        self.num_rounds = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(pool, node) for pool in self.registry.pools() for node in pool.nodes))
+        self.num_rounds += 1
+
+    async def _run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval)
+
+    async def _probe(self, pool: Pool, node: Node) -> None:
+        try:
+            _, writer = await transport.connect(node.address, self.timeout)
+        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            pool.mark_unreachable(node, f"health probe: {exc or type(exc).__name__}")
+            return
+        transport.close(writer)  # connect-then-close is a probe; nodes expect it
+        pool.mark_online(node)

@@ -1,0 +1,126 @@
+"""What the prefill and decode roles share: a frame server on --serving-bind, probe-tolerant,
+bad-frame-proof, with the EOF watch that turns a closed connection into a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+
+from conveyor.cluster import transport, wire
+from conveyor.cluster.transport import PeerClosed
+from conveyor.cluster.wire import ErrorFrame, Frame, SamplingWire, WireError
+from conveyor.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = tuple(f for f in SamplingWire.__struct_fields__ if f != "max_tokens")
+_TRANSPORT_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError)
+
+
+class Refusal(Exception):
+    """A request turned away before any token: the ErrorFrame to answer with."""
+
+    def __init__(self, frame: ErrorFrame) -> None:
+        super().__init__(frame.message)
+        self.frame = frame
+
+
+def refuse(status: int, message: str, code: str, param: str | None = None) -> Refusal:
+    return Refusal(ErrorFrame(status=status, message=message, code=code, param=param))
+
+
+def to_sampling_params(sampling: SamplingWire, max_tokens: int) -> SamplingParams:
+    """Raises InvalidRequestError for values the engine refuses."""
+    return SamplingParams(max_tokens=max_tokens, **{name: getattr(sampling, name) for name in _SAMPLING_FIELDS})
+
+
+def to_wire(params: SamplingParams) -> SamplingWire:
+    return SamplingWire(max_tokens=params.max_tokens, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+
+
+class FrameServer:
+    """Accepts one request frame per connection and hands it to `handle(frame, reader, writer)`."""
+
+    role = "node"
+
+    def __init__(self, bind: str) -> None:
+        self.bind = bind
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.num_bad_frames = 0
+
+    async def start(self) -> None:
+        host, port = transport.parse_address(self.bind)
+        self._server = await asyncio.start_server(self._accept, host, port, limit=transport.STREAM_LIMIT)
+        logger.info("%s node: role transport listening on %s", self.role, self.bind)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def handle(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            try:
+                frame = await transport.read_frame(reader)
+            except PeerClosed:
+                return  # a health probe: connect, then close
+            except WireError as exc:
+                self.num_bad_frames += 1
+                logger.warning("%s node: rejected a bad frame: %s", self.role, exc)
+                await _try_send(writer, ErrorFrame(status=400, message=str(exc), code="bad_frame"))
+                return
+            except _TRANSPORT_ERRORS:
+                return
+            try:
+                await self.handle(frame, reader, writer)
+            except Refusal as refusal:
+                await _try_send(writer, refusal.frame)
+            except _TRANSPORT_ERRORS:
+                pass  # the peer went away; handle() has released what it held
+            except Exception as exc:  # a bug must cost one request, never the node
+                logger.exception("%s node: request failed", self.role)
+                await _try_send(writer, ErrorFrame(status=500, message=f"{self.role} node error: {exc}",
+                                                   code="internal"))
+        finally:
+            transport.close(writer)
+            self._tasks.discard(task)
+
+
+async def _try_send(writer: asyncio.StreamWriter, frame: Frame) -> None:
+    with contextlib.suppress(*_TRANSPORT_ERRORS):
+        await transport.write_frame(writer, frame)
+
+
+async def until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns when the peer closes (or resets) the connection; nothing more is expected from it."""
+    with contextlib.suppress(*_TRANSPORT_ERRORS):
+        while await reader.read(65536):
+            pass
+
+
+async def run_unless_closed(work: Awaitable[None], reader: asyncio.StreamReader) -> bool:
+    """Run `work` until done, or cancel it when the upstream peer closes first; True if cancelled."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(until_closed(reader))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        cancelled = not task.done()
+        if cancelled:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # re-raises handle()'s own errors when it finished first
+    return cancelled

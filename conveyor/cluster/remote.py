@@ -1,0 +1,154 @@
+"""One request through the cluster: pick nodes, dispatch, fail over, and splice a retried stream.
+
+Each attempt dials a prefill node (round-robin over those online) and names a decode node
+(independently round-robin) in the frame. A transport failure with the prefill node (refused,
+reset, EOF before the final frame) marks it unreachable and the request moves to the next
+online one. Greedy and seeded requests regenerate the same text there, so the first
+`num_chars_sent` characters of the new stream are dropped and the client sees one unbroken
+stream; an unseeded sampled request that already streamed text cannot be spliced and ends
+with an error instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from conveyor.cluster import transport
+from conveyor.cluster.node import _TRANSPORT_ERRORS
+from conveyor.cluster.registry import Node, Registry
+from conveyor.cluster.transport import PeerClosed
+from conveyor.cluster.wire import ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
+from conveyor.engine.outputs import RequestOutput
+
+_BUSY_CODES = {"overloaded", "unavailable"}
+
+
+class DispatchError(Exception):
+    """The request cannot start: status/type/code for the OpenAI-shaped answer."""
+
+    def __init__(self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+                 retry_after: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.retry_after = retry_after
+
+
+def no_prefill() -> DispatchError:
+    return DispatchError(503, "No prefill node is available. Retry later.", "unavailable", "no_prefill_node",
+                         retry_after=True)
+
+
+def no_decode() -> DispatchError:
+    return DispatchError(503, "No decode node is available. Retry later.", "unavailable", "no_decode_node",
+                         retry_after=True)
+
+
+def overloaded() -> DispatchError:
+    return DispatchError(503, "Server is busy. Retry later.", "overloaded", retry_after=True)
+
+
+@dataclass
+class RemoteRequest:
+    registry: Registry
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingWire
+    priority: int = 0
+    cache_prompt: bool = True
+
+    @property
+    def deterministic(self) -> bool:
+        return self.sampling.temperature == 0.0 or self.sampling.seed is not None
+
+    async def stream(self) -> AsyncIterator[RequestOutput]:
+        """RequestOutput deltas (the last has finished=True); DispatchError before the first one."""
+        registry = self.registry
+        tried: list[Node] = []
+        num_chars_sent = 0
+        num_yielded = 0
+        num_output_tokens = 0
+        busy = False
+        attempt = 0
+        while True:
+            node = registry.prefill.pick(exclude=tried)
+            decode = registry.decode.pick()
+            if node is None or decode is None:
+                error = overloaded() if busy else no_prefill() if node is None else no_decode()
+                if not num_yielded:
+                    raise error
+                yield _error_output(self.request_id, error.message, num_output_tokens)
+                return
+            if attempt:
+                registry.stats.num_retries += 1
+            attempt += 1
+            frame = GenerateFrame(request_id=f"{self.request_id}-{attempt}", prompt_token_ids=self.prompt_token_ids,
+                                  sampling=self.sampling, priority=self.priority, cache_prompt=self.cache_prompt,
+                                  decode_target=decode.address)
+            skip = num_chars_sent
+            writer = None
+            node.num_in_flight += 1
+            try:
+                reader, writer = await transport.connect(node.address)
+                node.num_dispatched += 1
+                decode.num_dispatched += 1
+                await transport.write_frame(writer, frame)
+                while True:
+                    reply = await transport.read_frame(reader)
+                    if isinstance(reply, ErrorFrame):
+                        if reply.code in _BUSY_CODES:
+                            busy = True
+                            tried.append(node)
+                            break  # the next node may have room
+                        raise DispatchError(reply.status, reply.message, _error_type(reply.status), reply.code,
+                                            reply.param)
+                    if not isinstance(reply, TokenFrame):
+                        raise WireError(f"unexpected {type(reply).__name__} from a prefill node")
+                    out = _output(self.request_id, reply, num_output_tokens)
+                    num_output_tokens = out.num_output_tokens
+                    if skip:  # a retry regenerates what the client already has
+                        cut = min(skip, len(out.new_text))
+                        out.new_text = out.new_text[cut:]
+                        skip -= cut
+                    num_chars_sent += len(out.new_text)
+                    num_yielded += 1
+                    yield out
+                    if out.finished:
+                        return
+            except (PeerClosed, WireError, *_TRANSPORT_ERRORS) as exc:
+                node.num_failures += 1
+                registry.prefill.mark_unreachable(node, f"dispatch: {exc or type(exc).__name__}")
+                tried.append(node)
+                if num_yielded and not self.deterministic:
+                    yield _error_output(self.request_id, f"prefill node {node.address} failed mid-stream and an "
+                                        "unseeded sampled request cannot be resumed", num_output_tokens)
+                    return
+            finally:
+                node.num_in_flight -= 1
+                transport.close(writer)
+
+
+def _output(request_id: str, frame: TokenFrame, num_output_tokens: int) -> RequestOutput:
+    return RequestOutput(request_id, new_token_ids=list(frame.token_ids), new_text=frame.text,
+                         finished=frame.finished, finish_reason=frame.finish_reason,
+                         num_prompt_tokens=frame.num_prompt_tokens,
+                         num_output_tokens=max(frame.num_output_tokens, num_output_tokens),
+                         num_cached_tokens=frame.num_cached_tokens, error=frame.error)
+
+
+def _error_output(request_id: str, message: str, num_output_tokens: int) -> RequestOutput:
+    return RequestOutput(request_id, finished=True, finish_reason="error", error=message,
+                         num_output_tokens=num_output_tokens)
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+async def cancel_quietly(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - whatever it died of, it is gone
+        pass

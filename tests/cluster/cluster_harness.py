@@ -1,0 +1,98 @@
+"""Real `conveyor serve` processes on free loopback ports: single nodes, prefill/decode nodes, a router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    port: int
+    serving: str | None
+    popen: subprocess.Popen
+    log_path: str
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+
+def start(name: str, model: str | None, log_dir: str, role: str | None = None, extra: list[str] = (),
+          env: dict[str, str] | None = None, serving: bool = True) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "conveyor.server.cli", "--port", str(port), "--threads", "1"]
+    if model is not None:
+        args += ["--model", model]
+    bind = None
+    if role is not None:
+        args += ["--node-role", role]
+        if serving:
+            bind = f"127.0.0.1:{free_port()}"
+            args += ["--serving-bind", bind]
+    args += list(extra)
+    log_path = os.path.join(log_dir, f"{name}.log")
+    process_env = {**os.environ, "CONVEYOR_DEVICE": os.environ.get("CONVEYOR_DEVICE", "cpu"), **(env or {})}
+    with open(log_path, "w") as log:
+        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=process_env,
+                                 start_new_session=True)
+    return Proc(name, port, bind, popen, log_path, args)
+
+
+def wait_healthy(procs: list[Proc], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            assert proc.alive(), f"{proc.name} exited early:\n{proc.log()}"
+            try:
+                if httpx.get(f"{proc.url}/health", timeout=2).status_code == 200:
+                    pending.remove(proc)
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, f"not healthy in time: {[p.name for p in pending]}"
+        time.sleep(0.2)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Seconds it took; fails after timeout."""
+    start_time = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start_time < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start_time

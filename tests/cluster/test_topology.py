@@ -1,0 +1,223 @@
+"""Five real processes on loopback: a single node (the reference), one decode node, two prefill
+nodes and a router, all on the tiny random model. One topology serves every test here, in
+order: outputs first, then failures that kill nodes one by one."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cluster_harness import start, wait_for, wait_healthy
+from conveyor.cluster import wire
+from conveyor.testing import write_tiny_model_dir
+
+pytestmark = [pytest.mark.batch_invariant, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    model = write_tiny_model_dir(root / "tiny-model")
+    logs = str(root)
+    single = start("single", model, logs)
+    decode = start("decode", model, logs, "decode")
+    prefill_a = start("prefill-a", model, logs, "prefill", ["--decode-peers", decode.serving])
+    prefill_b = start("prefill-b", model, logs, "prefill", ["--decode-peers", decode.serving])
+    procs = [single, decode, prefill_a, prefill_b]
+    try:
+        wait_healthy(procs)
+        router = start("router", model, logs, "router", [
+            "--prefill-peers", f"{prefill_a.serving},{prefill_b.serving}", "--decode-peers", decode.serving,
+            "--health-check-interval", "0.25"], serving=False)
+        procs.append(router)
+        wait_healthy([router])
+        yield {"single": single, "decode": decode, "a": prefill_a, "b": prefill_b, "router": router}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def requests_16() -> list[tuple[str, dict]]:
+    out = []
+    for i in range(16):
+        stream = i % 2 == 0
+        if i % 4 < 2:
+            body = {"messages": [{"role": "user", "content": f"Question {i}: name {i + 2} colors."}],
+                    "max_tokens": 12 + i, "temperature": 0, "stream": stream}
+            path = "/v1/chat/completions"
+        else:
+            body = {"prompt": f"Once upon a time, number {i} " * (1 + i % 3), "max_tokens": 10 + i,
+                    "temperature": 0, "stream": stream}
+            path = "/v1/completions"
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        out.append((path, body))
+    out[3][1]["max_tokens"] = 1  # finishes on the prefill node: nothing to hand off
+    out[5][1].update(temperature=0.8, seed=11)  # seeded sampling continues with the generator's state
+    out[7][1]["stop"] = [" ", "a"]  # stop strings are applied where the text is made
+    return out
+
+
+def call(base: str, path: str, body: dict) -> dict:
+    """text, finish_reason and usage of one request, streamed or not."""
+    with httpx.Client(base_url=base, timeout=60) as client:
+        if not body.get("stream"):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            data = r.json()
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return {"text": text, "finish_reason": choice["finish_reason"], "usage": _usage(data["usage"])}
+        text, finish, usage = "", None, None
+        with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event.get("usage"):
+                    usage = _usage(event["usage"])
+                for choice in event["choices"]:
+                    text += choice.get("delta", {}).get("content", "") if "delta" in choice else choice["text"]
+                    finish = choice["finish_reason"] or finish
+        return {"text": text, "finish_reason": finish, "usage": usage}
+
+
+def _usage(usage: dict) -> dict:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def stats(topo) -> dict:
+    return httpx.get(f"{topo['router'].url}/router/stats", timeout=5).json()
+
+
+def node(stats_body: dict, role: str, proc) -> dict:
+    return next(n for n in stats_body[role] if n["address"] == proc.serving)
+
+
+def test_router_matches_single_node_byte_for_byte(topo):
+    work = requests_16()
+    with ThreadPoolExecutor(16) as pool:
+        reference = list(pool.map(lambda w: call(topo["single"].url, *w), work))
+        routed = list(pool.map(lambda w: call(topo["router"].url, *w), work))
+    assert routed == reference
+    assert {r["finish_reason"] for r in reference} >= {"length"}
+    body = stats(topo)
+    assert all(n["dispatched"] >= 4 for n in body["prefill"]), body  # round-robin used both
+    assert node(body, "decode", topo["decode"])["dispatched"] == 16
+    assert body["routing"]["completed"] >= 16 and body["routing"]["retries"] == 0
+
+
+def test_router_serves_health_models_metrics(topo):
+    base = topo["router"].url
+    assert httpx.get(f"{base}/health").json()["prefill_online"] == 2
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny-model"
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'conveyor_router_node_up{address="%s",role="prefill"} 1.0' % topo["a"].serving in metrics
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "top_p": 7.0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"  # refused by the prefill node
+
+
+def _raw(address: str, payload: bytes) -> wire.Frame | None:
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    if not data:
+        return None
+    length = wire.parse_header(data[:wire.HEADER.size])
+    return wire.decode(data[wire.HEADER.size:wire.HEADER.size + length])
+
+
+@pytest.mark.parametrize("payload", [
+    b"GET / HTTP/1.1\r\n\r\n",  # not our magic
+    struct.pack(">4sBI", b"CNVY", 99, 2) + b"{}",  # unknown version
+    struct.pack(">4sBI", b"CNVY", 1, 1 << 31),  # longer than the limit
+    struct.pack(">4sBI", b"CNVY", 1, 50) + b"short",  # truncated body
+    struct.pack(">4sBI", b"CNVY", 1, 3) + b"\x81\xa1x",  # msgpack, but no known frame
+    wire.encode(wire.TokenFrame(request_id="r", token_ids=[], text="")),  # a frame, but the wrong kind
+], ids=["magic", "version", "length", "truncated", "unknown", "wrong-kind"])
+def test_malformed_frames_are_rejected_without_harm(topo, payload):
+    for proc in (topo["a"], topo["decode"]):
+        reply = _raw(proc.serving, payload)
+        assert isinstance(reply, wire.ErrorFrame) and reply.code == "bad_frame" and reply.status == 400
+        assert httpx.get(f"{proc.url}/health").status_code == 200
+
+
+def _live_blocks(proc) -> int:
+    return httpx.get(f"{proc.url}/v1/cache/stats", timeout=5).json()["live"]
+
+
+def test_client_disconnect_cancels_on_both_nodes(topo):
+    body = {"prompt": "count with me: 1 2 3", "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.Client(base_url=topo["router"].url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert _live_blocks(topo["decode"]) > 0
+    wait_for(lambda: _live_blocks(topo["decode"]) == 0, 10, "decode node to free the blocks")
+    assert _live_blocks(topo["a"]) == 0 and _live_blocks(topo["b"]) == 0
+    wait_for(lambda: stats(topo)["routing"]["cancelled"] >= 1, 5, "the router to count the cancel")
+
+
+def test_kill_9_of_a_prefill_node_under_load_loses_nothing(topo):
+    work = [w for w in requests_16() if w[1].get("temperature") == 0]
+    for _, body in work:
+        body["max_tokens"] = 120  # long enough that the kill lands mid-stream
+        body["ignore_eos"] = True
+        body.pop("stop", None)
+    with ThreadPoolExecutor(16) as pool:
+        reference = list(pool.map(lambda w: call(topo["single"].url, *w), work))
+        futures = [pool.submit(call, topo["router"].url, *w) for w in work]
+        wait_for(lambda: node(stats(topo), "prefill", topo["a"])["in_flight"] > 0, 20, "load on prefill-a")
+        time.sleep(0.3)
+        topo["a"].kill9()
+        killed_at = time.monotonic()
+        marked = wait_for(lambda: node(stats(topo), "prefill", topo["a"])["status"] == "unreachable", 5,
+                          "prefill-a marked unreachable")
+        routed = [f.result() for f in futures]
+    assert routed == reference  # every request finished, byte for byte, retried ones spliced
+    body = stats(topo)
+    assert body["routing"]["retries"] >= 1 and node(body, "prefill", topo["b"])["status"] == "online"
+    assert marked < 5 and time.monotonic() - killed_at < 120
+
+
+def test_decode_node_death_mid_stream_ends_streams_with_an_error(topo):
+    body = {"prompt": "a b c", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=topo["router"].url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 5:
+                        topo["decode"].kill9()
+    assert "error" in events[-1] and events[-1]["choices"][0]["finish_reason"] == "error"
+    wait_for(lambda: _live_blocks(topo["b"]) == 0, 5, "prefill side idle")
+    wait_for(lambda: stats(topo)["decode"][0]["status"] == "unreachable", 5, "decode node marked")
+    r = httpx.post(f"{topo['router'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_decode_node"
+
+
+def test_no_prefill_node_left_is_a_clean_503(topo):
+    topo["b"].kill9()
+    wait_for(lambda: stats(topo)["prefill"][1]["status"] == "unreachable", 5, "prefill-b marked")
+    r = httpx.post(f"{topo['router'].url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "stream": True}, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "no_prefill_node" and r.json()["error"]["type"] == "unavailable"
+    assert httpx.get(f"{topo['router'].url}/health").status_code == 503

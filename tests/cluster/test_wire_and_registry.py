@@ -1,0 +1,124 @@
+"""The pieces without a model: frames, addresses, the allowlist, the pools and the health monitor."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from conveyor.cluster import transport, wire
+from conveyor.cluster.health import HealthMonitor
+from conveyor.cluster.prefill import parse_allowlist
+from conveyor.cluster.registry import NodeStatus, Registry
+from conveyor.config import ClusterConfig, ConfigError, load_cluster_config
+
+
+def test_frames_round_trip_and_are_length_checked():
+    frame = wire.HandoffFrame(request_id="r", prompt_token_ids=[1, 2, 3], output_token_ids=[4],
+                              sampling=wire.SamplingWire(max_tokens=8, temperature=0.0, logit_bias={5: -1.0}),
+                              kv=wire.KVPayload(2, 3, 2, 16, "bfloat16", b"\x01" * 10), rng_state=b"\x00\x01")
+    data = wire.encode(frame)
+    assert data[:4] == b"CNVY" and wire.parse_header(data[:9]) == len(data) - 9
+    assert wire.decode(data[9:]) == frame
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.parse_header(b"HTTP/" + data[5:9])
+    with pytest.raises(wire.WireError, match="version"):
+        wire.parse_header(struct.pack(">4sBI", b"CNVY", 2, 5))
+    with pytest.raises(wire.WireError, match="limit"):
+        wire.parse_header(struct.pack(">4sBI", b"CNVY", 1, wire.MAX_FRAME_BYTES + 1))
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.decode(data[9:-3])
+    with pytest.raises(wire.WireError, match="malformed"):  # unknown fields are refused, not ignored
+        wire.decode(wire._encoder.encode({"type": "error", "status": 1, "message": "m", "code": "c", "x": 1}))
+
+
+def test_read_frame_reports_truncation_and_clean_close():
+    async def go():
+        async def feed(data: bytes):
+            reader = asyncio.StreamReader()
+            reader.feed_data(data)
+            reader.feed_eof()
+            return await transport.read_frame(reader)
+
+        with pytest.raises(transport.PeerClosed):
+            await feed(b"")
+        with pytest.raises(wire.WireError, match="header"):
+            await feed(b"CNV")
+        with pytest.raises(wire.WireError, match="truncated"):
+            await feed(struct.pack(">4sBI", b"CNVY", 1, 20) + b"abc")
+        ok = wire.ErrorFrame(status=503, message="busy", code="overloaded")
+        assert await feed(wire.encode(ok)) == ok
+
+    asyncio.run(go())
+
+
+def test_addresses_and_allowlist():
+    assert transport.parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert transport.parse_address("[::1]:9") == ("::1", 9)
+    for bad in ("nohost", "h:0", "h:x", ":5"):
+        with pytest.raises(ValueError):
+            transport.parse_address(bad)
+    assert transport.numeric_address("localhost:5") is None
+    assert parse_allowlist(None) is None
+    assert parse_allowlist("10.0.0.1:7000, localhost:9, bad, [::1]:5") == {("10.0.0.1", 7000), ("::1", 5)}
+
+
+def test_cluster_config_from_flags_and_env():
+    assert load_cluster_config(env={}).node_role is None
+    cfg = load_cluster_config(env={"CONVEYOR_NODE_ROLE": "prefill", "CONVEYOR_SERVING_BIND": "127.0.0.1:1",
+                                   "MLXCEL_DECODE_ALLOWLIST": "10.0.0.1:2"})
+    assert cfg.decode_allowlist == "10.0.0.1:2"
+    assert load_cluster_config(env={"CONVEYOR_DECODE_ALLOWLIST": "a", "MLXCEL_DECODE_ALLOWLIST": "b"}
+                               ).decode_allowlist == "a"
+    with pytest.raises(ConfigError, match="serving-bind"):
+        ClusterConfig(node_role="decode")
+    with pytest.raises(ConfigError, match="prefill-peers"):
+        ClusterConfig(node_role="router", decode_peers="127.0.0.1:1")
+    assert ClusterConfig(node_role="router", prefill_peers="a:1, b:2", decode_peers="c:3").prefill_peer_list == \
+        ["a:1", "b:2"]
+
+
+def test_round_robin_skips_unreachable_nodes():
+    registry = Registry(["a:1", "b:2", "c:3"], ["d:4"])
+    pool = registry.prefill
+    assert [pool.pick().address for _ in range(4)] == ["a:1", "b:2", "c:3", "a:1"]
+    pool.mark_unreachable(pool.nodes[1], "test")
+    assert [pool.pick().address for _ in range(3)] == ["c:3", "a:1", "c:3"]
+    assert pool.pick(exclude=[pool.nodes[0], pool.nodes[2]]) is None
+    pool.mark_online(pool.nodes[1])
+    assert pool.nodes[1].status == NodeStatus.ONLINE and pool.nodes[1].num_marked_unreachable == 1
+    assert registry.view()["prefill"][1]["status"] == "online"
+
+
+def test_health_monitor_marks_and_restores_a_node():
+    async def go():
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        registry = Registry([f"127.0.0.1:{port}"], [f"127.0.0.1:{transport_free_port()}"])
+        monitor = HealthMonitor(registry, interval=0.05)
+        await monitor.probe_all()
+        assert registry.prefill.nodes[0].online and not registry.decode.nodes[0].online  # nothing listens there
+        server.close()
+        await server.wait_closed()
+        await monitor.probe_all()
+        assert not registry.prefill.nodes[0].online
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        monitor.start()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if registry.prefill.nodes[0].online:
+                break
+        await monitor.stop()
+        server.close()
+        assert registry.prefill.nodes[0].online
+
+    asyncio.run(go())
+
+
+def transport_free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
