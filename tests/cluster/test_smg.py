@@ -1,0 +1,100 @@
+"""Scale-out of whole replicas behind SGLang's model gateway (`smg`, PyPI), not a gateway of ours.
+
+Two single-node replicas and `smg launch --policy cache_aware` on loopback: requests sharing a
+long system prompt land on one replica (its prefix-cache hit counter rises), and a replica
+killed under load loses no request."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster_harness import free_port, start, wait_for, wait_healthy
+from conveyor.testing import write_tiny_model_dir
+
+SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(not Path(SMG).exists(), reason="`smg` (pip install smg) is not installed; "
+                                 "it is in the test extra, so `make setup` installs it where PyPI has a wheel")]
+
+SYSTEM = "You are a meticulous assistant for the conveyor project. " * 24  # ~300 tokens shared by every request
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smg")
+    model = write_tiny_model_dir(root / "tiny-model")
+    replicas = [start(f"replica-{i}", model, str(root)) for i in range(2)]
+    gateway_proc = None
+    try:
+        wait_healthy(replicas)
+        port = free_port()
+        log = open(root / "smg.log", "w")
+        gateway_proc = subprocess.Popen(
+            [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+             "--worker-urls", *[r.url for r in replicas], "--health-check-interval-secs", "1",
+             "--prometheus-port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            assert gateway_proc.poll() is None, (root / "smg.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 60, "smg to come up")
+        yield url, replicas
+    finally:
+        if gateway_proc is not None:
+            gateway_proc.terminate()
+            gateway_proc.wait(timeout=10)
+        for replica in replicas:
+            replica.stop()
+
+
+def _hits(replica) -> int:
+    return httpx.get(f"{replica.url}/v1/cache/stats", timeout=5).json()["prefix_cache"]["hit_tokens"]
+
+
+def _running(replica) -> int:
+    try:
+        return httpx.get(f"{replica.url}/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"]
+    except httpx.HTTPError:
+        return -1
+
+
+def _chat(url: str, i: int, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": "tiny-model", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
+    url, replicas = gateway
+    before = [_hits(r) for r in replicas]
+    for i in range(6):
+        assert _chat(url, i).status_code == 200
+    gained = [_hits(r) - b for r, b in zip(replicas, before)]
+    # Five of the six found the system prompt cached where the first one left it.
+    assert max(gained) >= 5 * 192 and min(gained) == 0, gained
+
+
+def test_killing_a_replica_under_load_loses_no_request(gateway):
+    url, replicas = gateway
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(_chat, url, 100 + i, 64) for i in range(12)]
+        # Kill the replica that is busy (cache_aware sends this prefix to one of them).
+        wait_for(lambda: any(_running(r) for r in replicas), 20, "requests running on a replica")
+        busy = max(replicas, key=_running)
+        busy.kill9()
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * 12
+    assert _chat(url, 999).status_code == 200  # and it keeps serving on the survivor
