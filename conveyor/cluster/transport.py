@@ -14,7 +14,7 @@ from conveyor.cluster import wire
 from conveyor.cluster.wire import Frame, WireError
 
 CONNECT_TIMEOUT_S = 2.0
-STREAM_LIMIT = 1 << 20
+STREAM_LIMIT = 16 << 20  # read-buffer high-water mark; a handoff frame is MBs, fewer pause/resume rounds
 
 
 class PeerClosed(ConnectionError):

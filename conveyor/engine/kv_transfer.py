@@ -94,11 +94,12 @@ class KVTransfer:
     def _export(self, request: Request) -> KVHandoff:
         core = self.core
         slots = self._slots(core.kv.block_table(request.request_id), request.num_computed_tokens)
-        layers = []
-        for key_cache, value_cache in core.runner.kv_caches:
-            heads, dim = key_cache.shape[2], key_cache.shape[3]
-            layers.append(torch.stack((key_cache.view(-1, heads, dim)[slots], value_cache.view(-1, heads, dim)[slots])))
-        kv = torch.stack(layers).cpu().contiguous()  # (L, 2, T, H, D)
+        first = core.runner.kv_caches[0][0]
+        heads, dim = first.shape[2], first.shape[3]
+        kv = torch.empty(len(core.runner.kv_caches), 2, len(slots), heads, dim, dtype=first.dtype)  # (L, 2, T, H, D)
+        for layer, caches in enumerate(core.runner.kv_caches):
+            for i, cache in enumerate(caches):  # index_select: one contiguous copy per layer, no temporaries
+                kv[layer, i] = torch.index_select(cache.view(-1, heads, dim), 0, slots).cpu()
         blob = KVBlob(num_layers=kv.shape[0], num_tokens=kv.shape[2], num_kv_heads=kv.shape[3], head_dim=kv.shape[4],
                       dtype=_DTYPE_NAMES[kv.dtype], data=kv.view(torch.uint8).numpy().tobytes())
         self.stats.num_exported += 1
@@ -155,10 +156,10 @@ class KVTransfer:
         kv = torch.frombuffer(bytearray(blob.data), dtype=torch.uint8).view(_DTYPES[blob.dtype])
         kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
         slots = self._slots(blocks, blob.num_tokens)
-        for layer, (key_cache, value_cache) in enumerate(core.runner.kv_caches):
-            heads, dim = key_cache.shape[2], key_cache.shape[3]
-            key_cache.view(-1, heads, dim)[slots] = kv[layer, 0].to(key_cache.device)
-            value_cache.view(-1, heads, dim)[slots] = kv[layer, 1].to(value_cache.device)
+        for layer, caches in enumerate(core.runner.kv_caches):
+            for i, cache in enumerate(caches):
+                heads, dim = cache.shape[2], cache.shape[3]
+                cache.view(-1, heads, dim).index_copy_(0, slots, kv[layer, i].to(cache.device))
         return True
 
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
