@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from conveyor.cluster import transport
+from conveyor.cluster.transport import numeric_address
 from conveyor.cluster.node import FrameServer, refuse, run_unless_closed, to_sampling_params
 from conveyor.cluster.prefill import token_frame
 from conveyor.cluster.wire import Frame, HandoffFrame
@@ -40,10 +41,15 @@ class DecodeNode(FrameServer):
         self.engine = engine
         self.core = engine.core
         self.stats = DecodeStats()
+        self.accepted_hosts = _numeric_hosts(config.prefill_peer_list)
 
     async def handle(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not isinstance(frame, HandoffFrame):
             raise refuse(400, f"a decode node expects a handoff frame, got {type(frame).__name__}", "bad_frame")
+        peer = (writer.get_extra_info("peername") or ("?",))[0]
+        if self.accepted_hosts is not None and peer not in self.accepted_hosts:
+            self.stats.num_refused += 1
+            raise refuse(403, f"handoffs from {peer} are not accepted (not in --prefill-peers)", "forbidden")
         core = self.core
         blob = KVBlob(**{name: getattr(frame.kv, name) for name in frame.kv.__struct_fields__})
         try:
@@ -85,3 +91,18 @@ class DecodeNode(FrameServer):
         finally:
             if not finished:
                 self.engine.abort(request_id)
+
+
+def _numeric_hosts(peers: list[str]) -> set[str] | None:
+    """Hosts handoffs are accepted from; None (accept any) when unset or when a peer is a hostname."""
+    if not peers:
+        return None
+    hosts = set()
+    for peer in peers:
+        numeric = numeric_address(peer)
+        if numeric is None:
+            logger.warning("decode node: --prefill-peers entry %r is not a numeric IP:port; accepting handoffs "
+                           "from any host", peer)
+            return None
+        hosts.add(numeric[0])
+    return hosts

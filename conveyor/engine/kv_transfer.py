@@ -16,6 +16,7 @@ Both run on the engine thread (inside EngineCore.step / add_request).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +154,9 @@ class KVTransfer:
         if blocks is None:
             return False
         core.kv.assign(request, blocks)
-        kv = torch.frombuffer(bytearray(blob.data), dtype=torch.uint8).view(_DTYPES[blob.dtype])
+        with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only read (copied into the pool)
+            warnings.simplefilter("ignore", UserWarning)
+            kv = torch.frombuffer(blob.data, dtype=torch.uint8).view(_DTYPES[blob.dtype])
         kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
         slots = self._slots(blocks, blob.num_tokens)
         for layer, caches in enumerate(core.runner.kv_caches):

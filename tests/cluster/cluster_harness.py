@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -91,3 +92,33 @@ def wait_for(predicate, timeout: float, what: str) -> float:
         assert time.monotonic() - start_time < timeout, f"timed out waiting for {what}"
         time.sleep(0.05)
     return time.monotonic() - start_time
+
+
+def call(base: str, path: str, body: dict) -> dict:
+    """text, finish_reason and usage of one request, streamed or not."""
+    with httpx.Client(base_url=base, timeout=60) as client:
+        if not body.get("stream"):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            data = r.json()
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return {"text": text, "finish_reason": choice["finish_reason"], "usage": _usage(data["usage"])}
+        text, finish, usage = "", None, None
+        with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event.get("usage"):
+                    usage = _usage(event["usage"])
+                for choice in event["choices"]:
+                    text += choice.get("delta", {}).get("content", "") if "delta" in choice else choice["text"]
+                    finish = choice["finish_reason"] or finish
+        return {"text": text, "finish_reason": finish, "usage": usage}
+
+
+def _usage(usage: dict) -> dict:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
