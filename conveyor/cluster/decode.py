@@ -56,7 +56,9 @@ class DecodeNode(FrameServer):
             if not frame.output_token_ids:
                 raise ValueError("a handoff carries at least the first token")
             core.kv_transfer.check_layout(blob)
-            params = to_sampling_params(frame.sampling, frame.sampling.max_tokens or 1)
+            if frame.sampling.max_tokens is None:
+                raise ValueError("a handoff carries its max_tokens")
+            params = to_sampling_params(frame.sampling, frame.sampling.max_tokens)
             request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority)
             request.output_token_ids = list(frame.output_token_ids)
             request.num_cached_tokens = frame.num_cached_tokens

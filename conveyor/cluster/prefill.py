@@ -88,7 +88,9 @@ class PrefillNode(FrameServer):
         self.stats.num_requests += 1
         targets = self._decode_targets(frame.decode_target)
         core = self.core
-        max_tokens = frame.sampling.max_tokens or max(core.max_model_len - len(frame.prompt_token_ids), 1)
+        max_tokens = frame.sampling.max_tokens
+        if max_tokens is None:  # as many as the context window leaves, as on a single node
+            max_tokens = max(core.max_model_len - len(frame.prompt_token_ids), 1)
         try:
             params = to_sampling_params(frame.sampling, max_tokens)
             request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,

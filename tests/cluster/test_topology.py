@@ -93,8 +93,9 @@ def test_router_serves_health_models_metrics(topo):
     assert 'conveyor_router_node_up{address="%s",role="prefill"} 1.0' % topo["a"].serving in metrics
     r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "top_p": 7.0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"  # refused by the prefill node
+    for bad, param in (({"top_p": 7.0}, "top_p"), ({"max_tokens": 0}, "max_tokens")):
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param  # refused by the prefill node
 
 
 def _raw(address: str, payload: bytes) -> wire.Frame | None:
