@@ -54,7 +54,7 @@ def gateway(tmp_path_factory):
         yield url, replicas
     finally:
         if gateway_proc is not None:
-            gateway_proc.terminate()
+            gateway_proc.kill()
             gateway_proc.wait(timeout=10)
         for replica in replicas:
             replica.stop()

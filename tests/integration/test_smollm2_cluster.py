@@ -31,7 +31,7 @@ def test_smollm2_through_the_router_equals_one_node(tmp_path):
         topics = ["the sea", "a robot", "mountains", "bread", "rain", "a library", "trains", "owls"]
         work = [("/v1/chat/completions", {
             "messages": [{"role": "user", "content": f"Write two sentences about {topics[i % 8]}."}],
-            "max_tokens": 24 + i, "temperature": 0, "stream": i % 2 == 0,
+            "max_tokens": 12 + i, "temperature": 0, "stream": i % 2 == 0,
             **({"stream_options": {"include_usage": True}} if i % 2 == 0 else {})}) for i in range(16)]
         with ThreadPoolExecutor(16) as pool:
             reference = list(pool.map(lambda w: call(single.url, *w), work))
