@@ -114,8 +114,8 @@ class ClusterConfig:
 
     node_role: str | None = None
     serving_bind: str | None = None  # host:port of this node's role transport
-    decode_peers: str = ""  # comma-separated host:port
-    prefill_peers: str = ""
+    decode_peers: str | None = None  # comma-separated host:port
+    prefill_peers: str | None = None
     decode_allowlist: str | None = None  # numeric IP:port list a prefill node checks decode_target against
     health_check_interval: float = 1.0  # seconds between the router's TCP probes of every peer
 
@@ -140,7 +140,7 @@ class ClusterConfig:
         return _split_peers(self.prefill_peers)
 
 
-def _split_peers(text: str) -> list[str]:
+def _split_peers(text: str | None) -> list[str]:
     return [p.strip() for p in (text or "").split(",") if p.strip()]
 
 

@@ -30,6 +30,8 @@ from conveyor.loading import Tokenizer
 from conveyor.server import errors
 from conveyor.server.app import _api_key_check, parse_body
 from conveyor.server.errors import APIError
+from conveyor.server.limits import RequestLimits
+from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.metrics import CONTENT_TYPE
 from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, SSEResponse, _logit_bias, _priority
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -281,6 +283,9 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     app = FastAPI(title="conveyor router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry, app.state.monitor, app.state.serving = registry, monitor, serving
     errors.install_handlers(app)
+    limits = RequestLimits.from_config(server)  # the same request limits as a single node
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
+    app.add_middleware(CatchAll)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -304,12 +309,12 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest), arrival)
+        return await serving.chat(request, await parse_body(request, ChatCompletionRequest, limits), arrival)
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        return await serving.completion(request, await parse_body(request, CompletionRequest), arrival)
+        return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
 
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_name}
