@@ -1,5 +1,5 @@
-"""Five real processes on loopback: a single node (the reference), one decode node, two prefill
-nodes and a router, all on the tiny random model. One topology serves every test here, in
+"""Four real processes on loopback: one decode node (whose own HTTP API is the single-node
+reference), two prefill nodes and a router, all on the tiny random model. One topology serves every test here, in
 order: outputs first, then failures that kill nodes one by one."""
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ def topo(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     model = write_tiny_model_dir(root / "tiny-model")
     logs = str(root)
-    single = start("single", model, logs)
+    # The decode node's own HTTP API is the single-node path (same model, same flags): it is the
+    # reference, computed before anything is routed through it.
     decode = start("decode", model, logs, "decode")
     prefill_a = start("prefill-a", model, logs, "prefill", ["--decode-peers", decode.serving])
     prefill_b = start("prefill-b", model, logs, "prefill", ["--decode-peers", decode.serving])
-    procs = [single, decode, prefill_a, prefill_b]
+    router = start("router", model, logs, "router", [
+        "--prefill-peers", f"{prefill_a.serving},{prefill_b.serving}", "--decode-peers", decode.serving,
+        "--health-check-interval", "0.25"], serving=False)
+    procs = [decode, prefill_a, prefill_b, router]
     try:
-        wait_healthy(procs)
-        router = start("router", model, logs, "router", [
-            "--prefill-peers", f"{prefill_a.serving},{prefill_b.serving}", "--decode-peers", decode.serving,
-            "--health-check-interval", "0.25"], serving=False)
-        procs.append(router)
-        wait_healthy([router])
-        yield {"single": single, "decode": decode, "a": prefill_a, "b": prefill_b, "router": router}
+        wait_healthy(procs)  # the router is healthy once its monitor has seen both pools online
+        yield {"single": decode, "decode": decode, "a": prefill_a, "b": prefill_b, "router": router}
     finally:
         for proc in procs:
             proc.stop()
@@ -93,6 +92,9 @@ def test_router_serves_health_models_metrics(topo):
     assert 'conveyor_router_node_up{address="%s",role="prefill"} 1.0' % topo["a"].serving in metrics
     r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    deep = httpx.post(f"{base}/v1/completions", content='{"prompt": ' + "[" * 200 + "]" * 200 + "}",
+                      headers={"content-type": "application/json"})
+    assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error"  # single-node limits
     for bad, param in (({"top_p": 7.0}, "top_p"), ({"max_tokens": 0}, "max_tokens")):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param  # refused by the prefill node

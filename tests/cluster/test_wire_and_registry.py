@@ -122,3 +122,27 @@ def transport_free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_router_admission_refuses_before_dispatch():
+    from conveyor.cluster.router import RouterMetrics, RouterServing
+    from conveyor.server.errors import APIError
+
+    registry = Registry(["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"])
+    serving = RouterServing(registry, object(), "m", "m", max_queue_depth=2, metrics=RouterMetrics(registry))
+    serving._admit()  # room: nothing raised
+    serving.num_awaiting_first_token = 4  # 2 per online prefill node
+    with pytest.raises(APIError) as refused:
+        serving._admit()
+    assert (refused.value.status, refused.value.type, refused.value.headers) == (503, "overloaded", {"Retry-After": "1"})
+    serving.num_awaiting_first_token = 0
+    registry.decode.mark_unreachable(registry.decode.nodes[0], "test")
+    with pytest.raises(APIError) as refused:
+        serving._admit()
+    assert refused.value.code == "no_decode_node"
+    for node in registry.prefill.nodes:
+        registry.prefill.mark_unreachable(node, "test")
+    with pytest.raises(APIError) as refused:
+        serving._admit()
+    assert refused.value.code == "no_prefill_node" and refused.value.headers == {"Retry-After": "1"}
+    assert registry.stats.view()["rejected_overloaded"] == 1 and registry.stats.num_rejected_no_prefill == 1

@@ -1,5 +1,6 @@
 """SmolLM2 across real processes: router + two prefill nodes + one decode node on loopback give
-byte-identical text, finish_reason and usage to one node, for 16 greedy requests (half streamed)."""
+byte-identical text, finish_reason and usage to one node (the decode node's own HTTP API, the
+single-node path), for 16 greedy requests (half streamed)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.batch_invariant, pytest.mark.timeout
 
 def test_smollm2_through_the_router_equals_one_node(tmp_path):
     logs = str(tmp_path)
-    single = start("single", None, logs)
+    # The decode node's own HTTP API is the single-node path (same model and flags): the reference.
     decode = start("decode", None, logs, "decode")
     prefills = [start(f"prefill-{i}", None, logs, "prefill", ["--decode-peers", decode.serving]) for i in range(2)]
-    procs = [single, decode, *prefills]
+    router = start("router", None, logs, "router", ["--prefill-peers", ",".join(p.serving for p in prefills),
+                                                   "--decode-peers", decode.serving,
+                                                   "--health-check-interval", "0.25"], serving=False)
+    procs = [decode, *prefills, router]
+    single = decode
     try:
         wait_healthy(procs, timeout=240)
-        router = start("router", None, logs, "router", ["--prefill-peers", ",".join(p.serving for p in prefills),
-                                                       "--decode-peers", decode.serving], serving=False)
-        procs.append(router)
-        wait_healthy([router])
         topics = ["the sea", "a robot", "mountains", "bread", "rain", "a library", "trains", "owls"]
         work = [("/v1/chat/completions", {
             "messages": [{"role": "user", "content": f"Write two sentences about {topics[i % 8]}."}],
