@@ -4,6 +4,7 @@ order: outputs first, then failures that kill nodes one by one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster_harness import call, start, wait_for, wait_healthy
+from cluster_harness import call, free_port, start, wait_for, wait_healthy
 from conveyor.cluster import wire
 from conveyor.testing import write_tiny_model_dir
 
@@ -127,6 +128,27 @@ def test_malformed_frames_are_rejected_without_harm(topo, payload):
         reply = _raw(proc.serving, payload)
         assert isinstance(reply, wire.ErrorFrame) and reply.code == "bad_frame" and reply.status == 400
         assert httpx.get(f"{proc.url}/health").status_code == 200
+
+
+def test_unreachable_decode_target_falls_back_to_decode_peers(topo):
+    """A router-named decode node that does not answer: the prefill node hands off to its --decode-peers."""
+    async def go():
+        from conveyor.cluster import transport
+
+        reader, writer = await transport.connect(topo["b"].serving)
+        await transport.write_frame(writer, wire.GenerateFrame(
+            request_id="fallback-1", prompt_token_ids=[1, 2, 3, 4, 5],
+            sampling=wire.SamplingWire(max_tokens=6, temperature=0.0, ignore_eos=True),
+            decode_target=f"127.0.0.1:{free_port()}"))  # nothing listens there
+        frames = []
+        while not (frames and frames[-1].finished):
+            frames.append(await transport.read_frame(reader))
+        writer.close()
+        return frames
+
+    frames = asyncio.run(go())
+    assert [f.node for f in frames][:2] == ["prefill", "decode"] and frames[-1].finish_reason == "length"
+    assert frames[-1].num_output_tokens == 6 and sum(len(f.token_ids) for f in frames) == 6
 
 
 def _live_blocks(proc) -> int:

@@ -146,3 +146,27 @@ def test_router_admission_refuses_before_dispatch():
         serving._admit()
     assert refused.value.code == "no_prefill_node" and refused.value.headers == {"Retry-After": "1"}
     assert registry.stats.view()["rejected_overloaded"] == 1 and registry.stats.num_rejected_no_prefill == 1
+
+
+def test_prefill_node_checks_decode_target_against_the_allowlist():
+    from types import SimpleNamespace
+
+    from conveyor.cluster.node import Refusal
+    from conveyor.cluster.prefill import PrefillNode
+
+    engine = SimpleNamespace(core=None)
+    strict = PrefillNode(engine, ClusterConfig(node_role="prefill", serving_bind="127.0.0.1:1",
+                                               decode_peers="10.0.0.1:7000,10.0.0.2:7000",
+                                               decode_allowlist="10.0.0.1:7000,10.0.0.3:7000"))
+    assert strict._decode_targets("10.0.0.3:7000") == ["10.0.0.3:7000", "10.0.0.1:7000", "10.0.0.2:7000"]
+    with pytest.raises(Refusal) as refused:
+        strict._decode_targets("10.6.6.6:7000")
+    assert (refused.value.frame.status, refused.value.frame.code) == (403, "forbidden")
+    with pytest.raises(Refusal):
+        strict._decode_targets("evil.example:7000")  # names are never resolved, so never allowed
+    assert [strict._decode_targets(None)[0] for _ in range(3)] == ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.1:7000"]
+    permissive = PrefillNode(engine, ClusterConfig(node_role="prefill", serving_bind="127.0.0.1:1"))
+    assert permissive._decode_targets("10.6.6.6:7000") == ["10.6.6.6:7000"]
+    with pytest.raises(Refusal) as refused:
+        permissive._decode_targets(None)  # neither a target nor --decode-peers
+    assert refused.value.frame.status == 503
