@@ -27,21 +27,31 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_budget: str = "auto"  # auto | none | bytes (suffixes K/M/G accepted)
     enable_prefix_caching: bool = True
-    parallel: int = 4  # request slots
+    prompt_cache_budget: str = "2G"  # cold cached prefixes kept (bytes, K/M/G); none = bounded by the pool only
+    parallel: int = 4  # request slots; -1 = auto (4 slots sharing one unified KV window)
     max_batch_size: int = 0  # 0 = same as parallel
     ctx_size: int = 0  # 0 = the model's context; explicit = total budget split across slots
-    kv_unified: bool = False
+    kv_unified: bool = False  # every slot may use the whole window (implied by --parallel -1)
+    no_kv_unified: bool = False  # split windows even with --parallel -1
+    max_kv_size: int = 0  # cap on KV tokens in the pool (and per slot); 0 = none
+    no_batch: bool = False  # the sequential path: one request at a time, the whole context
     max_queue_depth: int = 32
     prefill_chunk_size: int = -1  # -1 = adaptive (2048 idle / 512 while decoding), 0 = no chunking
     prefill_grant_interval: int = 16
     max_batch_prefill: int = 4
-    max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * chunk, 0 = no cap
+    max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * min(chunk, 512), 0 = no cap
     tick_policy: str = "alternate"  # measured better for live streams, see benchmarks/results.md
     enable_preemption: bool = False
     preemption_policy: str = "longest-first"
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
+    draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | none (the seeds' spelling)
+    prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
+    draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
+    draft_block_size: int = 4  # draft-model tokens proposed per row per step
+    draft_policy: str = "adaptive"  # adaptive (measured per batch size) | enable | decline
+    cache_dir: str | None = None  # persisted verdicts; None = $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor
     kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
     require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
     disable_kernel: bool = False  # torch paths only (no C++ kernels: no batch invariance, no speculation)
@@ -53,7 +63,17 @@ class EngineConfig:
                  f"unknown device {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "block_size must be a power of two")
-        _require(self.parallel >= 1, "parallel must be at least 1")
+        _require(self.parallel >= 1 or self.parallel == -1, "parallel must be at least 1, or -1 (auto)")
+        _require(self.max_kv_size >= 0, "max_kv_size must be >= 0")
+        _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
+        parse_kv_budget(self.prompt_cache_budget)
+        _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
+        _require(self.draft_kind != "draft-model" or self.draft_model is not None,
+                 "--draft-kind draft-model needs --draft-model PATH")
+        _require(1 <= self.draft_block_size <= 16, "draft_block_size must be in [1, 16]")
+        _require(self.prompt_lookup_max_batch >= 0, "prompt_lookup_max_batch must be >= 0")
+        _require(self.draft_policy in ("adaptive", "enable", "decline"),
+                 "draft_policy must be adaptive, enable or decline")
         _require(self.max_batch_size >= 0, "max_batch_size must be >= 0")
         _require(self.ctx_size >= 0, "ctx_size must be >= 0")
         _require(self.max_queue_depth >= 1, "max_queue_depth must be at least 1")
@@ -78,8 +98,29 @@ class EngineConfig:
         return KernelSettings(arch=self.kernel_arch, require=self.require_kernels, disable=self.disable_kernel)
 
     @property
+    def num_slots(self) -> int:
+        if self.no_batch:
+            return 1
+        return AUTO_PARALLEL_SLOTS if self.parallel == -1 else self.parallel
+
+    @property
     def effective_max_batch_size(self) -> int:
-        return self.max_batch_size or self.parallel
+        return 1 if self.no_batch else (self.max_batch_size or self.num_slots)
+
+    @property
+    def effective_kv_unified(self) -> bool:
+        """--kv-unified, or --parallel -1 unless --no-kv-unified (llama.cpp's unified default for auto slots)."""
+        if self.no_kv_unified or self.no_batch:
+            return False
+        return self.kv_unified or self.parallel == -1
+
+    @property
+    def ngram_enabled(self) -> bool:
+        return self.draft_kind in ("auto", "prompt-lookup") and self.speculative_ngram > 0
+
+    @property
+    def draft_model_enabled(self) -> bool:
+        return self.draft_kind in ("auto", "draft-model") and self.draft_model is not None
 
 
 @dataclass(frozen=True)
@@ -144,6 +185,10 @@ def _split_peers(text: str | None) -> list[str]:
     return [p.strip() for p in (text or "").split(",") if p.strip()]
 
 
+AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
+DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
+
+
 class ConfigError(ValueError):
     pass
 
@@ -206,10 +251,19 @@ FLAGS: list[Flag] = [
     Flag(("--block-size",), "block_size", int, "tokens per KV block"),
     Flag(("--kv-cache-budget",), "kv_cache_budget", help="KV pool cap: auto, none, or bytes (e.g. 2G)"),
     Flag(("--no-prompt-cache",), "enable_prefix_caching", switch=True, negate=True, help="disable prefix caching"),
-    Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots", extra_env=("LLAMA_ARG_N_PARALLEL",)),
+    Flag(("--apc-enabled",), "enable_prefix_caching", _bool, "automatic prefix caching on/off (=false: --no-prompt-cache)"),
+    Flag(("--prompt-cache-budget",), "prompt_cache_budget",
+         help="bytes of cold cached prefixes kept for reuse (K/M/G), none = only the KV pool bounds them"),
+    Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots (-1 auto: 4 slots, unified KV)",
+         extra_env=("LLAMA_ARG_N_PARALLEL",)),
     Flag(("--max-batch-size",), "max_batch_size", int, "max sequences decoded together (0 = --parallel)"),
     Flag(("--ctx-size", "-c"), "ctx_size", int, "total context budget split across slots (0 = model default)"),
-    Flag(("--kv-unified",), "kv_unified", switch=True, help="every slot may use the whole --ctx-size window"),
+    Flag(("--kv-unified",), "kv_unified", switch=True,
+         help="every slot may use the whole --ctx-size window (default: only with --parallel -1)"),
+    Flag(("--no-kv-unified",), "no_kv_unified", switch=True, help="split --ctx-size across the slots, also with --parallel -1"),
+    Flag(("--max-kv-size",), "max_kv_size", int, "cap on KV tokens in the pool and per slot (0 = none)"),
+    Flag(("--no-batch",), "no_batch", switch=True,
+         help="serve one request at a time with the whole context (same engine at batch size 1)"),
     Flag(("--max-queue-depth",), "max_queue_depth", int, "max queued requests before HTTP 503"),
     Flag(("--prefill-chunk-size", "-b", "--batch-size"), "prefill_chunk_size", int,
          "prompt tokens per prefill chunk (-1 adaptive, 0 off)", extra_env=("LLAMA_ARG_BATCH",)),
@@ -217,7 +271,7 @@ FLAGS: list[Flag] = [
          "alternate policy: decode ticks before a parked prefill is granted one (0 = unbounded wait)"),
     Flag(("--max-batch-prefill",), "max_batch_prefill", int, "queued prompts prefilled in one forward"),
     Flag(("--max-batch-prefill-tokens",), "max_batch_prefill_tokens", int,
-         "token cap of one batched prefill (-1 derived = 2 * max_batch_prefill * chunk, 0 = no cap)"),
+         "token cap of one batched prefill (-1 derived = 2 * max_batch_prefill * min(chunk, 512), 0 = no cap)"),
     Flag(("--tick-policy",), "tick_policy", choices=("mixed", "alternate"),
          help="alternate (default): decode or prefill per tick; mixed: decode + prefill in one forward"),
     Flag(("--enable-preemption",), "enable_preemption", switch=True,
@@ -230,6 +284,16 @@ FLAGS: list[Flag] = [
          "speculative decoding by prompt lookup: draft up to N tokens per step for greedy requests (0 = off)"),
     Flag(("--speculative-max-rows",), "speculative_max_rows", int,
          "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
+    Flag(("--draft-kind",), "draft_kind", choices=DRAFT_KINDS,
+         help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, none"),
+    Flag(("--prompt-lookup-max-batch",), "prompt_lookup_max_batch", int,
+         "prompt-lookup drafts only while at most N rows decode (0 = no limit)"),
+    Flag(("--draft-model", "--model-draft"), "draft_model",
+         help="draft model (HF directory or .gguf with the target's tokenizer) for speculative decoding"),
+    Flag(("--draft-block-size",), "draft_block_size", int, "draft-model tokens proposed per row per step"),
+    Flag(("--draft-policy",), "draft_policy", choices=("adaptive", "enable", "decline"),
+         help="draft-model speculation: adaptive (measured per batch size, persisted), enable, decline"),
+    Flag(("--cache-dir",), "cache_dir", help="where measured verdicts persist (default ~/.cache/conveyor)"),
     Flag(("--kernel-arch",), "kernel_arch",
          help="-march the C++ CPU kernels are built for (native, x86-64-v3, x86-64, ...); cached per value and CPU"),
     Flag(("--require-kernels",), "require_kernels", switch=True,
@@ -263,7 +327,47 @@ FLAGS: list[Flag] = [
          help="router: seconds between TCP probes of every peer's serving address"),
 ]
 
-_FLAG_BY_DEST = {f.dest: f for f in FLAGS}
+_FLAG_BY_DEST: dict[str, Flag] = {}
+for _flag in FLAGS:  # the first flag of a dest owns its env var (later ones are spellings)
+    _FLAG_BY_DEST.setdefault(_flag.dest, _flag)
+
+
+@dataclass(frozen=True)
+class EnvAlias:
+    """A seed (mlxcel) environment variable read as one of ours; ours win when both are set."""
+
+    name: str
+    dest: str
+    convert: Callable[[str], str] = str  # the seed's value -> our value's text
+
+    def value_text(self, raw: str) -> str:
+        return self.convert(raw)
+
+
+def _mixed_step(raw: str) -> str:
+    return "mixed" if _bool(raw) else "alternate"
+
+
+def _pin(raw: str) -> str:
+    return "enable" if _bool(raw) else "decline"
+
+
+def _adaptive(raw: str) -> str:
+    return "adaptive" if _bool(raw) else "enable"  # the seed's static default enables
+
+
+# Every MLXCEL_* the seeds name for a feature conveyor has (docs/server.md lists the rest and why not).
+SEED_ENV_ALIASES: tuple[EnvAlias, ...] = (
+    EnvAlias("MLXCEL_PREFILL_CHUNK", "prefill_chunk_size"),
+    EnvAlias("MLXCEL_MIXED_STEP", "tick_policy", _mixed_step),
+    EnvAlias("MLXCEL_KV_ADMISSION_WATERMARK", "kv_admission_watermark"),
+    EnvAlias("MLXCEL_KV_CACHE_BUDGET", "kv_cache_budget"),
+    EnvAlias("MLXCEL_MAX_BATCH_PREFILL_TOKENS", "max_batch_prefill_tokens"),
+    EnvAlias("MLXCEL_CACHE_DIR", "cache_dir"),
+    EnvAlias("MLXCEL_ENABLE_MTP_B1", "draft_policy", _pin),
+    EnvAlias("MLXCEL_MTP_ADAPTIVE", "draft_policy", _adaptive),
+)
+
 _CONFIG_CLASSES = (EngineConfig, ServerConfig, ClusterConfig)
 
 
@@ -295,6 +399,21 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
         parser.add_argument(*flag.names, **kwargs)
 
 
+def _from_env(flag: Flag, env: dict[str, str]) -> tuple[Any, str | None]:
+    """(value, the variable it came from): ours, then llama.cpp's, then the seeds' aliases."""
+    for name in (flag.env, *flag.extra_env):
+        if name in env:
+            raw = env[name]
+            return (_bool(raw) != flag.negate if flag.switch else flag.type(raw)), name
+    for alias in SEED_ENV_ALIASES:
+        if alias.dest == flag.dest and alias.name in env:
+            try:
+                return flag.type(alias.value_text(env[alias.name])), alias.name
+            except ValueError as exc:  # ConfigError included
+                raise ConfigError(f"{alias.name}={env[alias.name]!r}: {exc}") from None
+    return None, None
+
+
 def _from_sources(cls: type, args: argparse.Namespace | None, env: dict[str, str], overrides: dict[str, Any]) -> Any:
     values: dict[str, Any] = {}
     for f in fields(cls):
@@ -303,17 +422,32 @@ def _from_sources(cls: type, args: argparse.Namespace | None, env: dict[str, str
         if value is None and args is not None:
             value = getattr(args, f.name, None)
         if value is None and flag is not None:
-            for name in (flag.env, *flag.extra_env):
-                if name in env:
-                    raw = env[name]
-                    value = _bool(raw) != flag.negate if flag.switch else flag.type(raw)
-                    break
+            value, _ = _from_env(flag, env)
         if value is not None:
             values[f.name] = value
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def env_alias_report(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> list[str]:
+    """One line per seed (MLXCEL_*) variable that is set: used for which field, or why not (startup log)."""
+    env = dict(os.environ) if env is None else env
+    lines = []
+    for alias in SEED_ENV_ALIASES:
+        if alias.name not in env:
+            continue
+        flag = _FLAG_BY_DEST[alias.dest]
+        if args is not None and getattr(args, alias.dest, None) is not None:
+            lines.append(f"{alias.name} ignored: the command line sets {alias.dest}")
+            continue
+        _, source = _from_env(flag, env)
+        if source == alias.name:
+            lines.append(f"{alias.name}={env[alias.name]} used for {alias.dest} (seed alias of {flag.env})")
+        else:
+            lines.append(f"{alias.name} ignored: {source} is set and wins")
+    return lines
 
 
 def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,

@@ -25,11 +25,14 @@ class BlockStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, max_cached_free: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # The prompt-cache budget: cold cached prefixes kept beyond it are dropped (oldest first)
+        # as blocks are freed, so the cache never holds more than its share. None = the pool bounds it.
+        self.max_cached_free = max_cached_free
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -85,6 +88,8 @@ class BlockPool:
                     self._free_cached[block] = None
                 else:
                     self._free_plain.append(block)
+        if self.max_cached_free is not None and len(self._free_cached) > self.max_cached_free:
+            self.evict_cached(len(self._free_cached) - self.max_cached_free)
 
     def evict_cached(self, num_blocks: int) -> int:
         """Drop up to num_blocks cold cached prefixes (oldest first); returns how many went."""

@@ -12,6 +12,7 @@ import torch
 from conveyor.config import EngineConfig, parse_kv_budget
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.draft_setup import load_draft_model
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
@@ -20,9 +21,11 @@ from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
+from conveyor.engine.spec_policy import SpecPolicy, machine_id
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
+from conveyor.runner.draft_runner import DraftRunner
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def prompt_cache_blocks(budget: str, bytes_per_block: int) -> int | None:
+    """--prompt-cache-budget in blocks: how many cold cached prefix blocks the pool keeps (None = no own cap)."""
+    value = parse_kv_budget(budget)
+    if value is None or value == -1:
+        return None
+    return max(value // bytes_per_block, 0)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _DTYPES[name]
 
@@ -52,7 +63,8 @@ class EngineCounters:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 draft_checkpoint: Checkpoint | None = None) -> None:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -76,26 +88,38 @@ class EngineCore:
         tied = checkpoint.config.tie_word_embeddings
         self.num_params = sum(p.numel() for name, p in model.named_parameters()
                               if not (tied and name == "lm_head.weight"))
+        self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
+        # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes.
+        bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype)
+        if self.draft is not None:
+            bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.dtype)
         self.max_batch_size = config.effective_max_batch_size
         self.pool_plan: KVPoolPlan = plan_kv_pool(
             model_max_len=checkpoint.config.max_position_embeddings, ctx_size=config.ctx_size,
-            num_slots=self.max_batch_size, kv_unified=config.kv_unified, block_size=config.block_size,
-            bytes_per_block=kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype),
-            budget=parse_kv_budget(config.kv_cache_budget), weight_bytes=weight_bytes)
+            num_slots=self.max_batch_size, kv_unified=config.effective_kv_unified, block_size=config.block_size,
+            bytes_per_block=bytes_per_block, budget=parse_kv_budget(config.kv_cache_budget),
+            weight_bytes=weight_bytes, max_kv_tokens=config.max_kv_size)
         self.max_model_len = self.pool_plan.max_model_len
-        self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching,
+                              max_cached_free=prompt_cache_blocks(config.prompt_cache_budget, bytes_per_block))
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
-            max_batch_prefill=config.max_batch_prefill, max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+            max_batch_prefill=1 if config.no_batch else config.max_batch_prefill,
+            max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
-            speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows), self.kv,
+            speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows,
+            prompt_lookup_max_batch=config.prompt_lookup_max_batch,
+            draft_model_tokens=config.draft_block_size if self.draft is not None else 0), self.kv,
             stop_checker=self._stop_string_ends)
+        self.spec_policy = self._draft_policy(config, checkpoint.name)
+        if self.spec_policy is not None:
+            self.scheduler.draft_gate = self.spec_policy.allows
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
-                                  self.device, self.backend, seed=config.seed)
+                                  self.device, self.backend, seed=config.seed, drafter=self._drafter(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -106,11 +130,26 @@ class EngineCore:
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
 
+    def _drafter(self, config: EngineConfig) -> DraftRunner | None:
+        if self.draft is None:
+            return None
+        runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
+                             self.dtype, self.device, self.backend, seed=config.seed + 1)
+        return DraftRunner(runner)
+
+    def _draft_policy(self, config: EngineConfig, target_name: str) -> SpecPolicy | None:
+        if self.draft is None:
+            return None
+        key = {"target": target_name, "draft": self.draft.name, "draft_block_size": str(config.draft_block_size),
+               "backend": f"{self.backend.name}/{self.backend.arch}", "machine": machine_id(),
+               "threads": str(torch.get_num_threads())}
+        return SpecPolicy(config.draft_policy, key, config.cache_dir or None)
+
     def _speculation_allowed(self, config: EngineConfig) -> int:
         """Drafts are only exact where a verified row equals a decoded one bit for bit: a backend
         with batch invariance. Elsewhere (CUDA, no compiler, --no-batch-invariant) whether a row
         drafts would depend on its batch-mates, so speculation is switched off."""
-        if not config.speculative_ngram:
+        if not config.ngram_enabled:
             return 0
         if not self.backend.speculation:
             logger.info("speculative decoding off: it needs a batch-invariant backend (this one: %s)",
@@ -122,7 +161,20 @@ class EngineCore:
         """What /props, /health and the metrics say about the compute backend."""
         return {"backend": self.backend.name, "arch": self.backend.arch,
                 "batch_invariant": self.backend.batch_invariant,
-                "speculation": self.scheduler.config.speculative_ngram > 0}
+                "speculation": self.scheduler.config.speculative_ngram > 0 or self.draft is not None}
+
+    def speculation_report(self) -> dict:
+        """What /props and /v1/internal/spec-policy say about speculative decoding."""
+        stats = self.scheduler.stats
+        config = self.scheduler.config
+        return {"prompt_lookup": {"enabled": config.speculative_ngram > 0, "max_tokens": config.speculative_ngram,
+                                  "max_batch": config.prompt_lookup_max_batch},
+                "draft_model": {"enabled": self.draft is not None,
+                                "name": self.draft.name if self.draft is not None else None,
+                                "block_size": config.draft_model_tokens,
+                                "draft_tokens": stats.num_model_draft_tokens,
+                                "accepted_tokens": stats.num_model_accepted_tokens},
+                "policy": self.spec_policy.report() if self.spec_policy is not None else None}
 
     # -- requests --------------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -176,6 +228,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.block_copies and not plan.finished_request_ids:
             return []
+        started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # a failed forward ends only the requests that were in it
@@ -192,6 +245,8 @@ class EngineCore:
         counts = self.counters.batch_size_counts
         counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)
+        if self.spec_policy is not None:
+            self._observe_policy(plan, sum(n for _, n in advanced), time.perf_counter() - started)
         outputs = [self._output_for(r, n, result.logprobs.get(r.request_id)) for r, n in advanced]
         if self.kv_transfer.handoff_ids:
             self.kv_transfer.after_step(outputs)
@@ -204,6 +259,15 @@ class EngineCore:
         scheduler decides the finish reason once (a stop string never relabels a finished request)."""
         detok = self._detokenizers.get(request.request_id)
         return detok is not None and detok.add_token(token_id)
+
+    def _observe_policy(self, plan, num_tokens: int, seconds: float) -> None:
+        """Feed pure decode ticks to the adaptive policy (a prefill in the tick would blur the comparison)."""
+        if any(not c.sample or len(c.token_ids) - c.num_draft_tokens != 1 for c in plan.chunks):
+            return
+        speculative = any(c.draft is not None for c in plan.chunks)
+        if not speculative and any(c.num_draft_tokens for c in plan.chunks):
+            return  # prompt-lookup drafts only: neither a draft-model round nor a classic step
+        self.spec_policy.observe(len(plan.chunks), speculative, num_tokens, seconds)
 
     def _output_for(self, request: Request, num_new: int, logprob) -> RequestOutput:
         out = self._build_output(request, self._detokenizers[request.request_id])

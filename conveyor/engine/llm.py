@@ -24,8 +24,9 @@ class CompletionResult:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None, **config_fields) -> None:
-        self.engine = EngineCore(EngineConfig(model=model, **config_fields), checkpoint)
+    def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None,
+                 draft_checkpoint: Checkpoint | None = None, **config_fields) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **config_fields), checkpoint, draft_checkpoint)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],

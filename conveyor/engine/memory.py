@@ -50,12 +50,19 @@ def per_slot_window(model_max_len: int, ctx_size: int, num_slots: int, kv_unifie
 
 def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unified: bool, block_size: int,
                  bytes_per_block: int, budget: int | None, weight_bytes: int,
-                 free_bytes: int | None = None) -> KVPoolPlan:
-    """budget: -1 = auto, None = unbounded, else bytes."""
+                 free_bytes: int | None = None, max_kv_tokens: int = 0) -> KVPoolPlan:
+    """budget: -1 = auto, None = unbounded, else bytes. max_kv_tokens (--max-kv-size) caps the pool
+    and each slot's window in tokens; 0 = no cap."""
     window = per_slot_window(model_max_len, ctx_size, num_slots, kv_unified)
+    if max_kv_tokens:
+        if max_kv_tokens < MIN_TOKENS_PER_SLOT:
+            raise ValueError(f"--max-kv-size {max_kv_tokens} is below the {MIN_TOKENS_PER_SLOT}-token minimum")
+        window = min(window, max_kv_tokens)
     blocks_per_slot = -(-window // block_size)
     # What every slot filling its window would need; more than that is never useful.
     wanted = blocks_per_slot * (1 if kv_unified and ctx_size else num_slots)
+    if max_kv_tokens:
+        wanted = min(wanted, max(max_kv_tokens // block_size, blocks_per_slot))
     if budget is None:
         return KVPoolPlan(window, wanted, bytes_per_block, None, "none")
     source = "explicit"

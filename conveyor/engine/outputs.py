@@ -8,6 +8,15 @@ from conveyor.engine.sampling_params import SamplingParams
 
 
 @dataclass
+class DraftRequest:
+    """Ask the runner's draft model for num_tokens proposals after a decode row's token."""
+
+    num_tokens: int
+    history_token_ids: tuple[int, ...]  # prompt + output so far (a snapshot); the chunk's token is the last one
+    epoch: int  # the request's preemption count: a re-admitted request's blocks hold no draft KV yet
+
+
+@dataclass
 class ScheduledChunk:
     """One sequence's share of a forward: a prefill chunk or a single decode token."""
 
@@ -20,6 +29,8 @@ class ScheduledChunk:
     # Speculative decoding: the last num_draft_tokens of token_ids are unverified guesses; every
     # row from the last known token on is scored (greedy), see Scheduler.update.
     num_draft_tokens: int = 0
+    # Draft-model speculation: the runner proposes the drafts itself (ModelRunnerOutput.proposed_token_ids).
+    draft: DraftRequest | None = None
     # Token history for penalties, snapshots like block_table; None when unused.
     prompt_token_ids: tuple[int, ...] | None = None
     output_token_ids: tuple[int, ...] | None = None
@@ -53,6 +64,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Chunks with drafts: the greedy token after each of their 1 + num_draft_tokens scored rows.
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Chunks with a DraftRequest: the draft model's proposals that were verified in this forward.
+    proposed_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.ngram_proposer import NgramProposer
-from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from conveyor.engine.outputs import DraftRequest, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduling_policy import (SchedulerConfig, TickPolicy, pick_arrival_victim, pick_reclaim_victim,
@@ -42,6 +42,8 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     num_draft_tokens: int = 0  # speculative tokens proposed (prompt lookup) and scored
     num_accepted_tokens: int = 0  # of those, the ones the model's greedy choice confirmed
+    num_model_draft_tokens: int = 0  # the draft model's share of num_draft_tokens
+    num_model_accepted_tokens: int = 0  # ... and of num_accepted_tokens
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Per finish reason, the prompt and output tokens of the requests that finished with it (counted
     # once, in finish()): what the clients' usage blocks add up to.
@@ -54,10 +56,13 @@ StopChecker = Callable[[Request, int], bool]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop_checker: StopChecker | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop_checker: StopChecker | None = None,
+                 draft_gate: Callable[[int], bool] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop_checker = stop_checker
+        # Draft-model speculation at this many decode rows? (the adaptive policy; None = always)
+        self.draft_gate = draft_gate
         self.waiting: list[Request] = []  # kept sorted by priority_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -92,12 +97,12 @@ class Scheduler:
         chunk = self.config.chunk_size(decoding=bool(decode_rows))
         if self.config.tick_policy == TickPolicy.MIXED:
             self._schedule_rows(out, decode_rows, budget=None)
-            budget = self._schedule_rows(out, parked, budget=chunk)
+            self._schedule_rows(out, parked, budget=chunk)
             if not parked:
-                self._admit(out, budget, chunk, decoding=bool(decode_rows))
+                self._admit(out, chunk, decoding=bool(decode_rows))
         else:
             self._schedule_alternate(out, decode_rows, parked, chunk)
-        if self.config.speculative_ngram:
+        if self.config.speculative_ngram or self.config.draft_model_tokens:
             self._add_drafts(out)
         self._count_step(out)
         out.block_copies = self.kv.pending_copies
@@ -118,7 +123,7 @@ class Scheduler:
             self._decode_ticks_since_prefill = 0
             return
         if self.waiting:
-            self._admit(out, chunk, chunk, decoding=bool(decode_rows))
+            self._admit(out, chunk, decoding=bool(decode_rows))
             if out.chunks:
                 self._decode_ticks_since_prefill = 0
                 return
@@ -150,15 +155,19 @@ class Scheduler:
             self.preempt(victim)
         return True
 
-    def _admit(self, out: SchedulerOutput, budget: int, chunk: int, decoding: bool) -> None:
+    def _admit(self, out: SchedulerOutput, chunk: int, decoding: bool) -> None:
+        """Batched prefill: up to max_batch_prefill waiting prompts join one forward, each with at most one
+        chunk, together at most the token cap (the head always goes). A prompt longer than a chunk is
+        the last one admitted, so at most one prefill is ever parked."""
         cap = self.config.batch_prefill_token_cap(chunk)
         admitted = tokens = 0
-        while self.waiting and budget > 0 and admitted < self.config.max_batch_prefill:
+        while self.waiting and admitted < self.config.max_batch_prefill:
             request = self.waiting[0]
             if len(self.running) >= self.config.max_batch_size and not self._evict_for(request, out):
                 break
             hit = self.kv.find_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            remaining = request.num_tokens - hit.num_tokens
+            num_new = min(remaining, chunk)
             if cap is not None and admitted and tokens + num_new > cap:
                 break  # bounds one batched prefill's transient; the rest go next tick
             if not self._fits(request, hit, num_new, decoding, out):
@@ -169,9 +178,10 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.PREFILLING
             out.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
             tokens += num_new
             admitted += 1
+            if num_new < remaining:
+                break  # it stays parked for its next chunks
 
     def _fits(self, request: Request, hit, num_new: int, decoding: bool, out: SchedulerOutput) -> bool:
         """Room for an admission, keeping the watermark free while rows decode; with preemption on,
@@ -220,18 +230,23 @@ class Scheduler:
         )
 
     def _add_drafts(self, out: SchedulerOutput) -> None:
-        """Speculative decoding: extend small-batch greedy decode rows with prompt-lookup drafts.
+        """Speculative decoding: extend small-batch decode rows with drafts, one proposer per row.
 
-        Verification is exact: the drafts run as a prefill chunk of the row, whose logits are
-        bitwise those of one-at-a-time decoding (row-invariant kernels), so accepted tokens are
-        the tokens greedy decoding would have produced, only several per forward.
+        Prompt lookup (free, greedy rows) goes first; rows it has nothing for ask the draft model,
+        which the runner runs before the forward. Verification is exact: the drafts run as a
+        prefill chunk of the row, whose logits are bitwise those of one-at-a-time decoding
+        (row-invariant kernels), so greedy rows accept exactly the tokens greedy decoding would
+        produce; sampled rows (draft model only) are verified by rejection sampling in the runner.
         """
         decodes = [c for c in out.chunks if c.sample and len(c.token_ids) == 1]
         budget = self.config.speculative_max_rows - len(decodes)  # rows the forward may still grow by
+        lookup_cap = self.config.prompt_lookup_max_batch
+        use_lookup = self.config.speculative_ngram > 0 and (not lookup_cap or len(decodes) <= lookup_cap)
+        use_model = self.config.draft_model_tokens > 0 and (self.draft_gate is None or self.draft_gate(len(decodes)))
         for chunk in decodes:
             request = self.requests[chunk.request_id]
             params = request.sampling_params
-            if not _can_speculate(params):
+            if not _can_speculate(params, sampled_ok=use_model):
                 continue
             if request.spec_skip_ticks:  # its recent drafts all missed: stop paying for them a while
                 request.spec_skip_ticks -= 1  # counted per tick even when the budget is spent
@@ -239,17 +254,23 @@ class Scheduler:
             if budget <= 0:
                 continue
             # Every draft accepted plus the bonus token must still fit max_tokens and the context.
-            room = min(self.config.speculative_ngram, budget, params.max_tokens - len(request.output_token_ids) - 1,
+            room = min(budget, params.max_tokens - len(request.output_token_ids) - 1,
                        self.config.max_model_len - request.num_tokens - 1)
-            draft = self.proposer.propose(request.all_token_ids, room)
-            # A guess never preempts anyone: no free block, no draft.
-            if not draft or not self.kv.grow(request, request.num_computed_tokens + 1 + len(draft)):
-                continue
-            chunk.token_ids = chunk.token_ids + draft
-            chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
-            chunk.num_draft_tokens = len(draft)
-            self.stats.num_draft_tokens += len(draft)
-            budget -= len(draft)
+            if use_lookup and params.greedy:
+                draft = self.proposer.propose(request.all_token_ids, min(room, self.config.speculative_ngram))
+                # A guess never preempts anyone: no free block, no draft.
+                if draft and self.kv.grow(request, request.num_computed_tokens + 1 + len(draft)):
+                    chunk.token_ids = chunk.token_ids + draft
+                    chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
+                    chunk.num_draft_tokens = len(draft)
+                    self.stats.num_draft_tokens += len(draft)
+                    budget -= len(draft)
+                    continue
+            num_tokens = min(room, self.config.draft_model_tokens) if use_model else 0
+            if num_tokens > 0 and self.kv.grow(request, request.num_computed_tokens + 1 + num_tokens):
+                chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
+                chunk.draft = DraftRequest(num_tokens, tuple(request.all_token_ids), request.num_preemptions)
+                budget -= num_tokens
 
     def _count_step(self, out: SchedulerOutput) -> None:
         if not out.chunks:
@@ -273,8 +294,12 @@ class Scheduler:
             token = result.sampled_token_ids.get(chunk.request_id)
             new_tokens = [token] if chunk.sample and token is not None else []
             accepted = 0
-            if chunk.num_draft_tokens and new_tokens:
-                new_tokens, accepted = _verify(chunk, result.verified_token_ids[chunk.request_id])
+            drafts = _drafts_of(chunk, result)
+            if drafts and new_tokens:
+                new_tokens, accepted = _verify(drafts, result.verified_token_ids[chunk.request_id])
+                if chunk.draft is not None:
+                    self.stats.num_draft_tokens += len(drafts)
+                    self.stats.num_model_draft_tokens += len(drafts)
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
                 request.spec_skip_ticks = 2 ** request.spec_rejections - 1
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
@@ -283,6 +308,8 @@ class Scheduler:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
             count, status = self._append_tokens(request, new_tokens)
             self.stats.num_accepted_tokens += min(accepted, count)  # drafts past a stop never happened
+            if chunk.draft is not None:
+                self.stats.num_model_accepted_tokens += min(accepted, count)
             self.kv.cache_computed_blocks(request)  # after the append: accepted drafts fill blocks too
             if not count:
                 continue
@@ -337,17 +364,29 @@ class Scheduler:
         return [r for rid in list(request_ids) if (r := self.finish(rid, status, error)) is not None]
 
 
-def _can_speculate(params: SamplingParams) -> bool:
-    """Greedy rows whose choice depends on nothing but the logits (no penalties, no logprobs to report)."""
-    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty)
+def _can_speculate(params: SamplingParams, sampled_ok: bool = False) -> bool:
+    """Rows whose choice depends on nothing but the logits (no penalties, no logprobs to report):
+    greedy ones, and with a draft model unseeded sampled ones (rejection sampling keeps their
+    distribution; a seeded row stays off so its draws never depend on whether its batch-mates left room)."""
+    if params.logprobs is not None or params.repetition_penalty != 1.0 or params.presence_penalty \
+            or params.frequency_penalty:
+        return False
+    return params.greedy or (sampled_ok and params.seed is None)
 
 
-def _verify(chunk: ScheduledChunk, verified: list[int]) -> tuple[list[int], int]:
+def _drafts_of(chunk: ScheduledChunk, result: ModelRunnerOutput) -> list[int]:
+    """The unverified tokens a chunk carried: prompt-lookup drafts in the chunk, or the draft model's."""
+    if chunk.num_draft_tokens:
+        return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]
+    if chunk.draft is not None:
+        return result.proposed_token_ids.get(chunk.request_id, [])
+    return []
+
+
+def _verify(drafts: list[int], verified: list[int]) -> tuple[list[int], int]:
     """Tokens a draft chunk yields: the accepted drafts plus the model's own next token."""
-    drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]
     accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+    while accepted < len(drafts) and accepted + 1 < len(verified) and drafts[accepted] == verified[accepted]:
         accepted += 1
     return verified[:accepted + 1], accepted
 

@@ -29,7 +29,7 @@ class SchedulerConfig:
     prefill_chunk_size: int = -1  # -1 adaptive, 0 = whole prompt in one tick, else fixed
     prefill_grant_interval: int = 16  # alternate policy: decode ticks before a parked prefill gets one
     max_batch_prefill: int = 4  # new prompts admitted into one forward
-    max_batch_prefill_tokens: int = -1  # -1 derived (2 * max_batch_prefill * chunk), 0 = no cap
+    max_batch_prefill_tokens: int = -1  # -1 derived (2 * max_batch_prefill * min(chunk, 512)), 0 = no cap
     tick_policy: TickPolicy = TickPolicy.ALTERNATE
     enable_preemption: bool = False
     preemption_policy: PreemptionPolicy = PreemptionPolicy.LONGEST_FIRST
@@ -37,6 +37,8 @@ class SchedulerConfig:
     watermark_applies: bool = True  # False when the pool is unbounded (no budget)
     speculative_ngram: int = 0  # draft tokens per decode row (prompt lookup); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens per tick; drafts fill what is left
+    prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
+    draft_model_tokens: int = 0  # draft-model tokens proposed per row (the runner has a draft model); 0 = off
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -64,7 +66,8 @@ class SchedulerConfig:
             return None
         if self.max_batch_prefill_tokens > 0:
             return self.max_batch_prefill_tokens
-        return 2 * self.max_batch_prefill * chunk
+        # The seeds' derivation: chunk-sized prompts batch fully, a window of longer ones spills to chunks.
+        return 2 * self.max_batch_prefill * min(chunk, ADAPTIVE_CHUNK_DECODING)
 
 
 def priority_key(request: Request) -> tuple[int, float]:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from conveyor.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.config import ModelConfig
+from conveyor.runner.draft_runner import DraftRunner, Proposal
+from conveyor.runner.rejection import rejection_sample
 from conveyor.runner.sampler import Sampler, SamplingRow
 
 
@@ -29,8 +31,10 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
+                 drafter: DraftRunner | None = None) -> None:
         self.model = model
+        self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
         self.config = config
         self.block_size = block_size
         self.device = device
@@ -43,17 +47,48 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(plan.finished_request_ids)
-        self._copy_blocks(plan.block_copies)
+        if self.drafter is not None:
+            self.drafter.forget(plan.finished_request_ids)
+        self.copy_blocks(plan.block_copies)
         if plan.is_empty:
             return ModelRunnerOutput()
+        out = ModelRunnerOutput()
+        proposals = self._propose(plan)
+        if proposals:
+            plan = replace(plan, chunks=[_with_drafts(c, proposals.get(c.request_id)) for c in plan.chunks])
+            out.proposed_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
+        logits, inputs = self.forward(plan)
+        if not inputs.sample_chunk_indices:
+            return out
+        # Sampled rows with draft-model drafts are verified by rejection sampling; every other row
+        # (greedy drafts included: their verified tokens are plain argmaxes) goes through the sampler.
+        rejected_by_chunk = {i for i in set(inputs.sample_chunk_indices)
+                             if (p := proposals.get(plan.chunks[i].request_id)) is not None and p.probs is not None}
+        plain = [j for j, i in enumerate(inputs.sample_chunk_indices) if i not in rejected_by_chunk]
+        if plain:
+            self._sample_plain(plan, logits[plain], [inputs.sample_chunk_indices[j] for j in plain], out)
+        for i in sorted(rejected_by_chunk):
+            rows = [j for j, c in enumerate(inputs.sample_chunk_indices) if c == i]
+            self._verify_sampled(plan.chunks[i], logits[rows], proposals[plan.chunks[i].request_id], out)
+        return out
+
+    def forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, ForwardInputs]:
+        """One forward over the plan: logits (R, V) of the rows that sample, and the inputs built for it."""
         inputs = self.prepare_inputs(plan)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
-        if not inputs.sample_chunk_indices:
-            return ModelRunnerOutput()
-        chunks = [plan.chunks[i] for i in inputs.sample_chunk_indices]
+        return logits, inputs
+
+    def _propose(self, plan: SchedulerOutput) -> dict[str, Proposal]:
+        drafting = [c for c in plan.chunks if c.draft is not None and c.draft.num_tokens > 0]
+        if self.drafter is None or not drafting:
+            return {}
+        return self.drafter.propose(drafting)
+
+    def _sample_plain(self, plan: SchedulerOutput, logits: torch.Tensor, chunk_indices: list[int],
+                      out: ModelRunnerOutput) -> None:
+        chunks = [plan.chunks[i] for i in chunk_indices]
         rows = [SamplingRow(c.request_id, c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in chunks]
         tokens, logprobs = self.sampler.sample(logits, rows)
-        out = ModelRunnerOutput()
         for chunk, token, logprob in zip(chunks, tokens, logprobs):
             if chunk.num_draft_tokens:  # rows of one chunk are consecutive: the first is the next token
                 out.verified_token_ids.setdefault(chunk.request_id, []).append(token)
@@ -62,7 +97,18 @@ class ModelRunner:
             out.sampled_token_ids[chunk.request_id] = token
             if logprob is not None:
                 out.logprobs[chunk.request_id] = logprob
-        return out
+
+    def _verify_sampled(self, chunk: ScheduledChunk, logits: torch.Tensor, proposal: Proposal,
+                        out: ModelRunnerOutput) -> None:
+        """logits (k+1, V) of a sampled row's verify chunk -> accepted drafts + one token (rejection sampling)."""
+        row = SamplingRow(chunk.request_id, chunk.sampling_params)
+        target = self.sampler.processed_probabilities(logits, [row] * logits.shape[0])  # (k+1, V)
+        drafts = torch.tensor(proposal.token_ids, device=logits.device)[None, :]
+        tokens, accepted = rejection_sample(target[None], proposal.probs[None].to(target.dtype), drafts,
+                                            self.sampler.generator_for(row))
+        emitted = tokens[0, :int(accepted[0]) + 1].tolist()
+        out.verified_token_ids[chunk.request_id] = emitted
+        out.sampled_token_ids[chunk.request_id] = emitted[0]
 
     def prepare_inputs(self, plan: SchedulerOutput) -> ForwardInputs:
         bs = self.block_size
@@ -102,7 +148,9 @@ class ModelRunner:
             sample_chunk_indices=sample_chunks,
         )
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if self.drafter is not None:
+            self.drafter.copy_blocks(copies)
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -110,3 +158,10 @@ class ModelRunner:
         for key_cache, value_cache in self.kv_caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+
+def _with_drafts(chunk: ScheduledChunk, proposal: Proposal | None) -> ScheduledChunk:
+    """The verify chunk: the row's token followed by the draft model's proposals."""
+    if proposal is None or not proposal.token_ids:
+        return chunk
+    return replace(chunk, token_ids=chunk.token_ids + proposal.token_ids, num_draft_tokens=len(proposal.token_ids))

@@ -94,7 +94,21 @@ class Sampler:
 
     # -- random draws ------------------------------------------------------------------------
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        params = [r.params for r in rows]
+        probs = self.probabilities(logits, [r.params for r in rows])
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=self._generator_for(row))
+        return (probs / noise).argmax(dim=-1)
+
+    def processed_probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(R, V) logits -> the distribution each row's sampled token is drawn from (bias, penalties,
+        temperature, top-k/top-p/min-p applied), for speculative rejection sampling."""
+        return self.probabilities(self._apply_bias_and_penalties(logits, rows), [r.params for r in rows])
+
+    def generator_for(self, row: SamplingRow) -> torch.Generator:
+        return self._generator_for(row)
+
+    def probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                                    device=self.device)[:, None]
         logits = logits / temperature
@@ -103,11 +117,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             rel = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)  # p / p_max
             logits = logits.masked_fill(rel < min_p, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            noise[i].exponential_(generator=self._generator_for(row))
-        return (probs / noise).argmax(dim=-1)
+        return torch.softmax(logits, dim=-1)
 
     def _generator_for(self, row: SamplingRow) -> torch.Generator:
         seed = row.params.seed

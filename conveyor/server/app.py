@@ -151,6 +151,11 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
     async def cache_stats() -> dict:
         return observability.cache_stats(engine)
 
+    @router.get("/v1/internal/spec-policy")
+    @router.get("/v1/internal/mtp-policy")  # the seeds' name
+    async def spec_policy() -> dict:
+        return core.speculation_report()
+
     @router.get("/v1/loads")
     async def loads() -> dict:
         return observability.loads(engine)

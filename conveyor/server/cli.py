@@ -11,7 +11,8 @@ import sys
 
 import uvicorn
 
-from conveyor.config import (ConfigError, EngineConfig, ServerConfig, add_flags, describe, load_cluster_config,
+from conveyor.config import (ConfigError, EngineConfig, ServerConfig, add_flags, describe, env_alias_report,
+                             load_cluster_config,
                              load_configs)
 
 logger = logging.getLogger("conveyor.server")
@@ -35,6 +36,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
         return 2
+    for line in env_alias_report(args):
+        logger.info("environment: %s", line)
     shown = (engine_config, server_config) + ((cluster_config,) if cluster_config.node_role else ())
     logger.info("effective configuration:\n%s", describe(*shown))
     from conveyor.loading import LoadError

@@ -1,0 +1,111 @@
+"""The draft model of draft-model speculation: proposes tokens for the rows the scheduler picked.
+
+It is a second ModelRunner (own weights, own KV tensors) addressed through the target's block
+tables: same block size, same block ids, so it needs no allocator of its own and every block the
+target frees frees the draft's copy too. Its KV is filled lazily: before proposing for a row, the
+draft catches up on the tokens it has not seen (a whole prompt on a row's first draft, one or two
+tokens afterwards), then runs one batched decode step per draft token over all drafting rows.
+
+Draft KV that is stale (a row re-admitted after preemption, positions past a rejected draft) is
+recomputed or overwritten; stale draft KV could only lower acceptance, never change the output,
+because the target verifies every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
+from conveyor.runner.sampler import SamplingRow
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # (k, V) draft distributions of sampled rows; None for greedy rows
+
+
+@dataclass
+class _DraftState:
+    epoch: int
+    token_ids: list[int] = field(default_factory=list)  # tokens whose draft KV is in the cache, from position 0
+
+
+class DraftRunner:
+    def __init__(self, runner) -> None:  # runner: ModelRunner over the draft model
+        self.runner = runner
+        self._states: dict[str, _DraftState] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+        self.runner.sampler.forget(request_ids)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(copies)
+
+    def propose(self, chunks: list[ScheduledChunk]) -> dict[str, Proposal]:
+        """One proposal per chunk with a DraftRequest; all rows advance together, one forward per draft token."""
+        steps = [self._catch_up_chunk(c) for c in chunks]
+        wanted = {c.request_id: c.draft.num_tokens for c in chunks}
+        proposals = {c.request_id: Proposal([]) for c in chunks}
+        sampled = {c.request_id for c in chunks if not c.sampling_params.greedy}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
+        while steps:
+            logits, _ = self.runner.forward(SchedulerOutput(chunks=steps))  # (R, V), one row per step chunk
+            tokens = self._pick(logits, steps, sampled, probs)
+            next_steps = []
+            for step, token in zip(steps, tokens):
+                proposal = proposals[step.request_id]
+                proposal.token_ids.append(token)
+                if len(proposal.token_ids) < wanted[step.request_id]:
+                    position = step.start_position + len(step.token_ids)
+                    next_steps.append(ScheduledChunk(step.request_id, [token], position, step.block_table, True,
+                                                     step.sampling_params))
+            steps = next_steps
+        for chunk in chunks:
+            proposal = proposals[chunk.request_id]
+            state = self._states[chunk.request_id]
+            # The last draft was never fed back, so its KV is not written.
+            state.token_ids = list(chunk.draft.history_token_ids) + proposal.token_ids[:-1]
+            if chunk.request_id in sampled:
+                proposal.probs = torch.stack(probs[chunk.request_id])  # (k, V)
+        return proposals
+
+    def _catch_up_chunk(self, chunk: ScheduledChunk) -> ScheduledChunk:
+        """The tokens the draft has not computed yet, up to and including the row's decode token."""
+        draft = chunk.draft
+        history = list(draft.history_token_ids)
+        state = self._states.get(chunk.request_id)
+        if state is None or state.epoch != draft.epoch:
+            state = self._states[chunk.request_id] = _DraftState(draft.epoch)
+        valid = _common_prefix(state.token_ids, history, limit=len(history) - 1)
+        return ScheduledChunk(chunk.request_id, history[valid:], valid, chunk.block_table, True, chunk.sampling_params)
+
+    def _pick(self, logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str],
+              probs: dict[str, list[torch.Tensor]]) -> list[int]:
+        tokens = self.runner.sampler.ops.argmax(logits)
+        rows = [i for i, s in enumerate(steps) if s.request_id in sampled]
+        if rows:
+            sampler = self.runner.sampler
+            sampling_rows = [SamplingRow(steps[i].request_id, steps[i].sampling_params) for i in rows]
+            q = sampler.probabilities(logits[rows], [r.params for r in sampling_rows])  # (S, V)
+            noise = torch.empty_like(q).exponential_(generator=sampler.generator_for(sampling_rows[0]))
+            drawn = (q / noise).argmax(dim=-1)
+            tokens = tokens.clone()
+            tokens[rows] = drawn
+            for j, i in enumerate(rows):
+                probs[steps[i].request_id].append(q[j])
+        return tokens.tolist()
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:  # the usual case, compared at C speed: the row only grew since its last draft
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

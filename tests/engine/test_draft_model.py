@@ -1,0 +1,148 @@
+"""Draft-model speculation on tiny random pairs: greedy output bitwise equal to plain decoding, sampled
+output distributed as plain sampling (rejection sampling), tokenizer mismatches refused."""
+
+import json
+
+import pytest
+import tokenizers
+import torch
+
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.spec_policy import PROBE_TICKS, PROFILE_TICKS, SpecPolicy
+from conveyor.loading import Checkpoint, LoadError
+from conveyor.loading.pairing import check_draft_pairing
+from conveyor.loading.tokenizer import Tokenizer
+from conveyor.runner.rejection import rejection_sample
+from conveyor.testing import random_weights, tiny_checkpoint as make_tiny, tiny_config
+
+PROMPTS = [f"Story {i}: the quick brown fox " * (1 + i % 3) for i in range(8)]
+
+
+def _greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=16 + 5 * (i % 3), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_checkpoint):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=8, speculative_ngram=0)
+    return llm.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))]), llm.engine.counters.num_steps
+
+
+def _speculative(target, draft, **extra) -> LLM:
+    extra.setdefault("speculative_ngram", 0)
+    return LLM(checkpoint=target, draft_checkpoint=draft, parallel=8, draft_policy="enable",
+               speculative_max_rows=64, **extra)
+
+
+@pytest.mark.batch_invariant
+def test_self_draft_accepts_everything_and_matches_plain_decoding(tiny_checkpoint, plain_outputs):
+    want, plain_steps = plain_outputs
+    spec = _speculative(tiny_checkpoint, tiny_checkpoint)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > 0
+    assert stats.num_model_accepted_tokens == stats.num_model_draft_tokens  # same weights, same bits
+    assert spec.engine.counters.num_steps < plain_steps / 2
+    spec.engine.pool.check_integrity()
+    assert spec.engine.pool.stats().num_used == 0
+
+
+@pytest.mark.batch_invariant
+def test_a_different_draft_changes_nothing_but_the_step_count(tiny_checkpoint, plain_outputs):
+    want, _ = plain_outputs
+    spec = _speculative(tiny_checkpoint, make_tiny(seed=7), block_size=4)  # small blocks: drafts cross blocks
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0
+    spec.engine.pool.check_integrity()
+
+
+@pytest.mark.batch_invariant
+def test_prompt_lookup_and_the_draft_model_share_a_batch(tiny_checkpoint, plain_outputs):
+    want, _ = plain_outputs
+    spec = _speculative(tiny_checkpoint, tiny_checkpoint, speculative_ngram=4)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = spec.engine.scheduler.stats
+    # Rows the prompt-lookup proposer matched used it; the others asked the draft model.
+    assert stats.num_draft_tokens > stats.num_model_draft_tokens > 0
+
+
+def test_sampled_rows_speculate_and_self_draft_accepts_all(tiny_checkpoint):
+    spec = _speculative(tiny_checkpoint, tiny_checkpoint)
+    params = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
+    outs = spec.generate(PROMPTS[:4], params)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > 0
+    # p == q bit for bit (same model, row-invariant kernels): min(1, p/q) = 1, every draft accepted.
+    assert stats.num_model_accepted_tokens == stats.num_model_draft_tokens
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=6)
+    before = stats.num_model_draft_tokens
+    spec.generate(PROMPTS[:2], seeded)  # seeded rows never speculate: their draws stay batch-independent
+    assert stats.num_model_draft_tokens == before
+    spec.engine.pool.check_integrity()
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    """Chi-square over a 6-token vocabulary: emitted tokens follow p, acceptance is sum(min(p, q))."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, rows = 6, 2, 60_000
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, dim=-1)
+    drafts = torch.stack([torch.multinomial(q[i], rows, replacement=True, generator=gen) for i in range(k)], dim=1)
+    tokens, accepted = rejection_sample(p.expand(rows, -1, -1), q.expand(rows, -1, -1), drafts, gen)
+    first = torch.bincount(tokens[:, 0], minlength=vocab).float()
+    assert _chi_square(first, p[0]) < 20.5  # df 5, p = 0.001
+    # Where the first draft was accepted, the second emitted token is a draw from p[1].
+    second = torch.bincount(tokens[accepted >= 1, 1], minlength=vocab).float()
+    assert _chi_square(second, p[1]) < 20.5
+    expected_accept = torch.minimum(p[0], q[0]).sum().item()
+    assert abs((accepted >= 1).float().mean().item() - expected_accept) < 0.01
+    # A rejected draft is never emitted at its own position.
+    rejected = accepted == 0
+    assert not bool((tokens[rejected, 0] == drafts[rejected, 0]).any())
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_checkpoint):
+    backend = tiny_checkpoint.tokenizer.backend
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, different ids
+    other = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), tiny_checkpoint.tokenizer.bos_token_id,
+                      tiny_checkpoint.tokenizer.eos_token_ids)
+    swapped = Checkpoint(tiny_checkpoint.config, tiny_checkpoint.weights, other, "<swapped>", "swapped-draft")
+    with pytest.raises(LoadError, match="does not share the tokenizer"):
+        check_draft_pairing(tiny_checkpoint, swapped)
+    config = tiny_config(1000)
+    small = Checkpoint(config, random_weights(config), tiny_checkpoint.tokenizer, "<small>", "small-draft")
+    with pytest.raises(LoadError, match="1000-token vocabulary"):
+        LLM(checkpoint=tiny_checkpoint, draft_checkpoint=small)
+
+
+def test_adaptive_policy_measures_settles_and_persists(tmp_path):
+    key = {"target": "t", "draft": "d"}
+    policy = SpecPolicy("adaptive", key, str(tmp_path))
+    # Batch 1: drafts double the tokens per second -> enable. Batch 8: they halve it -> decline.
+    for batch, spec_rate, classic_rate in ((1, 200.0, 100.0), (8, 50.0, 100.0)):
+        while policy.allows(batch):
+            policy.observe(batch, True, int(spec_rate), 1.0)
+        for _ in range(PROBE_TICKS):
+            assert not policy.allows(batch) or batch in policy.verdicts
+            policy.observe(batch, False, int(classic_rate), 1.0)
+    assert policy.measures[1].spec_ticks == PROFILE_TICKS
+    assert policy.allows(1) and not policy.allows(8) and not policy.allows(5)  # 5 falls in the batch-8 bucket
+    report = policy.report()
+    assert report["verdicts"]["1"]["verdict"] == "enable" and report["verdicts"]["8"]["verdict"] == "decline"
+    restarted = SpecPolicy("adaptive", key, str(tmp_path))  # a restart skips profiling
+    assert restarted.allows(1) and not restarted.allows(8)
+    assert not SpecPolicy("adaptive", {"target": "t", "draft": "other"}, str(tmp_path)).verdicts
+    assert SpecPolicy("decline", key, str(tmp_path)).allows(1) is False

@@ -1,0 +1,95 @@
+"""FLAGS: the seeds' spellings and environment names resolve to our fields (no model, milliseconds)."""
+
+import pytest
+
+from conveyor.cli import build_parser
+from conveyor.config import ConfigError, env_alias_report, load_configs
+
+
+def _serve_args(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _engine(*argv, env=None):
+    return load_configs(_serve_args(*argv), env=env or {})[0]
+
+
+SEED_FLAGS = ("--draft-kind", "--prompt-lookup-max-batch", "--draft-model", "--model-draft", "--draft-block-size",
+              "--no-batch", "--parallel", "--n-parallel", "--no-kv-unified", "--kv-unified", "--max-kv-size",
+              "--max-batch-prefill", "--max-batch-prefill-tokens", "--prompt-cache-budget", "--apc-enabled",
+              "--no-prompt-cache", "--kv-cache-budget", "--kv-admission-watermark", "--prefill-chunk-size")
+
+
+def test_serve_help_lists_every_seed_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    missing = [flag for flag in SEED_FLAGS if flag not in text]
+    assert not missing
+
+
+def test_mlxcel_prefill_chunk_acts_like_ours():
+    ours = _engine(env={"CONVEYOR_PREFILL_CHUNK_SIZE": "256"})
+    seed = _engine(env={"MLXCEL_PREFILL_CHUNK": "256"})
+    assert ours.prefill_chunk_size == seed.prefill_chunk_size == 256
+    assert _engine().prefill_chunk_size == -1
+
+
+def test_ours_win_and_the_report_says_which_was_used():
+    env = {"CONVEYOR_PREFILL_CHUNK_SIZE": "128", "MLXCEL_PREFILL_CHUNK": "256", "MLXCEL_KV_ADMISSION_WATERMARK": "0.2"}
+    config = _engine(env=env)
+    assert config.prefill_chunk_size == 128 and config.kv_admission_watermark == 0.2
+    report = env_alias_report(None, env)
+    assert "MLXCEL_PREFILL_CHUNK ignored: CONVEYOR_PREFILL_CHUNK_SIZE is set and wins" in report
+    assert any(line.startswith("MLXCEL_KV_ADMISSION_WATERMARK=0.2 used for kv_admission_watermark") for line in report)
+    # The command line beats every environment variable.
+    args = _serve_args("--prefill-chunk-size", "64")
+    assert load_configs(args, env=env)[0].prefill_chunk_size == 64
+    assert "MLXCEL_PREFILL_CHUNK ignored: the command line sets prefill_chunk_size" in env_alias_report(args, env)
+
+
+def test_seed_values_are_translated():
+    assert _engine(env={"MLXCEL_MIXED_STEP": "1"}).tick_policy == "mixed"
+    assert _engine(env={"MLXCEL_MIXED_STEP": "0"}).tick_policy == "alternate"
+    assert _engine(env={"MLXCEL_KV_CACHE_BUDGET": "1G"}).kv_cache_budget == "1G"
+    assert _engine(env={"MLXCEL_MAX_BATCH_PREFILL_TOKENS": "0"}).max_batch_prefill_tokens == 0
+    assert _engine(env={"MLXCEL_ENABLE_MTP_B1": "0"}).draft_policy == "decline"
+    assert _engine(env={"MLXCEL_MTP_ADAPTIVE": "0"}).draft_policy == "enable"
+    assert _engine(env={"MLXCEL_CACHE_DIR": "/tmp/x"}).cache_dir == "/tmp/x"
+    with pytest.raises(ConfigError, match="MLXCEL_MIXED_STEP"):
+        _engine(env={"MLXCEL_MIXED_STEP": "sometimes"})
+
+
+def test_slot_and_kv_spellings():
+    auto = _engine("--parallel", "-1")
+    assert (auto.num_slots, auto.effective_max_batch_size, auto.effective_kv_unified) == (4, 4, True)
+    assert _engine("--parallel", "-1", "--no-kv-unified").effective_kv_unified is False
+    assert _engine("--parallel", "8").effective_kv_unified is False
+    assert _engine("--parallel", "8", "--kv-unified").effective_kv_unified is True
+    single = _engine("--no-batch", "--parallel", "8")
+    assert (single.num_slots, single.effective_max_batch_size) == (1, 1)
+    assert _engine("--max-kv-size", "4096").max_kv_size == 4096
+    with pytest.raises(ConfigError):
+        _engine("--parallel", "0")
+    with pytest.raises(ConfigError, match="contradict"):
+        _engine("--kv-unified", "--no-kv-unified")
+
+
+def test_prompt_cache_spellings():
+    assert _engine("--apc-enabled=false").enable_prefix_caching is False
+    assert _engine("--apc-enabled", "true").enable_prefix_caching is True
+    assert _engine("--no-prompt-cache").enable_prefix_caching is False
+    assert _engine().prompt_cache_budget == "2G"
+    assert _engine("--prompt-cache-budget", "512M").prompt_cache_budget == "512M"
+    with pytest.raises(ConfigError):
+        _engine("--prompt-cache-budget", "lots")
+
+
+def test_speculation_spellings():
+    assert _engine("--draft-kind", "none").ngram_enabled is False
+    assert _engine("--draft-kind", "prompt-lookup").ngram_enabled is True
+    config = _engine("--model-draft", "/x.gguf", "--draft-block-size", "6")
+    assert (config.draft_model, config.draft_block_size, config.draft_model_enabled) == ("/x.gguf", 6, True)
+    assert _engine("--prompt-lookup-max-batch", "2").prompt_lookup_max_batch == 2
+    with pytest.raises(ConfigError, match="needs --draft-model"):
+        _engine("--draft-kind", "draft-model")
