@@ -297,9 +297,6 @@ class Scheduler:
             drafts = _drafts_of(chunk, result)
             if drafts and new_tokens:
                 new_tokens, accepted = _verify(drafts, result.verified_token_ids[chunk.request_id])
-                if chunk.draft is not None:
-                    self.stats.num_draft_tokens += len(drafts)
-                    self.stats.num_model_draft_tokens += len(drafts)
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
                 request.spec_skip_ticks = 2 ** request.spec_rejections - 1
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
@@ -308,7 +305,11 @@ class Scheduler:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
             count, status = self._append_tokens(request, new_tokens)
             self.stats.num_accepted_tokens += min(accepted, count)  # drafts past a stop never happened
-            if chunk.draft is not None:
+            if chunk.draft is not None and drafts and new_tokens:
+                # Drafts past a stop never happened, scored or accepted (as for prompt lookup's accepted count).
+                scored = len(drafts) if status is None else min(len(drafts), count)
+                self.stats.num_draft_tokens += scored
+                self.stats.num_model_draft_tokens += scored
                 self.stats.num_model_accepted_tokens += min(accepted, count)
             self.kv.cache_computed_blocks(request)  # after the append: accepted drafts fill blocks too
             if not count:
