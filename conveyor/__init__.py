@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "CompletionResult", "InvalidRequestError", "SamplingParams"]
+__all__ = ["LLM", "CompletionResult", "GrammarSpec", "InvalidRequestError", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from conveyor.engine import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "GrammarSpec":
+        from conveyor.structured.grammar import GrammarSpec
+
+        return GrammarSpec
     raise AttributeError(name)

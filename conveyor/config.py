@@ -55,6 +55,7 @@ class EngineConfig:
     kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
     require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
     disable_kernel: bool = False  # torch paths only (no C++ kernels: no batch invariance, no speculation)
+    grammar_cache_size: int = 64  # compiled grammars (JSON schemas, tool sets) kept for reuse; 0 = no cache
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
@@ -88,6 +89,7 @@ class EngineConfig:
         _require(self.speculative_max_rows >= 1, "speculative_max_rows must be at least 1")
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
+        _require(self.grammar_cache_size >= 0, "grammar_cache_size must be >= 0")
         _require(bool(self.kernel_arch.strip()) and self.kernel_arch.strip() == self.kernel_arch
                  and not self.kernel_arch.startswith("-"), f"bad kernel_arch {self.kernel_arch!r}")
 
@@ -139,8 +141,10 @@ class ServerConfig:
     max_n: int = 16
     max_stop_strings: int = 16
     max_logit_bias: int = 300
+    reasoning_parser: str = "auto"  # <think>...</think> -> reasoning_content: auto (if the template has it) | think | none
 
     def __post_init__(self) -> None:
+        _require(self.reasoning_parser in ("auto", "think", "none"), "reasoning_parser must be auto, think or none")
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
                      "max_stop_strings", "max_logit_bias"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
@@ -300,6 +304,10 @@ FLAGS: list[Flag] = [
          help="refuse to start when a C++ kernel does not build (instead of the slower torch paths)"),
     Flag(("--disable-kernel",), "disable_kernel", switch=True,
          help="run the torch paths only (no batch invariance, no speculation; for debugging)"),
+    Flag(("--grammar-cache-size",), "grammar_cache_size", int,
+         "compiled grammars (response_format schemas, tool sets) kept for reuse (0 = compile every time)"),
+    Flag(("--reasoning-parser",), "reasoning_parser", choices=("auto", "think", "none"),
+         help="<think>...</think> output to reasoning_content: auto (when the chat template uses <think>), think, none"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on every route but /health and /metrics"),

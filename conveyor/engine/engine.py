@@ -27,6 +27,8 @@ from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
 from conveyor.runner.draft_runner import DraftRunner
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
+from conveyor.structured.compiler import GrammarCompiler
+from conveyor.structured.masks import GrammarMasker, MaskJob
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.kv_transfer = KVTransfer(self)  # disaggregated roles only; inert otherwise
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._masker: GrammarMasker | None = None
         del checkpoint  # the fp32 copies of the weights are no longer needed
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
@@ -176,6 +180,19 @@ class EngineCore:
                                 "accepted_tokens": stats.num_model_accepted_tokens},
                 "policy": self.spec_policy.report() if self.spec_policy is not None else None}
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles response_format / guided_* grammars (the tokenizer index costs ~0.1 s, so lazily)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             self.config.grammar_cache_size, self.eos_token_ids)
+            self._masker = GrammarMasker(self._grammars.vocab_size, self.model_config.vocab_size)
+        return self._grammars
+
+    @property
+    def masker(self) -> GrammarMasker | None:
+        return self._masker
+
     # -- requests --------------------------------------------------------------------------
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -196,8 +213,11 @@ class EngineCore:
         if needed > self.pool.num_blocks:
             raise InvalidRequestError(f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}",
                                       "max_tokens")
-        return Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
-                       priority=priority, cache_prompt=cache_prompt and self.config.enable_prefix_caching)
+        request = Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
+                          priority=priority, cache_prompt=cache_prompt and self.config.enable_prefix_caching)
+        if params.structured is not None:
+            request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault
+        return request
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
@@ -229,8 +249,10 @@ class EngineCore:
         if plan.is_empty and not plan.block_copies and not plan.finished_request_ids:
             return []
         started = time.perf_counter()
+        masks = self._start_masks(plan)
         try:
-            result = self.runner.execute(plan)
+            # (masks passed only when there are some: execute(plan) stays the whole contract for free batches)
+            result = self.runner.execute(plan, masks) if masks is not None else self.runner.execute(plan)
         except Exception as exc:  # a failed forward ends only the requests that were in it
             logger.exception("model step failed")
             self.counters.num_failed_steps += 1
@@ -268,6 +290,17 @@ class EngineCore:
         if not speculative and any(c.num_draft_tokens for c in plan.chunks):
             return  # prompt-lookup drafts only: neither a draft-model round nor a classic step
         self.spec_policy.observe(len(plan.chunks), speculative, num_tokens, seconds)
+
+    def _start_masks(self, plan) -> MaskJob | None:
+        """Grammar masks of the rows that sample this step, computed on a worker while the forward runs."""
+        if self._masker is None:
+            return None
+        rows = []
+        for chunk in plan.chunks:
+            request = self.scheduler.requests.get(chunk.request_id)
+            if chunk.sample and request is not None and request.grammar is not None:
+                rows.append((chunk.request_id, request.grammar))
+        return self._masker.start(rows)
 
     def _output_for(self, request: Request, num_new: int, logprob) -> RequestOutput:
         out = self._build_output(request, self._detokenizers[request.request_id])

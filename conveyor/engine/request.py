@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.structured.compiler import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +62,9 @@ class Request:
     # Speculative decoding back-off: after k straight fully-rejected drafts, skip 2^k - 1 ticks.
     spec_rejections: int = 0
     spec_skip_ticks: int = 0
+    # Constrained decoding: the grammar position, advanced with every output token (which survive
+    # preemption, so a re-prefilled row resumes where its grammar stands).
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +88,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error = self.grammar.error
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
@@ -88,6 +97,11 @@ class Request:
         """Terminal status implied by the last sampled token (stop strings are checked by the detokenizer)."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
+        if self.grammar is not None:
+            if self.grammar.error is not None:
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_done:  # complete: nothing but EOS could follow
+                return RequestStatus.FINISHED_STOP
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOP
         if len(self.output_token_ids) >= params.max_tokens:

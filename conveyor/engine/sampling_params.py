@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.structured.grammar import GrammarSpec
 
 
 class InvalidRequestError(ValueError):
@@ -31,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # constrained decoding (JSON schema, regex, grammar); None = free
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

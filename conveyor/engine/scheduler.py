@@ -246,8 +246,8 @@ class Scheduler:
         for chunk in decodes:
             request = self.requests[chunk.request_id]
             params = request.sampling_params
-            if not _can_speculate(params, sampled_ok=use_model):
-                continue
+            if not _can_speculate(params, sampled_ok=use_model) or request.grammar is not None:
+                continue  # NOTE: drafts are not checked against a grammar, so constrained rows never draft
             if request.spec_skip_ticks:  # its recent drafts all missed: stop paying for them a while
                 request.spec_skip_ticks -= 1  # counted per tick even when the budget is spent
                 continue
@@ -350,7 +350,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = status
-        request.error = error
+        request.error = error or request.error  # (a grammar failure recorded its own)
         self._finished_ids.append(request_id)
         self.stats.num_completed += 1
         reason = request.finish_reason or "unknown"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from conveyor.models.config import ModelConfig
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.rejection import rejection_sample
 from conveyor.runner.sampler import Sampler, SamplingRow
+
+if TYPE_CHECKING:
+    from conveyor.structured.masks import MaskJob
 
 
 @dataclass
@@ -45,7 +49,8 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
         self.sampler = Sampler(config.vocab_size, device, ops, seed)
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput, masks: MaskJob | None = None) -> ModelRunnerOutput:
+        """One forward; `masks` (constrained rows' grammar masks, computed meanwhile) are applied before sampling."""
         self.sampler.forget(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.forget(plan.finished_request_ids)
@@ -66,7 +71,7 @@ class ModelRunner:
                              if (p := proposals.get(plan.chunks[i].request_id)) is not None and p.probs is not None}
         plain = [j for j, i in enumerate(inputs.sample_chunk_indices) if i not in rejected_by_chunk]
         if plain:
-            self._sample_plain(plan, logits[plain], [inputs.sample_chunk_indices[j] for j in plain], out)
+            self._sample_plain(plan, logits[plain], [inputs.sample_chunk_indices[j] for j in plain], out, masks)
         for i in sorted(rejected_by_chunk):
             rows = [j for j, c in enumerate(inputs.sample_chunk_indices) if c == i]
             self._verify_sampled(plan.chunks[i], logits[rows], proposals[plan.chunks[i].request_id], out)
@@ -85,9 +90,11 @@ class ModelRunner:
         return self.drafter.propose(drafting)
 
     def _sample_plain(self, plan: SchedulerOutput, logits: torch.Tensor, chunk_indices: list[int],
-                      out: ModelRunnerOutput) -> None:
+                      out: ModelRunnerOutput, masks: MaskJob | None = None) -> None:
         chunks = [plan.chunks[i] for i in chunk_indices]
         rows = [SamplingRow(c.request_id, c.sampling_params, c.prompt_token_ids, c.output_token_ids) for c in chunks]
+        if masks is not None:
+            masks.apply(logits, [c.request_id for c in chunks])
         tokens, logprobs = self.sampler.sample(logits, rows)
         for chunk, token, logprob in zip(chunks, tokens, logprobs):
             if chunk.num_draft_tokens:  # rows of one chunk are consecutive: the first is the next token

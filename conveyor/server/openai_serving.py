@@ -24,8 +24,10 @@ from conveyor.server.errors import APIError
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from conveyor.server.responses import (ChoiceState, ResponseHeader, TokenText, chunk, full_response, sse,
-                                       usage_chunk)
+                                       tool_finish_reason, usage_chunk)
 from conveyor.server.streams import RequestGroup, wait_for_disconnect
+from conveyor.server.structured_output import grammar_from_fields, plan_chat, reply_starts_thinking
+from conveyor.structured.grammar import GrammarSpec
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
 
@@ -52,8 +54,10 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics,
+                 reasoning_parser: str = "auto") -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.core = engine.core
         self.model_id = model_id
         self.model_names = {model_id, self.core.model_name}
@@ -68,18 +72,20 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        plan = plan_chat(body, self.core.tokenizer, self.reasoning_parser)
         try:
-            text = self.core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.core.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools)
         except ValueError as exc:
             raise errors.invalid(str(exc), "messages") from None
         prompt = self.core.tokenizer.encode(text, add_special_tokens=False)
+        await self._compile(plan.grammar, plan.grammar_param)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         requests = self._make_requests(body, [prompt], max_tokens, logprobs, _priority(body, http),
-                                       {"prompt": "messages", "logprobs": "top_logprobs"})
+                                       {"prompt": "messages", "logprobs": "top_logprobs",
+                                        "response_format": plan.grammar_param}, plan.grammar)
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=True,
-                                want_logprobs=logprobs is not None)
+                                want_logprobs=logprobs is not None,
+                                parsing=reply_starts_thinking(plan.parsing, text))
         return await self._run(http, body, header, requests, arrival)
 
     async def completion(self, http: HTTPRequest, body: CompletionRequest, arrival: float) -> Response:
@@ -88,11 +94,22 @@ class OpenAIServing:
             raise errors.invalid("best_of is not supported (omit it or set it equal to n)", "best_of")
         tokenizer = self.core.tokenizer
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        grammar, param = grammar_from_fields(body)
+        await self._compile(grammar, param)
         requests = self._make_requests(body, prompts, body.max_tokens, body.logprobs, _priority(body, http),
-                                       {"messages": "prompt"})
+                                       {"messages": "prompt", "response_format": param}, grammar)
         header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=False,
                                 want_logprobs=body.logprobs is not None)
         return await self._run(http, body, header, requests, arrival)
+
+    async def _compile(self, grammar: GrammarSpec | None, param: str | None) -> None:
+        """Compile (or find cached) off the event loop, so a large schema never stalls other requests."""
+        if grammar is None:
+            return
+        try:
+            await asyncio.to_thread(self.core.grammars.compile, grammar)
+        except InvalidRequestError as exc:
+            raise errors.invalid(str(exc), param or exc.param) from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -101,7 +118,8 @@ class OpenAIServing:
 
     # -- request -> engine requests --------------------------------------------------------
     def _make_requests(self, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None, priority: int, params: dict[str, str]) -> list[Request]:
+                       logprobs: int | None, priority: int, params: dict[str, str | None],
+                       grammar: GrammarSpec | None = None) -> list[Request]:
         """n requests per prompt, all validated before any is submitted. Choice index = prompt * n + i.
 
         `params` renames the engine's error params to this endpoint's field names.
@@ -112,10 +130,11 @@ class OpenAIServing:
             for i in range(body.n):
                 try:
                     sampling = self._sampling_params(body, prompt, max_tokens, logprobs, i)
+                    sampling.structured = grammar
                     requests.append(self.core.make_request(prompt, sampling, f"{base_id}-{p * body.n + i}",
                                                            priority=priority, cache_prompt=body.cache_prompt))
                 except InvalidRequestError as exc:
-                    raise errors.invalid(str(exc), params.get(exc.param or "", exc.param)) from None
+                    raise errors.invalid(str(exc), params.get(exc.param or "") or exc.param) from None
         return requests
 
     def _sampling_params(self, body: SamplingFields, prompt: list[int], max_tokens: int | None,
@@ -193,14 +212,25 @@ class OpenAIServing:
             if header.chat:
                 for c in choices:
                     yield sse(chunk(header, c.index, "", [], self.token_text, role=True, with_usage=include_usage))
+            parsers = [header.parsing.parser() for _ in choices] if header.parses else None  # type: ignore[union-attr]
             while not group.done:
                 index, out = await group.next()
                 choices[index].add(out, keep=False)
-                if not (out.new_text or out.logprobs or out.finished):
+                parsed, finish_reason, first_tool = None, out.finish_reason if out.finished else None, 0
+                if parsers is not None:
+                    first_tool = parsers[index].num_tool_calls
+                    parsed = parsers[index].feed(out.new_text)
+                    if out.finished:
+                        parsed += parsers[index].finish()
+                        if parsers[index].num_tool_calls:
+                            finish_reason = tool_finish_reason(finish_reason)
+                    if parsed.is_empty and not (out.logprobs or out.finished):
+                        continue
+                elif not (out.new_text or out.logprobs or out.finished):
                     continue  # text held back (stop-string prefix or half a character)
                 payload = chunk(header, index, out.new_text, out.logprobs, self.token_text,
-                                finish_reason=out.finish_reason if out.finished else None, offset=offsets[index],
-                                with_usage=include_usage)
+                                finish_reason=finish_reason, offset=offsets[index],
+                                with_usage=include_usage, parsed=parsed, first_tool_index=first_tool)
                 offsets[index] += sum(len(self.token_text(lp.token_id)[0]) for lp in out.logprobs)
                 if out.finish_reason == "error":
                     payload["error"] = errors.generation_failed(out.error or "generation failed").body()["error"]

@@ -21,8 +21,45 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
 
 
+class JSONSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict | bool = Field(default_factory=dict, alias="schema")  # (BaseModel owns `schema`)
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]  # json_object / json_schema need constrained decoding, which we lack
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class TextPart(_Body):
@@ -37,6 +74,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -71,6 +110,12 @@ class SamplingFields(_Body):
     metadata: dict | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # Structured output beyond response_format, named as vLLM names them (at most one per request).
+    guided_json: dict | str | None = None  # a JSON schema
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark (llguidance dialect), or GBNF as llama-server takes it
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,9 +127,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict], Field(max_length=0)] | None = None  # no tool calling yet
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.outputs import RequestOutput, TokenLogprob
 from conveyor.loading import Tokenizer
+from conveyor.structured.output import ChatDelta, ChatParsing
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -107,6 +108,11 @@ class ResponseHeader:
     model: str
     chat: bool
     want_logprobs: bool
+    parsing: ChatParsing | None = None  # chat replies split into content / reasoning / tool calls
+
+    @property
+    def parses(self) -> bool:
+        return self.chat and self.parsing is not None and self.parsing.enabled
 
     def base(self, stream: bool) -> dict:
         if self.chat:
@@ -126,18 +132,43 @@ def full_response(header: ResponseHeader, choices: list[ChoiceState], token_text
 def _full_choice(header: ResponseHeader, choice: ChoiceState, token_text: TokenText) -> dict:
     if header.chat:
         logprobs = chat_logprobs(token_text, choice.logprobs) if header.want_logprobs else None
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        message: dict = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if header.parses:
+            parsed = header.parsing.parser().parse(choice.text)  # type: ignore[union-attr]
+            message["content"] = parsed.content or (None if parsed.tool_calls else "")
+            if header.parsing.thinking is not None:  # type: ignore[union-attr]
+                message["reasoning_content"] = parsed.reasoning or None
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+                finish_reason = tool_finish_reason(finish_reason)
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     logprobs = completion_logprobs(token_text, choice.logprobs) if header.want_logprobs else None
     return {"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
+def tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A reply that ended by itself after calling tools ends with "tool_calls" (a length cut stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def chunk(header: ResponseHeader, index: int, text: str, logprobs: list[TokenLogprob], token_text: TokenText,
-          finish_reason: str | None = None, role: bool = False, offset: int = 0, with_usage: bool = False) -> dict:
-    """One choice's delta as a stream chunk; `role` marks a chat stream's opening chunk."""
+          finish_reason: str | None = None, role: bool = False, offset: int = 0, with_usage: bool = False,
+          parsed: ChatDelta | None = None, first_tool_index: int = 0) -> dict:
+    """One choice's delta as a stream chunk; `role` marks a chat stream's opening chunk; `parsed`
+    replaces `text` with content / reasoning_content / tool_calls (each call sent whole, numbered
+    from first_tool_index, which the official client assembles by index)."""
     out = header.base(stream=True)
     if header.chat:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        if parsed is not None:
+            delta = {}
+            if parsed.content:
+                delta["content"] = parsed.content
+            if parsed.reasoning:
+                delta["reasoning_content"] = parsed.reasoning
+            if parsed.tool_calls:
+                delta["tool_calls"] = [call.to_openai(first_tool_index + i) for i, call in enumerate(parsed.tool_calls)]
         lp = chat_logprobs(token_text, logprobs) if header.want_logprobs and logprobs else None
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
     else:

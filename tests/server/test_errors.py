@@ -46,7 +46,9 @@ def test_malformed_json(served):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"no_such_field": 1}, "no_such_field"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_bad_fields_are_400_with_param(served, fields, param):
     assert _error(_chat(served, **fields), 400)["param"] == param

@@ -1,0 +1,76 @@
+"""A chat reply's text -> content, reasoning_content and tool calls; one parser per choice, streamed or not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.structured.reasoning import ReasoningStream
+from conveyor.structured.tools import ToolCall, ToolCallStream
+
+
+@dataclass
+class ChatDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: ChatDelta) -> ChatDelta:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+        return self
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.content or self.reasoning or self.tool_calls)
+
+
+@dataclass(frozen=True)
+class ChatParsing:
+    """How a request's replies are parsed: None fields are off."""
+
+    tool_names: frozenset[str] | None = None  # tools offered (auto / required / named)
+    thinking: bool | None = None  # reasoning parser on; True when the prompt already opened <think>
+
+    @property
+    def enabled(self) -> bool:
+        return self.tool_names is not None or self.thinking is not None
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(self)
+
+
+class ChatOutputParser:
+    def __init__(self, parsing: ChatParsing) -> None:
+        self._reasoning = ReasoningStream(parsing.thinking) if parsing.thinking is not None else None
+        self._tools = ToolCallStream(set(parsing.tool_names)) if parsing.tool_names is not None else None
+
+    @property
+    def num_tool_calls(self) -> int:
+        return self._tools.num_calls if self._tools is not None else 0
+
+    def feed(self, text: str) -> ChatDelta:
+        reasoning, content = self._reasoning.feed(text) if self._reasoning is not None else ("", text)
+        return self._content(reasoning, content, finish=False)
+
+    def finish(self) -> ChatDelta:
+        reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        return self._content(reasoning, content, finish=True)
+
+    def _content(self, reasoning: str, content: str, finish: bool) -> ChatDelta:
+        if self._tools is None:
+            return ChatDelta(content, reasoning)
+        content, calls = self._tools.feed(content)
+        if finish:
+            more, last = self._tools.finish()
+            content, calls = content + more, calls + last
+        return ChatDelta(content, reasoning, calls)
+
+    def parse(self, text: str) -> ChatDelta:
+        """A whole reply at once (non-streaming)."""
+        delta = self.feed(text)
+        delta += self.finish()
+        if delta.tool_calls:
+            delta.content = delta.content.strip()
+        delta.reasoning = delta.reasoning.strip()
+        return delta
