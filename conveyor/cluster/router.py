@@ -248,6 +248,14 @@ def _check_supported(body: SamplingFields, logprobs: bool) -> None:
         raise errors.invalid("the router serves n=1 only (send separate requests)", "n")
     if logprobs:
         raise errors.invalid("logprobs are not supported through the router", "logprobs")
+    # Grammars and tools are compiled by a single node's engine; the handoff does not carry a matcher.
+    constrained = [name for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "tools")
+                   if getattr(body, name, None) is not None]
+    if body.response_format is not None and body.response_format.type != "text":
+        constrained.append("response_format")
+    if constrained:
+        raise errors.invalid(f"{constrained[0]} is not supported through the router (structured output and tools "
+                             "run on a single node: docs/distributed.md)", constrained[0])
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None) -> SamplingWire:

@@ -19,7 +19,9 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -29,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("gemm", "attention", "fused_ops")
 CSRC = Path(__file__).parent / "csrc"
-_STALE_LOCK_S = 600  # a build takes ~30-90 s; a lock this old belongs to a killed build
 
 # Compiler macro -> the CPU flag (/proc/cpuinfo spelling) a binary built with it needs.
 _X86_FEATURE_MACROS = {
@@ -151,18 +152,34 @@ def first_error(log: str) -> str | None:
     return lines[0][:500] if lines else None
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """torch waits forever on the build lock of a process killed mid-build (Ctrl-C during the
-    first start): every later start would hang. A lock older than any build is removed."""
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Serialize builds of one kernel across processes with an OS lock, which dies with its holder.
+
+    torch's own build lock is a plain file: a process killed mid-build (Ctrl-C on a first start, a
+    test run stopped) leaves it behind and every later start waits on it forever. Whoever holds our
+    lock is the only conveyor process building this name, so a torch lock file it finds is stale.
+    """
     try:
+        import fcntl
+
         from torch.utils.cpp_extension import _get_build_directory
 
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            logger.warning("removing a stale kernel build lock %s", lock)
-            lock.unlink(missing_ok=True)
-    except Exception:  # a private torch helper: if it moves, keep the old behaviour
-        pass
+        build_dir = Path(_get_build_directory(name, verbose=False))
+    except Exception:  # no fcntl (Windows) or a private torch helper moved: torch's lock alone
+        yield
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "conveyor.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a kernel build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_kernel(kernel: str, arch: str) -> KernelBuild:
@@ -175,13 +192,13 @@ def load_kernel(kernel: str, arch: str) -> KernelBuild:
         return KernelBuild(kernel, None, f"-march={arch} needs CPU features this CPU lacks: "
                                          f"{', '.join(sorted(missing))}")
     name = extension_name(kernel, arch)
-    _clear_stale_build_lock(name)
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=name, sources=[str(CSRC / f"{kernel}.cpp")], extra_cflags=compile_flags(arch),
-                      extra_include_paths=[str(CSRC)], extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"],
-                      verbose=False)
+        with _build_lock(name):
+            module = load(name=name, sources=[str(CSRC / f"{kernel}.cpp")], extra_cflags=compile_flags(arch),
+                          extra_include_paths=[str(CSRC)],
+                          extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"], verbose=False)
         return KernelBuild(kernel, module)
     except Exception as exc:  # compiler or ninja missing, or a compile error: the torch paths still work
         return KernelBuild(kernel, None, first_error(str(exc)) or type(exc).__name__)

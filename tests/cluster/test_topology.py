@@ -93,6 +93,11 @@ def test_router_serves_health_models_metrics(topo):
     assert 'conveyor_router_node_up{address="%s",role="prefill"} 1.0' % topo["a"].serving in metrics
     r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"guided_regex": "[ab]+"}, "guided_regex"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param  # never silently unconstrained
     deep = httpx.post(f"{base}/v1/completions", content='{"prompt": ' + "[" * 200 + "]" * 200 + "}",
                       headers={"content-type": "application/json"})
     assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error"  # single-node limits
