@@ -27,17 +27,24 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)}
 
 
+def _last_token_stop_case(llm: LLM) -> tuple[str, int, object, str]:
+    """A prompt whose greedy max_tokens-th token completes a stop string found nowhere earlier."""
+    for prompt in ("Once upon a time there was a robot", "The capital of France is", "1, 2, 3, 4,", "Hello"):
+        for max_tokens in (12, 9, 15, 7):
+            reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                              ignore_eos=True))[0]
+            assert reference.finish_reason == "length" and len(reference.token_ids) == max_tokens
+            before_text = llm.tokenizer.decode(reference.token_ids[:-1])
+            assert reference.text.startswith(before_text)
+            stop = reference.text[len(before_text):]
+            if stop.strip() and reference.text.find(stop) == len(before_text):
+                return prompt, max_tokens, reference, stop
+    raise AssertionError("no candidate prompt gives a fresh stop string on its last token: add candidates")
+
+
 def test_stop_string_on_the_last_allowed_token_is_stop_and_counted_once(llm):
-    prompt = "Once upon a time there was a robot"
-    max_tokens = 12
-    reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
-    assert reference.finish_reason == "length" and len(reference.token_ids) == max_tokens
     # A stop string that completes exactly with the max_tokens-th token: the text is cut, so "stop".
-    before_text = llm.tokenizer.decode(reference.token_ids[:-1])
-    assert reference.text.startswith(before_text)
-    stop = reference.text[len(before_text):]
-    if not stop.strip() or reference.text.find(stop) != len(before_text):
-        pytest.skip("the random model's last token does not make a fresh stop string")
+    prompt, max_tokens, reference, stop = _last_token_stop_case(llm)
     before = _totals(llm)
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=[stop]))[0]
     after = _totals(llm)
