@@ -28,7 +28,7 @@ from conveyor.config import ClusterConfig, ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.app import _api_key_check, parse_body
+from conveyor.server.app import _api_key_check, add_openai_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.middleware import BodySizeLimit, CatchAll
@@ -312,30 +312,11 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    api = APIRouter()
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest, limits), arrival)
-
-    @api.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
-
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_name}
 
-    @api.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
-
-    @api.get("/v1/models/{name:path}")
-    async def model(name: str) -> dict:
-        serving.check_model(name)
-        return model_card()
-
+    api = APIRouter()
+    add_openai_routes(api, serving, limits, model_card)
     app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
     return app
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -89,9 +90,9 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     return app
 
 
-def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limits: RequestLimits) -> APIRouter:
-    router = APIRouter()
-    core = engine.core
+def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_card: Callable[[], dict]) -> None:
+    """The OpenAI routes a single node and the cluster router share; `serving` has chat(), completion()
+    and check_model() (OpenAIServing here, the router's dispatcher in conveyor/cluster/router.py)."""
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -103,14 +104,6 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
         arrival = time.monotonic()
         return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
 
-    def model_card() -> dict:
-        cfg = core.model_config
-        # `meta` as llama-server reports it; `conveyor bench` reads n_params for its roofline.
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor",
-                "root": core.model_name, "max_model_len": core.max_model_len,
-                "meta": {"n_params": core.num_params, "n_vocab": cfg.vocab_size, "n_embd": cfg.hidden_size,
-                         "n_ctx_train": cfg.max_position_embeddings}}
-
     @router.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
@@ -119,6 +112,21 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
     async def model(name: str) -> dict:
         serving.check_model(name)
         return model_card()
+
+
+def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limits: RequestLimits) -> APIRouter:
+    router = APIRouter()
+    core = engine.core
+
+    def model_card() -> dict:
+        cfg = core.model_config
+        # `meta` as llama-server reports it; `conveyor bench` reads n_params for its roofline.
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor",
+                "root": core.model_name, "max_model_len": core.max_model_len,
+                "meta": {"n_params": core.num_params, "n_vocab": cfg.vocab_size, "n_embd": cfg.hidden_size,
+                         "n_ctx_train": cfg.max_position_embeddings}}
+
+    add_openai_routes(router, serving, limits, model_card)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
