@@ -45,6 +45,7 @@ class KernelBackend:
     gemm: ModuleType | None = None
     attention: ModuleType | None = None
     fused: ModuleType | None = None
+    qgemm: ModuleType | None = None  # GGML block-quantized linears (csrc/qgemm.cpp)
     errors: dict[str, str] = field(default_factory=dict)  # kernel -> why it is missing (first compiler error)
 
     @property
@@ -78,6 +79,26 @@ class KernelBackend:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias_f32: torch.Tensor | None) -> torch.Tensor:
         return self.gemm.linear(x, packed, out_features, bias_f32)
+
+    # --- quantized weights (GGML blocks; see quant_ref.py for the types and the reference math) ---
+
+    def runs_quantized(self, qtype: int) -> bool:
+        """Whether a weight of this GGML type can stay quantized here (else the loader dequantizes it)."""
+        return self.qgemm is not None and self.device == "cpu" and self.qgemm.supports(int(qtype))
+
+    def pack_quantized(self, raw: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        """raw GGML rows (N, row_bytes) uint8 -> the kernel's layout of the same bits (opaque)."""
+        return self.qgemm.pack(raw, int(qtype), in_features)
+
+    def quantized_linear(self, x: torch.Tensor, packed: torch.Tensor, qtype: int, out_features: int,
+                         in_features: int, bias_f32: torch.Tensor | None) -> torch.Tensor:
+        """x (M, K) bf16 -> (M, N) bf16; each output one fixed reduction whatever M (batch-invariant)."""
+        return self.qgemm.linear(x, packed, int(qtype), out_features, in_features, bias_f32)
+
+    def dequantize_rows(self, packed: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                        row_ids: torch.Tensor) -> torch.Tensor:
+        """Rows `row_ids` of a packed weight as bf16 (R, K): embedding lookups, reference paths."""
+        return self.qgemm.dequantize_rows(packed, int(qtype), out_features, in_features, row_ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused is not None and x.device.type == "cpu":
@@ -156,12 +177,15 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
     gemm, attention, fused = (builds[k].module for k in KERNELS)
     if gemm is None and attention is None and fused is None:
         return _torch_cpu_backend(errors)
+    from conveyor.kernels import quant_py  # TEMPORARY: replaced by the C++ qgemm module
+
+    qgemm = quant_py
     gemm_level = gemm.backend() if gemm is not None else None
     name = gemm_level or (attention or fused).isa()
     # Linears without our GEMM (no gemm module, or not bf16) run oneDNN in row tiles calibrated at load.
     invariant = batch_invariant and attention is not None
     return KernelBackend(name=name, device="cpu", arch=settings.arch, batch_invariant=invariant, gemm=gemm,
-                         attention=attention, fused=fused, errors=errors)
+                         attention=attention, fused=fused, qgemm=qgemm, errors=errors)
 
 
 def _torch_cpu_backend(errors: dict[str, str]) -> KernelBackend:
