@@ -153,7 +153,7 @@ class KernelBackend:
         return reference_paged_attention(query, key_cache, value_cache, meta, scale, window)
 
 
-_ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused"}
+_ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm"}
 
 
 def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
@@ -174,12 +174,9 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
     if errors and settings.require:
         raise KernelsRequiredError("C++ kernels required (CONVEYOR_REQUIRE_KERNELS=1) but unavailable: "
                                    + "; ".join(f"{k}: {e}" for k, e in errors.items()))
-    gemm, attention, fused = (builds[k].module for k in KERNELS)
+    gemm, attention, fused, qgemm = (builds[k].module for k in KERNELS)
     if gemm is None and attention is None and fused is None:
         return _torch_cpu_backend(errors)
-    from conveyor.kernels import quant_py  # TEMPORARY: replaced by the C++ qgemm module
-
-    qgemm = quant_py
     gemm_level = gemm.backend() if gemm is not None else None
     name = gemm_level or (attention or fused).isa()
     # Linears without our GEMM (no gemm module, or not bf16) run oneDNN in row tiles calibrated at load.

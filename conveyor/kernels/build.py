@@ -1,6 +1,6 @@
 """Compiling and loading our C++ CPU kernels: one extension module per kernel, per ISA level.
 
-Each kernel (gemm, attention, fused_ops) is its own module, so a compiler problem in one
+Each kernel (gemm, attention, fused_ops, qgemm) is its own module, so a compiler problem in one
 costs only that one (and is reported), never the others. `arch` is the `-march` value
 (CONVEYOR_KERNEL_ARCH, default native): one machine can build, test and compile-check every
 level. Builds are cached (torch.utils.cpp_extension, ~/.cache/torch_extensions) under a name
@@ -29,7 +29,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("gemm", "attention", "fused_ops")
+KERNELS = ("gemm", "attention", "fused_ops", "qgemm")
 CSRC = Path(__file__).parent / "csrc"
 
 # Compiler macro -> the CPU flag (/proc/cpuinfo spelling) a binary built with it needs.

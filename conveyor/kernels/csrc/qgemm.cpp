@@ -1,0 +1,862 @@
+// y = x W^T (+ b) for GGML block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+// Q6_K), kept in their own bits: never expanded to bf16.
+//
+// How (llama.cpp's scheme, made batch-invariant):
+//   1. each activation row is quantized on its own to int8 in blocks of 32 (scale amax/127, round
+//      to nearest even), with the block's sum; a row's quantization never depends on other rows;
+//   2. every 32-weight chunk of a weight column is dotted with the row's matching int8 block as an
+//      exact integer sum (u8 weight x s8 activation, int32: no rounding, no saturation), so any
+//      instruction (VNNI dpbusd, AVX2 maddubs, scalar) and any summation order give the same int;
+//   3. the chunk's integer sum is scaled and added into the output's fp32 accumulator in chunk
+//      order: one fixed sequence of float ops per output element, whatever M is and wherever the
+//      row sits. So a row's bits never depend on its batch-mates, at every M.
+//
+// Weight layout (repacked once at load from the GGUF blocks, same bits, ~ the same bytes): columns
+// in groups of 16; per group, per superblock (32 weights for the legacy types, 256 for K-quants) a
+// header of the 16 columns' scales (fp16 as in the file; K-quants' 6-bit sub-block scales unpacked
+// to bytes), then per 32-k chunk:
+//   4/5/6-bit: 256 bytes of nibbles = 4 vectors of 64 bytes; byte (4 i + t) of vector v holds
+//              column i's k = 4 v + t in its low nibble and k = 16 + 4 v + t in its high nibble,
+//              so one vector gives two "k-groups" of 16 columns x 4 consecutive k (dpbusd's shape);
+//              then 1 (5-bit) or 2 (6-bit) bit planes of 8 x 64 bits: word g, bit (4 i + t) is bit
+//              4 (+1) of column i's k = 4 g + t;
+//   8-bit:     8 vectors of 64 bytes, vector g byte (4 i + t) = column i's k = 4 g + t, plus 128.
+// Weights are stored unsigned (q, plus the type's offset); the offset comes back exactly as
+// offset x (the activation block's sum), an integer.
+//
+// One build runs one path, from the -march macros: AVX-512 VNNI (16 columns per zmm), AVX2
+// (8-column halves; AVX-VNNI's dpbusd where the CPU has it, else maddubs + madd), or portable C++.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "isa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QG_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QG_AVX2 1
+#include <immintrin.h>
+#if defined(__AVXVNNI__)
+#define QG_AVXVNNI 1
+#endif
+#else
+#define QG_GENERIC 1
+#endif
+
+namespace {
+
+// GGML type ids (ggml.h), the ones we run.
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// How a chunk's integer sum becomes a float term:
+//   kOffset (Q4_0 Q5_0 Q8_0): w = d (q - o)                 acc += (dx d) * (S - o bx)
+//   kMin    (Q4_1 Q5_1):      w = d q + m                   acc += (dx d) * S;  acc += m * sx
+//   kKMin   (Q4_K Q5_K):      w = (d sc) q - (dmin mn)      acc += (dx (d sc)) * S;  acc -= (dmin mn) * sx
+//   kK6     (Q6_K):           w = (d sc) (q - 32), sc per 16 k: the chunk's two halves, each as kOffset
+// where S = sum of q x over the chunk (int), bx = sum of the activation block (int), dx its scale,
+// sx = dx * bx. d sc and dmin mn are exact in fp32 (11-bit x 6/8-bit products).
+enum class Kind { kOffset, kMin, kKMin, kK6 };
+
+struct TypeInfo {
+  int sb;         // weights per superblock
+  int raw_bytes;  // GGUF bytes per superblock
+  int hdr;        // our header bytes per superblock per 16-column group
+  int planes;     // high bit planes above the nibbles (5-bit: 1, 6-bit: 2)
+  bool bytes8;    // 8-bit values (Q8_0)
+  Kind kind;
+  int offset;
+};
+
+constexpr TypeInfo type_info(int qt) {
+  switch (qt) {
+    case kQ4_0: return {32, 18, 32, 0, false, Kind::kOffset, 8};
+    case kQ4_1: return {32, 20, 64, 0, false, Kind::kMin, 0};
+    case kQ5_0: return {32, 22, 32, 1, false, Kind::kOffset, 16};
+    case kQ5_1: return {32, 24, 64, 1, false, Kind::kMin, 0};
+    case kQ8_0: return {32, 34, 32, 0, true, Kind::kOffset, 128};
+    case kQ4_K: return {256, 144, 320, 0, false, Kind::kKMin, 0};
+    case kQ5_K: return {256, 176, 320, 1, false, Kind::kKMin, 0};
+    case kQ6_K: return {256, 210, 288, 2, false, Kind::kK6, 32};
+    default: return {0, 0, 0, 0, false, Kind::kOffset, 0};
+  }
+}
+
+constexpr int chunk_bytes(const TypeInfo& t) { return t.bytes8 ? 512 : 256 + 64 * t.planes; }
+constexpr int64_t sb_bytes(const TypeInfo& t) { return t.hdr + static_cast<int64_t>(t.sb / 32) * chunk_bytes(t); }
+
+constexpr int kGroup = 16;  // columns per group
+
+bool supported(int qt) { return type_info(qt).sb != 0; }
+
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// IEEE half -> float, exact (subnormals included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// c10::BFloat16's rounding: nearest even, NaN -> 0x7FC0.
+inline uint16_t round_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float widen_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// ------------------------------------------------------------------------------------------
+// Repacking: one GGUF superblock of one column -> unsigned values + scales.
+// ------------------------------------------------------------------------------------------
+struct Decoded {
+  uint8_t q[256];
+  uint16_t d = 0, m = 0;  // fp16 bits: scale, and min (Q4_1/Q5_1) or dmin (K-quants)
+  uint8_t sc[16] = {};    // K-quant sub-block scales (Q6_K: int8 bits)
+  uint8_t mn[8] = {};     // K-quant sub-block mins
+};
+
+inline void k4_scale_min(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void decode_block(int qt, const uint8_t* b, Decoded& o) {
+  switch (qt) {
+    case kQ4_0:
+    case kQ4_1: {
+      o.d = rd16(b);
+      const uint8_t* qs = b + 2;
+      if (qt == kQ4_1) { o.m = rd16(b + 2); qs = b + 4; }
+      for (int j = 0; j < 16; ++j) { o.q[j] = qs[j] & 15; o.q[j + 16] = qs[j] >> 4; }
+      break;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      o.d = rd16(b);
+      const uint8_t* p = b + 2;
+      if (qt == kQ5_1) { o.m = rd16(b + 2); p = b + 4; }
+      const uint32_t qh = rd32(p);
+      const uint8_t* qs = p + 4;
+      for (int j = 0; j < 16; ++j) {
+        o.q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+        o.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      break;
+    }
+    case kQ8_0: {
+      o.d = rd16(b);
+      for (int j = 0; j < 32; ++j) o.q[j] = static_cast<uint8_t>(static_cast<int>(static_cast<int8_t>(b[2 + j])) + 128);
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      o.d = rd16(b);
+      o.m = rd16(b + 2);
+      const uint8_t* scales = b + 4;
+      for (int j = 0; j < 8; ++j) k4_scale_min(j, scales, &o.sc[j], &o.mn[j]);
+      const uint8_t* qh = qt == kQ5_K ? b + 16 : nullptr;
+      const uint8_t* qs = qt == kQ5_K ? b + 48 : b + 16;
+      for (int c = 0; c < 4; ++c) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t v = qs[32 * c + l];
+          o.q[64 * c + l] = v & 15;
+          o.q[64 * c + 32 + l] = v >> 4;
+          if (qh != nullptr) {
+            o.q[64 * c + l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+            o.q[64 * c + 32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+          }
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      std::memcpy(o.sc, b + 192, 16);
+      o.d = rd16(b + 208);
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* l0 = ql + 64 * n;
+        const uint8_t* h0 = qh + 32 * n;
+        uint8_t* q = o.q + 128 * n;
+        for (int l = 0; l < 32; ++l) {
+          q[l] = (l0[l] & 15) | (((h0[l] >> 0) & 3) << 4);
+          q[l + 32] = (l0[l + 32] & 15) | (((h0[l] >> 2) & 3) << 4);
+          q[l + 64] = (l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4);
+          q[l + 96] = (l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4);
+        }
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+// Writes column `i` (0..15) of one superblock of a group: header entries and chunk bits.
+void store_column(int qt, const Decoded& o, int i, uint8_t* sbp) {
+  const TypeInfo t = type_info(qt);
+  std::memcpy(sbp + 2 * i, &o.d, 2);
+  if (t.kind == Kind::kMin || t.kind == Kind::kKMin) std::memcpy(sbp + 32 + 2 * i, &o.m, 2);
+  if (t.kind == Kind::kKMin) {
+    for (int j = 0; j < 8; ++j) {
+      sbp[64 + 16 * j + i] = o.sc[j];
+      sbp[192 + 16 * j + i] = o.mn[j];
+    }
+  } else if (t.kind == Kind::kK6) {
+    for (int j = 0; j < 16; ++j) sbp[32 + 16 * j + i] = o.sc[j];
+  }
+  const int cb = chunk_bytes(t);
+  for (int c = 0; c < t.sb / 32; ++c) {
+    uint8_t* ch = sbp + t.hdr + static_cast<int64_t>(c) * cb;
+    const uint8_t* q = o.q + 32 * c;
+    for (int k = 0; k < 32; ++k) {
+      const int g = k / 4, tt = k % 4;
+      if (t.bytes8) {
+        ch[64 * g + 4 * i + tt] = q[k];
+        continue;
+      }
+      const int v = g & 3;
+      uint8_t& byte = ch[64 * v + 4 * i + tt];
+      byte = g < 4 ? static_cast<uint8_t>((byte & 0xF0) | (q[k] & 15)) : static_cast<uint8_t>((byte & 0x0F) | ((q[k] & 15) << 4));
+      for (int p = 0; p < t.planes; ++p) {
+        if ((q[k] >> (4 + p)) & 1) ch[256 + 64 * p + 8 * g + (4 * i + tt) / 8] |= static_cast<uint8_t>(1u << ((4 * i + tt) % 8));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Activations: each row quantized on its own, 32-blocks.
+// ------------------------------------------------------------------------------------------
+struct QuantRows {
+  int8_t* q;     // (M, K)
+  float* d;      // (M, K/32) scale
+  float* s;      // (M, K/32) scale * block sum
+  int32_t* b;    // (M, K/32) block sum
+  int32_t* b16;  // (M, K/16) half-block sums (Q6_K)
+  int64_t k, chunks;
+};
+
+void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16) {
+  for (int64_t c = 0; c < k / 32; ++c) {
+    float v[32];
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = widen_bf16(x[32 * c + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 32; ++j) {
+      float r = std::nearbyint(v[j] * inv);
+      r = std::min(127.f, std::max(-127.f, r));
+      const int8_t qi = static_cast<int8_t>(r);
+      q[32 * c + j] = qi;
+      (j < 16 ? lo : hi) += qi;
+    }
+    d[c] = scale;
+    b[c] = lo + hi;
+    s[c] = scale * static_cast<float>(lo + hi);
+    b16[2 * c] = lo;
+    b16[2 * c + 1] = hi;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Micro-kernels: MR rows x one group of columns, all superblocks. Each writes acc + bias as bf16.
+// ------------------------------------------------------------------------------------------
+#if defined(QG_AVX512)
+constexpr int kMaxRows = 8;
+
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x)))));
+}
+
+template <int QT>
+inline void unpack(const uint8_t* ch, __m512i* w) {
+  constexpr TypeInfo t = type_info(QT);
+  if constexpr (t.bytes8) {
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(ch + 64 * g);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i raw = _mm512_loadu_si512(ch + 64 * v);
+      w[v] = _mm512_and_si512(raw, m4);
+      w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    }
+    for (int p = 0; p < t.planes; ++p) {
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+      for (int g = 0; g < 8; ++g) {
+        uint64_t word;
+        std::memcpy(&word, ch + 256 + 64 * p + 8 * g, 8);
+        w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(word), w[g], bit);
+      }
+    }
+  }
+}
+
+inline __m512 load_half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_u8_16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load_i8_16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int QT, int MR>
+void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+          int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  constexpr int64_t sbb = sb_bytes(t);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sbb;
+    if (s + 1 < n_sb) _mm_prefetch(reinterpret_cast<const char*>(sbp + sbb), _MM_HINT_T0);
+    const __m512 d = load_half16(sbp);
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
+    for (int c = 0; c < cpb; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      __m512i w[8];
+      unpack<QT>(ch, w);
+      const int64_t kc = s * cpb + c;  // the row's 32-block
+      __m512 ds = d, dm = m, ds2 = d;
+      if constexpr (t.kind == Kind::kKMin) {
+        ds = _mm512_mul_ps(d, load_u8_16(sbp + 64 + 16 * c));
+        dm = _mm512_mul_ps(m, load_u8_16(sbp + 192 + 16 * c));
+      } else if constexpr (t.kind == Kind::kK6) {
+        ds = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c)));
+        ds2 = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c + 1)));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* x = xr.q + row * xr.k + 32 * kc;
+        const __m512 dx = _mm512_set1_ps(xr.d[row * xr.chunks + kc]);
+        // Two chains over the 8 k-groups (integer sums: the split changes no bit).
+        __m512i s0 = dot4(_mm512_setzero_si512(), w[0], x);
+        __m512i s1 = dot4(_mm512_setzero_si512(), w[4], x + 16);
+        s0 = dot4(s0, w[1], x + 4);
+        s1 = dot4(s1, w[5], x + 20);
+        s0 = dot4(s0, w[2], x + 8);
+        s1 = dot4(s1, w[6], x + 24);
+        s0 = dot4(s0, w[3], x + 12);
+        s1 = dot4(s1, w[7], x + 28);
+        if constexpr (t.kind == Kind::kK6) {
+          const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * b16[0]));
+          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * b16[1]));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(s0), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds2), _mm512_cvtepi32_ps(s1), acc[r]);
+        } else {
+          __m512i sum = _mm512_add_epi32(s0, s1);
+          if constexpr (t.kind == Kind::kOffset) {
+            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
+          }
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(sum), acc[r]);
+          if constexpr (t.kind == Kind::kMin) {
+            acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
+          } else if constexpr (t.kind == Kind::kKMin) {
+            acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, acc[r]);
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
+  }
+}
+
+#elif defined(QG_AVX2)
+// Each 16-column group runs as two independent 8-column halves (h = 0, 1): one ymm per k-group.
+constexpr int kMaxRows = 4;
+
+inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
+  const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x))));
+#if defined(QG_AVXVNNI)
+  (void)wide;
+  return _mm256_dpbusd_avx_epi32(acc, w, xb);
+#else
+  // maddubs pairs saturate at int16: 4-6-bit weights x int8 never do; 8-bit ones go as two nibbles.
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (!wide) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), xb), ones);
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), xb),
+                                       _mm256_set1_epi16(16));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi));
+#endif
+}
+
+// 32 bits -> 32 bytes, byte j = 0xFF where bit j is set.
+inline __m256i expand_bits(uint32_t bits) {
+  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL,
+                                          0x0303030303030303LL);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, sel), sel);
+}
+
+template <int QT>
+inline void unpack(const uint8_t* ch, int h, __m256i* w) {
+  constexpr TypeInfo t = type_info(QT);
+  if constexpr (t.bytes8) {
+    for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 64 * g + 32 * h));
+  } else {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 64 * v + 32 * h));
+      w[v] = _mm256_and_si256(raw, m4);
+      w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    }
+    for (int p = 0; p < t.planes; ++p) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+      for (int g = 0; g < 8; ++g) {
+        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(expand_bits(rd32(ch + 256 + 64 * p + 8 * g + 4 * h)), bit));
+      }
+    }
+  }
+}
+
+inline __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_u8_8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load_i8_8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int QT, int MR>
+void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias,
+               uint16_t* out, int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  constexpr int64_t sbb = sb_bytes(t);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sbb;
+    const __m256 d = load_half8(sbp + 16 * h);
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half8(sbp + 32 + 16 * h);
+    for (int c = 0; c < cpb; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      _mm_prefetch(reinterpret_cast<const char*>(ch + 4 * chunk_bytes(t)), _MM_HINT_T0);
+      __m256i w[8];
+      unpack<QT>(ch, h, w);
+      const int64_t kc = s * cpb + c;
+      __m256 ds = d, dm = m, ds2 = d;
+      if constexpr (t.kind == Kind::kKMin) {
+        ds = _mm256_mul_ps(d, load_u8_8(sbp + 64 + 16 * c + 8 * h));
+        dm = _mm256_mul_ps(m, load_u8_8(sbp + 192 + 16 * c + 8 * h));
+      } else if constexpr (t.kind == Kind::kK6) {
+        ds = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c) + 8 * h));
+        ds2 = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c + 1) + 8 * h));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* x = xr.q + row * xr.k + 32 * kc;
+        const __m256 dx = _mm256_set1_ps(xr.d[row * xr.chunks + kc]);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int g = 0; g < 4; ++g) {
+          s0 = dot4(s0, w[g], x + 4 * g, t.bytes8);
+          s1 = dot4(s1, w[g + 4], x + 16 + 4 * g, t.bytes8);
+        }
+        if constexpr (t.kind == Kind::kK6) {
+          const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+          s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
+          s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * b16[1]));
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(s0), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds2), _mm256_cvtepi32_ps(s1), acc[r]);
+        } else {
+          __m256i sum = _mm256_add_epi32(s0, s1);
+          if constexpr (t.kind == Kind::kOffset) {
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
+          }
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(sum), acc[r]);
+          if constexpr (t.kind == Kind::kMin) {
+            acc[r] = _mm256_fmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
+          } else if constexpr (t.kind == Kind::kKMin) {
+            acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
+  }
+}
+
+template <int QT, int MR>
+void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+          int64_t ldo, int64_t cols) {
+  tile_half<QT, MR>(wg, 0, n_sb, xr, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
+  if (cols > 8) tile_half<QT, MR>(wg, 1, n_sb, xr, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
+}
+
+#else  // portable C++: the same layout, lanes as arrays (the compiler vectorizes the 16-lane loops)
+constexpr int kMaxRows = 4;
+
+template <int QT>
+inline void unpack(const uint8_t* ch, uint8_t w[8][64]) {
+  constexpr TypeInfo t = type_info(QT);
+  if constexpr (t.bytes8) {
+    std::memcpy(w, ch, 512);
+  } else {
+    for (int v = 0; v < 4; ++v) {
+      for (int j = 0; j < 64; ++j) {
+        w[v][j] = ch[64 * v + j] & 15;
+        w[v + 4][j] = ch[64 * v + j] >> 4;
+      }
+    }
+    for (int p = 0; p < t.planes; ++p) {
+      for (int g = 0; g < 8; ++g) {
+        const uint8_t* word = ch + 256 + 64 * p + 8 * g;
+        for (int j = 0; j < 64; ++j) w[g][j] |= ((word[j / 8] >> (j % 8)) & 1) << (4 + p);
+      }
+    }
+  }
+}
+
+inline void load_halves(const uint8_t* p, float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = half_to_float(rd16(p + 2 * i));
+}
+
+template <int QT, int MR>
+void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+          int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  constexpr int64_t sbb = sb_bytes(t);
+  float acc[MR][16] = {};
+  alignas(64) uint8_t w[8][64];
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sbb;
+    float d[16], m[16] = {};
+    load_halves(sbp, d);
+    if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) load_halves(sbp + 32, m);
+    for (int c = 0; c < cpb; ++c) {
+      unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
+      const int64_t kc = s * cpb + c;
+      float ds[16], dm[16], ds2[16];
+      for (int i = 0; i < 16; ++i) {
+        ds[i] = d[i];
+        dm[i] = m[i];
+        ds2[i] = d[i];
+        if constexpr (t.kind == Kind::kKMin) {
+          ds[i] = d[i] * static_cast<float>(sbp[64 + 16 * c + i]);
+          dm[i] = m[i] * static_cast<float>(sbp[192 + 16 * c + i]);
+        } else if constexpr (t.kind == Kind::kK6) {
+          ds[i] = d[i] * static_cast<float>(static_cast<int8_t>(sbp[32 + 16 * (2 * c) + i]));
+          ds2[i] = d[i] * static_cast<float>(static_cast<int8_t>(sbp[32 + 16 * (2 * c + 1) + i]));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* x = xr.q + row * xr.k + 32 * kc;
+        const float dx = xr.d[row * xr.chunks + kc];
+        int32_t s0[16] = {}, s1[16] = {};
+        for (int g = 0; g < 4; ++g) {
+          for (int i = 0; i < 16; ++i) {
+            for (int tt = 0; tt < 4; ++tt) {
+              s0[i] += static_cast<int32_t>(w[g][4 * i + tt]) * x[4 * g + tt];
+              s1[i] += static_cast<int32_t>(w[g + 4][4 * i + tt]) * x[16 + 4 * g + tt];
+            }
+          }
+        }
+        for (int i = 0; i < 16; ++i) {
+          if constexpr (t.kind == Kind::kK6) {
+            const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+            acc[r][i] = acc[r][i] + (dx * ds[i]) * static_cast<float>(s0[i] - 32 * b16[0]);
+            acc[r][i] = acc[r][i] + (dx * ds2[i]) * static_cast<float>(s1[i] - 32 * b16[1]);
+          } else {
+            int32_t sum = s0[i] + s1[i];
+            if constexpr (t.kind == Kind::kOffset) sum -= t.offset * xr.b[row * xr.chunks + kc];
+            acc[r][i] = acc[r][i] + (dx * ds[i]) * static_cast<float>(sum);
+            if constexpr (t.kind == Kind::kMin) acc[r][i] = acc[r][i] + dm[i] * xr.s[row * xr.chunks + kc];
+            if constexpr (t.kind == Kind::kKMin) acc[r][i] = acc[r][i] - dm[i] * xr.s[row * xr.chunks + kc];
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? acc[r][i] + bias[i] : acc[r][i]);
+  }
+}
+#endif
+
+using TileFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, const float*, uint16_t*, int64_t, int64_t);
+
+template <int QT>
+TileFn tile_for(int rows) {
+  switch (rows) {
+    case 1: return &tile<QT, 1>;
+    case 2: return &tile<QT, 2>;
+    case 3: return &tile<QT, 3>;
+    case 4: return &tile<QT, 4>;
+#if defined(QG_AVX512)
+    case 5: return &tile<QT, 5>;
+    case 6: return &tile<QT, 6>;
+    case 7: return &tile<QT, 7>;
+    case 8: return &tile<QT, 8>;
+#endif
+    default: return nullptr;
+  }
+}
+
+TileFn tile_fn(int qt, int rows) {
+  switch (qt) {
+    case kQ4_0: return tile_for<kQ4_0>(rows);
+    case kQ4_1: return tile_for<kQ4_1>(rows);
+    case kQ5_0: return tile_for<kQ5_0>(rows);
+    case kQ5_1: return tile_for<kQ5_1>(rows);
+    case kQ8_0: return tile_for<kQ8_0>(rows);
+    case kQ4_K: return tile_for<kQ4_K>(rows);
+    case kQ5_K: return tile_for<kQ5_K>(rows);
+    case kQ6_K: return tile_for<kQ6_K>(rows);
+    default: return nullptr;
+  }
+}
+
+// Rows [0, n) cut into `parts` near-equal consecutive blocks: where block i starts.
+inline int64_t block_start(int64_t n, int64_t parts, int64_t i) {
+  const int64_t base = n / parts, extra = n % parts;
+  return i * base + std::min(i, extra);
+}
+
+constexpr int64_t kRowBlock = 64;  // rows per work item at large M (their int8 rows stay in L2)
+
+std::string level() {
+#if defined(QG_AVX512)
+  return "avx512_vnni";
+#elif defined(QG_AVX2) && defined(QG_AVXVNNI)
+  return "avx2_vnni";
+#elif defined(QG_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+void check_packed(const torch::Tensor& packed, int qt, int64_t n, int64_t k) {
+  TORCH_CHECK(supported(qt), "qgemm: GGML type ", qt, " is not supported");
+  const TypeInfo t = type_info(qt);
+  TORCH_CHECK(k % t.sb == 0, "qgemm: in_features ", k, " is not a multiple of ", t.sb);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
+              "qgemm: weight not packed by qgemm.pack");
+  TORCH_CHECK(packed.size(0) == (n + kGroup - 1) / kGroup, "qgemm: out_features mismatch");
+  TORCH_CHECK(packed.size(1) == k / t.sb && packed.size(2) == sb_bytes(t), "qgemm: in_features mismatch");
+}
+
+}  // namespace
+
+// raw: (N, row_bytes) uint8 GGML blocks -> (ceil(N/16), K/sb, sb_bytes) uint8.
+torch::Tensor qgemm_pack(const torch::Tensor& raw, int64_t qt, int64_t k) {
+  TORCH_CHECK(supported(static_cast<int>(qt)), "qgemm: GGML type ", qt, " is not supported");
+  const TypeInfo t = type_info(static_cast<int>(qt));
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte, "qgemm.pack: raw must be a 2-D uint8 tensor");
+  TORCH_CHECK(k % t.sb == 0, "qgemm.pack: in_features ", k, " is not a multiple of ", t.sb);
+  const int64_t n = raw.size(0), n_sb = k / t.sb;
+  TORCH_CHECK(raw.size(1) == n_sb * t.raw_bytes, "qgemm.pack: row bytes ", raw.size(1), " != ", n_sb * t.raw_bytes);
+  const auto rc = raw.contiguous();
+  const uint8_t* src = rc.data_ptr<uint8_t>();
+  const int64_t groups = (n + kGroup - 1) / kGroup, sbb = sb_bytes(t);
+  auto packed = torch::zeros({groups, n_sb, sbb}, raw.options());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    Decoded o;
+    for (int64_t g = begin; g < end; ++g) {
+      for (int i = 0; i < kGroup && g * kGroup + i < n; ++i) {
+        const uint8_t* row = src + (g * kGroup + i) * n_sb * t.raw_bytes;
+        for (int64_t s = 0; s < n_sb; ++s) {
+          decode_block(static_cast<int>(qt), row + s * t.raw_bytes, o);
+          store_column(static_cast<int>(qt), o, i, dst + (g * n_sb + s) * sbb);
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t qt, int64_t n, int64_t k,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "qgemm: x must be a 2-D bf16 tensor");
+  TORCH_CHECK(x.size(1) == k, "qgemm: x has ", x.size(1), " features, the weight ", k);
+  check_packed(packed, static_cast<int>(qt), n, k);
+  const TypeInfo t = type_info(static_cast<int>(qt));
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  torch::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    bias_f32 = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f32.numel() == n, "qgemm: bias must have out_features entries");
+  }
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t chunks = k / 32;
+  // The quantized rows: per-thread buffers at decode sizes, a tensor for the call at prefill sizes.
+  const int64_t need = m * k + m * chunks * (4 + 4 + 4 + 8);
+  thread_local std::vector<uint8_t> small;
+  torch::Tensor big;
+  uint8_t* buf;
+  if (need <= (1 << 20)) {
+    if (static_cast<int64_t>(small.size()) < need) small.resize(need);
+    buf = small.data();
+  } else {
+    big = torch::empty({need}, x.options().dtype(at::kByte));
+    buf = big.data_ptr<uint8_t>();
+  }
+  QuantRows xr;
+  xr.k = k;
+  xr.chunks = chunks;
+  xr.q = reinterpret_cast<int8_t*>(buf);
+  xr.d = reinterpret_cast<float*>(buf + m * k);
+  xr.s = xr.d + m * chunks;
+  xr.b = reinterpret_cast<int32_t*>(xr.s + m * chunks);
+  xr.b16 = xr.b + m * chunks;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t ldx = xc.stride(0);
+  auto quant = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
+                   xr.b16 + 2 * r * chunks);
+  };
+  if (m * k < (1 << 15)) quant(0, m); else at::parallel_for(0, m, 4, quant);
+
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t groups = packed.size(0), n_sb = packed.size(1), group_bytes = n_sb * sb_bytes(t);
+  const float* bp = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  // Work items (row block, column group), row block major: a thread keeps its rows' int8 in cache.
+  at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t rb = item / groups, g = item % groups;
+      const int64_t r_begin = block_start(m, row_blocks, rb), r_end = block_start(m, row_blocks, rb + 1);
+      const int64_t rows = r_end - r_begin, parts = (rows + kMaxRows - 1) / kMaxRows;
+      const int64_t c0 = g * kGroup, cols = std::min<int64_t>(kGroup, n - c0);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t rs = r_begin + block_start(rows, parts, part);
+        const int64_t mr = r_begin + block_start(rows, parts, part + 1) - rs;
+        tile_fn(static_cast<int>(qt), static_cast<int>(mr))(wp + g * group_bytes, n_sb, xr, rs,
+                                                             bp != nullptr ? bp + c0 : nullptr, op + c0, n, cols);
+      }
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of the weight (output features), dequantized as gguf-py does: (R, K) bf16.
+torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int64_t n, int64_t k,
+                                    const torch::Tensor& ids) {
+  check_packed(packed, static_cast<int>(qt), n, k);
+  const TypeInfo t = type_info(static_cast<int>(qt));
+  const auto idc = ids.to(at::kLong).contiguous();
+  const int64_t r = idc.numel(), n_sb = packed.size(1), sbb = sb_bytes(t);
+  auto out = torch::empty({r, k}, packed.options().dtype(at::kBFloat16));
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < r; ++j) TORCH_CHECK(id[j] >= 0 && id[j] < n, "qgemm: row id ", id[j], " out of range");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t g = id[j] / kGroup;
+      const int i = static_cast<int>(id[j] % kGroup);
+      for (int64_t s = 0; s < n_sb; ++s) {
+        const uint8_t* sbp = wp + (g * n_sb + s) * sbb;
+        const float d = half_to_float(rd16(sbp + 2 * i));
+        const float m = (t.kind == Kind::kMin || t.kind == Kind::kKMin) ? half_to_float(rd16(sbp + 32 + 2 * i)) : 0.f;
+        for (int c = 0; c < t.sb / 32; ++c) {
+          const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+          for (int kk = 0; kk < 32; ++kk) {
+            const int grp = kk / 4, tt = kk % 4, pos = 4 * i + tt;
+            int q;
+            if (t.bytes8) {
+              q = ch[64 * grp + pos];
+            } else {
+              const uint8_t byte = ch[64 * (grp & 3) + pos];
+              q = grp < 4 ? (byte & 15) : (byte >> 4);
+              for (int p = 0; p < t.planes; ++p) q |= ((ch[256 + 64 * p + 8 * grp + pos / 8] >> (pos % 8)) & 1) << (4 + p);
+            }
+            float w;
+            switch (t.kind) {
+              case Kind::kOffset: w = d * static_cast<float>(q - t.offset); break;
+              case Kind::kMin: w = d * static_cast<float>(q) + m; break;
+              case Kind::kKMin:
+                w = (d * static_cast<float>(sbp[64 + 16 * c + i])) * static_cast<float>(q) -
+                    m * static_cast<float>(sbp[192 + 16 * c + i]);
+                break;
+              default: {
+                const int sub = 2 * c + kk / 16;
+                w = (d * static_cast<float>(static_cast<int8_t>(sbp[32 + 16 * sub + i]))) * static_cast<float>(q - 32);
+              }
+            }
+            op[j * k + s * t.sb + 32 * c + kk] = round_bf16(w);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  m.def("backend", &level, "the quantized GEMM's path in this build: avx512_vnni, avx2_vnni, avx2 or generic");
+  m.def("supports", [](int64_t qt) { return supported(static_cast<int>(qt)); }, "whether a GGML type runs natively");
+  m.def("pack", &qgemm_pack, "raw GGML rows (N, row_bytes) uint8 -> the kernel's layout", release());
+  m.def("linear", &qgemm_linear, "x (M, K) bf16 @ W^T (+ b) -> (M, N) bf16, batch-invariant", release());
+  m.def("dequantize_rows", &qgemm_dequantize_rows, "rows of a packed weight as bf16 (R, K)", release());
+}
