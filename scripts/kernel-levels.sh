@@ -3,6 +3,7 @@
 #   - built and tested for real: x86-64-v3 (AVX2+FMA, with torch and oneDNN capped at AVX2 too, as on
 #     an AVX2 laptop) and x86-64 (baseline, the portable path), plus skylake-avx512 (AVX-512 without
 #     BF16) where this CPU runs it: the kernel, invariance and speculation tests, kernels required;
+#   - alderlake (AVX2 + AVX-VNNI) for the quantized GEMM where this CPU has AVX-VNNI, else compile-only;
 #   - compile-only: AMX (sapphirerapids) and aarch64 (Debian's cross compiler), so a misplaced #if
 #     fails CI on whatever machine CI lands on.
 # SKIP_CROSS=1 skips the aarch64 check where its compiler cannot be installed (never in CI).
@@ -24,11 +25,21 @@ run_level() {  # arch, torch capability, oneDNN cap
 
 run_level x86-64-v3 avx2 AVX2
 run_level x86-64 default SSE41
+# The quantized GEMM has its own AVX-VNNI path (AVX2 + vpdpbusd, Alder Lake / Zen 5 laptops):
+# tested where this CPU has AVX-VNNI, else compile-checked below.
+if grep -qw avx_vnni /proc/cpuinfo; then
+  echo "== kernel level alderlake (AVX-VNNI, quantized GEMM only) =="
+  CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH=alderlake ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+    "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_qgemm.py
+  vnni_compile=()
+else
+  vnni_compile=(--arch alderlake)
+fi
 if grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
   run_level skylake-avx512 avx512 AVX512_CORE
-  compile_only=(--arch sapphirerapids)
+  compile_only=(--arch sapphirerapids "${vnni_compile[@]}")
 else
-  compile_only=(--arch skylake-avx512 --arch sapphirerapids)
+  compile_only=(--arch skylake-avx512 --arch sapphirerapids "${vnni_compile[@]}")
 fi
 
 echo "== compile-only: ${compile_only[*]} =="

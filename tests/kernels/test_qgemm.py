@@ -47,7 +47,7 @@ def test_every_native_type_is_supported(qtype):
     assert backend.qgemm.supports(qtype)
     assert backend.runs_quantized(qtype)
     assert not backend.qgemm.supports(int(Q.IQ4_NL))
-    assert backend.qgemm.backend() in ("avx512_vnni", "avx2_vnni", "avx2", "generic")
+    assert backend.qgemm.backend() in ("amx_int8", "avx512_vnni", "avx2_vnni", "avx2", "generic")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)

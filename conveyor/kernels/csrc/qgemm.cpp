@@ -41,6 +41,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QG_AVX512 1
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QG_AVX2 1
 #include <immintrin.h>
@@ -341,6 +345,62 @@ inline __m512 load_i8_16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+
+// The chunk's float step for one row: s0 / s1 are the integer sums over k 0..15 / 16..31 (their
+// total for every type but Q6_K). The VNNI and AMX paths both call this: the same ops, the same bits.
+template <int QT>
+inline __m512 combine(__m512 acc, __m512i s0, __m512i s1, const QuantRows& xr, int64_t row, int64_t kc, __m512 ds,
+                      __m512 dm, __m512 ds2) {
+  constexpr TypeInfo t = type_info(QT);
+  const __m512 dx = _mm512_set1_ps(xr.d[row * xr.chunks + kc]);
+  if constexpr (t.kind == Kind::kK6) {
+    const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * b16[0]));
+    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * b16[1]));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(s0), acc);
+    return _mm512_fmadd_ps(_mm512_mul_ps(dx, ds2), _mm512_cvtepi32_ps(s1), acc);
+  } else {
+    __m512i sum = _mm512_add_epi32(s0, s1);
+    if constexpr (t.kind == Kind::kOffset) {
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
+    }
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(sum), acc);
+    if constexpr (t.kind == Kind::kMin) {
+      acc = _mm512_fmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc);
+    } else if constexpr (t.kind == Kind::kKMin) {
+      acc = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc);
+    }
+    return acc;
+  }
+}
+
+// Per-column scales of chunk c of a superblock: ds (d, or d sc), dm (m, or dmin mn), ds2 (Q6_K's
+// second half).
+template <int QT>
+inline void chunk_scales(const uint8_t* sbp, int c, __m512 d, __m512 m, __m512& ds, __m512& dm, __m512& ds2) {
+  constexpr TypeInfo t = type_info(QT);
+  ds = d;
+  dm = m;
+  ds2 = d;
+  if constexpr (t.kind == Kind::kKMin) {
+    ds = _mm512_mul_ps(d, load_u8_16(sbp + 64 + 16 * c));
+    dm = _mm512_mul_ps(m, load_u8_16(sbp + 192 + 16 * c));
+  } else if constexpr (t.kind == Kind::kK6) {
+    ds = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c)));
+    ds2 = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c + 1)));
+  }
+}
+
+inline void store_rows(const __m512* acc, int rows, int64_t r0, const float* bias, uint16_t* out, int64_t ldo,
+                       int64_t cols) {
+  for (int r = 0; r < rows; ++r) {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, acc[r]);
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
+  }
+}
+
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
@@ -360,18 +420,11 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
       __m512i w[8];
       unpack<QT>(ch, w);
       const int64_t kc = s * cpb + c;  // the row's 32-block
-      __m512 ds = d, dm = m, ds2 = d;
-      if constexpr (t.kind == Kind::kKMin) {
-        ds = _mm512_mul_ps(d, load_u8_16(sbp + 64 + 16 * c));
-        dm = _mm512_mul_ps(m, load_u8_16(sbp + 192 + 16 * c));
-      } else if constexpr (t.kind == Kind::kK6) {
-        ds = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c)));
-        ds2 = _mm512_mul_ps(d, load_i8_16(sbp + 32 + 16 * (2 * c + 1)));
-      }
+      __m512 ds, dm, ds2;
+      chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
       for (int r = 0; r < MR; ++r) {
         const int64_t row = r0 + r;
         const int8_t* x = xr.q + row * xr.k + 32 * kc;
-        const __m512 dx = _mm512_set1_ps(xr.d[row * xr.chunks + kc]);
         // Two chains over the 8 k-groups (integer sums: the split changes no bit).
         __m512i s0 = dot4(_mm512_setzero_si512(), w[0], x);
         __m512i s1 = dot4(_mm512_setzero_si512(), w[4], x + 16);
@@ -381,34 +434,124 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
         s1 = dot4(s1, w[6], x + 24);
         s0 = dot4(s0, w[3], x + 12);
         s1 = dot4(s1, w[7], x + 28);
-        if constexpr (t.kind == Kind::kK6) {
-          const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
-          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * b16[0]));
-          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * b16[1]));
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(s0), acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds2), _mm512_cvtepi32_ps(s1), acc[r]);
-        } else {
-          __m512i sum = _mm512_add_epi32(s0, s1);
-          if constexpr (t.kind == Kind::kOffset) {
-            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
-          }
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, ds), _mm512_cvtepi32_ps(sum), acc[r]);
-          if constexpr (t.kind == Kind::kMin) {
-            acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
-          } else if constexpr (t.kind == Kind::kKMin) {
-            acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
-          }
-        }
+        acc[r] = combine<QT>(acc[r], s0, s1, xr, row, kc, ds, dm, ds2);
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, acc[r]);
-    uint16_t* o = out + (r0 + r) * ldo;
-    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
+  store_rows(acc, MR, r0, bias, out, ldo, cols);
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define QG_AMX 1
+// AMX int8 for 16-row blocks (batched decode, prefill): tdpbsud gives each (row, column) chunk sum
+// as the same exact integer VNNI computes, then `combine` applies the same float ops, so a row's
+// bits are those of the VNNI path at M = 1: switching paths by M keeps batch invariance.
+constexpr int kAmxRows = 16;
+
+struct AmxConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0/1: C (16 x 16 int32); tmm2: A (16 rows x 32 k); tmm3: B (8 k-groups x 64);
+// tmm4: A (16 rows x 16 k); tmm5/6: B (4 k-groups x 64), Q6_K's two halves.
+inline void amx_configure() {
+  AmxConfig cfg;
+  const int rows[7] = {16, 16, 16, 8, 16, 4, 4}, colsb[7] = {64, 64, 32, 64, 16, 64, 64};
+  for (int i = 0; i < 7; ++i) {
+    cfg.rows[i] = static_cast<uint8_t>(rows[i]);
+    cfg.colsb[i] = static_cast<uint16_t>(colsb[i]);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+bool amx_enabled() {
+  static const bool ok = [] {
+    if (std::getenv("CONVEYOR_DISABLE_AMX") != nullptr) return false;
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows [r0, r0 + 16) (the quantized rows are padded to whole blocks) against one column group;
+// only the first `rows` are stored.
+template <int QT>
+void amx_tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, int rows, const float* bias,
+              uint16_t* out, int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  constexpr int64_t sbb = sb_bytes(t);
+  // Double buffers (by chunk parity): the next chunk's tile loads and stores never wait on this
+  // chunk's vector reads of the same memory.
+  alignas(64) uint8_t wbufs[2][512];
+  alignas(64) int32_t c0s[2][kAmxRows * 16], c1s[2][kAmxRows * 16];
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sbb;
+    const __m512 d = load_half16(sbp);
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
+    for (int c = 0; c < cpb; ++c) {
+      const int64_t kc = s * cpb + c;
+      uint8_t* wbuf = wbufs[kc & 1];
+      int32_t* c0 = c0s[kc & 1];
+      int32_t* c1 = c1s[kc & 1];
+      __m512i w[8];
+      unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
+      for (int g = 0; g < 8; ++g) _mm512_store_si512(wbuf + 64 * g, w[g]);
+      const int8_t* a = xr.q + r0 * xr.k + 32 * kc;
+      if constexpr (t.kind == Kind::kK6) {
+        _tile_loadd(5, wbuf, 64);
+        _tile_loadd(6, wbuf + 256, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, a, xr.k);
+        _tile_dpbsud(0, 4, 5);
+        _tile_loadd(4, a + 16, xr.k);
+        _tile_dpbsud(1, 4, 6);
+        _tile_stored(0, c0, 64);
+        _tile_stored(1, c1, 64);
+      } else {
+        _tile_loadd(3, wbuf, 64);
+        _tile_loadd(2, a, xr.k);
+        _tile_zero(0);
+        _tile_dpbsud(0, 2, 3);
+        _tile_stored(0, c0, 64);
+      }
+      __m512 ds, dm, ds2;
+      chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
+      for (int r = 0; r < kAmxRows; ++r) {
+        const __m512i s0 = _mm512_load_si512(c0 + 16 * r);
+        const __m512i s1 = t.kind == Kind::kK6 ? _mm512_load_si512(c1 + 16 * r) : zero;
+        acc[r] = combine<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
+      }
+    }
+  }
+  store_rows(acc, rows, r0, bias, out, ldo, cols);
+}
+
+using AmxFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int, const float*, uint16_t*, int64_t,
+                       int64_t);
+AmxFn amx_fn(int qt) {
+  switch (qt) {
+    case kQ4_0: return &amx_tile<kQ4_0>;
+    case kQ4_1: return &amx_tile<kQ4_1>;
+    case kQ5_0: return &amx_tile<kQ5_0>;
+    case kQ5_1: return &amx_tile<kQ5_1>;
+    case kQ8_0: return &amx_tile<kQ8_0>;
+    case kQ4_K: return &amx_tile<kQ4_K>;
+    case kQ5_K: return &amx_tile<kQ5_K>;
+    case kQ6_K: return &amx_tile<kQ6_K>;
+    default: return nullptr;
   }
 }
+#endif
 
 #elif defined(QG_AVX2)
 // Each 16-column group runs as two independent 8-column halves (h = 0, 1): one ymm per k-group.
@@ -676,9 +819,12 @@ inline int64_t block_start(int64_t n, int64_t parts, int64_t i) {
 }
 
 constexpr int64_t kRowBlock = 64;  // rows per work item at large M (their int8 rows stay in L2)
+constexpr int64_t kAmxMinRows = 8;  // from here on, AMX blocks of 16 rows (measured: benchmarks/results.md)
 
 std::string level() {
-#if defined(QG_AVX512)
+#if defined(QG_AMX)
+  return amx_enabled() ? "amx_int8" : "avx512_vnni";
+#elif defined(QG_AVX512)
   return "avx512_vnni";
 #elif defined(QG_AVX2) && defined(QG_AVXVNNI)
   return "avx2_vnni";
@@ -745,8 +891,15 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t chunks = k / 32;
+#if defined(QG_AMX)
+  const bool use_amx = m >= kAmxMinRows && amx_enabled();
+#else
+  const bool use_amx = false;
+#endif
+  // AMX reads whole 16-row blocks: rows past M are zeros (quantized, they contribute nothing).
+  const int64_t m_pad = use_amx ? (m + 15) / 16 * 16 : m;
   // The quantized rows: per-thread buffers at decode sizes, a tensor for the call at prefill sizes.
-  const int64_t need = m * k + m * chunks * (4 + 4 + 4 + 8);
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8);
   thread_local std::vector<uint8_t> small;
   torch::Tensor big;
   uint8_t* buf;
@@ -761,10 +914,17 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   xr.k = k;
   xr.chunks = chunks;
   xr.q = reinterpret_cast<int8_t*>(buf);
-  xr.d = reinterpret_cast<float*>(buf + m * k);
-  xr.s = xr.d + m * chunks;
-  xr.b = reinterpret_cast<int32_t*>(xr.s + m * chunks);
-  xr.b16 = xr.b + m * chunks;
+  xr.d = reinterpret_cast<float*>(buf + m_pad * k);
+  xr.s = xr.d + m_pad * chunks;
+  xr.b = reinterpret_cast<int32_t*>(xr.s + m_pad * chunks);
+  xr.b16 = xr.b + m_pad * chunks;
+  for (int64_t r = m; r < m_pad; ++r) {
+    std::memset(xr.q + r * k, 0, k);
+    std::memset(xr.d + r * chunks, 0, chunks * sizeof(float));
+    std::memset(xr.s + r * chunks, 0, chunks * sizeof(float));
+    std::memset(xr.b + r * chunks, 0, chunks * sizeof(int32_t));
+    std::memset(xr.b16 + 2 * r * chunks, 0, 2 * chunks * sizeof(int32_t));
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
   auto quant = [&](int64_t begin, int64_t end) {
@@ -778,6 +938,22 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   const int64_t groups = packed.size(0), n_sb = packed.size(1), group_bytes = n_sb * sb_bytes(t);
   const float* bp = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#if defined(QG_AMX)
+  if (use_amx) {
+    const int64_t row_blocks = m_pad / kAmxRows;
+    const AmxFn fn = amx_fn(static_cast<int>(qt));
+    at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+      amx_configure();
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t rb = item / groups, g = item % groups, c0 = g * kGroup;
+        fn(wp + g * group_bytes, n_sb, xr, rb * kAmxRows, static_cast<int>(std::min<int64_t>(kAmxRows, m - rb * kAmxRows)),
+           bp != nullptr ? bp + c0 : nullptr, op + c0, n, std::min<int64_t>(kGroup, n - c0));
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   // Work items (row block, column group), row block major: a thread keeps its rows' int8 in cache.
   at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
