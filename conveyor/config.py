@@ -239,7 +239,13 @@ class Flag:
 
     @property
     def env(self) -> str:
+        """Named after the field, so it holds the field's value: `--no-prompt-cache` is CONVEYOR_ENABLE_PREFIX_CACHING=0."""
         return "CONVEYOR_" + self.dest.upper()
+
+    @property
+    def env_hint(self) -> str:
+        """How --help names the variable: a switch shows the value that means the same as giving it."""
+        return f"{self.env}={0 if self.negate else 1}" if self.switch else self.env
 
 
 FLAGS: list[Flag] = [
@@ -395,7 +401,7 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
     for flag in FLAGS:
         if dests is not None and flag.dest not in dests:
             continue
-        help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env}]".replace("%", "%%")
+        help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env_hint}]".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": help_text}
         if flag.switch:
             kwargs["action"] = "store_const"
@@ -407,18 +413,22 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
         parser.add_argument(*flag.names, **kwargs)
 
 
+def _env_value(flag: Flag, text: str) -> Any:
+    # NOTE: the variable names the field, not the flag, so a switch's text is the field's value as
+    # is; `negate` belongs to the `--no-*` spelling only (applying it here inverted the variable).
+    return _bool(text) if flag.switch else flag.type(text)
+
+
 def _from_env(flag: Flag, env: dict[str, str]) -> tuple[Any, str | None]:
     """(value, the variable it came from): ours, then llama.cpp's, then the seeds' aliases."""
-    for name in (flag.env, *flag.extra_env):
-        if name in env:
-            raw = env[name]
-            return (_bool(raw) != flag.negate if flag.switch else flag.type(raw)), name
-    for alias in SEED_ENV_ALIASES:
-        if alias.dest == flag.dest and alias.name in env:
-            try:
-                return flag.type(alias.value_text(env[alias.name])), alias.name
-            except ValueError as exc:  # ConfigError included
-                raise ConfigError(f"{alias.name}={env[alias.name]!r}: {exc}") from None
+    seeds = {alias.name: alias.value_text for alias in SEED_ENV_ALIASES if alias.dest == flag.dest}
+    for name in (flag.env, *flag.extra_env, *seeds):
+        if name not in env:
+            continue
+        try:
+            return _env_value(flag, seeds.get(name, str)(env[name])), name
+        except ValueError as exc:  # ConfigError included
+            raise ConfigError(f"{name}={env[name]!r}: {exc}") from None
     return None, None
 
 
