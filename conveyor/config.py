@@ -47,6 +47,7 @@ class EngineConfig:
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
     draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | none (the seeds' spelling)
+    decode_storage_backend: str = "auto"  # the seeds' flag: auto | paged, both our one paged pool
     prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
     draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
     draft_block_size: int = 4  # draft-model tokens proposed per row per step
@@ -69,6 +70,8 @@ class EngineConfig:
         _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
         parse_kv_budget(self.prompt_cache_budget)
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
+        _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
+                 f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
         _require(self.draft_kind != "draft-model" or self.draft_model is not None,
                  "--draft-kind draft-model needs --draft-model PATH")
         _require(1 <= self.draft_block_size <= 16, "draft_block_size must be in [1, 16]")
@@ -191,6 +194,20 @@ def _split_peers(text: str | None) -> list[str]:
 
 AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
 DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
+DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
+
+_OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's tokenizer "
+                 "(--draft-kind draft-model --draft-model PATH), prompt lookup (--draft-kind prompt-lookup) "
+                 "and auto (both, chosen per row)")
+# Seed values that name a feature conveyor does not have: refused with what to use instead.
+REFUSED_VALUES: dict[tuple[str, str], str] = {
+    ("draft_kind", "mtp"): f"conveyor has no MTP heads; {_OUR_DRAFTERS}",
+    ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
+    ("decode_storage_backend", "dense"): (
+        "conveyor's KV is always paged (auto and paged are accepted); for the "
+        "seeds' single-request reproduction path use --no-batch or --max-batch-size 1, and --no-prompt-cache "
+        "(greedy output is batch-invariant by default)"),
+}
 
 
 class ConfigError(ValueError):
@@ -241,6 +258,10 @@ class Flag:
     def env(self) -> str:
         """Named after the field, so it holds the field's value: `--no-prompt-cache` is CONVEYOR_ENABLE_PREFIX_CACHING=0."""
         return "CONVEYOR_" + self.dest.upper()
+
+    def refusal(self, text: str) -> str | None:
+        """The message for a seed value conveyor does not offer (None when `text` is not one)."""
+        return REFUSED_VALUES.get((self.dest, str(text).strip().lower()))
 
     @property
     def env_hint(self) -> str:
@@ -296,6 +317,8 @@ FLAGS: list[Flag] = [
          "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
     Flag(("--draft-kind",), "draft_kind", choices=DRAFT_KINDS,
          help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, none"),
+    Flag(("--decode-storage-backend",), "decode_storage_backend", choices=DECODE_STORAGE_BACKENDS,
+         help="the seeds' KV storage choice: auto and paged are both conveyor's one paged block pool (dense is refused)"),
     Flag(("--prompt-lookup-max-batch",), "prompt_lookup_max_batch", int,
          "prompt-lookup drafts only while at most N rows decode (0 = no limit)"),
     Flag(("--draft-model", "--model-draft"), "draft_model",
@@ -407,15 +430,28 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
             kwargs["action"] = "store_const"
             kwargs["const"] = not flag.negate
         else:
-            kwargs["type"] = flag.type
+            kwargs["type"] = _refusing(flag)
             if flag.choices:
                 kwargs["choices"] = flag.choices
         parser.add_argument(*flag.names, **kwargs)
 
 
+def _refusing(flag: Flag) -> Callable[[str], Any]:
+    """flag.type, but a refused seed value fails with its own message (argparse's names only the choices)."""
+    def convert(text: str) -> Any:
+        message = flag.refusal(text)
+        if message:
+            raise argparse.ArgumentTypeError(message)
+        return flag.type(text)
+
+    convert.__name__ = getattr(flag.type, "__name__", "value")  # argparse's "invalid int value" wording
+    return convert
+
+
 def _env_value(flag: Flag, text: str) -> Any:
     # NOTE: the variable names the field, not the flag, so a switch's text is the field's value as
     # is; `negate` belongs to the `--no-*` spelling only (applying it here inverted the variable).
+    _require(flag.refusal(text) is None, flag.refusal(text) or "")
     return _bool(text) if flag.switch else flag.type(text)
 
 

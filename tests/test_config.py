@@ -180,3 +180,28 @@ def test_a_bad_variable_names_itself():
         _engine(env={"CONVEYOR_ENABLE_PREFIX_CACHING": "maybe"})
     with pytest.raises(ConfigError, match="CONVEYOR_PARALLEL"):
         _engine(env={"CONVEYOR_PARALLEL": "four"})
+
+
+def test_decode_storage_backend_is_accepted_as_the_seeds_spell_it():
+    assert _engine().decode_storage_backend == "auto"
+    assert _engine("--decode-storage-backend", "paged").decode_storage_backend == "paged"
+    assert _engine(env={"CONVEYOR_DECODE_STORAGE_BACKEND": "paged"}).decode_storage_backend == "paged"
+
+
+@pytest.mark.parametrize(("dest", "value"), sorted(config.REFUSED_VALUES), ids=lambda v: str(v))
+def test_a_seed_value_we_lack_is_refused_naming_what_we_offer(dest, value, capsys):
+    message = config.REFUSED_VALUES[(dest, value)]
+    flag = config._FLAG_BY_DEST[dest]
+    with pytest.raises(SystemExit) as exc:
+        _serve_args(flag.names[0], value.upper())
+    assert exc.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ConfigError, match=f"^{flag.env}='{value}': ") as refused:
+        _engine(env={flag.env: value})
+    assert message in str(refused.value)
+
+
+def test_the_draft_refusal_names_the_alternatives():
+    for value in ("mtp", "dflash"):
+        message = config.REFUSED_VALUES[("draft_kind", value)]
+        assert all(kind in message for kind in ("draft-model", "prompt-lookup", "auto"))
