@@ -221,7 +221,7 @@ class OpenAIServing:
                     first_tool = parsers[index].num_tool_calls
                     parsed = parsers[index].feed(out.new_text)
                     if out.finished:
-                        parsed += parsers[index].finish()
+                        parsed += parsers[index].finish(truncated=out.finish_reason == "length")
                         if parsers[index].num_tool_calls:
                             finish_reason = tool_finish_reason(finish_reason)
                     if parsed.is_empty and not (out.logprobs or out.finished):
