@@ -42,6 +42,9 @@ class EngineConfig:
     max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * min(chunk, 512), 0 = no cap
     tick_policy: str = "alternate"  # measured better for live streams, see benchmarks/results.md
     enable_preemption: bool = False
+    # One priority level per 10 s waited: a burst drains in seconds, so priority still orders it; only
+    # sustained overload lets a low request through, after (priority gap) x 10 s. 0 = strict priority.
+    priority_aging_s: float = 10.0
     preemption_policy: str = "longest-first"
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
@@ -86,6 +89,7 @@ class EngineConfig:
         _require(self.tick_policy in ("mixed", "alternate"), "tick_policy must be mixed or alternate")
         _require(self.preemption_policy in ("longest-first", "lowest-priority"),
                  "preemption_policy must be longest-first or lowest-priority")
+        _require(self.priority_aging_s >= 0, "priority_aging_s must be >= 0 (0 = no aging)")
         _require(0.0 <= self.kv_admission_watermark <= 0.5, "kv_admission_watermark must be in [0.0, 0.5]")
         _require(self.prefill_grant_interval >= 0, "prefill_grant_interval must be >= 0")
         _require(0 <= self.speculative_ngram <= 16, "speculative_ngram must be in [0, 16]")
@@ -307,6 +311,9 @@ FLAGS: list[Flag] = [
          help="alternate (default): decode or prefill per tick; mixed: decode + prefill in one forward"),
     Flag(("--enable-preemption",), "enable_preemption", switch=True,
          help="let a higher-priority arrival evict a running lower-priority sequence"),
+    Flag(("--priority-aging-s",), "priority_aging_s", float,
+         "seconds of waiting worth one priority level, so higher-priority traffic delays a queued request "
+         "by at most (priority gap) x this (0 = strict priority, no aging)"),
     Flag(("--preemption-policy",), "preemption_policy", choices=("longest-first", "lowest-priority"),
          help="victim selection for --enable-preemption"),
     Flag(("--kv-admission-watermark",), "kv_admission_watermark", float,

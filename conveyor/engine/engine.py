@@ -111,6 +111,7 @@ class EngineCore:
             max_batch_prefill=1 if config.no_batch else config.max_batch_prefill,
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
+            priority_aging_s=config.priority_aging_s,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
             speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows,
