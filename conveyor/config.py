@@ -518,6 +518,12 @@ def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | N
     return (_from_sources(EngineConfig, args, env, overrides), _from_sources(ServerConfig, args, env, overrides))
 
 
+def kernel_settings_from_env(env: dict[str, str] | None = None) -> "KernelSettings":
+    """The kernel knobs as CONVEYOR_KERNEL_ARCH / _REQUIRE_KERNELS / _DISABLE_KERNEL set them (tests, tools)."""
+    env = dict(os.environ) if env is None else env
+    return _from_sources(EngineConfig, None, env, {}).kernel_settings
+
+
 def load_cluster_config(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
                         **overrides: Any) -> ClusterConfig:
     env = dict(os.environ) if env is None else env
