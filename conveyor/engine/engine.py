@@ -18,10 +18,11 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
 from conveyor.engine.spec_policy import SpecPolicy, machine_id
+from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model

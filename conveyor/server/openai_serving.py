@@ -18,7 +18,8 @@ from starlette.types import Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.request import Request
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
 from conveyor.server import errors
 from conveyor.server.errors import APIError
 from conveyor.server.metrics import ServerMetrics
