@@ -1,6 +1,6 @@
 """Our CPU kernels at one ISA level against the torch paths they replace, at SmolLM2-135M's shapes.
 
-The level is the one CONVEYOR_KERNEL_ARCH selects (read through conveyor.kernels.cpu_backend()),
+The level is the one CONVEYOR_KERNEL_ARCH selects (read by conveyor.config.kernel_settings_from_env()),
 so the same script measures every level this machine runs:
 
     CONVEYOR_KERNEL_ARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 python benchmarks/attention_levels.py
@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from conveyor.config import kernel_settings_from_env
 from conveyor.kernels import AttentionMetadata, KernelSettings, cpu_backend, resolve_backend
 from conveyor.kernels.attention import write_kv
 from conveyor.models.layers import RotaryEmbedding
@@ -101,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
 
-    ours = cpu_backend()
+    ours = cpu_backend(kernel_settings_from_env())
     if ours.attention is None or ours.fused is None:
         raise SystemExit(f"kernels unavailable at CONVEYOR_KERNEL_ARCH={ours.arch}: {ours.errors}")
     ref = resolve_backend("cpu", settings=KernelSettings(disable=True))

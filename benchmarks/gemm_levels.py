@@ -1,6 +1,6 @@
 """Our bf16 GEMM (conveyor/kernels/csrc/gemm.cpp) at one ISA level against oneDNN and F.linear.
 
-The level is the one CONVEYOR_KERNEL_ARCH selects (read through conveyor.kernels.cpu_backend()),
+The level is the one CONVEYOR_KERNEL_ARCH selects (read by conveyor.config.kernel_settings_from_env()),
 so the same script measures every level this machine runs:
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 CONVEYOR_KERNEL_ARCH=x86-64-v3 python benchmarks/gemm_levels.py
@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from conveyor.config import kernel_settings_from_env
 from conveyor.kernels import cpu_backend
 from offline_throughput import emit_table, machine
 
@@ -127,7 +128,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    backend = cpu_backend()
+    backend = cpu_backend(kernel_settings_from_env())
     if backend.gemm is None:
         raise SystemExit(f"our GEMM did not build: {backend.errors.get('gemm')}")
     gen = torch.Generator().manual_seed(0)

@@ -50,13 +50,27 @@ def build_parser() -> argparse.ArgumentParser:
     from conveyor.bench import cli as bench_cli
 
     bench_cli.add_parser(subparsers)
-    try:
-        from conveyor.server import cli as server_cli
-    except ImportError:  # the server is optional at import time for the offline paths
-        server_cli = None
-    if server_cli is not None and hasattr(server_cli, "add_parser"):
-        server_cli.add_parser(subparsers)
+    serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                  description="Serve the OpenAI-compatible HTTP API with continuous batching "
+                                              "(or a disaggregated role: --node-role, docs/distributed.md).")
+    add_flags(serve)
+    serve.set_defaults(func=_run_serve)
     return parser
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """`conveyor serve`: one node (server/), or the role --node-role names (cluster/)."""
+    from conveyor.server import cli as server_cli  # imported here so `conveyor --help` stays fast
+
+    configs = server_cli.load_serve_configs(args)
+    if configs is None:
+        return 2
+    engine_config, server_config, cluster_config = configs
+    if cluster_config.node_role is None:
+        return server_cli.serve_until_signal(lambda: server_cli.build_server(engine_config, server_config))
+    from conveyor.cluster.serve import build_cluster_server
+
+    return server_cli.serve_until_signal(lambda: build_cluster_server(engine_config, server_config, cluster_config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +135,7 @@ def _prompt_ids(engine, messages: list[dict] | None, raw_text: str | None) -> li
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from conveyor.engine.sampling_params import InvalidRequestError
+    from conveyor.errors import InvalidRequestError
 
     async def go() -> int:
         engine = _single_slot_engine(args)
@@ -140,7 +154,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from conveyor.engine.sampling_params import InvalidRequestError
+    from conveyor.errors import InvalidRequestError
 
     async def go() -> int:
         engine = _single_slot_engine(args)

@@ -42,11 +42,15 @@ class EngineConfig:
     max_batch_prefill_tokens: int = -1  # -1 = derived 2 * max_batch_prefill * min(chunk, 512), 0 = no cap
     tick_policy: str = "alternate"  # measured better for live streams, see benchmarks/results.md
     enable_preemption: bool = False
+    # One priority level per 10 s waited: a burst drains in seconds, so priority still orders it; only
+    # sustained overload lets a low request through, after (priority gap) x 10 s. 0 = strict priority.
+    priority_aging_s: float = 10.0
     preemption_policy: str = "longest-first"
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
     draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | none (the seeds' spelling)
+    decode_storage_backend: str = "auto"  # the seeds' flag: auto | paged, both our one paged pool
     prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
     draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
     draft_block_size: int = 4  # draft-model tokens proposed per row per step
@@ -69,6 +73,8 @@ class EngineConfig:
         _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
         parse_kv_budget(self.prompt_cache_budget)
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
+        _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
+                 f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
         _require(self.draft_kind != "draft-model" or self.draft_model is not None,
                  "--draft-kind draft-model needs --draft-model PATH")
         _require(1 <= self.draft_block_size <= 16, "draft_block_size must be in [1, 16]")
@@ -83,6 +89,7 @@ class EngineConfig:
         _require(self.tick_policy in ("mixed", "alternate"), "tick_policy must be mixed or alternate")
         _require(self.preemption_policy in ("longest-first", "lowest-priority"),
                  "preemption_policy must be longest-first or lowest-priority")
+        _require(self.priority_aging_s >= 0, "priority_aging_s must be >= 0 (0 = no aging)")
         _require(0.0 <= self.kv_admission_watermark <= 0.5, "kv_admission_watermark must be in [0.0, 0.5]")
         _require(self.prefill_grant_interval >= 0, "prefill_grant_interval must be >= 0")
         _require(0 <= self.speculative_ngram <= 16, "speculative_ngram must be in [0, 16]")
@@ -191,6 +198,20 @@ def _split_peers(text: str | None) -> list[str]:
 
 AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
 DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
+DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
+
+_OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's tokenizer "
+                 "(--draft-kind draft-model --draft-model PATH), prompt lookup (--draft-kind prompt-lookup) "
+                 "and auto (both, chosen per row)")
+# Seed values that name a feature conveyor does not have: refused with what to use instead.
+REFUSED_VALUES: dict[tuple[str, str], str] = {
+    ("draft_kind", "mtp"): f"conveyor has no MTP heads; {_OUR_DRAFTERS}",
+    ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
+    ("decode_storage_backend", "dense"): (
+        "conveyor's KV is always paged (auto and paged are accepted); for the "
+        "seeds' single-request reproduction path use --no-batch or --max-batch-size 1, and --no-prompt-cache "
+        "(greedy output is batch-invariant by default)"),
+}
 
 
 class ConfigError(ValueError):
@@ -239,7 +260,17 @@ class Flag:
 
     @property
     def env(self) -> str:
+        """Named after the field, so it holds the field's value: `--no-prompt-cache` is CONVEYOR_ENABLE_PREFIX_CACHING=0."""
         return "CONVEYOR_" + self.dest.upper()
+
+    def refusal(self, text: str) -> str | None:
+        """The message for a seed value conveyor does not offer (None when `text` is not one)."""
+        return REFUSED_VALUES.get((self.dest, str(text).strip().lower()))
+
+    @property
+    def env_hint(self) -> str:
+        """How --help names the variable: a switch shows the value that means the same as giving it."""
+        return f"{self.env}={0 if self.negate else 1}" if self.switch else self.env
 
 
 FLAGS: list[Flag] = [
@@ -280,6 +311,9 @@ FLAGS: list[Flag] = [
          help="alternate (default): decode or prefill per tick; mixed: decode + prefill in one forward"),
     Flag(("--enable-preemption",), "enable_preemption", switch=True,
          help="let a higher-priority arrival evict a running lower-priority sequence"),
+    Flag(("--priority-aging-s",), "priority_aging_s", float,
+         "seconds of waiting worth one priority level, so higher-priority traffic delays a queued request "
+         "by at most (priority gap) x this (0 = strict priority, no aging)"),
     Flag(("--preemption-policy",), "preemption_policy", choices=("longest-first", "lowest-priority"),
          help="victim selection for --enable-preemption"),
     Flag(("--kv-admission-watermark",), "kv_admission_watermark", float,
@@ -290,6 +324,8 @@ FLAGS: list[Flag] = [
          "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
     Flag(("--draft-kind",), "draft_kind", choices=DRAFT_KINDS,
          help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, none"),
+    Flag(("--decode-storage-backend",), "decode_storage_backend", choices=DECODE_STORAGE_BACKENDS,
+         help="the seeds' KV storage choice: auto and paged are both conveyor's one paged block pool (dense is refused)"),
     Flag(("--prompt-lookup-max-batch",), "prompt_lookup_max_batch", int,
          "prompt-lookup drafts only while at most N rows decode (0 = no limit)"),
     Flag(("--draft-model", "--model-draft"), "draft_model",
@@ -395,30 +431,47 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
     for flag in FLAGS:
         if dests is not None and flag.dest not in dests:
             continue
-        help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env}]".replace("%", "%%")
+        help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env_hint}]".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": help_text}
         if flag.switch:
             kwargs["action"] = "store_const"
             kwargs["const"] = not flag.negate
         else:
-            kwargs["type"] = flag.type
+            kwargs["type"] = _refusing(flag)
             if flag.choices:
                 kwargs["choices"] = flag.choices
         parser.add_argument(*flag.names, **kwargs)
 
 
+def _refusing(flag: Flag) -> Callable[[str], Any]:
+    """flag.type, but a refused seed value fails with its own message (argparse's names only the choices)."""
+    def convert(text: str) -> Any:
+        message = flag.refusal(text)
+        if message:
+            raise argparse.ArgumentTypeError(message)
+        return flag.type(text)
+
+    convert.__name__ = getattr(flag.type, "__name__", "value")  # argparse's "invalid int value" wording
+    return convert
+
+
+def _env_value(flag: Flag, text: str) -> Any:
+    # NOTE: the variable names the field, not the flag, so a switch's text is the field's value as
+    # is; `negate` belongs to the `--no-*` spelling only (applying it here inverted the variable).
+    _require(flag.refusal(text) is None, flag.refusal(text) or "")
+    return _bool(text) if flag.switch else flag.type(text)
+
+
 def _from_env(flag: Flag, env: dict[str, str]) -> tuple[Any, str | None]:
     """(value, the variable it came from): ours, then llama.cpp's, then the seeds' aliases."""
-    for name in (flag.env, *flag.extra_env):
-        if name in env:
-            raw = env[name]
-            return (_bool(raw) != flag.negate if flag.switch else flag.type(raw)), name
-    for alias in SEED_ENV_ALIASES:
-        if alias.dest == flag.dest and alias.name in env:
-            try:
-                return flag.type(alias.value_text(env[alias.name])), alias.name
-            except ValueError as exc:  # ConfigError included
-                raise ConfigError(f"{alias.name}={env[alias.name]!r}: {exc}") from None
+    seeds = {alias.name: alias.value_text for alias in SEED_ENV_ALIASES if alias.dest == flag.dest}
+    for name in (flag.env, *flag.extra_env, *seeds):
+        if name not in env:
+            continue
+        try:
+            return _env_value(flag, seeds.get(name, str)(env[name])), name
+        except ValueError as exc:  # ConfigError included
+            raise ConfigError(f"{name}={env[name]!r}: {exc}") from None
     return None, None
 
 
@@ -463,6 +516,12 @@ def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | N
     """Precedence: explicit override > CLI flag > environment variable > dataclass default."""
     env = dict(os.environ) if env is None else env
     return (_from_sources(EngineConfig, args, env, overrides), _from_sources(ServerConfig, args, env, overrides))
+
+
+def kernel_settings_from_env(env: dict[str, str] | None = None) -> "KernelSettings":
+    """The kernel knobs as CONVEYOR_KERNEL_ARCH / _REQUIRE_KERNELS / _DISABLE_KERNEL set them (tests, tools)."""
+    env = dict(os.environ) if env is None else env
+    return _from_sources(EngineConfig, None, env, {}).kernel_settings
 
 
 def load_cluster_config(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,

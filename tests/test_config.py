@@ -3,7 +3,8 @@
 import pytest
 
 from conveyor.cli import build_parser
-from conveyor.config import ConfigError, env_alias_report, load_configs
+from conveyor import config
+from conveyor.config import FLAGS, ConfigError, env_alias_report, load_configs
 
 
 def _serve_args(*argv):
@@ -93,3 +94,114 @@ def test_speculation_spellings():
     assert _engine("--prompt-lookup-max-batch", "2").prompt_lookup_max_batch == 2
     with pytest.raises(ConfigError, match="needs --draft-model"):
         _engine("--draft-kind", "draft-model")
+
+
+# Every flag's environment variable means what the flag means, in every boolean spelling. Generated
+# from FLAGS (and the seeds' aliases), so a flag added later is covered without a new test.
+TRUE_SPELLINGS = ("1", "true", "yes", "on", "TRUE", "Yes", "ON")
+FALSE_SPELLINGS = ("0", "false", "no", "off", "FALSE", "No", "OFF")
+_SAMPLE_TEXTS = {int: ("3", "-1"), float: ("0.25",), str: ("a:1",)}
+
+
+def _flag_cases():
+    """(flag, argv after `serve`, the text the variable gets) for every flag and every spelling."""
+    for flag in FLAGS:
+        if flag.switch:
+            spellings = FALSE_SPELLINGS if flag.negate else TRUE_SPELLINGS
+            yield from ((flag, [flag.names[0]], text) for text in spellings)
+        elif flag.type is config._bool:
+            yield from ((flag, [f"{flag.names[0]}={text}"], text) for text in TRUE_SPELLINGS + FALSE_SPELLINGS)
+        else:
+            for text in flag.choices or _SAMPLE_TEXTS[flag.type]:
+                yield flag, [flag.names[0], text], text
+
+
+def _flag_id(case):
+    flag, argv, text = case
+    return f"{' '.join(argv)}|{text}"
+
+
+FLAG_CASES = list(_flag_cases())
+
+
+@pytest.mark.parametrize("case", FLAG_CASES, ids=[_flag_id(c) for c in FLAG_CASES])
+def test_every_flag_variable_means_what_the_flag_means(case):
+    flag, argv, text = case
+    from_flag = getattr(_serve_args(*argv), flag.dest)
+    assert from_flag is not None
+    for name in (flag.env, *flag.extra_env):  # ours and llama.cpp's names (extra_env) alike
+        assert config._from_env(flag, {name: text}) == (from_flag, name), name
+
+
+def test_every_flag_is_in_the_table():
+    covered = {case[0].names[0] for case in FLAG_CASES}
+    assert covered == {flag.names[0] for flag in FLAGS}
+    assert all(flag.type in _SAMPLE_TEXTS or flag.choices or flag.switch or flag.type is config._bool
+               for flag in FLAGS)
+
+
+@pytest.mark.parametrize("alias", config.SEED_ENV_ALIASES, ids=lambda a: a.name)
+def test_every_seed_variable_means_what_our_flag_means(alias):
+    flag = next(f for f in FLAGS if f.dest == alias.dest and not f.switch)
+    if alias.convert is str:  # a plain alias: the same text as our flag's
+        for text in flag.choices or _SAMPLE_TEXTS[flag.type]:
+            assert config._from_env(flag, {alias.name: text})[0] == getattr(_serve_args(flag.names[0], text), flag.dest)
+        return
+    # A boolean seed variable: every spelling of one truth value gives the same flag value, and it is a
+    # value our flag accepts.
+    on = {config._from_env(flag, {alias.name: text})[0] for text in TRUE_SPELLINGS}
+    off = {config._from_env(flag, {alias.name: text})[0] for text in FALSE_SPELLINGS}
+    assert len(on) == len(off) == 1 and on != off
+    for value in on | off:
+        assert getattr(_serve_args(flag.names[0], value), flag.dest) == value
+
+
+@pytest.mark.parametrize("text", TRUE_SPELLINGS + FALSE_SPELLINGS)
+def test_the_two_variables_that_were_inverted(text):
+    value = text.lower() in ("1", "true", "yes", "on")
+    engine = _engine(env={"CONVEYOR_ENABLE_PREFIX_CACHING": text, "CONVEYOR_BATCH_INVARIANT": text})
+    assert engine.enable_prefix_caching is value and engine.batch_invariant is value
+    # The flag still wins over the variable, and means the same as the variable's "off".
+    args = ("--no-prompt-cache", "--no-batch-invariant")
+    flagged = _engine(*args, env={"CONVEYOR_ENABLE_PREFIX_CACHING": text, "CONVEYOR_BATCH_INVARIANT": text})
+    assert flagged.enable_prefix_caching is False and flagged.batch_invariant is False
+
+
+def test_help_names_the_variable_with_the_value_that_means_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[env CONVEYOR_ENABLE_PREFIX_CACHING=0]" in text and "[env CONVEYOR_BATCH_INVARIANT=0]" in text
+    assert "[env CONVEYOR_METRICS=1]" in text and "[env CONVEYOR_PORT]" in text
+
+
+def test_a_bad_variable_names_itself():
+    with pytest.raises(ConfigError, match="CONVEYOR_ENABLE_PREFIX_CACHING"):
+        _engine(env={"CONVEYOR_ENABLE_PREFIX_CACHING": "maybe"})
+    with pytest.raises(ConfigError, match="CONVEYOR_PARALLEL"):
+        _engine(env={"CONVEYOR_PARALLEL": "four"})
+
+
+def test_decode_storage_backend_is_accepted_as_the_seeds_spell_it():
+    assert _engine().decode_storage_backend == "auto"
+    assert _engine("--decode-storage-backend", "paged").decode_storage_backend == "paged"
+    assert _engine(env={"CONVEYOR_DECODE_STORAGE_BACKEND": "paged"}).decode_storage_backend == "paged"
+
+
+@pytest.mark.parametrize(("dest", "value"), sorted(config.REFUSED_VALUES), ids=lambda v: str(v))
+def test_a_seed_value_we_lack_is_refused_naming_what_we_offer(dest, value, capsys):
+    message = config.REFUSED_VALUES[(dest, value)]
+    flag = config._FLAG_BY_DEST[dest]
+    with pytest.raises(SystemExit) as exc:
+        _serve_args(flag.names[0], value.upper())
+    assert exc.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ConfigError, match=f"^{flag.env}='{value}': ") as refused:
+        _engine(env={flag.env: value})
+    assert message in str(refused.value)
+
+
+def test_the_draft_refusal_names_the_alternatives():
+    for value in ("mtp", "dflash"):
+        message = config.REFUSED_VALUES[("draft_kind", value)]
+        assert all(kind in message for kind in ("draft-model", "prompt-lookup", "auto"))

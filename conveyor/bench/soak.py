@@ -9,14 +9,22 @@ leave early (mid-stream, mid-prefill, or right after admission while still queue
 - /metrics equals the sums over what the clients received: finished requests by reason, and
   prompt and generation tokens of the stop/length requests; every client that left is one
   `abort` per choice; conveyor_generation_tokens_total equals the per-reason sum;
-- RSS growth (reported).
+- the server's RSS growth (reported, with --pid).
+
+The soak drives a server it is given; start one first (the numbers in benchmarks/results.md are the
+tiny random model's: write it with `python -c "from conveyor.testing import write_tiny_model_dir;
+write_tiny_model_dir('/tmp/tiny')"`), then point the soak at it:
+
+  python -m conveyor.cli serve --model /tmp/tiny --parallel 8 --max-queue-depth 256 --metrics --port 8090 &
+  python -m conveyor.bench.soak --url http://127.0.0.1:8090 --pid $!     # 1,200 requests at concurrency 32
+
+tests/server/test_soak.py runs the CI size (120 requests at concurrency 24) against an in-process server
+and also checks the block pool's integrity.
 
 Clients that leave only do so from streams after the 200 headers: then the client knows its
 requests were admitted, and (ignore_eos, 200 tokens) that they cannot have finished by
 themselves, so their `abort` count is exact.
 
-  python -m conveyor.bench.soak                      # 1,200 requests at concurrency 32, tiny random model
-  python -m conveyor.bench.soak --requests 150 --concurrency 24   # the CI size (tests/server/test_soak.py)
 """
 
 from __future__ import annotations
@@ -283,59 +291,60 @@ def check_counts(before: dict[str, float], after: dict[str, float], result: Soak
     return {k: v[0] for k, v in compared.items()}
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
+def _rss_mib(pid: int | None) -> float | None:
+    """The server's resident memory, when it runs on this machine and its pid is known."""
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
-    return 0.0
+    return None
 
 
-def soak_in_process(num_requests: int, concurrency: int, seed: int = 0, parallel: int = 8,
-                    warmup: int = 48) -> tuple[SoakResult, dict]:
-    """A tiny random-model server in this process, a warm-up, the soak, then every check."""
-    from conveyor.config import EngineConfig, ServerConfig
-    from conveyor.server.background import serve_in_thread
-    from conveyor.testing import tiny_checkpoint
-
-    engine = EngineConfig(parallel=parallel, max_queue_depth=max(256, concurrency * 8))
-    with serve_in_thread(engine, ServerConfig(metrics=True), tiny_checkpoint()) as (url, core):
-        asyncio.run(run_soak(url, make_specs(warmup, seed + 1), concurrency))  # allocator and caches settle
-        wait_idle(url)
-        rss_start = _rss_mib()
-        before = parse_metrics(httpx.get(f"{url}/metrics").text)
-        result = asyncio.run(run_soak(url, make_specs(num_requests, seed), concurrency))
-        idle = wait_idle(url)
-        if not idle:
-            result.fail("engine not idle 60 s after the last response: a request is stuck")
-        after = parse_metrics(httpx.get(f"{url}/metrics").text)
-        counts = check_counts(before, after, result)
-        core.pool.check_integrity()
-        live = core.pool.stats().num_used
-        if live:
-            result.fail(f"{live} KV blocks still live after the soak")
-        if httpx.get(f"{url}/health").status_code != 200:
-            result.fail("/health is not 200 after the soak")
-        rss_end = _rss_mib()
-    report = {"requests": num_requests, "concurrency": concurrency, "parallel": parallel,
+def soak(url: str, num_requests: int, concurrency: int, seed: int = 0, warmup: int = 48,
+         server_pid: int | None = None) -> tuple[SoakResult, dict]:
+    """Soak the server at `url` (started with --metrics and a queue deeper than `concurrency`): a warm-up,
+    the run, then every check that HTTP can make (no KV block live, /health 200, /metrics == responses).
+    The caller owns the server, so it can check more (the pool's integrity in tests/server/test_soak.py)."""
+    asyncio.run(run_soak(url, make_specs(warmup, seed + 1), concurrency))  # allocator and caches settle
+    wait_idle(url)
+    rss_start = _rss_mib(server_pid)
+    before = parse_metrics(httpx.get(f"{url}/metrics").text)
+    result = asyncio.run(run_soak(url, make_specs(num_requests, seed), concurrency))
+    if not wait_idle(url):
+        result.fail("engine not idle 60 s after the last response: a request is stuck")
+    after = parse_metrics(httpx.get(f"{url}/metrics").text)
+    counts = check_counts(before, after, result)
+    live = httpx.get(f"{url}/v1/cache/stats").json()["live"]
+    if live:
+        result.fail(f"{live} KV blocks still live after the soak")
+    if httpx.get(f"{url}/health").status_code != 200:
+        result.fail("/health is not 200 after the soak")
+    rss_end = _rss_mib(server_pid)
+    report = {"requests": num_requests, "concurrency": concurrency,
               "duration_s": round(result.duration_s, 1), "statuses": dict(result.statuses),
               "finish_reasons": dict(result.finish_reasons), "abandoned_choices": result.abandoned_choices,
               "leaves": dict(result.leaves), "prompt_tokens": result.prompt_tokens,
               "completion_tokens": result.completion_tokens, "metrics": counts, "live_blocks": live,
-              "rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1),
-              "rss_growth_mib": round(rss_end - rss_start, 1), "failures": result.failures[:20]}
+              "failures": result.failures[:20]}
+    if rss_start is not None and rss_end is not None:
+        report.update(rss_start_mib=round(rss_start, 1), rss_end_mib=round(rss_end, 1),
+                      rss_growth_mib=round(rss_end - rss_start, 1))
     return result, report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conveyor.bench.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", required=True, help="the server to soak (started with --metrics)")
     parser.add_argument("--requests", type=int, default=1200)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--parallel", type=int, default=8, help="server slots")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--pid", type=int, default=None, help="the server's pid on this machine: report its RSS")
     args = parser.parse_args(argv)
-    result, report = soak_in_process(args.requests, args.concurrency, args.seed, args.parallel)
+    result, report = soak(args.url.rstrip("/"), args.requests, args.concurrency, args.seed, args.warmup, args.pid)
     print(json.dumps(report, indent=2))
     return 1 if result.failures else 0
 

@@ -20,7 +20,7 @@ from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVBlob
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.sampling_params import InvalidRequestError
+from conveyor.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

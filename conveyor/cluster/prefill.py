@@ -26,7 +26,7 @@ from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVHandoff
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.sampling_params import InvalidRequestError
+from conveyor.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, SSEResponse, _
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from conveyor.server.responses import ChoiceState, ResponseHeader, TokenText, chunk, full_response, sse, usage_chunk
 from conveyor.server.streams import wait_for_disconnect
+from conveyor.server.structured_output import plan_chat, reply_starts_thinking
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class _RegistryCollector:
 
 class RouterServing:
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
-                 max_queue_depth: int, metrics: RouterMetrics) -> None:
+                 max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto") -> None:
         self.registry = registry
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.model_names = {model_id, model_name}
@@ -103,16 +105,17 @@ class RouterServing:
     async def chat(self, http: Request, body: ChatCompletionRequest, arrival: float) -> Response:
         self.check_model(body.model)
         _check_supported(body, logprobs=body.logprobs)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        # The node's own planning: the same history (earlier tool_calls, tool results), the same 400s
+        # (tool_choice without tools) and the same reply parsing (<think> -> reasoning_content).
+        plan = plan_chat(body, self.tokenizer, self.reasoning_parser)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools)
         except ValueError as exc:
             raise errors.invalid(str(exc), "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=True,
-                                want_logprobs=False)
+                                want_logprobs=False, parsing=reply_starts_thinking(plan.parsing, text))
         return await self._run(http, body, header, prompt, max_tokens, arrival, {"prompt": "messages"})
 
     async def completion(self, http: Request, body: CompletionRequest, arrival: float) -> Response:
@@ -215,16 +218,22 @@ class RouterServing:
                       arrival: float) -> AsyncIterator[str]:
         choice = ChoiceState(0)
         finished = False
+        parser = header.parsing.parser() if header.parses else None  # type: ignore[union-attr]
         try:
             if header.chat:
                 yield sse(chunk(header, 0, "", [], self.token_text, role=True, with_usage=include_usage))
             out = first
             while True:
                 choice.add(out, keep=False)
-                if out.new_text or out.finished:
+                parsed = None
+                if parser is not None:  # as a node streams it (openai_serving.py): text held until decided
+                    parsed = parser.feed(out.new_text)
+                    if out.finished:
+                        parsed += parser.finish(truncated=out.finish_reason == "length")
+                if (out.new_text and (parsed is None or not parsed.is_empty)) or out.finished:
                     payload = chunk(header, 0, out.new_text, [], self.token_text,
                                     finish_reason=out.finish_reason if out.finished else None,
-                                    with_usage=include_usage)
+                                    with_usage=include_usage, parsed=parsed)
                     if out.finish_reason == "error":
                         payload["error"] = errors.generation_failed(out.error or "generation failed").body()["error"]
                     yield sse(payload)
@@ -277,7 +286,8 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     monitor = HealthMonitor(registry, cluster.health_check_interval)
     metrics = RouterMetrics(registry)
     model_id = server.served_model_name or model_name
-    serving = RouterServing(registry, tokenizer, model_id, model_name, max_queue_depth, metrics)
+    serving = RouterServing(registry, tokenizer, model_id, model_name, max_queue_depth, metrics,
+                            server.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -18,10 +18,11 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
 from conveyor.engine.spec_policy import SpecPolicy, machine_id
+from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
@@ -111,6 +112,7 @@ class EngineCore:
             max_batch_prefill=1 if config.no_batch else config.max_batch_prefill,
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             tick_policy=config.tick_policy, enable_preemption=config.enable_preemption,
+            priority_aging_s=config.priority_aging_s,
             preemption_policy=config.preemption_policy, kv_admission_watermark=config.kv_admission_watermark,
             watermark_applies=self.pool_plan.budget_bytes is not None,
             speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows,

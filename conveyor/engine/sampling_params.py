@@ -5,16 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from conveyor.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from conveyor.structured.grammar import GrammarSpec
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before admission; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -12,6 +12,7 @@ policy (see scheduling_policy.py):
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -63,7 +64,8 @@ class Scheduler:
         self.stop_checker = stop_checker
         # Draft-model speculation at this many decode rows? (the adaptive policy; None = always)
         self.draft_gate = draft_gate
-        self.waiting: list[Request] = []  # kept sorted by priority_key
+        self.waiting: list[Request] = []  # kept sorted by _queue_key (priority, aged by waiting time)
+        self._queue_key = functools.partial(priority_key, aging_s=config.priority_aging_s)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -74,7 +76,7 @@ class Scheduler:
     # -- queue -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=priority_key)
+        bisect.insort(self.waiting, request, key=self._queue_key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -174,7 +176,8 @@ class Scheduler:
                 break  # FIFO within a priority: it waits, nothing behind it jumps ahead
             if not self.kv.admit(request, hit, num_new):
                 break
-            self.waiting.pop(0)
+            # NOTE: not pop(0): with aging, a row evicted for this request may have been queued ahead of it.
+            del self.waiting[next(i for i, r in enumerate(self.waiting) if r is request)]
             self.running.append(request)
             request.status = RequestStatus.PREFILLING
             out.chunks.append(self._chunk(request, num_new))
@@ -214,7 +217,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=priority_key)
+        bisect.insort(self.waiting, request, key=self._queue_key)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

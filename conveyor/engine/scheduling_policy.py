@@ -32,6 +32,8 @@ class SchedulerConfig:
     max_batch_prefill_tokens: int = -1  # -1 derived (2 * max_batch_prefill * min(chunk, 512)), 0 = no cap
     tick_policy: TickPolicy = TickPolicy.ALTERNATE
     enable_preemption: bool = False
+    # Seconds of waiting worth one priority level (0 = strict priority); see priority_key.
+    priority_aging_s: float = 10.0
     preemption_policy: PreemptionPolicy = PreemptionPolicy.LONGEST_FIRST
     kv_admission_watermark: float = 0.01  # share of the pool kept free at admission while rows decode
     watermark_applies: bool = True  # False when the pool is unbounded (no budget)
@@ -51,6 +53,8 @@ class SchedulerConfig:
             raise ValueError("max_batch_prefill must be at least 1")
         if self.max_batch_prefill_tokens < -1:
             raise ValueError("max_batch_prefill_tokens must be -1 (derived), 0 (no cap) or positive")
+        if self.priority_aging_s < 0:
+            raise ValueError("priority_aging_s must be >= 0")
         if not 0.0 <= self.kv_admission_watermark <= 0.5:
             raise ValueError("kv_admission_watermark must be in [0.0, 0.5]")
         object.__setattr__(self, "tick_policy", TickPolicy(self.tick_policy))
@@ -70,9 +74,18 @@ class SchedulerConfig:
         return 2 * self.max_batch_prefill * min(chunk, ADAPTIVE_CHUNK_DECODING)
 
 
-def priority_key(request: Request) -> tuple[int, float]:
-    """Waiting-queue order: higher priority first, then arrival (a preempted request keeps its place)."""
-    return (-request.priority, request.arrival_time)
+def priority_key(request: Request, aging_s: float = 0.0) -> tuple[float, float]:
+    """Waiting-queue order: highest effective priority first, then arrival (a preempted request keeps
+    its place). With aging, effective priority = priority + seconds waited / aging_s.
+
+    Comparing two requests at any one moment, `now` cancels out: a priority-p request ranks as if it
+    had arrived p * aging_s seconds earlier. So the key is fixed and the queue stays sorted as time
+    passes, and a low-priority request is behind a steady stream of higher ones for at most
+    (priority gap) * aging_s seconds.
+    """
+    if aging_s <= 0:
+        return (-request.priority, request.arrival_time)
+    return (request.arrival_time - request.priority * aging_s, request.arrival_time)
 
 
 def pick_arrival_victim(running: Iterable[Request], arrival: Request, policy: PreemptionPolicy) -> Request | None:

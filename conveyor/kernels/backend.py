@@ -190,12 +190,7 @@ def _torch_cpu_backend(errors: dict[str, str]) -> KernelBackend:
 
 
 @lru_cache(maxsize=4)
-def cpu_backend(arch: str | None = None) -> KernelBackend:
-    """The CPU backend the environment asks for (tests, tools): CONVEYOR_KERNEL_ARCH etc."""
-    from conveyor.config import load_configs
-
-    engine_config, _ = load_configs()
-    settings = engine_config.kernel_settings
-    if arch is not None:
-        settings = KernelSettings(arch=arch, require=settings.require, disable=settings.disable)
+def cpu_backend(settings: KernelSettings = KernelSettings()) -> KernelBackend:
+    """The bf16 CPU backend for `settings`, resolved once per value (tests, tools). Kernels take their
+    settings as arguments: the caller reads the environment (config.kernel_settings_from_env())."""
     return resolve_backend("cpu", torch.bfloat16, settings)

@@ -1,6 +1,7 @@
-"""`conveyor serve`: load the model, start the engine and serve the HTTP API until a signal.
+"""Serving one node: load the model, start the engine and serve the HTTP API until a signal.
 
-Also runnable alone: `python -m conveyor.server.cli [flags]`.
+`conveyor serve` (conveyor/cli.py) uses these pieces and dispatches `--node-role` to
+conveyor/cluster/serve.py; `python -m conveyor.server.cli [flags]` serves a single node only.
 """
 
 from __future__ import annotations
@@ -8,53 +9,60 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
-from conveyor.config import (ConfigError, EngineConfig, ServerConfig, add_flags, describe, env_alias_report,
-                             load_cluster_config,
-                             load_configs)
+from conveyor.config import (ClusterConfig, ConfigError, EngineConfig, ServerConfig, add_flags, describe,
+                             env_alias_report, load_cluster_config, load_configs)
 
 logger = logging.getLogger("conveyor.server")
 
 SOCKET_CLOSE_TIMEOUT_S = 5.0  # after draining: how long uvicorn waits for connections to close
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                                   description="Serve the OpenAI-compatible HTTP API with continuous batching.")
-    add_flags(parser)
-    parser.set_defaults(func=run_serve)
-    return parser
-
-
-def run_serve(args: argparse.Namespace) -> int:
+def load_serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, ClusterConfig] | None:
+    """The configs from flags and environment, logged; None (after saying why) when they are invalid."""
     _setup_logging()
     try:
         engine_config, server_config = load_configs(args)
         cluster_config = load_cluster_config(args)
     except ConfigError as exc:
         print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return None
     for line in env_alias_report(args):
         logger.info("environment: %s", line)
     shown = (engine_config, server_config) + ((cluster_config,) if cluster_config.node_role else ())
     logger.info("effective configuration:\n%s", describe(*shown))
+    return engine_config, server_config, cluster_config
+
+
+def serve_until_signal(build: Callable[[], Any]) -> int:
+    """Build the server (a model that does not load is exit 1), then run it until SIGTERM/SIGINT."""
     from conveyor.loading import LoadError
 
     try:
-        if cluster_config.node_role is None:
-            server = build_server(engine_config, server_config)
-        else:  # disaggregated serving, docs/distributed.md
-            from conveyor.cluster.serve import build_cluster_server
-
-            server = build_cluster_server(engine_config, server_config, cluster_config)
+        server = build()
     except (LoadError, ValueError) as exc:  # unreadable model, a context window that does not fit...
         print(f"conveyor serve: cannot start: {exc}", file=sys.stderr)
         return 1
     server.run()
     logger.info("server stopped")
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """One node, no role (roles are dispatched by `conveyor serve`, conveyor/cli.py)."""
+    configs = load_serve_configs(args)
+    if configs is None:
+        return 2
+    engine_config, server_config, cluster_config = configs
+    if cluster_config.node_role is not None:
+        print("conveyor serve: python -m conveyor.server.cli serves a single node; for --node-role use "
+              "`conveyor serve` (python -m conveyor.cli serve)", file=sys.stderr)
+        return 2
+    return serve_until_signal(lambda: build_server(engine_config, server_config))
 
 
 def _setup_logging() -> None:

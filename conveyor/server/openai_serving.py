@@ -18,7 +18,8 @@ from starlette.types import Send
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.request import Request
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
 from conveyor.server import errors
 from conveyor.server.errors import APIError
 from conveyor.server.metrics import ServerMetrics
@@ -221,7 +222,7 @@ class OpenAIServing:
                     first_tool = parsers[index].num_tool_calls
                     parsed = parsers[index].feed(out.new_text)
                     if out.finished:
-                        parsed += parsers[index].finish()
+                        parsed += parsers[index].finish(truncated=out.finish_reason == "length")
                         if parsers[index].num_tool_calls:
                             finish_reason = tool_finish_reason(finish_reason)
                     if parsed.is_empty and not (out.logprobs or out.finished):

@@ -135,7 +135,7 @@ def _full_choice(header: ResponseHeader, choice: ChoiceState, token_text: TokenT
         message: dict = {"role": "assistant", "content": choice.text}
         finish_reason = choice.finish_reason
         if header.parses:
-            parsed = header.parsing.parser().parse(choice.text)  # type: ignore[union-attr]
+            parsed = header.parsing.parser().parse(choice.text, truncated=finish_reason == "length")  # type: ignore[union-attr]
             message["content"] = parsed.content or (None if parsed.tool_calls else "")
             if header.parsing.thinking is not None:  # type: ignore[union-attr]
                 message["reasoning_content"] = parsed.reasoning or None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from conveyor.engine.sampling_params import InvalidRequestError
+from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.structured.grammar import GrammarSpec
 

@@ -49,28 +49,33 @@ class ChatOutputParser:
     def num_tool_calls(self) -> int:
         return self._tools.num_calls if self._tools is not None else 0
 
+    @property
+    def cut_tool_call(self) -> bool:
+        return self._tools is not None and self._tools.cut_call
+
     def feed(self, text: str) -> ChatDelta:
         reasoning, content = self._reasoning.feed(text) if self._reasoning is not None else ("", text)
         return self._content(reasoning, content, finish=False)
 
-    def finish(self) -> ChatDelta:
+    def finish(self, truncated: bool = False) -> ChatDelta:
+        """The end of the reply; `truncated` when max_tokens cut it (finish_reason "length")."""
         reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
-        return self._content(reasoning, content, finish=True)
+        return self._content(reasoning, content, finish=True, truncated=truncated)
 
-    def _content(self, reasoning: str, content: str, finish: bool) -> ChatDelta:
+    def _content(self, reasoning: str, content: str, finish: bool, truncated: bool = False) -> ChatDelta:
         if self._tools is None:
             return ChatDelta(content, reasoning)
         content, calls = self._tools.feed(content)
         if finish:
-            more, last = self._tools.finish()
+            more, last = self._tools.finish(truncated)
             content, calls = content + more, calls + last
         return ChatDelta(content, reasoning, calls)
 
-    def parse(self, text: str) -> ChatDelta:
+    def parse(self, text: str, truncated: bool = False) -> ChatDelta:
         """A whole reply at once (non-streaming)."""
         delta = self.feed(text)
-        delta += self.finish()
-        if delta.tool_calls:
+        delta += self.finish(truncated)
+        if delta.tool_calls or self.cut_tool_call:
             delta.content = delta.content.strip()
         delta.reasoning = delta.reasoning.strip()
         return delta

@@ -174,6 +174,7 @@ class ToolCallStream:
         self._started = False  # any non-whitespace content seen
         self._bare = False  # holding the whole reply: it may be a bare JSON call
         self.num_calls = 0
+        self.cut_call = False  # the reply ended inside a call, which was dropped
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
@@ -207,18 +208,21 @@ class ToolCallStream:
             break
         return self._release(content, calls)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, truncated: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest of the reply. A call cut short (by max_tokens, a stop string, or an end before its
+        close marker) is dropped: never returned as text, never as half a call. `truncated` (max_tokens
+        cut the reply) also drops a held-back partial open marker such as `<tool_c`."""
         content, calls = "", []
         if self._bare:
             calls = _parse_bare(self._buffer, self.names)
-            if not calls:
+            self.cut_call = not calls and _opens_call(self._buffer, self.names)
+            if not calls and not self.cut_call:
                 content = self._buffer
-        elif self._inside:  # ran out (length) inside a call: keep it if what came is complete
+        elif self._inside:  # ended inside a call: keep it only if what came is a whole call
             call = _parse_call(self._buffer.strip(), self.names)
-            if call is not None:
-                calls.append(call)
-            else:
-                content = TOOL_CALL_OPEN + self._buffer
+            calls, self.cut_call = ([call], False) if call is not None else ([], True)
+        elif truncated and _partial_suffix(self._buffer, TOOL_CALL_OPEN):
+            self.cut_call = True
         else:
             content = self._buffer
         self._buffer = ""
@@ -235,6 +239,16 @@ class ToolCallStream:
             return "", calls
         out, self._held_whitespace, self._started = self._held_whitespace + content, "", True
         return out, calls
+
+
+# The head of a bare call object to an offered tool: `{"name": "get_weather"` (maybe fenced, or in a list).
+_BARE_CALL_HEAD = re.compile(r'^\s*(?:```(?:json)?\s*)?(?:\[\s*)?\{\s*"name"\s*:\s*"([^"\\]*)"')
+
+
+def _opens_call(text: str, names: set[str]) -> bool:
+    """A held bare reply that is the start of a call object (cut before it parsed), not JSON content."""
+    head = _BARE_CALL_HEAD.match(text)
+    return head is not None and head.group(1) in names
 
 
 def _partial_suffix(text: str, marker: str) -> int:

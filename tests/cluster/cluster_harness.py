@@ -52,7 +52,7 @@ class Proc:
 def start(name: str, model: str | None, log_dir: str, role: str | None = None, extra: list[str] = (),
           env: dict[str, str] | None = None, serving: bool = True) -> Proc:
     port = free_port()
-    args = [sys.executable, "-m", "conveyor.server.cli", "--port", str(port), "--threads", "1"]
+    args = [sys.executable, "-m", "conveyor.cli", "serve", "--port", str(port), "--threads", "1"]
     if model is not None:
         args += ["--model", model]
     bind = None

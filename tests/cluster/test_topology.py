@@ -85,6 +85,26 @@ def test_router_matches_single_node_byte_for_byte(topo):
     assert body["routing"]["completed"] >= 16 and body["routing"]["retries"] == 0
 
 
+def test_router_renders_the_history_a_node_renders(topo):
+    """A tool turn's tool_calls and tool_call_id reach the prompt through the router as on a node
+    (same prompt_tokens, same text); tool_choice without tools is the node's 400."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    for stream in (False, True):
+        body = {"messages": history, "max_tokens": 8, "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        reference = call(topo["single"].url, "/v1/chat/completions", body)
+        assert call(topo["router"].url, "/v1/chat/completions", body) == reference
+        assert reference["usage"]["prompt_tokens"] > 40  # the call and its result are in the prompt
+    bad = {"messages": history, "max_tokens": 4, "tool_choice": "auto"}
+    answers = [httpx.post(f"{topo[name].url}/v1/chat/completions", json=bad, timeout=30) for name in ("single", "router")]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert answers[0].json()["error"] == answers[1].json()["error"]
+
+
 def test_router_serves_health_models_metrics(topo):
     base = topo["router"].url
     assert httpx.get(f"{base}/health").json()["prefill_online"] == 2

@@ -4,7 +4,8 @@ import pytest
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.request import RequestStatus
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
 
 
 def _prompts(n: int) -> list[str]:

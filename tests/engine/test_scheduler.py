@@ -140,6 +140,58 @@ def test_higher_priority_waits_first_in_queue():
     assert order == ["first", "later-high", "later-low"]
 
 
+def _admitted_under_a_high_priority_stream(aging_s, seconds_per_tick=0.1, ticks=400):
+    """A priority-0 request queued at t=0 behind one new priority-5 arrival every tick (more than one
+    slot can serve); returns the tick at which it was admitted, or None."""
+    s = make(max_batch_size=1, priority_aging_s=aging_s)
+    s.add_request(request("busy", 4, max_tokens=2, priority=5, arrival=0.0))
+    tick(s)
+    s.add_request(request("low", 4, max_tokens=2, priority=0, arrival=0.0))
+    for i in range(1, ticks):
+        s.add_request(request(f"high-{i}", 4, max_tokens=2, priority=5, arrival=i * seconds_per_tick))
+        plan = tick(s)
+        if any(c.request_id == "low" for c in plan.chunks):
+            return i
+    return None
+
+
+def test_aging_admits_a_low_priority_request_under_a_steady_high_priority_stream():
+    # Without aging the stream holds it back for the whole run; with 1 s per level it overtakes the
+    # arrivals that came more than 5 s (gap 5 x 1 s) after it, and runs once those ahead have drained.
+    assert _admitted_under_a_high_priority_stream(aging_s=0.0) is None
+    admitted = _admitted_under_a_high_priority_stream(aging_s=1.0)
+    assert admitted is not None and 5.0 / 0.1 <= admitted <= 400
+    assert _admitted_under_a_high_priority_stream(aging_s=0.5) < admitted  # faster aging, sooner
+
+
+def test_aging_orders_the_queue_by_priority_plus_wait():
+    s = make(max_batch_size=1, priority_aging_s=2.0)
+    s.add_request(request("busy", 4, max_tokens=2))
+    tick(s)
+    s.add_request(request("old-low", 4, max_tokens=2, priority=0, arrival=0.0))
+    s.add_request(request("new-high", 4, max_tokens=2, priority=1, arrival=1.0))  # 1 level = 2 s: ahead
+    s.add_request(request("newer-high", 4, max_tokens=2, priority=1, arrival=3.0))  # waited 3 s less: behind
+    assert [r.request_id for r in s.waiting] == ["new-high", "old-low", "newer-high"]
+
+
+def test_aging_leaves_preemption_to_raw_priorities():
+    """docs/scheduling.md: an arrival evicts only a row of strictly lower priority; waiting long does
+    not raise a request's priority for eviction, only its place in the queue."""
+    s = make(max_batch_size=1, enable_preemption=True, priority_aging_s=1.0)
+    s.add_request(request("high", 4, max_tokens=50, priority=5, arrival=100.0))
+    tick(s)
+    s.add_request(request("aged-low", 4, max_tokens=2, priority=0, arrival=0.0))  # aged past 5 levels
+    for _ in range(3):
+        tick(s)
+    assert [r.request_id for r in s.running] == ["high"] and s.stats.num_preemptions == 0
+    # A higher arrival behind the aged head still waits its turn; at the head it evicts as before.
+    s.add_request(request("vip", 4, max_tokens=2, priority=9, arrival=101.0))
+    tick(s)
+    assert [r.request_id for r in s.waiting][:1] == ["aged-low"] and s.stats.num_preemptions == 0
+    run_to_completion(s)
+    assert s.kv.pool.all_free()
+
+
 def test_dry_pool_preempts_least_progressed_row_and_nothing_is_lost():
     s = make(num_blocks=6, max_batch_size=3)
     for i in range(3):
@@ -181,10 +233,10 @@ def test_adaptive_chunk_size():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "tick", "abort", "preempt"]), st.integers(1, 40),
                           st.integers(0, 3)), max_size=50),
-       st.sampled_from(["mixed", "alternate"]), st.booleans())
-def test_random_traffic_keeps_pool_integrity(ops, policy, caching):
+       st.sampled_from(["mixed", "alternate"]), st.booleans(), st.sampled_from([0.0, 0.5, 10.0]))
+def test_random_traffic_keeps_pool_integrity(ops, policy, caching, aging_s):
     s = make(num_blocks=24, caching=caching, max_batch_size=3, prefill_chunk_size=8, tick_policy=policy,
-             enable_preemption=True)
+             enable_preemption=True, priority_aging_s=aging_s)
     n = 0
     for op, size, prio in ops:
         if op == "add":

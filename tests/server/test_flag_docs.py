@@ -57,3 +57,52 @@ def test_help_prints_the_config_defaults():
     assert options["--parallel"] == "4"
     assert options["--metrics"] == "off" and options["--no-prompt-cache"] == "off"
     assert options["--api-key"] == "none"
+
+
+def _parser_defaults() -> dict[str, str]:
+    """Canonical option -> the value a bare `conveyor serve` resolves to (no flags, empty environment)."""
+    from dataclasses import asdict
+
+    from conveyor.config import FLAGS, load_cluster_config, load_configs
+
+    resolved = {}
+    for config in (*load_configs(None, env={}), load_cluster_config(None, env={})):
+        resolved.update(asdict(config))
+    defaults = {}
+    for flag in FLAGS:
+        value = resolved[flag.dest]
+        if flag.switch:
+            defaults[flag.names[0]] = "on" if value != flag.negate else "off"
+        else:
+            defaults[flag.names[0]] = "none" if value is None else str(value)
+    return defaults
+
+
+def test_every_doc_row_states_the_default_the_parser_resolves():
+    """Beyond --help's text: the value a bare start really gets (a field default changed without the doc fails)."""
+    rows = _doc_rows()
+    wrong = {name: (rows.get(name), default) for name, default in _parser_defaults().items()
+             if name not in rows or not re.fullmatch(re.escape(default) + r"(\s.*)?", rows[name])}
+    assert not wrong, f"docs/server.md default != resolved default (docs, resolved): {wrong}"
+
+
+def test_every_seed_variable_we_read_is_documented_as_read_and_not_as_unread():
+    from conveyor.config import FLAGS, SEED_ENV_ALIASES
+
+    text = DOCS.read_text()
+    read = {alias.name for alias in SEED_ENV_ALIASES} | {n for f in FLAGS for n in f.extra_env if n.startswith("MLXCEL_")}
+    table = set(re.findall(r"^\| `(MLXCEL_[A-Z0-9_]+)` \|", text, flags=re.M))
+    assert read <= table, f"read but missing from the seed-variable table: {sorted(read - table)}"
+    unread = text[text.index("Not read, because"):]
+    unread = unread[:unread.index("\n\n")]
+    listed = set(re.findall(r"`(MLXCEL_[A-Z0-9_]+)", unread))
+    assert not read & listed, f"read, yet listed as not read: {sorted(read & listed)}"
+    assert len(listed) >= 8
+
+
+def test_the_derived_prefill_token_cap_is_stated_as_the_code_applies_it():
+    from conveyor.engine.scheduling_policy import ADAPTIVE_CHUNK_DECODING, SchedulerConfig
+
+    assert SchedulerConfig(max_batch_prefill=4).batch_prefill_token_cap(2048) == 2 * 4 * ADAPTIVE_CHUNK_DECODING
+    row = next(line for line in DOCS.read_text().splitlines() if line.startswith("| `--max-batch-prefill-tokens`"))
+    assert f"min(chunk, {ADAPTIVE_CHUNK_DECODING})" in row

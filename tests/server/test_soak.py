@@ -1,15 +1,24 @@
 """The soak's CI size: 120 mixed requests at concurrency 24 with ~20% of clients leaving early.
 
-The long run is `python -m conveyor.bench.soak` (1,200 requests; numbers in benchmarks/results.md).
+The soak drives a server it is given; here that is an in-process one over the tiny random model, so
+the test can also check the block pool's integrity. The long run is `python -m conveyor.bench.soak
+--url ...` against a server you start (1,200 requests; numbers in benchmarks/results.md).
 """
 
 from __future__ import annotations
 
-from conveyor.bench.soak import check_counts, make_specs, soak_in_process, SoakResult
+import os
+
+from conveyor.bench.soak import SoakResult, check_counts, make_specs, soak
+from conveyor.config import EngineConfig, ServerConfig
 
 
-def test_short_soak_no_5xx_nothing_leaks_metrics_equal_responses():
-    result, report = soak_in_process(120, concurrency=24, seed=0, parallel=8, warmup=16)
+def test_short_soak_no_5xx_nothing_leaks_metrics_equal_responses(serve_tiny):
+    concurrency = 24
+    engine = EngineConfig(parallel=8, max_queue_depth=max(256, concurrency * 8))
+    with serve_tiny(engine, ServerConfig(metrics=True)) as served:
+        result, report = soak(served.url, 120, concurrency=concurrency, seed=0, warmup=16, server_pid=os.getpid())
+        served.core.pool.check_integrity()
     assert not result.failures, "\n".join(result.failures[:10])
     assert set(result.statuses) == {200}
     assert sum(result.leaves.values()) >= 12 and len(result.leaves) == 3  # every way of leaving happened

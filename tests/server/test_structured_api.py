@@ -97,6 +97,25 @@ def test_auto_parses_what_the_model_writes(served):
     assert plain["message"]["content"] == text and plain["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_neither_text_nor_a_half_call(served, stream):
+    forced = {"tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": 8}
+    # A grammar stands in for a model that wrote a sentence, then began a call (auto).
+    text = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    auto = {"tools": TOOLS, "tool_choice": "auto", "temperature": 0, "max_tokens": 10, "guided_choice": [text]}
+    for body, content in ((forced, ""), (auto, "Checking.")):
+        if stream:
+            chunks = _stream_chunks(served, body)
+            deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+            got = "".join(d.get("content") or "" for d in deltas).strip()
+            calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = _chat(served, **body).json()["choices"][0]
+            got, calls, finish = choice["message"]["content"], choice["message"].get("tool_calls"), choice["finish_reason"]
+        assert (finish, got, calls or []) == ("length", content, [])
+
+
 def test_tool_results_in_later_turns(served):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

@@ -8,7 +8,8 @@ import jsonschema
 import pytest
 
 from conveyor.engine.llm import LLM
-from conveyor.engine.sampling_params import InvalidRequestError, SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
 from conveyor.structured.grammar import GrammarSpec
 
 # Bounded everywhere (enums, ranges, lengths, item counts), so even random weights must finish.

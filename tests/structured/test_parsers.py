@@ -96,3 +96,48 @@ def test_tool_grammar_names_only_the_chosen_function():
     assert '"const": "a"' not in tool_grammar(tools, "b", parallel=False).source
     both = tool_grammar(tools, None, parallel=True).source
     assert '"anyOf"' in both and '("\\n" tool_call)*' in both
+
+
+def _parse_streamed(text: str, step: int, truncated: bool):
+    parser = ChatOutputParser(ChatParsing(frozenset(NAMES)))
+    pieces = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish(truncated)]
+    return "".join(p.content for p in pieces), [c for p in pieces for c in p.tool_calls]
+
+
+@pytest.mark.parametrize("cut", range(len(CALLS) + 1))
+def test_a_cut_call_is_never_text_nor_half_a_call(cut):
+    """max_tokens may stop the reply at any character: content is only the text before the markup,
+    tool_calls only whole calls, streamed or not."""
+    text = CALLS[:cut]
+    parsed = ChatOutputParser(ChatParsing(frozenset(NAMES))).parse(text, truncated=True)
+    assert "Let me check.".startswith(parsed.content.strip())
+    assert not set(parsed.content) & set("<{}>")
+    whole = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    calls = [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+    assert calls == whole[:len(calls)]
+    for step in (1, 3):
+        content, streamed = _parse_streamed(text, step, truncated=True)
+        assert content.strip() == parsed.content.strip() and [c.name for c in streamed] == [c.name for c in parsed.tool_calls]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1',  # forced call cut inside its arguments
+    '<tool_call>\n{"name": "add", "argu',
+    '<tool_call>\n',
+    '<tool_c',  # the marker itself cut (held back, then dropped)
+    '{"name": "add", "arguments": {"a": ',  # a bare call object cut
+    '```json\n[{"name": "get_weather", "arguments": {"city": "Pa',
+])
+def test_cut_call_shapes_leave_nothing(text):
+    for step in (1, 1000):
+        assert _parse_streamed(text, step, truncated=True) == ("", [])
+
+
+def test_an_unclosed_call_is_dropped_whatever_ended_it_but_plain_text_is_kept():
+    # A stop string or EOS inside a call is a cut call too; only the half marker needs max_tokens to say so.
+    assert _parse_streamed('Sure. <tool_call>\n{"name": "add"', 2, truncated=False) == ("Sure. ", [])
+    assert _parse_streamed("a < b, so x <", 2, truncated=False)[0] == "a < b, so x <"
+    assert _parse_streamed("a < b, so x <", 2, truncated=True)[0] == "a < b, so x "
+    # JSON content that is not a call of an offered tool stays content even when cut.
+    assert _parse_streamed('{"answer": [1, 2', 1000, truncated=True)[0] == '{"answer": [1, 2'
+    assert _parse_streamed('{"name": "unknown", "x', 1000, truncated=True)[0] == '{"name": "unknown", "x'
