@@ -175,10 +175,14 @@ class _FileMapping:
         self._start = array.ctypes.data if self._mmap is not None else 0
         self._size = len(self._mmap) if self._mmap is not None else 0
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of this file (not a copy, nor another checkpoint's tensor)."""
+        return self._mmap is not None and 0 <= tensor.data_ptr() - self._start < self._size
+
     def release(self, tensor: torch.Tensor) -> None:
+        if not self.holds(tensor) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
         offset = tensor.data_ptr() - self._start
-        if self._mmap is None or not 0 <= offset < self._size or not hasattr(mmap, "MADV_DONTNEED"):
-            return  # not a view of this file (a copy, or another checkpoint's tensor)
         # NOTE: a read fault also maps cached neighbours (fault-around, whole large folios): widen the range,
         # or each tensor leaves its neighbours' edges resident (measured: 11 MB over SmolLM2's 272 tensors).
         start = max(offset - _FAULT_AROUND, 0)

@@ -93,6 +93,12 @@ class RowInvariantLinear(nn.Module):
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight (out, in) int8, per-row scale)
         self.segments: tuple[QuantSegment, ...] = ()  # GGML blocks, in output row order
 
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Hold a dense (out, in) weight (and bias); prepack() or quantize_int8() may then replace it."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+
     def load_quantized(self, segments: tuple[QuantSegment, ...]) -> None:
         """Run on GGML blocks (from pack_segments, or a tied embedding's): the only copy of the weight."""
         bias = None if self.bias is None else self.bias.data.float()

@@ -80,7 +80,7 @@ class WeightLoader:
     def linear(self, linear: RowInvariantLinear, parts: list[Weight], bias_parts: list[Weight] | None = None) -> None:
         """Fill a (possibly fused) linear from its parts, stacked by output rows."""
         if bias_parts:
-            linear.bias = self.param(torch.cat([self.dense(b) for b in bias_parts]))
+            linear.bias = self.param(torch.cat([self.dense(b) for b in bias_parts]))  # before the weight: packs add it
         blocks = [self.blocks(p) for p in parts]
         if all(b is not None for b in blocks):
             linear.load_quantized(pack_segments(blocks, self.ops))
@@ -92,7 +92,7 @@ class WeightLoader:
 
     def dense_linear(self, linear: RowInvariantLinear, weight: torch.Tensor) -> None:
         """Hold `weight`, then pack it (or make it int8) and let the dense copy go."""
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.load_dense(weight)
         if self.weight_dtype == "int8" and linear.quantize_int8():
             return
         linear.prepack()
