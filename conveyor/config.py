@@ -15,13 +15,19 @@ if TYPE_CHECKING:
     from conveyor.kernels.backend import KernelSettings
 
 
+# --weight-dtype values (models/weights.py implements them).
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "q8_0", "q4_0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto = bfloat16 (CPU and CUDA); float32 / float16 / bfloat16
     device: str = "auto"  # auto = cuda when present, else mps (Apple GPU), else cpu
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    weight_dtype: str = "auto"  # auto = same as dtype; int8 = weight-only int8 linears (CPU)
+    # auto: GGUF blocks (Q4_K, Q8_0, ...) stay quantized, float weights in dtype; bf16: dequantize GGUF blocks;
+    # int8: weight-only int8 linears; q8_0 / q4_0: quantize float weights at load (see models/weights.py)
+    weight_dtype: str = "auto"
     batch_invariant: bool = True  # row-tiled GEMMs so outputs never depend on batch-mates
     seed: int = 0  # seed of the shared RNG for unseeded sampling
     block_size: int = 16
@@ -63,7 +69,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
-        _require(self.weight_dtype in ("auto", "int8"), f"unknown weight_dtype {self.weight_dtype!r}")
+        _require(self.weight_dtype in WEIGHT_DTYPES,
+                 f"unknown weight_dtype {self.weight_dtype!r} (one of {', '.join(WEIGHT_DTYPES)})")
         _require(self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:"),
                  f"unknown device {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -277,8 +284,9 @@ FLAGS: list[Flag] = [
     Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (none = the bundled SmolLM2-135M-Instruct)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
     Flag(("--device",), "device", help="auto (cuda, else mps, else cpu), cpu, cuda[:N] or mps"),
-    Flag(("--weight-dtype",), "weight_dtype", choices=("auto", "int8"),
-         help="int8: weight-only int8 linears (CPU); about 2x faster decode at low concurrency, slower at 16+"),
+    Flag(("--weight-dtype",), "weight_dtype", choices=WEIGHT_DTYPES,
+         help="auto: GGUF quantized tensors stay quantized (Q4_K, Q8_0, ...), others in --dtype; bf16: dequantize "
+              "them; int8: weight-only int8 linears; q8_0 / q4_0: quantize float checkpoints at load (CPU)"),
     Flag(("--threads", "-t"), "threads", int, "torch intra-op threads (0 = default)"),
     Flag(("--no-batch-invariant",), "batch_invariant", switch=True, negate=True,
          help="use whole-batch GEMMs: faster prefill, but outputs may depend on batch-mates"),

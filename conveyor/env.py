@@ -16,6 +16,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.kernels import resolve_backend
 from conveyor.kernels.build import cpu_features, cpu_model, missing_features
+from conveyor.kernels.quant_ref import NATIVE_TYPES, type_name
 
 # The flags that decide which kernel level can run (x86 and Arm spellings).
 _RELEVANT_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -42,6 +43,9 @@ def collect(config: EngineConfig) -> dict:
         missing = [f"unknown ({exc})"]
     return {
         "conveyor": backend.describe(),
+        # GGUF tensors of these types stay quantized (--weight-dtype auto); others are dequantized at load.
+        "quantized_weight_types": [type_name(t) for t in sorted(NATIVE_TYPES) if backend.runs_quantized(t)],
+        "quantized_kernel": backend.qgemm.isa() if backend.qgemm is not None else None,
         "kernel_arch": settings.arch,
         "arch_needs_missing_cpu_features": missing,
         "cpu": {"model": cpu_model(), "machine": platform.machine(),
@@ -67,6 +71,9 @@ def render(info: dict) -> str:
     for name, level in kernels["kernels"].items():
         status = level if level is not None else f"MISSING: {kernels['errors'].get(name)}"
         lines.append(f"  kernel {name:<10} {status}")
+    quantized = info["quantized_weight_types"]
+    lines.append("quantized weights " + (f"{' '.join(quantized)} kept quantized (kernel {info['quantized_kernel']})"
+                                         if quantized else "none kept: GGUF blocks are dequantized at load"))
     if info["arch_needs_missing_cpu_features"]:
         lines.append(f"  -march={info['kernel_arch']} needs: {', '.join(info['arch_needs_missing_cpu_features'])}")
     torch_info = info["torch"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import gguf
+import numpy as np
 import torch
 
 from conveyor.loading import Checkpoint, Tokenizer, default_model_path
@@ -83,4 +84,93 @@ def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     settings = {"chat_template": tokenizer.chat_template, **tokenizer.special_tokens}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(settings, f)
+    return str(path)
+
+
+# --- tiny GGUF files with GGML block-quantized tensors ---------------------------------------------------
+
+# K-quants need rows of 256 weights, so these are wider than tiny_config's (still ~1 MB of weights).
+TINY_GGUF = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, context_length=512)
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# Byte offsets of each block's fp16 scales (d, and dmin where there is one), as gguf-py's quants.py reads them.
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rows: int, cols: int, qtype: int, gen: np.random.Generator, scale: float = 0.2) -> np.ndarray:
+    """Random GGML rows (rows, row_bytes) whose weights have std ~`scale`.
+
+    gguf-py quantizes the legacy types (Q8_0, Q4_0, ...) from random floats; the K-quants it cannot
+    quantize get random bytes with their fp16 scales set so the dequantized weights have that spread.
+    """
+    qtype = gguf.GGMLQuantizationType(qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype.name not in _K_SCALES and qtype not in gguf.quants._type_traits:  # e.g. Q8_1: bytes only
+        return gen.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    if qtype.name not in _K_SCALES:
+        weights = gen.standard_normal((rows, cols), dtype=np.float32) * scale
+        return np.ascontiguousarray(gguf.quants.quantize(weights, qtype)).view(np.uint8).reshape(rows, -1)
+    blocks = gen.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset in _K_SCALES[qtype.name]:
+        blocks[:, offset:offset + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    spread = float(gguf.quants.dequantize(blocks, qtype).std())
+    for offset in _K_SCALES[qtype.name]:
+        blocks[:, offset:offset + 2] = np.array([scale / spread], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = None, head_type: int | None = None,
+                    seed: int = 0) -> str:
+    """A 2-layer random llama GGUF (byte-level vocabulary of 97 tokens) with its matrices in GGML types.
+
+    `types`: one type for every layer matrix, or a map from the llama.cpp name (attn_q, ffn_down, ...; a
+    missing name is F32) to its type. The embedding is `embed_type` (default: the matrices' first type);
+    the head is tied unless `head_type` is given. Norms are F32, as llama.cpp writes them.
+    """
+    gen = np.random.default_rng(seed)
+    cfg = TINY_GGUF
+    h, inter, heads, kv_heads = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                                 cfg["num_key_value_heads"])
+    head_dim = h // heads
+    by_name = types if isinstance(types, dict) else {name: types for name in _MATRICES}
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["context_length"])
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def matrix(name: str, rows: int, cols: int, qtype: int | None, scale: float = 0.2) -> None:
+        if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gen.standard_normal((rows, cols), dtype=np.float32) * scale)
+        else:
+            writer.add_tensor(name, random_blocks(rows, cols, qtype, gen, scale), raw_dtype=gguf.GGMLQuantizationType(qtype))
+
+    shapes = {"attn_q": (h, h), "attn_k": (kv_heads * head_dim, h), "attn_v": (kv_heads * head_dim, h),
+              "attn_output": (h, h), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
+    first = next(iter(by_name.values()), None)
+    matrix("token_embd.weight", len(tokens), h, embed_type if embed_type is not None else first, scale=1.0)
+    if head_type is not None:
+        matrix("output.weight", len(tokens), h, head_type)
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * gen.standard_normal(h)).astype(np.float32))
+    for layer in range(cfg["num_hidden_layers"]):
+        for name in _MATRICES:
+            matrix(f"blk.{layer}.{name}.weight", *shapes[name], by_name.get(name))
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * gen.standard_normal(h)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return str(path)

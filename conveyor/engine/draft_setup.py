@@ -36,7 +36,8 @@ def load_draft_model(config: EngineConfig, target: Checkpoint, draft_checkpoint:
         return None
     draft = draft_checkpoint or load_checkpoint(config.draft_model)
     check_draft_pairing(target, draft)
-    model = build_model(draft.config, draft.weights, dtype, device, config.batch_invariant, config.weight_dtype, ops=ops)
+    model = build_model(draft.config, draft.weights, dtype, device, config.batch_invariant, config.weight_dtype, ops=ops,
+                        release=draft.release_pages)
     logger.info("draft model %s (%d layers) proposes %d tokens per row", draft.name,
                 draft.config.num_hidden_layers, config.draft_block_size)
     return DraftModel(draft.name, draft.config, model)

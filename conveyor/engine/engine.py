@@ -26,6 +26,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.registry import build_model
+from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
 from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
 from conveyor.structured.compiler import GrammarCompiler
@@ -85,12 +86,13 @@ class EngineCore:
             logger.warning("batch invariance is OFF on this backend (%s): greedy outputs may depend on "
                            "batch-mates, and speculative decoding is disabled", self.backend.name)
         model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant,
-                            config.weight_dtype, ops=self.backend)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+                            config.weight_dtype, ops=self.backend, release=checkpoint.release_pages)
+        # Bytes as kept (GGML blocks, packed bf16, int8): what the weights cost, for the KV pool plan.
+        self.weight_formats = weight_bytes_by_format(model)
+        weight_bytes = sum(self.weight_formats.values())
+        logger.info("weights: %s", describe_formats(self.weight_formats))
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
-        tied = checkpoint.config.tie_word_embeddings
-        self.num_params = sum(p.numel() for name, p in model.named_parameters()
-                              if not (tied and name == "lm_head.weight"))
+        self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
         # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes.
         bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype)
@@ -131,7 +133,7 @@ class EngineCore:
         self.kv_transfer = KVTransfer(self)  # disaggregated roles only; inert otherwise
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._masker: GrammarMasker | None = None
-        del checkpoint  # the fp32 copies of the weights are no longer needed
+        del checkpoint  # its tensors (file views, or the HF loader's copies) are no longer needed
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
@@ -168,6 +170,11 @@ class EngineCore:
         return {"backend": self.backend.name, "arch": self.backend.arch,
                 "batch_invariant": self.backend.batch_invariant,
                 "speculation": self.scheduler.config.speculative_ngram > 0 or self.draft is not None}
+
+    def weights_report(self) -> dict:
+        """What /props says about the weights: --weight-dtype and the bytes kept in each format."""
+        return {"weight_dtype": self.config.weight_dtype, "formats": dict(self.weight_formats),
+                "bytes": sum(self.weight_formats.values())}
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Union
 
 import torch
+
+from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
 from conveyor.models.config import ModelConfig
@@ -14,13 +17,55 @@ class LoadError(Exception):
     """A checkpoint cannot be loaded; the message is one line, meant for the user."""
 
 
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A (N, K) weight in GGML blocks: `raw` (N, row_bytes) uint8, row n = output feature n, as the file has it.
+
+    From a GGUF file `raw` is a read-only view of the file's mapping (no copy); it is only read.
+    """
+
+    qtype: int  # GGML type id (gguf.GGMLQuantizationType)
+    shape: tuple[int, int]  # (N, K), Hugging Face order
+    raw: torch.Tensor = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (self.shape[0], row_bytes(self.qtype, self.shape[1])):
+            raise ValueError(f"{self.type_name} {self.shape}: raw rows {tuple(self.raw.shape)} {self.raw.dtype}")
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def dim(self) -> int:
+        return 2
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 (N, K), by gguf-py."""
+        return dequantize_raw(self.raw, self.qtype, self.shape[1])
+
+
+Weight = Union[torch.Tensor, QuantizedTensor]
+
+
+def _keep_pages(tensor: torch.Tensor) -> None:
+    return None
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face parameter names, CPU tensors
+    # Hugging Face parameter names -> CPU tensors, or GGML blocks. GGUF tensors are read-only views of the file's
+    # mapping: copy before writing.
+    weights: dict[str, Weight]
     tokenizer: Tokenizer
     source: str  # resolved path
     name: str  # model id shown by /v1/models
+    # Called with a tensor once the model holds its own copy: a GGUF loader drops those file pages from RSS.
+    release_pages: Callable[[torch.Tensor], None] = field(default=_keep_pages, repr=False, compare=False)
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
@@ -40,7 +85,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
-def select_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
     """Keep exactly the expected parameters; extras (a tied lm_head, rotary buffers) are dropped."""
     names = expected_weight_names(config)
     missing = [name for name in names if name not in weights]
@@ -48,7 +93,7 @@ def select_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise LoadError(f"{source}: missing weights {', '.join(missing[:3])}{more}")
     embed = weights["model.embed_tokens.weight"]
-    if embed.shape != (config.vocab_size, config.hidden_size):
+    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
         raise LoadError(
             f"{source}: embedding shape {tuple(embed.shape)} does not match the config "
             f"(vocab_size={config.vocab_size}, hidden_size={config.hidden_size})"

@@ -1,16 +1,29 @@
-"""Load a llama.cpp GGUF file: dequantized weights under Hugging Face names, config and tokenizer."""
+"""Load a llama.cpp GGUF file: weights under Hugging Face names, config and tokenizer.
+
+Nothing is dequantized or copied here: float tensors are views of the file's mapping and block-quantized
+ones stay GGML blocks (`QuantizedTensor`); the model decides per tensor what it keeps (models/weights.py)
+and hands each tensor back to `release_pages` once it holds its own copy, so the file's pages leave RSS
+tensor by tensor. Types the kernels do not run (Q2_K, Q3_K, IQ*, TQ*, ...) are dequantized there, with
+one warning per type; a type gguf-py cannot dequantize either is a LoadError up front.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import logging
+import mmap
 import os
 import re
+import warnings
 from dataclasses import replace
 
 import gguf
 import numpy as np
 import torch
 
-from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
+from conveyor.kernels.quant_ref import NATIVE_TYPES
+from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import ModelConfig
@@ -27,6 +40,12 @@ BLOCK_TENSORS = {
 CONFIG_TENSORS = {"rope_freqs.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
+                gguf.GGMLQuantizationType.BF16: torch.bfloat16}
+
+_FAULT_AROUND = 2 * 1024 * 1024  # the largest page-cache folio a fault maps whole (a PMD)
+
+logger = logging.getLogger(__name__)
 
 
 class _Reader(gguf.GGUFReader):
@@ -44,18 +63,23 @@ def load_gguf(path: str) -> Checkpoint:
     except (ValueError, OSError, IndexError) as exc:
         raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     config = config_from_gguf(reader, path)
-    weights = {}
+    mapping = _FileMapping(reader)
+    weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, path)
-        weights[name] = _unpermute(config, name, _to_torch(tensor, path))
+        weights[name] = _unpermute(config, name, _to_torch(tensor, path), mapping.release)
+    _warn_dequantized(reader)
     tokenizer = tokenizer_from_gguf(reader, path)
     if tokenizer.eos_token_ids:
         # The tokenizer knows the end-of-turn tokens the template uses; metadata names only one.
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
+    mapping.release_all()  # metadata and vocabulary pages
+    del reader
+    _return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=model_name(path))
+                      source=path, name=model_name(path), release_pages=mapping.release)
 
 
 def hf_name(gguf_name: str, source: str = "") -> str:
@@ -74,31 +98,98 @@ def model_name(path: str) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> torch.Tensor:
-    """Float tensors keep their dtype; quantized ones become float32. Shape is HF order (reverse of GGUF's)."""
+def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
+    """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     kind = tensor.tensor_type
-    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return torch.from_numpy(np.array(tensor.data)).reshape(shape)
-    if kind == gguf.GGMLQuantizationType.BF16:
-        raw = np.array(tensor.data).view(np.int16)
-        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
-    try:
-        values = gguf.quants.dequantize(tensor.data, kind)
-    except NotImplementedError as exc:
-        raise LoadError(f"{source}: cannot dequantize {tensor.name} ({kind.name})") from exc
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+    data = tensor.data
+    if kind in _FLOAT_TYPES:
+        return _view(data.view(np.uint8)).view(_FLOAT_TYPES[kind]).reshape(shape)
+    if len(shape) != 2:
+        raise LoadError(f"{source}: {tensor.name} is {kind.name} with {len(shape)} dimensions (expected a matrix)")
+    if kind not in NATIVE_TYPES:
+        try:  # one row tells whether gguf-py can dequantize this type at all
+            gguf.quants.dequantize(np.asarray(data).reshape(shape[0], -1)[:1], kind)
+        except NotImplementedError as exc:
+            raise LoadError(f"{source}: {tensor.name} is {kind.name}, which neither the kernels nor gguf-py's "
+                            "dequantizer support") from exc
+    return QuantizedTensor(int(kind), shape, _view(data).reshape(shape[0], -1))
 
 
-def _unpermute(config: ModelConfig, name: str, weight: torch.Tensor) -> torch.Tensor:
+def _view(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # NOTE: the mapping is read-only; torch warns that such a tensor must not be written (it never is).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _warn_dequantized(reader: gguf.GGUFReader) -> None:
+    """One warning per GGML type the kernels do not run natively: such tensors are dequantized at model load."""
+    by_type: dict[str, list[str]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in _FLOAT_TYPES and tensor.tensor_type not in NATIVE_TYPES:
+            by_type.setdefault(tensor.tensor_type.name, []).append(tensor.name)
+    for kind, names in by_type.items():
+        more = f" and {len(names) - 1} more tensors" if len(names) > 1 else ""
+        logger.warning("%s%s are %s, which conveyor's kernels do not run: dequantized to the model dtype at "
+                       "load (more memory, slower)", names[0], more, kind)
+
+
+def _unpermute(config: ModelConfig, name: str, weight: Weight, release) -> Weight:
     """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama q/k projections only.
 
     Per head, HF keeps rows [x0..x(d/2-1) | y0..y(d/2-1)] (rotate-half); llama.cpp stores x0 y0 x1 y1 ...
+    A quantized row is a whole output feature, so the same permutation moves raw block rows.
     """
     if config.architecture != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return weight
     heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-    rows = weight.shape[0]
+    rows = weight.raw if isinstance(weight, QuantizedTensor) else weight
     # (heads, d/2, 2, in) -> (heads, 2, d/2, in)
-    return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape).contiguous()
+    permuted = rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
+    release(rows)
+    return QuantizedTensor(weight.qtype, weight.shape, permuted) if isinstance(weight, QuantizedTensor) else permuted
 
+
+def _return_freed_heap() -> None:
+    """glibc keeps freed small blocks for reuse; give them back so RSS shows what the model holds."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class _FileMapping:
+    """The reader's mmap of the file: `release(tensor)` drops a view's pages from this process's RSS.
+
+    MADV_DONTNEED on a read-only shared file mapping only unmaps the pages here; the page cache keeps them
+    and a later read faults them back in, so releasing is always safe.
+    """
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        array = reader.data
+        while array is not None and not isinstance(array, np.memmap):
+            array = array.base
+        self._mmap = getattr(array, "_mmap", None) if array is not None else None
+        self._start = array.ctypes.data if self._mmap is not None else 0
+        self._size = len(self._mmap) if self._mmap is not None else 0
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of this file (not a copy, nor another checkpoint's tensor)."""
+        return self._mmap is not None and 0 <= tensor.data_ptr() - self._start < self._size
+
+    def release(self, tensor: torch.Tensor) -> None:
+        if not self.holds(tensor) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset = tensor.data_ptr() - self._start
+        # NOTE: a read fault also maps cached neighbours (fault-around, whole large folios): widen the range,
+        # or each tensor leaves its neighbours' edges resident (measured: 11 MB over SmolLM2's 272 tensors).
+        start = max(offset - _FAULT_AROUND, 0)
+        start -= start % mmap.PAGESIZE
+        end = min(offset + tensor.numel() * tensor.element_size() + _FAULT_AROUND, self._size)
+        self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def release_all(self) -> None:
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, 0, self._size)

@@ -1,15 +1,18 @@
-"""Building blocks shared by the model families: norms, rotary embeddings, row-invariant linears."""
+"""Building blocks shared by the model families: norms, rotary embeddings, row-invariant linears, quantized embeddings."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.models.config import ModelConfigError
 from conveyor.kernels import KernelBackend
+from conveyor.kernels.quant_ref import type_name
+from conveyor.loading.checkpoint import QuantizedTensor
+from conveyor.models.config import ModelConfigError
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +30,39 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
+@dataclass(frozen=True)
+class QuantSegment:
+    """Output rows [start, start + rows) of a linear in one GGML type, packed for the quantized kernel."""
+
+    qtype: int
+    start: int
+    rows: int
+    packed: torch.Tensor  # opaque: the kernel's layout (KernelBackend.pack_quantized)
+    bias_f32: torch.Tensor | None = None
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+
+def pack_segments(parts: list[QuantizedTensor], ops: KernelBackend) -> tuple[QuantSegment, ...]:
+    """One segment per run of parts sharing a type: fused q|k|v or gate|up of one type is one GEMM.
+
+    Rows are concatenated before packing (a copy of those rows, freed once packed).
+    """
+    segments, start, i = [], 0, 0
+    while i < len(parts):
+        j = i
+        while j < len(parts) and parts[j].qtype == parts[i].qtype:
+            j += 1
+        run = parts[i:j]
+        raw = run[0].raw if len(run) == 1 else torch.cat([p.raw for p in run])
+        rows = raw.shape[0]
+        segments.append(QuantSegment(run[0].qtype, start, rows, ops.pack_quantized(raw, run[0].qtype, run[0].shape[1])))
+        start, i = start + rows, j
+    return tuple(segments)
+
+
 class RowInvariantLinear(nn.Module):
     """y = x W^T (+ b), with each row's bits independent of how many rows share the call.
 
@@ -35,20 +71,40 @@ class RowInvariantLinear(nn.Module):
     depend on its batch-mates. On CPU in bf16 we run our own GEMM (kernels/csrc/gemm.cpp, AMX,
     AVX-512 BF16, AVX2 or portable C++): every output element is one fixed reduction over k
     whatever M is, so no tiling is needed, and it streams the weights at close to memory
-    bandwidth (oneDNN reached ~40% at M=1). Elsewhere the weight is prepacked for oneDNN and run in row tiles of
-    `row_tile` rows, found by calibrate_row_tile(); None means one call.
+    bandwidth (oneDNN reached ~40% at M=1). GGML block-quantized weights (Q4_K, Q8_0, ...) run the
+    quantized kernel, row-invariant the same way. Elsewhere the weight is prepacked for oneDNN and
+    run in row tiles of `row_tile` rows, found by calibrate_row_tile(); None means one call.
+
+    One copy: once a packed (or int8, or quantized) form exists, `weight` is None.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelBackend) -> None:
         super().__init__()
         self.ops = ops
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+        # Placeholders on the meta device (no memory): loading assigns real tensors (models/weights.py).
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False) if bias else None
         self.row_tile: int | None = None
+        self.dtype: torch.dtype | None = None  # the weight's dtype before packing (activations match it)
         self._packed: torch.Tensor | None = None
         self._bf16_packed: torch.Tensor | None = None  # our kernel's layout (see bf16_linear_pack)
-        self._bias_f32: torch.Tensor | None = None  # our kernel adds the bias in fp32
+        self._bias_f32: torch.Tensor | None = None  # our kernels add the bias in fp32
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight (out, in) int8, per-row scale)
+        self.segments: tuple[QuantSegment, ...] = ()  # GGML blocks, in output row order
+
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Hold a dense (out, in) weight (and bias); prepack() or quantize_int8() may then replace it."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+
+    def load_quantized(self, segments: tuple[QuantSegment, ...]) -> None:
+        """Run on GGML blocks (from pack_segments, or a tied embedding's): the only copy of the weight."""
+        bias = None if self.bias is None else self.bias.data.float()
+        self.segments = tuple(replace(s, bias_f32=None if bias is None else bias[s.start:s.start + s.rows])
+                              for s in segments)
+        self.weight, self.dtype = None, torch.bfloat16
 
     def quantize_int8(self) -> bool:
         """Weight-only int8 (symmetric, one scale per output row): half the bytes streamed per step.
@@ -63,21 +119,23 @@ class RowInvariantLinear(nn.Module):
         q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self._int8 = (q.contiguous(), scale.to(w.dtype))
         self._packed = self._bf16_packed = None
+        self.weight, self.dtype = None, w.dtype
         return True
 
     @property
     def row_invariant_kernel(self) -> bool:
-        """Whether this linear runs our own GEMM, row-invariant at every M (no tiling needed)."""
-        return self._bf16_packed is not None
+        """Whether this linear runs one of our own kernels, row-invariant at every M (no tiling needed)."""
+        return self._bf16_packed is not None or bool(self.segments)
 
     def prepack(self) -> bool:
-        """Pack the weight once for the fastest path here (our bf16 GEMM, else oneDNN); whether it did."""
+        """Pack the weight once for the fastest path here (our bf16 GEMM, else oneDNN) and drop it; whether it did."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16:
             return False
         self._bf16_packed = self.ops.pack_linear(w.data)
         if self._bf16_packed is not None:
             self._bias_f32 = None if self.bias is None else self.bias.data.float()
+            self.weight, self.dtype = None, w.dtype
             return True
         if not torch.backends.mkldnn.is_available():
             return False
@@ -85,11 +143,16 @@ class RowInvariantLinear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 32)
         except (RuntimeError, AttributeError):
             self._packed = None
-        return self._packed is not None
+        if self._packed is None:
+            return False
+        self.weight, self.dtype = None, w.dtype
+        return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.segments:
+            return self._quantized_matmul(x)
         if self._bf16_packed is not None:
-            return self.ops.linear(x, self._bf16_packed, self.weight.shape[0], self._bias_f32)
+            return self.ops.linear(x, self._bf16_packed, self.out_features, self._bias_f32)
         if self._int8 is not None:
             out = torch.ops.aten._weight_int8pack_mm(x, *self._int8)
             return out if self.bias is None else out + self.bias
@@ -97,21 +160,80 @@ class RowInvariantLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def _quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # Parts in different types (Q4_K_M's Q6_K v_proj) run one GEMM each into their columns.
+        outs = [self.ops.quantized_linear(x, s.packed, s.qtype, s.rows, self.in_features, s.bias_f32)
+                for s in self.segments]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         tile = self.row_tile
         if tile is None or x.shape[0] <= tile:
             return self.matmul(x)
-        out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         for start in range(0, x.shape[0], tile):
             out[start:start + tile] = self.matmul(x[start:start + tile])
         return out
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense (out, in) tensor, rebuilt from whatever is kept (reference paths, tests; slow)."""
+        if self.weight is not None:
+            return self.weight.data
+        if self.segments:
+            return torch.cat([self.ops.dequantize_rows(s.packed, s.qtype, s.rows, self.in_features,
+                                                       torch.arange(s.rows)) for s in self.segments])
+        if self._int8 is not None:
+            q, scale = self._int8
+            return (q.float() * scale.float()[:, None]).to(scale.dtype)
+        # The packed GEMM of the identity, no bias: each output is one exact product (w * 1), W^T bit for bit.
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        if self._bf16_packed is not None:
+            return self.ops.linear(eye, self._bf16_packed, self.out_features, None).T.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(eye, self._packed, None, "none", [], "").T.contiguous()
+
+    def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(format, tensor) for every tensor this linear keeps: what its weight costs in memory."""
+        kept = [(s.type_name, s.packed) for s in self.segments]
+        if self._int8 is not None:
+            kept += [("INT8", t) for t in self._int8]
+        for tensor in (self.weight, self._bf16_packed, self._packed):
+            if tensor is not None:
+                kept.append((dtype_name(tensor.dtype), tensor))
+        if self.bias is not None:
+            kept.append((dtype_name(self.bias.dtype), self.bias))
+        return kept
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings kept as GGML blocks: each step dequantizes only the rows it looks up.
+
+    The packed tensor is the segment of a tied lm_head too (one copy for both).
+    """
+
+    def __init__(self, segment: QuantSegment, embedding_dim: int, ops: KernelBackend) -> None:
+        super().__init__()
+        self.segment, self.embedding_dim, self.ops = segment, embedding_dim, ops
+        self.num_embeddings = segment.rows
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden) bf16
+        s = self.segment
+        return self.ops.dequantize_rows(s.packed, s.qtype, s.rows, self.embedding_dim, input_ids.long())
+
+    def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(self.segment.type_name, self.segment.packed)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "INT8"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
 
 def calibrate_row_tile(linear: RowInvariantLinear, max_tile: int = 64) -> int:
     """Largest tile T (power of two, <= max_tile) for which every M <= T gives bitwise the rows of M=1."""
-    weight = linear.weight
+    dtype = linear.dtype or linear.weight.dtype
+    device = linear.weight.device if linear.weight is not None else torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(max_tile, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    x = torch.randn(max_tile, linear.in_features, generator=gen).to(device, dtype)
     single = torch.cat([linear.matmul(x[i:i + 1]) for i in range(max_tile)])
     tile = max_tile
     while tile > 1:

@@ -7,12 +7,16 @@ boundaries, through AttentionMetadata.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import nn
 
-from conveyor.models.config import ModelConfig
 from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.loading.checkpoint import Weight
+from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.weights import WeightLoader
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 
@@ -98,8 +102,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # A meta placeholder (no memory, no init): loading puts an nn.Embedding or a QuantizedEmbedding here.
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _freeze=True,
+                                                    _weight=torch.empty(config.vocab_size, config.hidden_size,
+                                                                        device="meta"))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
@@ -119,32 +125,34 @@ class LlamaForCausalLM(nn.Module):
         _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
         return self.lm_head(x).float()
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
-        cfg = self.config
-        dtype = self.embed_tokens.weight.dtype
+    def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
+        """Fill the model from HF-named tensors (built on the meta device), fusing q/k/v and gate/up.
 
-        def take(name: str) -> torch.Tensor:
+        One tensor at a time: the loader converts each (blocks kept, packed or dequantized) and releases it.
+        """
+        cfg = self.config
+
+        def get(name: str) -> Weight:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing tensor {name}")
-            return weights[name].to(dtype)
+            return weights[name]
 
-        self.embed_tokens.weight.data = take("model.embed_tokens.weight")
-        self.norm.weight.data = take("model.norm.weight")
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in weights else "lm_head.weight"
-        self.lm_head.weight.data = take(head)
+        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
+        self.norm.weight = loader.param(get("model.norm.weight"))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            loader.tie(self.lm_head, self.embed_tokens)
+        else:
+            loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.weight.data = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            if cfg.attention_bias:
-                attn.qkv_proj.bias.data = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            attn.o_proj.weight.data = take(p + "self_attn.o_proj.weight")
+            bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
+            loader.linear(attn.qkv_proj, [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], bias)
+            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
             if cfg.qk_norm:
-                attn.q_norm.weight.data = take(p + "self_attn.q_norm.weight")
-                attn.k_norm.weight.data = take(p + "self_attn.k_norm.weight")
-            layer.mlp.gate_up_proj.weight.data = torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                            take(p + "mlp.up_proj.weight")])
-            layer.mlp.down_proj.weight.data = take(p + "mlp.down_proj.weight")
-            layer.input_layernorm.weight.data = take(p + "input_layernorm.weight")
-            layer.post_attention_layernorm.weight.data = take(p + "post_attention_layernorm.weight")
+                attn.q_norm.weight = loader.param(get(p + "self_attn.q_norm.weight"))
+                attn.k_norm.weight = loader.param(get(p + "self_attn.k_norm.weight"))
+            loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
+            layer.input_layernorm.weight = loader.param(get(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight = loader.param(get(p + "post_attention_layernorm.weight"))

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+from typing import Callable, Mapping
+
 import torch
 from torch import nn
 
 from conveyor.kernels import KernelBackend, resolve_backend
+from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ModelConfig, ModelConfigError
-from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
+from conveyor.models.layers import RowInvariantLinear, calibrate_row_tile
 from conveyor.models.llama import LlamaForCausalLM
+from conveyor.models.weights import WeightLoader
+
+logger = logging.getLogger(__name__)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -18,28 +26,32 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(config: ModelConfig, weights: Mapping[str, Weight], dtype: torch.dtype,
                 device: torch.device, batch_invariant: bool = True, weight_dtype: str = "auto",
-                ops: KernelBackend | None = None) -> nn.Module:
-    """A model ready to run on `ops` (resolved here for `device` when not given)."""
+                ops: KernelBackend | None = None,
+                release: Callable[[torch.Tensor], None] | None = None) -> nn.Module:
+    """A model ready to run on `ops` (resolved here for `device` when not given).
+
+    The large weights are built as meta placeholders, then each tensor is converted and assigned in turn
+    (models/weights.py), so loading never holds a second full copy of the weights; `release`
+    (Checkpoint.release_pages) gets each source tensor once the model has its own copy.
+    """
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ModelConfigError(f"no model implementation for architecture {config.architecture!r}")
     ops = ops if ops is not None else resolve_backend(device, dtype, batch_invariant=batch_invariant)
-    with torch.device("meta"):
-        model = cls(config, ops)
-    # Materialize on the target device, then copy the checkpoint in.
-    model = model.to_empty(device=device).to(dtype)
-    # Buffers computed in __init__ were lost on the meta device; rebuild the rotary tables for real.
-    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                   config.rope_scaling).to(device)
-    model.load_hf_weights(weights)
+    # NOTE: not under `with torch.device("meta")`: that imports ~800 torch modules (~70 MB RSS) on first use.
+    model = cls(config, ops)
+    loader = WeightLoader(ops, dtype, device, weight_dtype, release or (lambda tensor: None))
+    if weight_dtype in ("q8_0", "q4_0") and not loader.runs_blocks:
+        logger.warning("--weight-dtype %s needs bf16 on the CPU kernels (here: %s on %s): weights stay %s",
+                       weight_dtype, dtype, ops.name, dtype)
+    model.load_weights(weights, loader)
+    model.rotary.to(device)
+    left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelConfigError(f"weights never loaded: {', '.join(left[:3])}")
     model.eval()
-    for module in model.modules():
-        if isinstance(module, RowInvariantLinear):
-            if weight_dtype == "int8" and module.quantize_int8():
-                continue
-            module.prepack()
     if batch_invariant:
         set_row_tiles(model)
     return model
@@ -48,12 +60,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
 def set_row_tiles(model: nn.Module) -> dict[tuple[int, int], int]:
     """Calibrate once per distinct weight shape (after prepacking) and store the tile in every linear.
 
-    Linears on our own GEMM need no tile: it is row-invariant at every M by construction.
+    Linears on our own kernels need no tile: they are row-invariant at every M by construction.
     """
     tiles: dict[tuple[int, int], int] = {}
     for module in model.modules():
         if isinstance(module, RowInvariantLinear) and not module.row_invariant_kernel:
-            shape = tuple(module.weight.shape)
+            shape = (module.out_features, module.in_features)
             if shape not in tiles:
                 tiles[shape] = calibrate_row_tile(module)
             module.row_tile = tiles[shape]

@@ -77,6 +77,7 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "modalities": {"vision": False, "audio": False},
         "build_info": f"conveyor {_version()}",
         "kernels": core.kernel_report(),
+        "weights": core.weights_report(),
         "speculation": core.speculation_report(),
     }
 

@@ -29,10 +29,11 @@ SHAPES = [(75, 150), (1, 1), (2, 17), (33, 16), (576, 960), (1536, 576)]
 def make_linear(bias: bool, in_features: int = IN_FEATURES, out_features: int = OUT_FEATURES) -> RowInvariantLinear:
     gen = torch.Generator().manual_seed(0)
     linear = RowInvariantLinear(in_features, out_features, bias=bias, ops=backend)
-    linear.weight.data = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
-    if bias:
-        linear.bias.data = torch.randn(out_features, generator=gen).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    linear.load_dense(weight, torch.randn(out_features, generator=gen).bfloat16() if bias else None)
     assert linear.prepack() and linear.row_invariant_kernel
+    assert linear.weight is None and torch.equal(linear.dense_weight(), weight)  # one copy, unpacked on demand
+    linear.reference_weight = weight  # the tests' own copy
     return linear
 
 
@@ -52,7 +53,7 @@ def test_every_build_has_a_path_and_packs_for_it():
 def test_matches_fp32_reference(bias, in_features, out_features):
     linear = make_linear(bias, in_features, out_features)
     x = torch.randn(37, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+    want = torch.nn.functional.linear(x.float(), linear.reference_weight.float(),
                                       None if linear.bias is None else linear.bias.float())
     got = linear(x)
     assert got.dtype == torch.bfloat16 and got.shape == (37, out_features)
@@ -90,7 +91,7 @@ def test_f32_paths_are_one_chain_per_element(bias):
     x[5, 7] = float("inf")
     x[6, :] = 3e38
     x[7, 11] = float("nan")
-    want = emulate_chain(x, linear.weight, linear.bias)
+    want = emulate_chain(x, linear.reference_weight, linear.bias)
     got = linear(x)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert (got[7].view(torch.int16) == 0x7FC0).all()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conveyor.loading import Checkpoint, expected_weight_names
+from conveyor.loading.checkpoint import QuantizedTensor
 from conveyor.loading.gguf_loader import _Reader, model_name  # _Reader: gguf.GGUFReader, faster to open
 
 
@@ -35,13 +36,19 @@ def test_checkpoint_fields(smollm: Checkpoint, gguf_path: str) -> None:
     assert smollm.source == os.path.realpath(gguf_path)
 
 
-def test_weights_are_hf_named_float32(smollm: Checkpoint) -> None:
+def test_weights_are_hf_named_and_stay_quantized(smollm: Checkpoint) -> None:
     assert list(smollm.weights) == expected_weight_names(smollm.config)
     assert "lm_head.weight" not in smollm.weights  # tied
     assert smollm.weights["model.embed_tokens.weight"].shape == (49152, 576)
     assert smollm.weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
     assert smollm.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
-    assert all(w.dtype == torch.float32 and w.device.type == "cpu" for w in smollm.weights.values())
+    types = {name: w.type_name if isinstance(w, QuantizedTensor) else w.dtype for name, w in smollm.weights.items()}
+    assert types["model.embed_tokens.weight"] == "Q8_0" and types["model.layers.0.mlp.down_proj.weight"] == "Q4_1"
+    assert {t for n, t in types.items() if n.endswith("norm.weight")} == {torch.float32}
+    # No copies: the blocks are views of the file's mapping (q/k excepted: their rows are un-permuted).
+    mapping = smollm.release_pages.__self__
+    down, q = (smollm.weights[f"model.layers.0.{n}.weight"] for n in ("mlp.down_proj", "self_attn.q_proj"))
+    assert down.raw.shape == (576, 1536 // 32 * 20) and mapping.holds(down.raw) and not mapping.holds(q.raw)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +71,16 @@ def hf_weights(smollm: Checkpoint, gguf_path: str) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _dense(weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+
 def test_unpermuted_qk_match_transformers(smollm: Checkpoint, hf_weights: dict[str, torch.Tensor]) -> None:
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
-        assert torch.equal(smollm.weights[name], hf_weights[name]), name
+        assert torch.equal(_dense(smollm.weights[name]), hf_weights[name]), name
 
 
 def test_all_weights_match_transformers(smollm: Checkpoint, hf_weights: dict[str, torch.Tensor]) -> None:
     assert set(hf_weights) == set(smollm.weights)
-    mismatched = [n for n, w in smollm.weights.items() if not torch.equal(w, hf_weights[n].to(w.dtype))]
+    mismatched = [n for n, w in smollm.weights.items() if not torch.equal(_dense(w), hf_weights[n].to(_dense(w).dtype))]
     assert not mismatched

@@ -10,6 +10,7 @@ import transformers
 from tiny_checkpoints import add_tiny_sentencepiece_vocab, head_dim, tiny_hf_model, write_gguf
 
 from conveyor.loading import LoadError, load_checkpoint
+from conveyor.loading.checkpoint import QuantizedTensor
 from conveyor.loading.gguf_config import llama3_rope_factors
 
 Q = gguf.GGMLQuantizationType
@@ -42,9 +43,9 @@ def test_weights_and_config(tmp_path, arch: str, tie: bool, qtype: Q) -> None:
         got = ck.weights[name]
         if weight.dim() == 1:  # norms and biases stay F32, as llama.cpp writes them
             assert got.dtype == torch.float32 and torch.equal(got, weight), name
-        elif qtype == Q.Q8_0:
-            assert got.dtype == torch.float32
-            torch.testing.assert_close(got, weight, atol=weight.abs().max().item() / 100, rtol=0)
+        elif qtype == Q.Q8_0:  # kept as GGML blocks (un-permuted by rows), dequantized only to compare
+            assert isinstance(got, QuantizedTensor) and got.qtype == Q.Q8_0 and got.shape == tuple(weight.shape)
+            torch.testing.assert_close(got.dequantize(), weight, atol=weight.abs().max().item() / 100, rtol=0)
         else:  # q/k come back un-permuted, bit for bit
             assert got.dtype == TORCH_DTYPES[qtype] and torch.equal(got, weight.to(got.dtype)), name
 

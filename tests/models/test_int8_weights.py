@@ -10,11 +10,11 @@ from conveyor.models.layers import RowInvariantLinear, calibrate_row_tile
 def test_int8_linear_is_close_and_row_invariant():
     torch.manual_seed(0)
     linear = RowInvariantLinear(96, 160, bias=True, ops=resolve_backend("cpu"))
-    linear.weight.data = (torch.randn(160, 96) * 0.05).bfloat16()
-    linear.bias.data = torch.randn(160).bfloat16()
+    linear.load_dense((torch.randn(160, 96) * 0.05).bfloat16(), torch.randn(160).bfloat16())
     x = torch.randn(40, 96).bfloat16()
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
     assert linear.quantize_int8()
+    assert linear.weight is None  # one copy: the int8 weight replaces the dense one
     got = linear(x).float()
     assert (got - want).abs().max() < 0.02 * want.abs().max()
     linear.row_tile = calibrate_row_tile(linear)

@@ -63,6 +63,9 @@ def test_props(served):
     assert kernels == {"backend": backend.name, "arch": backend.arch, "batch_invariant": backend.batch_invariant,
                        "speculation": served.core.scheduler.config.speculative_ngram > 0}
     assert _get(served, "/health")["kernels"] == kernels
+    weights = props["weights"]  # the tiny float model: packed bf16, bytes as the KV plan counted them
+    assert weights["weight_dtype"] == "auto" and weights["formats"] == served.core.weight_formats
+    assert weights["bytes"] == sum(weights["formats"].values()) > 0 and "BF16" in weights["formats"]
 
 
 def test_kernel_backend_metric_carries_the_backend(served):
