@@ -69,6 +69,7 @@ def run_level(llm: LLM, batch: int, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the bundled SmolLM2)")
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(parallel=max(batches), dtype=args.dtype, weight_dtype=args.weight_dtype,
+    llm = LLM(model=args.model, parallel=max(batches), dtype=args.dtype, weight_dtype=args.weight_dtype,
               batch_invariant=not args.no_batch_invariant, speculative_ngram=args.speculative_ngram)
     run_level(llm, 2, 8)  # warm-up: kernels, allocator
     rows = [run_level(llm, b, args.max_tokens) for b in batches]

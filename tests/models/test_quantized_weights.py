@@ -41,11 +41,13 @@ def _logits(model, config, tokens: list[int]) -> torch.Tensor:
 
 
 def _assert_close_logits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Exact dequantized weights vs the same weights rounded to bf16, through two random layers: measured
-    mean |diff| 0.3-2% of mean |logit| over the eight types (bf16 rounding, amplified by random weights)."""
+    """The quantized kernel (int8 activations per 32-block, see docs/kernels.md) vs the dequantized weights
+    rounded to bf16, through two random layers: measured mean |diff| 0.3-3.5% of mean |logit| and max
+    |diff| up to 9% of max |logit| over the eight types and the mixed model (activation rounding,
+    amplified by random weights; the SmolLM2 perplexity test bounds the effect on a real model)."""
     diff = (got - want).abs()
     assert torch.isfinite(got).all()
-    assert diff.mean() <= 0.03 * want.abs().mean() and diff.max() <= 0.05 * want.abs().max(), diff.max()
+    assert diff.mean() <= 0.06 * want.abs().mean() and diff.max() <= 0.12 * want.abs().max(), diff.max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
 
 
