@@ -191,6 +191,19 @@ class RowInvariantLinear(nn.Module):
             return self.ops.linear(eye, self._bf16_packed, self.out_features, None).T.contiguous()
         return torch.ops.mkldnn._linear_pointwise(eye, self._packed, None, "none", [], "").T.contiguous()
 
+    def gather_rows(self, row_ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows of W (output features) read from our bf16 GEMM's packed weight, or None where it is not packed so.
+
+        Every packed layout is (panels, k pairs, columns per panel, 2) with W's bits in place, so a row is
+        one panel's column: exact, and a tied embedding needs no copy of its own.
+        """
+        packed = self._bf16_packed
+        if packed is None:
+            return None
+        cols = packed.shape[2]
+        rows = packed[row_ids // cols, :, row_ids % cols, :]  # (R, k pairs, 2)
+        return rows.reshape(row_ids.shape[0], -1)[:, :self.in_features]
+
     def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(format, tensor) for every tensor this linear keeps: what its weight costs in memory."""
         kept = [(s.type_name, s.packed) for s in self.segments]
@@ -221,6 +234,21 @@ class QuantizedEmbedding(nn.Module):
 
     def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(self.segment.type_name, self.segment.packed)]
+
+
+class TiedPackedEmbedding(nn.Module):
+    """Token embeddings read from a tied lm_head's packed bf16 weight (one copy for both)."""
+
+    def __init__(self, head: RowInvariantLinear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so the head's weights are not counted twice
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        return self.head[0].gather_rows(input_ids.long())
+
+    def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return []
 
 
 def dtype_name(dtype: torch.dtype) -> str:

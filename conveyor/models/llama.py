@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
         self.norm.weight = loader.param(get("model.norm.weight"))
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            loader.tie(self.lm_head, self.embed_tokens)
+            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
         else:
             loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):

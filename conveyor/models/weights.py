@@ -23,7 +23,8 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.quant_ref import Q, block_shape, quantize_raw
 from conveyor.loading.checkpoint import QuantizedTensor, Weight
-from conveyor.models.layers import QuantizedEmbedding, RowInvariantLinear, dtype_name, pack_segments
+from conveyor.models.layers import (QuantizedEmbedding, RowInvariantLinear, TiedPackedEmbedding, dtype_name,
+                                    pack_segments)
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,16 @@ class WeightLoader:
         module.weight = self.param(tensor)
         return module
 
-    def tie(self, head: RowInvariantLinear, embedding: nn.Module) -> None:
-        """A tied lm_head reads the embedding's own tensor: the same packed blocks, or a pack of the same weight."""
+    def tie(self, head: RowInvariantLinear, embedding: nn.Module) -> nn.Module:
+        """A tied lm_head and its embedding share one copy: the same packed blocks, or the head's packed bf16
+        weight, from which the embedding then gathers its rows. Returns the embedding module to keep."""
         if isinstance(embedding, QuantizedEmbedding):
             head.load_quantized((embedding.segment,))
-        else:
-            self.dense_linear(head, embedding.weight.data)
+            return embedding
+        self.dense_linear(head, embedding.weight.data)
+        if head.gather_rows(torch.zeros(1, dtype=torch.long)) is None:
+            return embedding  # not packed by our GEMM (int8, oneDNN, off CPU): the embedding keeps its own
+        return TiedPackedEmbedding(head)
 
 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
@@ -154,7 +159,7 @@ def count_params(model: nn.Module, tied: bool) -> int:
         if isinstance(module, RowInvariantLinear):
             if not (tied and name == "lm_head"):
                 total += module.in_features * module.out_features + (module.out_features if module.bias is not None else 0)
-        elif isinstance(module, QuantizedEmbedding):
+        elif isinstance(module, (QuantizedEmbedding, TiedPackedEmbedding)):
             total += module.num_embeddings * module.embedding_dim
         else:
             total += sum(p.numel() for p in module.parameters(recurse=False))

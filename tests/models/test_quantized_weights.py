@@ -14,7 +14,7 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.kernels import cpu_backend
 from conveyor.kernels.quant_ref import NATIVE_TYPES, type_name
 from conveyor.loading import LoadError, load_checkpoint
-from conveyor.models.layers import QuantizedEmbedding, RowInvariantLinear
+from conveyor.models.layers import QuantizedEmbedding, RowInvariantLinear, TiedPackedEmbedding
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, weight_bytes_by_format
 from conveyor.runner.model_runner import ModelRunner
@@ -92,7 +92,8 @@ def test_bf16_weight_dtype_and_torch_backend_dequantize(tmp_path) -> None:
     checkpoint = load_checkpoint(write_tiny_gguf(tmp_path / "tiny.gguf", Q.Q4_0))
     model = _build(checkpoint, "bf16")
     assert not any(linear.segments for linear in _linears(model))
-    assert isinstance(model.embed_tokens, torch.nn.Embedding) and model.embed_tokens.weight.dtype == torch.bfloat16
+    assert isinstance(model.embed_tokens, (torch.nn.Embedding, TiedPackedEmbedding))
+    assert "Q4_0" not in weight_bytes_by_format(model)
     torch_ops = type(ops)(name="torch", device="cpu", arch=None, batch_invariant=False)  # no qgemm: blocks cannot run
     model = build_model(checkpoint.config, checkpoint.weights, torch.bfloat16, torch.device("cpu"), False, "auto",
                         ops=torch_ops)
@@ -105,7 +106,14 @@ def test_packed_bf16_linears_keep_one_copy(tiny_checkpoint) -> None:
         if linear.row_invariant_kernel or linear._packed is not None:
             assert linear.weight is None, "the dense weight stayed beside its packed copy"
     head = model.lm_head
-    assert torch.equal(head.dense_weight(), model.embed_tokens.weight)  # unpacked on demand, bit for bit
+    embedding = tiny_checkpoint.weights["model.embed_tokens.weight"].bfloat16()
+    assert torch.equal(head.dense_weight(), embedding)  # unpacked on demand, bit for bit
+    if tiny_checkpoint.config.tie_word_embeddings and head.row_invariant_kernel:
+        # The tied embedding gathers its rows from the head's packed weight: one copy, the same bits.
+        assert isinstance(model.embed_tokens, TiedPackedEmbedding)
+        ids = torch.tensor([0, 5, embedding.shape[0] - 1, 5])
+        assert torch.equal(model.embed_tokens(ids), embedding[ids])
+        assert model.embed_tokens.stored_weights() == [] and not list(model.embed_tokens.parameters())
 
 
 def test_non_native_type_is_dequantized_with_a_warning(tmp_path, caplog) -> None:
