@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor.config import kernel_settings_from_env
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.kernels import cpu_backend
@@ -19,7 +20,7 @@ BLOCK = 16
 
 
 def _perplexity(checkpoint, weight_dtype: str) -> float:
-    ops = cpu_backend()
+    ops = cpu_backend(kernel_settings_from_env())
     model = build_model(checkpoint.config, checkpoint.weights, torch.bfloat16, torch.device("cpu"), True,
                         weight_dtype, ops=ops, release=checkpoint.release_pages)
     ids = checkpoint.tokenizer.encode(TEXT)
@@ -35,7 +36,7 @@ def _perplexity(checkpoint, weight_dtype: str) -> float:
 
 def test_native_perplexity_within_one_percent_of_dequantized():
     checkpoint = load_checkpoint(None)
-    if not cpu_backend().runs_quantized(checkpoint.weights["model.layers.0.mlp.down_proj.weight"].qtype):
+    if not cpu_backend(kernel_settings_from_env()).runs_quantized(checkpoint.weights["model.layers.0.mlp.down_proj.weight"].qtype):
         pytest.skip("this backend runs no GGML types")
     native, dequantized = _perplexity(checkpoint, "auto"), _perplexity(checkpoint, "bf16")
     assert 5 < dequantized < 40  # measured 16.28 (native 16.30): the text is read as English, not noise

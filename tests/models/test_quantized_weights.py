@@ -8,6 +8,7 @@ import gguf
 import pytest
 import torch
 
+from conveyor.config import kernel_settings_from_env
 from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ from conveyor.runner.model_runner import ModelRunner
 from conveyor.testing import write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
-ops = cpu_backend()
+ops = cpu_backend(kernel_settings_from_env())
 needs_qgemm = pytest.mark.skipif(not ops.runs_quantized(Q.Q8_0), reason=f"backend {ops.name} runs no GGML types")
 PROMPT = [5, 17, 42, 8, 63, 21, 90, 3, 77, 12, 50]
 
