@@ -18,8 +18,10 @@
 //   4/5/6-bit: 256 bytes of nibbles = 4 vectors of 64 bytes; byte (4 i + t) of vector v holds
 //              column i's k = 4 v + t in its low nibble and k = 16 + 4 v + t in its high nibble,
 //              so one vector gives two "k-groups" of 16 columns x 4 consecutive k (dpbusd's shape);
-//              then 1 (5-bit) or 2 (6-bit) bit planes of 8 x 64 bits: word g, bit (4 i + t) is bit
-//              4 (+1) of column i's k = 4 g + t;
+//              then the high bits, bit-sliced across the 8 k-groups: 5-bit, one vector whose byte
+//              (4 i + t) holds bit 4 of k-group g's value in its bit g; 6-bit, two vectors whose byte
+//              holds bits 4-5 of k-groups 4 v2 + g' in its bits 2 g' .. 2 g' + 1 (a shift and a mask per
+//              k-group, on every ISA);
 //   8-bit:     8 vectors of 64 bytes, vector g byte (4 i + t) = column i's k = 4 g + t, plus 128.
 // Weights are stored unsigned (q, plus the type's offset); the offset comes back exactly as
 // offset x (the activation block's sum), an integer.
@@ -73,7 +75,7 @@ struct TypeInfo {
   int sb;         // weights per superblock
   int raw_bytes;  // GGUF bytes per superblock
   int hdr;        // our header bytes per superblock per 16-column group
-  int planes;     // high bit planes above the nibbles (5-bit: 1, 6-bit: 2)
+  int planes;     // high-bit vectors above the nibbles (5-bit: 1, 6-bit: 2)
   bool bytes8;    // 8-bit values (Q8_0)
   Kind kind;
   int offset;
@@ -257,8 +259,10 @@ void store_column(int qt, const Decoded& o, int i, uint8_t* sbp) {
       const int v = g & 3;
       uint8_t& byte = ch[64 * v + 4 * i + tt];
       byte = g < 4 ? static_cast<uint8_t>((byte & 0xF0) | (q[k] & 15)) : static_cast<uint8_t>((byte & 0x0F) | ((q[k] & 15) << 4));
-      for (int p = 0; p < t.planes; ++p) {
-        if ((q[k] >> (4 + p)) & 1) ch[256 + 64 * p + 8 * g + (4 * i + tt) / 8] |= static_cast<uint8_t>(1u << ((4 * i + tt) % 8));
+      if (t.planes == 1) {
+        ch[256 + 4 * i + tt] |= static_cast<uint8_t>(((q[k] >> 4) & 1) << g);
+      } else if (t.planes == 2) {
+        ch[256 + 64 * (g / 4) + 4 * i + tt] |= static_cast<uint8_t>(((q[k] >> 4) & 3) << (2 * (g % 4)));
       }
     }
   }
@@ -324,12 +328,22 @@ inline void unpack(const uint8_t* ch, __m512i* w) {
       w[v] = _mm512_and_si512(raw, m4);
       w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
     }
-    for (int p = 0; p < t.planes; ++p) {
-      const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    // High bits into bits 4-5 of each byte: a 16-bit shift (no bit crosses into the masked
+    // field from the other byte) and one ternary-logic op, w | (shifted & mask).
+    if constexpr (t.planes == 1) {
+      const __m512i hv = _mm512_loadu_si512(ch + 256), bit = _mm512_set1_epi8(0x10);
       for (int g = 0; g < 8; ++g) {
-        uint64_t word;
-        std::memcpy(&word, ch + 256 + 64 * p + 8 * g, 8);
-        w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(word), w[g], bit);
+        const __m512i sh = g <= 4 ? _mm512_slli_epi16(hv, 4 - g) : _mm512_srli_epi16(hv, g - 4);
+        w[g] = _mm512_ternarylogic_epi32(w[g], sh, bit, 0xF8);
+      }
+    } else if constexpr (t.planes == 2) {
+      const __m512i bits = _mm512_set1_epi8(0x30);
+      for (int v = 0; v < 2; ++v) {
+        const __m512i hv = _mm512_loadu_si512(ch + 256 + 64 * v);
+        w[4 * v + 0] = _mm512_ternarylogic_epi32(w[4 * v + 0], _mm512_slli_epi16(hv, 4), bits, 0xF8);
+        w[4 * v + 1] = _mm512_ternarylogic_epi32(w[4 * v + 1], _mm512_slli_epi16(hv, 2), bits, 0xF8);
+        w[4 * v + 2] = _mm512_ternarylogic_epi32(w[4 * v + 2], hv, bits, 0xF8);
+        w[4 * v + 3] = _mm512_ternarylogic_epi32(w[4 * v + 3], _mm512_srli_epi16(hv, 2), bits, 0xF8);
       }
     }
   }
@@ -574,15 +588,6 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
 #endif
 }
 
-// 32 bits -> 32 bytes, byte j = 0xFF where bit j is set.
-inline __m256i expand_bits(uint32_t bits) {
-  const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL,
-                                          0x0303030303030303LL);
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
-  const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, sel), sel);
-}
-
 template <int QT>
 inline void unpack(const uint8_t* ch, int h, __m256i* w) {
   constexpr TypeInfo t = type_info(QT);
@@ -595,10 +600,21 @@ inline void unpack(const uint8_t* ch, int h, __m256i* w) {
       w[v] = _mm256_and_si256(raw, m4);
       w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     }
-    for (int p = 0; p < t.planes; ++p) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+    if constexpr (t.planes == 1) {
+      const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 256 + 32 * h));
+      const __m256i bit = _mm256_set1_epi8(0x10);
       for (int g = 0; g < 8; ++g) {
-        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(expand_bits(rd32(ch + 256 + 64 * p + 8 * g + 4 * h)), bit));
+        const __m256i sh = g <= 4 ? _mm256_slli_epi16(hv, 4 - g) : _mm256_srli_epi16(hv, g - 4);
+        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(sh, bit));
+      }
+    } else if constexpr (t.planes == 2) {
+      const __m256i bits = _mm256_set1_epi8(0x30);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 256 + 64 * v + 32 * h));
+        w[4 * v + 0] = _mm256_or_si256(w[4 * v + 0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), bits));
+        w[4 * v + 1] = _mm256_or_si256(w[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), bits));
+        w[4 * v + 2] = _mm256_or_si256(w[4 * v + 2], _mm256_and_si256(hv, bits));
+        w[4 * v + 3] = _mm256_or_si256(w[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), bits));
       }
     }
   }
@@ -701,10 +717,12 @@ inline void unpack(const uint8_t* ch, uint8_t w[8][64]) {
         w[v + 4][j] = ch[64 * v + j] >> 4;
       }
     }
-    for (int p = 0; p < t.planes; ++p) {
-      for (int g = 0; g < 8; ++g) {
-        const uint8_t* word = ch + 256 + 64 * p + 8 * g;
-        for (int j = 0; j < 64; ++j) w[g][j] |= ((word[j / 8] >> (j % 8)) & 1) << (4 + p);
+    for (int g = 0; g < 8; ++g) {
+      for (int j = 0; j < 64; ++j) {
+        if constexpr (t.planes == 1) w[g][j] |= static_cast<uint8_t>(((ch[256 + j] >> g) & 1) << 4);
+        if constexpr (t.planes == 2) {
+          w[g][j] |= static_cast<uint8_t>(((ch[256 + 64 * (g / 4) + j] >> (2 * (g % 4))) & 3) << 4);
+        }
       }
     }
   }
@@ -1003,7 +1021,8 @@ torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int
             } else {
               const uint8_t byte = ch[64 * (grp & 3) + pos];
               q = grp < 4 ? (byte & 15) : (byte >> 4);
-              for (int p = 0; p < t.planes; ++p) q |= ((ch[256 + 64 * p + 8 * grp + pos / 8] >> (pos % 8)) & 1) << (4 + p);
+              if (t.planes == 1) q |= ((ch[256 + pos] >> grp) & 1) << 4;
+              if (t.planes == 2) q |= ((ch[256 + 64 * (grp / 4) + pos] >> (2 * (grp % 4))) & 3) << 4;
             }
             float w;
             switch (t.kind) {
