@@ -577,16 +577,21 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
   (void)wide;
   return _mm256_dpbusd_avx_epi32(acc, w, xb);
 #else
-  // maddubs pairs saturate at int16: 4-6-bit weights x int8 never do; 8-bit ones go as two nibbles.
+  // maddubs pairs saturate at int16: 4-6-bit weights x int8 never do. 8-bit weights (stored q + 128)
+  // go back to signed q and through the sign trick, |q| x sign(x, q) (pairs <= 2 x 128 x 127): the sum
+  // is then of q x itself, so the caller skips Q8_0's offset (kSignedDot8).
   const __m256i ones = _mm256_set1_epi16(1);
   if (!wide) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), ones));
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, m4), xb), ones);
-  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), xb),
-                                       _mm256_set1_epi16(16));
-  return _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi));
+  const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xb, q)), ones));
 #endif
 }
+
+#if defined(QG_AVXVNNI)
+constexpr bool kSignedDot8 = false;
+#else
+constexpr bool kSignedDot8 = true;  // dot4(wide) sums q x, not (q + 128) x
+#endif
 
 template <int QT>
 inline void unpack(const uint8_t* ch, int h, __m256i* w) {
@@ -674,7 +679,7 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
           acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds2), _mm256_cvtepi32_ps(s1), acc[r]);
         } else {
           __m256i sum = _mm256_add_epi32(s0, s1);
-          if constexpr (t.kind == Kind::kOffset) {
+          if constexpr (t.kind == Kind::kOffset && !(t.bytes8 && kSignedDot8)) {
             sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
           }
           acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(sum), acc[r]);
