@@ -39,5 +39,5 @@ def test_native_perplexity_within_one_percent_of_dequantized():
     if not cpu_backend(kernel_settings_from_env()).runs_quantized(checkpoint.weights["model.layers.0.mlp.down_proj.weight"].qtype):
         pytest.skip("this backend runs no GGML types")
     native, dequantized = _perplexity(checkpoint, "auto"), _perplexity(checkpoint, "bf16")
-    assert 5 < dequantized < 40  # measured 16.28 (native 16.30): the text is read as English, not noise
+    assert 5 < dequantized < 40  # measured 16.28 (native 16.22 on amx_int8): read as English, not noise
     assert abs(native - dequantized) <= 0.01 * dequantized, (native, dequantized)
