@@ -45,7 +45,7 @@ def collect(config: EngineConfig) -> dict:
         "conveyor": backend.describe(),
         # GGUF tensors of these types stay quantized (--weight-dtype auto); others are dequantized at load.
         "quantized_weight_types": [type_name(t) for t in sorted(NATIVE_TYPES) if backend.runs_quantized(t)],
-        "quantized_kernel": backend.qgemm.isa() if backend.qgemm is not None else None,
+        "quantized_kernel": backend.qgemm.backend() if backend.qgemm is not None else None,
         "kernel_arch": settings.arch,
         "arch_needs_missing_cpu_features": missing,
         "cpu": {"model": cpu_model(), "machine": platform.machine(),

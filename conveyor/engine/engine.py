@@ -173,8 +173,10 @@ class EngineCore:
 
     def weights_report(self) -> dict:
         """What /props says about the weights: --weight-dtype and the bytes kept in each format."""
+        qgemm = self.backend.qgemm
         return {"weight_dtype": self.config.weight_dtype, "formats": dict(self.weight_formats),
-                "bytes": sum(self.weight_formats.values())}
+                "bytes": sum(self.weight_formats.values()),
+                "quantized_kernel": qgemm.backend() if qgemm is not None else None}
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
