@@ -448,10 +448,10 @@ def _bench(url: str, concurrency: int, num: int, warmup: int, args: argparse.Nam
 
 def level_table(level: str, runs: list[Run], files: dict[str, Path], bandwidth: float,
                 concurrency: list[int]) -> tuple[list[str], list[list[str]]]:
-    header = ["server", "file", *[f"C={c} tok/s" for c in concurrency],
-              "conveyor / llama-server " + " / ".join(f"C={c}" for c in concurrency),
-              "other CPU cores " + " / ".join(f"C={c}" for c in concurrency), "load s", "RSS after start MiB", "peak RSS MiB", "weight MB/token", "limit tok/s (C=1)",
-              "C=1 share of limit"]
+    levels = " / ".join(f"C={c}" for c in concurrency)
+    header = ["server", "file", *[f"C={c} tok/s" for c in concurrency], f"conveyor / llama-server {levels}",
+              f"other CPU cores {levels}", "load s", "RSS after start MiB", "peak RSS MiB", "weight MB/token",
+              "limit tok/s (C=1)", "C=1 share of limit"]
     rows = []
     for name, path in files.items():
         per_token = weight_bytes_per_token(path)
@@ -569,11 +569,12 @@ def main() -> None:
                 bench_server(run, cmd, env, args, log_dir / f"{args.tag}_{level}_{name}_{server}.log")
                 runs.append(run)
     lines = []
+    context = args.ctx or "the file's"
     for level in args.levels.split(","):
         header, rows = level_table(level, runs, files, bandwidth, args.concurrency)
         caption = (f"Level **{level}**, run {args.tag}. Machine: {host}. Read bandwidth {bandwidth:.1f} GB/s "
                    f"(compiled {args.threads}-thread vector sum over {args.bandwidth_buffer_gb:g} GB). "
-                   f"{args.parallel} slots x {args.ctx or 'the file’s'} context; {args.max_tokens} tokens per "
+                   f"{args.parallel} slots x {context} context; {args.max_tokens} tokens per "
                    f"request, ~{args.prompt_tokens}-token chat prompts, greedy, ignore_eos; {args.requests_c1} "
                    f"requests at C=1, {args.requests} at C>1.")
         lines += [caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
