@@ -102,6 +102,17 @@ constexpr int kGroup = 16;  // columns per group
 
 bool supported(int qt) { return type_info(qt).sb != 0; }
 
+// The weights stream from memory once per step: ask for what comes ~3 KB after this chunk (the
+// hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured).
+inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
+#if defined(__GNUC__)
+  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(chunk + 3072 + line, 0, 3);
+#else
+  (void)chunk;
+  (void)bytes;
+#endif
+}
+
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 
@@ -425,12 +436,12 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sbb;
-    if (s + 1 < n_sb) _mm_prefetch(reinterpret_cast<const char*>(sbp + sbb), _MM_HINT_T0);
     const __m512 d = load_half16(sbp);
     __m512 m = _mm512_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));
       __m512i w[8];
       unpack<QT>(ch, w);
       const int64_t kc = s * cpb + c;  // the row's 32-block
@@ -491,60 +502,69 @@ bool amx_enabled() {
   return ok;
 }
 
+// The tile work of chunk kc: its B tile unpacked to `wbuf`, its 16 x 16 sums (Q6_K: per half) to `c`.
+template <int QT>
+inline void amx_chunk(const uint8_t* wg, int64_t kc, const QuantRows& xr, int64_t r0, uint8_t* wbuf, int32_t* c) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  const uint8_t* sbp = wg + (kc / cpb) * sb_bytes(t);
+  const uint8_t* ch = sbp + t.hdr + (kc % cpb) * chunk_bytes(t);
+  prefetch_ahead(ch, chunk_bytes(t));
+  __m512i w[8];
+  unpack<QT>(ch, w);
+  for (int g = 0; g < 8; ++g) _mm512_store_si512(wbuf + 64 * g, w[g]);
+  const int8_t* a = xr.q + r0 * xr.k + 32 * kc;
+  if constexpr (t.kind == Kind::kK6) {
+    _tile_loadd(5, wbuf, 64);
+    _tile_loadd(6, wbuf + 256, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(4, a, xr.k);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(4, a + 16, xr.k);
+    _tile_dpbsud(1, 4, 6);
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+  } else {
+    _tile_loadd(3, wbuf, 64);
+    _tile_loadd(2, a, xr.k);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 3);
+    _tile_stored(0, c, 64);
+  }
+}
+
 // Rows [r0, r0 + 16) (the quantized rows are padded to whole blocks) against one column group;
-// only the first `rows` are stored.
+// only the first `rows` are stored. Software-pipelined: chunk kc + 1's tile work is issued before
+// chunk kc's float steps, into the other of two buffers, so neither waits on the other's memory.
 template <int QT>
 void amx_tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, int rows, const float* bias,
               uint16_t* out, int64_t ldo, int64_t cols) {
   constexpr TypeInfo t = type_info(QT);
   constexpr int cpb = t.sb / 32;
   constexpr int64_t sbb = sb_bytes(t);
-  // Double buffers (by chunk parity): the next chunk's tile loads and stores never wait on this
-  // chunk's vector reads of the same memory.
   alignas(64) uint8_t wbufs[2][512];
-  alignas(64) int32_t c0s[2][kAmxRows * 16], c1s[2][kAmxRows * 16];
+  alignas(64) int32_t cbufs[2][2 * kAmxRows * 16];
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t s = 0; s < n_sb; ++s) {
+  const int64_t chunks = n_sb * cpb;
+  amx_chunk<QT>(wg, 0, xr, r0, wbufs[0], cbufs[0]);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    if (kc + 1 < chunks) amx_chunk<QT>(wg, kc + 1, xr, r0, wbufs[(kc + 1) & 1], cbufs[(kc + 1) & 1]);
+    const int64_t s = kc / cpb;
+    const int c = static_cast<int>(kc % cpb);
     const uint8_t* sbp = wg + s * sbb;
     const __m512 d = load_half16(sbp);
     __m512 m = _mm512_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
-    for (int c = 0; c < cpb; ++c) {
-      const int64_t kc = s * cpb + c;
-      uint8_t* wbuf = wbufs[kc & 1];
-      int32_t* c0 = c0s[kc & 1];
-      int32_t* c1 = c1s[kc & 1];
-      __m512i w[8];
-      unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
-      for (int g = 0; g < 8; ++g) _mm512_store_si512(wbuf + 64 * g, w[g]);
-      const int8_t* a = xr.q + r0 * xr.k + 32 * kc;
-      if constexpr (t.kind == Kind::kK6) {
-        _tile_loadd(5, wbuf, 64);
-        _tile_loadd(6, wbuf + 256, 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(4, a, xr.k);
-        _tile_dpbsud(0, 4, 5);
-        _tile_loadd(4, a + 16, xr.k);
-        _tile_dpbsud(1, 4, 6);
-        _tile_stored(0, c0, 64);
-        _tile_stored(1, c1, 64);
-      } else {
-        _tile_loadd(3, wbuf, 64);
-        _tile_loadd(2, a, xr.k);
-        _tile_zero(0);
-        _tile_dpbsud(0, 2, 3);
-        _tile_stored(0, c0, 64);
-      }
-      __m512 ds, dm, ds2;
-      chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
-      for (int r = 0; r < kAmxRows; ++r) {
-        const __m512i s0 = _mm512_load_si512(c0 + 16 * r);
-        const __m512i s1 = t.kind == Kind::kK6 ? _mm512_load_si512(c1 + 16 * r) : zero;
-        acc[r] = combine<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
-      }
+    __m512 ds, dm, ds2;
+    chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
+    const int32_t* cs = cbufs[kc & 1];
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512i s0 = _mm512_load_si512(cs + 16 * r);
+      const __m512i s1 = t.kind == Kind::kK6 ? _mm512_load_si512(cs + 256 + 16 * r) : zero;
+      acc[r] = combine<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
     }
   }
   store_rows(acc, rows, r0, bias, out, ldo, cols);
@@ -650,7 +670,7 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half8(sbp + 32 + 16 * h);
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      _mm_prefetch(reinterpret_cast<const char*>(ch + 4 * chunk_bytes(t)), _MM_HINT_T0);
+      if (h == 0) prefetch_ahead(ch, chunk_bytes(t));
       __m256i w[8];
       unpack<QT>(ch, h, w);
       const int64_t kc = s * cpb + c;
