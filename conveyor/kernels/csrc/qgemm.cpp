@@ -607,6 +607,38 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
 #endif
 }
 
+// A chunk's two half sums (k 0..15 and 16..31) of one row for 8 columns, exact int32.
+template <int QT>
+inline void k_sums(const __m256i* w, const int8_t* x, __m256i& s0, __m256i& s1) {
+  constexpr TypeInfo t = type_info(QT);
+  s0 = _mm256_setzero_si256();
+  s1 = _mm256_setzero_si256();
+#if !defined(QG_AVXVNNI)
+  if constexpr (!t.bytes8) {
+    // maddubs products summed in int16 before one madd: exact while the sum fits, |q x| pair sums
+    // being <= 2 x 127 x (15, 31, 63) for 4-, 5-, 6-bit values: 4, 4 and 2 of them per int16 lane.
+    constexpr int per16 = t.planes == 2 ? 2 : 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g0 = 0; g0 < 4; g0 += per16) {
+      __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+      for (int g = g0; g < g0 + per16; ++g) {
+        const __m256i xa = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 4 * g))));
+        const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 16 + 4 * g))));
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[g], xa));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[g + 4], xb));
+      }
+      s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, ones));
+      s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, ones));
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < 4; ++g) {
+    s0 = dot4(s0, w[g], x + 4 * g, t.bytes8);
+    s1 = dot4(s1, w[g + 4], x + 16 + 4 * g, t.bytes8);
+  }
+}
+
 #if defined(QG_AVXVNNI)
 constexpr bool kSignedDot8 = false;
 #else
@@ -686,11 +718,8 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
         const int64_t row = r0 + r;
         const int8_t* x = xr.q + row * xr.k + 32 * kc;
         const __m256 dx = _mm256_set1_ps(xr.d[row * xr.chunks + kc]);
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int g = 0; g < 4; ++g) {
-          s0 = dot4(s0, w[g], x + 4 * g, t.bytes8);
-          s1 = dot4(s1, w[g + 4], x + 16 + 4 * g, t.bytes8);
-        }
+        __m256i s0, s1;
+        k_sums<QT>(w, x, s0, s1);
         if constexpr (t.kind == Kind::kK6) {
           const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
           s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
