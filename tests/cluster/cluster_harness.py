@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,10 +15,35 @@ from dataclasses import dataclass, field
 import httpx
 
 
+_HANDED_OUT: set[int] = set()  # ports given to a process in this test run (never handed out twice)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a child process to bind later: below the kernel's ephemeral range, so no outbound
+    connection of the test run can take it meanwhile (a bind(0) port could: seen as "address already
+    in use" at a node's start), free now, and not handed out before in this run."""
+    rng = random.Random()
+    high = _ephemeral_low()
+    for _ in range(1000):
+        port = rng.randrange(20000, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 @dataclass

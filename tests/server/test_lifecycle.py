@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 import httpx
 
 from conveyor.config import EngineConfig, ServerConfig
+from tests.cluster.cluster_harness import free_port
 
 
 class StreamReader(threading.Thread):
@@ -88,15 +88,9 @@ def test_grace_period_expiry_aborts_stragglers(serve_tiny):
     assert len(long.chunks()) < 3000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_process_exits_0_on_sigterm(tmp_path):
     """The real entry point with the bundled SmolLM2: SIGTERM mid-request, the request completes, exit 0."""
-    port = _free_port()
+    port = free_port()  # below the ephemeral range: no outbound connection takes it before the child binds
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")
     env = {**os.environ, "CONVEYOR_SHUTDOWN_GRACE_SECONDS": "30"}
