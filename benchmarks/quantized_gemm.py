@@ -18,7 +18,7 @@ import torch
 
 from conveyor.config import kernel_settings_from_env
 from conveyor.kernels import cpu_backend
-from conveyor.kernels.quant_ref import random_raw
+from conveyor.testing import random_raw
 
 Q = gguf.GGMLQuantizationType
 LAYER = [(2048, 3072), (2048, 16384), (8192, 2048)]  # (in_features, out_features)

@@ -119,6 +119,26 @@ def random_blocks(rows: int, cols: int, qtype: int, gen: np.random.Generator, sc
     return blocks.reshape(rows, -1)
 
 
+def random_raw(qtype: int, out_features: int, in_features: int, seed: int = 0, scale: float = 0.05) -> torch.Tensor:
+    """random_blocks as the uint8 (N, row_bytes) tensor the quantized kernel takes (tests, benchmarks)."""
+    return torch.from_numpy(random_blocks(out_features, in_features, qtype, np.random.default_rng(seed), scale))
+
+
+_TINY_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
+TINY_VOCAB_SIZE = len(_TINY_TOKENS)
+
+
+def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
+    """A byte-level vocabulary: 3 control tokens plus printable ASCII (97 tokens), no merges."""
+    tokens = _TINY_TOKENS
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = None, head_type: int | None = None,
                     seed: int = 0) -> str:
     """A 2-layer random llama GGUF (byte-level vocabulary of 97 tokens) with its matrices in GGML types.
@@ -133,7 +153,7 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
                                  cfg["num_key_value_heads"])
     head_dim = h // heads
     by_name = types if isinstance(types, dict) else {name: types for name in _MATRICES}
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
+    vocab = TINY_VOCAB_SIZE
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["context_length"])
@@ -144,12 +164,7 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     writer.add_key_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tiny_bpe_vocab(writer)
 
     def matrix(name: str, rows: int, cols: int, qtype: int | None, scale: float = 0.2) -> None:
         if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
@@ -160,9 +175,9 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     shapes = {"attn_q": (h, h), "attn_k": (kv_heads * head_dim, h), "attn_v": (kv_heads * head_dim, h),
               "attn_output": (h, h), "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
     first = next(iter(by_name.values()), None)
-    matrix("token_embd.weight", len(tokens), h, embed_type if embed_type is not None else first, scale=1.0)
+    matrix("token_embd.weight", vocab, h, embed_type if embed_type is not None else first, scale=1.0)
     if head_type is not None:
-        matrix("output.weight", len(tokens), h, head_type)
+        matrix("output.weight", vocab, h, head_type)
     writer.add_tensor("output_norm.weight", (1 + 0.1 * gen.standard_normal(h)).astype(np.float32))
     for layer in range(cfg["num_hidden_layers"]):
         for name in _MATRICES:

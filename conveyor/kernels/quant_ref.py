@@ -52,24 +52,3 @@ def reference_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch
     weight = dequantize_raw(raw, qtype, x.shape[1])
     out = x.float() @ weight.T
     return out if bias is None else out + bias.float()
-
-
-def random_raw(qtype: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Raw GGML rows for tests and benchmarks, weights of a realistic spread (~N(0, 0.05)): quantized by
-    gguf-py where it can, else random K-quant blocks with random bits and sane fp16 scales."""
-    gen = torch.Generator().manual_seed(seed)
-    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
-        return quantize_raw(torch.randn(out_features, in_features, generator=gen) * 0.05, qtype)
-    block, size = gguf.GGML_QUANT_SIZES[Q(qtype)]
-    n_blocks = out_features * in_features // block
-    raw = torch.randint(0, 256, (n_blocks, size), generator=gen, dtype=torch.uint8)
-    rng = np.random.default_rng(seed)
-    d = torch.from_numpy((rng.uniform(0.2, 1.0, n_blocks) * 1e-3).astype(np.float16)).view(torch.uint8).view(-1, 2)
-    dmin = torch.from_numpy((rng.uniform(0.2, 1.0, n_blocks) * 5e-3).astype(np.float16)).view(torch.uint8).view(-1, 2)
-    if qtype == Q.Q6_K:  # ql, qh, int8 scales, then d
-        raw[:, 208:210] = d
-        raw[:, 192:208] = torch.randint(-40, 40, (n_blocks, 16), generator=gen, dtype=torch.int8).view(torch.uint8)
-    else:  # Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins
-        raw[:, 0:2] = d
-        raw[:, 2:4] = dmin
-    return raw.reshape(out_features, -1)

@@ -10,7 +10,8 @@ import gguf
 import pytest
 import torch
 
-from conveyor.kernels.quant_ref import NATIVE_TYPES, dequantize_raw, random_raw, reference_linear, type_name
+from conveyor.kernels.quant_ref import NATIVE_TYPES, dequantize_raw, reference_linear, type_name
+from conveyor.testing import random_raw
 from tests.kernels.conftest import kernel_backend
 
 backend = kernel_backend("qgemm")

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from conveyor.loading.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS
+from conveyor.testing import add_tiny_bpe_vocab
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -86,16 +87,6 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, dtype) ->
     else:  # BF16 and the block quantizations go in as raw bytes
         writer.add_tensor(name, gguf.quants.quantize(array, dtype), raw_dtype=dtype)
 
-
-def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
-    """A byte-level vocabulary: 3 control tokens plus printable ASCII, no merges."""
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
 
 
 SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "he", "ll", "llo", "hello", "\u2581hello",

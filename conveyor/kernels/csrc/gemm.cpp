@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include "amx.h"
+#include "bf16.h"
 #include "isa.h"
 
 #include <algorithm>
@@ -192,20 +193,8 @@ namespace f32gemm {
 
 constexpr int64_t kCols = 16;  // output columns per panel
 
-// c10::BFloat16's rounding: nearest even, NaN -> 0x7FC0.
-inline uint16_t round_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float widen_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using conveyor_bf16::round_bf16;
+using conveyor_bf16::widen_bf16;
 
 // A partial panel (the last one when N % 16 != 0): out[c] = bf16(acc[c] + bias[c]), c < n.
 inline void store_partial(const float* acc, const float* bias, uint16_t* out, int64_t n) {

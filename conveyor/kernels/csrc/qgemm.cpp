@@ -31,6 +31,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
 #include "isa.h"
 
 #include <algorithm>
@@ -43,10 +44,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QG_AVX512 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdlib>
+
+#include "amx.h"  // tile configuration and the permission request (AMX builds)
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QG_AVX2 1
 #include <immintrin.h>
@@ -138,20 +139,8 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// c10::BFloat16's rounding: nearest even, NaN -> 0x7FC0.
-inline uint16_t round_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float widen_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using conveyor_bf16::round_bf16;
+using conveyor_bf16::widen_bf16;
 
 // ------------------------------------------------------------------------------------------
 // Repacking: one GGUF superblock of one column -> unsigned values + scales.
@@ -466,25 +455,17 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
   store_rows(acc, MR, r0, bias, out, ldo, cols);
 }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if CONVEYOR_HAS_AMX && defined(__AMX_INT8__)  // amx.h: AMX tiles (+ BF16), here with INT8
 #define QG_AMX 1
 // AMX int8 for 16-row blocks (batched decode, prefill): tdpbsud gives each (row, column) chunk sum
 // as the same exact integer VNNI computes, then `combine` applies the same float ops, so a row's
 // bits are those of the VNNI path at M = 1: switching paths by M keeps batch invariance.
 constexpr int kAmxRows = 16;
 
-struct AmxConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0/1: C (16 x 16 int32); tmm2: A (16 rows x 32 k); tmm3: B (8 k-groups x 64);
 // tmm4: A (16 rows x 16 k); tmm5/6: B (4 k-groups x 64), Q6_K's two halves.
 inline void amx_configure() {
-  AmxConfig cfg;
+  conveyor_amx::TileConfig cfg;
   const int rows[7] = {16, 16, 16, 8, 16, 4, 4}, colsb[7] = {64, 64, 32, 64, 16, 64, 64};
   for (int i = 0; i < 7; ++i) {
     cfg.rows[i] = static_cast<uint8_t>(rows[i]);
@@ -495,9 +476,7 @@ inline void amx_configure() {
 
 bool amx_enabled() {
   static const bool ok = [] {
-    if (std::getenv("CONVEYOR_DISABLE_AMX") != nullptr) return false;
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    return std::getenv("CONVEYOR_DISABLE_AMX") == nullptr && conveyor_amx::request_permission();
   }();
   return ok;
 }
