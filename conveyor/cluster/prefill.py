@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass, field
 
 from conveyor.cluster import transport
-from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, refuse, run_unless_closed, to_sampling_params, \
-    to_wire
+from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, logprobs_to_wire, refuse, \
+    run_unless_closed, to_sampling_params, to_wire
 from conveyor.cluster.transport import PeerClosed
 from conveyor.cluster.wire import ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, WireError
 from conveyor.config import ClusterConfig
@@ -93,6 +93,10 @@ class PrefillNode(FrameServer):
             max_tokens = max(core.max_model_len - len(frame.prompt_token_ids), 1)
         try:
             params = to_sampling_params(frame.sampling, max_tokens)
+        except InvalidRequestError as exc:
+            raise refuse(400, str(exc), "invalid_request", exc.param) from None
+        await compile_grammar(core, params)
+        try:
             request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,
                                         cache_prompt=frame.cache_prompt)
         except InvalidRequestError as exc:
@@ -149,7 +153,8 @@ class PrefillNode(FrameServer):
         frame = HandoffFrame(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              output_token_ids=request.output_token_ids, sampling=to_wire(request.sampling_params),
                              kv=KVPayload(**vars(handoff.kv)), priority=request.priority,
-                             num_cached_tokens=request.num_cached_tokens, rng_state=handoff.rng_state)
+                             cache_prompt=request.cache_prompt, num_cached_tokens=request.num_cached_tokens,
+                             rng_state=handoff.rng_state)
         opened = await self._open_decode(frame, targets)
         if isinstance(opened, str):
             await transport.write_frame(writer, error_token_frame(request.request_id, opened))
@@ -212,7 +217,7 @@ def token_frame(out: RequestOutput, node: str, finished: bool | None = None) -> 
     return TokenFrame(request_id=out.request_id, token_ids=list(out.new_token_ids), text=out.new_text, finished=done,
                       finish_reason=out.finish_reason if done else None, num_prompt_tokens=out.num_prompt_tokens,
                       num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
-                      error=out.error, node=node)
+                      error=out.error, node=node, logprobs=logprobs_to_wire(out.logprobs))
 
 
 def error_token_frame(request_id: str, message: str) -> TokenFrame:
