@@ -38,6 +38,8 @@ HISTORY = ASK + [
         "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+# A grammar stands in for a model that calls a tool after a sentence (tool_choice auto).
+CALL_AFTER_TEXT = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
 
 def _chat(messages: list[dict], **body) -> tuple[str, dict]:
@@ -59,8 +61,7 @@ def battery() -> dict[str, tuple[str, dict]]:
         "json-schema-streamed-seeded": _chat(ASK, max_tokens=60, temperature=1.0, seed=3, **usage, response_format={
             "type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}),
         "tools-auto": _chat(ASK, tools=TOOLS),
-        "tools-auto-call": _chat(ASK, tools=TOOLS, max_tokens=60, guided_choice=[  # a model that calls after a sentence
-            'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>']),
+        "tools-auto-call": _chat(ASK, tools=TOOLS, max_tokens=60, guided_choice=[CALL_AFTER_TEXT]),
         "tools-required": _chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=80),
         "tools-required-streamed": _chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=80, **usage),
         "tools-named": _chat(ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
@@ -110,4 +111,29 @@ def _without_ids(body: dict) -> dict:
         for call in (choice.get("message") or choice.get("delta") or {}).get("tool_calls") or []:
             assert call["id"].startswith("call_") and len(call["id"]) == 29, call
             call["id"] = "call_<random>"
+    return out
+
+
+def spliced(result: dict) -> dict:
+    """What a stream moved to another prefill node keeps exactly: per choice its text, reasoning,
+    tool calls, logprobs and finish_reason, and the usage (held-back text may arrive in another chunk).
+    A JSON answer is kept whole."""
+    if "body" in result:
+        return result
+    out: dict = {"end": result["end"]}
+    for key, events in result.items():
+        if key == "end":
+            continue
+        merged: dict = {"text": "", "reasoning": "", "tool_calls": [], "logprobs": [], "finish_reason": None}
+        for event in events:
+            choice = event["choices"][0]
+            delta = choice.get("delta", {})
+            merged["text"] += delta.get("content") or choice.get("text") or ""
+            merged["reasoning"] += delta.get("reasoning_content") or ""
+            merged["tool_calls"] += delta.get("tool_calls") or []
+            logprobs = choice.get("logprobs") or {}
+            merged["logprobs"] += logprobs.get("content") or list(zip(*(logprobs.get(k, []) for k in (
+                "tokens", "token_logprobs", "top_logprobs", "text_offset"))))
+            merged["finish_reason"] = choice["finish_reason"] or merged["finish_reason"]
+        out[key] = merged
     return out

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cluster_harness import call, free_port, start, wait_for, wait_healthy
-from parity_battery import THINK_TEMPLATE, battery, fetch
+from parity_battery import ASK, CHAT, SCHEMA, THINK_TEMPLATE, battery, fetch, spliced
 from conveyor.cluster import wire
 from conveyor.testing import write_tiny_model_dir
 
@@ -245,13 +245,19 @@ def test_client_disconnect_cancels_on_both_nodes(topo):
 
 def test_kill_9_of_a_prefill_node_under_load_loses_nothing(topo):
     work = [w for w in requests_16() if w[1].get("temperature") == 0]
-    for _, body in work:
+    schema = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    work += [(CHAT, {"messages": ASK, "temperature": 1.0, "seed": 5 + i, "response_format": schema,
+                     "stream": i == 1}) for i in range(2)]  # seeded and constrained: spliced too
+    for path, body in work:
         body["max_tokens"] = 120  # long enough that the kill lands mid-stream
         body["ignore_eos"] = True
+        body["cache_prompt"] = False
+        body["logprobs"] = True if path == CHAT else 2  # a retry must not repeat the logprobs sent
+        body["top_logprobs" if path == CHAT else "logprobs"] = 2
         body.pop("stop", None)
     with ThreadPoolExecutor(16) as pool:
-        reference = list(pool.map(lambda w: call(topo["single"].url, *w), work))
-        futures = [pool.submit(call, topo["router"].url, *w) for w in work]
+        reference = [spliced(r) for r in pool.map(lambda w: fetch(topo["single"].url, *w), work)]
+        futures = [pool.submit(lambda w: spliced(fetch(topo["router"].url, *w)), w) for w in work]
         wait_for(lambda: node(stats(topo), "prefill", topo["a"])["in_flight"] > 0, 20, "load on prefill-a")
         time.sleep(0.3)
         topo["a"].kill9()
