@@ -114,7 +114,7 @@ class RouterServing:
         return await self._run(http, plan, arrival)
 
     # -- running ---------------------------------------------------------------------------
-    def _admit(self, num_requests: int) -> None:
+    def _admit(self, num_requests: int = 1) -> None:
         """Before any dispatch: a pool with no node online, or a router queue at its bound, is a 503."""
         stats = self.registry.stats
         num_prefill = len(self.registry.prefill.online())
