@@ -1,0 +1,117 @@
+"""The built-in page's HTTP side: its files, --no-webui, and the dashboard snapshot and stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import httpx
+import pytest
+
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.server.dashboard import Rates
+from conveyor.server.webui import load_assets
+
+LONG = {"prompt": "Count forever:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+class LongStreams:
+    """`n` long streaming completions held open in background threads until `close()`."""
+
+    def __init__(self, url: str, n: int, path: str = "/v1/completions", body: dict | None = None,
+                 headers: dict | None = None) -> None:
+        self.started = [threading.Event() for _ in range(n)]
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(url + path, body or LONG, headers or {}, e),
+                                          daemon=True) for e in self.started]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, url: str, body: dict, headers: dict, started: threading.Event) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                if self._stop.is_set():
+                    return  # leaving the block closes the connection: the server aborts the request
+
+    def wait_started(self, timeout: float = 60) -> None:
+        for event in self.started:
+            assert event.wait(timeout), "a background stream did not start"
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+
+
+def test_page_and_its_files_are_served_without_external_urls(served):
+    page = httpx.get(f"{served.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert '<script src="/webui/webui.js"' in page.text
+    js = httpx.get(f"{served.url}/webui/webui.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert "/v1/dashboard/stream" in js.text and "/v1/chat/completions" in js.text
+    assert httpx.get(f"{served.url}/webui/webui.css").status_code == 200
+    assert httpx.get(f"{served.url}/webui/secret.py").status_code == 404
+    for name, data in load_assets().items():  # nothing is fetched from anywhere else (no CDN)
+        assert not re.search(rb"(?<![\w-])(https?:)?//[a-z0-9]", data), name
+
+
+def test_no_webui_flag_turns_the_page_off(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(webui=False)) as served:
+        assert httpx.get(f"{served.url}/").status_code == 404
+        assert httpx.get(f"{served.url}/webui/webui.js").status_code == 404
+        assert httpx.get(f"{served.url}/v1/dashboard").status_code == 200  # the data stays
+
+
+def test_snapshot_lists_running_and_queued_requests(served):
+    """4 slots, 6 long requests: 4 rows running (prefilling or decoding), 2 queued."""
+    streams = LongStreams(served.url, 6)
+    try:
+        served.wait_until(lambda: served.core.scheduler.num_running == 4 and served.core.scheduler.num_waiting == 2,
+                          timeout=60, what="4 running and 2 queued")
+        snap = httpx.get(f"{served.url}/v1/dashboard").json()
+        states = [r["state"] for r in snap["requests"]]
+        assert snap["slots_total"] == 4 and snap["queue_depth"] == 2
+        assert set(states[:4]) <= {"prefilling", "decoding"} and states[4:] == ["queued"] * 2
+        assert snap["kv"]["used"] > 0
+        assert snap["kv"]["used"] + snap["kv"]["cached_free"] + snap["kv"]["free"] == snap["kv"]["total"]
+        assert snap["kernels"]["backend"] and snap["weights"]["weight_dtype"]
+        assert snap["model"] == served.model
+    finally:
+        streams.close()
+    served.wait_until(lambda: served.core.pool.stats().num_used == 0, what="KV blocks freed")
+
+
+def test_stream_pushes_snapshots_with_rates(served):
+    with httpx.stream("GET", f"{served.url}/v1/dashboard/stream", timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    break
+    assert events[0]["rates"] == {"tok_s": None, "ttft_s": None}  # no interval yet
+    assert events[1]["rates"]["tok_s"] is not None and events[1]["time"] > events[0]["time"]
+
+
+def test_dashboard_needs_the_api_key(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="k")) as served:
+        assert httpx.get(f"{served.url}/v1/dashboard/stream").status_code == 401
+        assert httpx.get(f"{served.url}/").status_code == 200
+        ok = httpx.get(f"{served.url}/v1/dashboard", headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200 and ok.json()["role"] == "node"
+
+
+def test_rates_are_counter_differences():
+    rates = Rates()
+    assert rates.update({"generated_tokens": 10, "ttft_sum": 1.0, "ttft_count": 2}, now=100.0) == \
+        {"tok_s": None, "ttft_s": None}
+    # 50 tokens in 0.5 s; two first tokens arrived, 0.3 s and 0.5 s after their requests.
+    got = rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=100.5)
+    assert got == {"tok_s": 100.0, "ttft_s": pytest.approx(0.4)}
+    assert rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=101.0)["ttft_s"] is None
