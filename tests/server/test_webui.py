@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import httpx
 import pytest
@@ -12,39 +11,6 @@ import pytest
 from conveyor.config import EngineConfig, ServerConfig
 from conveyor.server.dashboard import Rates
 from conveyor.server.webui import load_assets
-
-LONG = {"prompt": "Count forever:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
-
-
-class LongStreams:
-    """`n` long streaming completions held open in background threads until `close()`."""
-
-    def __init__(self, url: str, n: int, path: str = "/v1/completions", body: dict | None = None,
-                 headers: dict | None = None) -> None:
-        self.started = [threading.Event() for _ in range(n)]
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._read, args=(url + path, body or LONG, headers or {}, e),
-                                          daemon=True) for e in self.started]
-        for t in self._threads:
-            t.start()
-
-    def _read(self, url: str, body: dict, headers: dict, started: threading.Event) -> None:
-        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    started.set()
-                if self._stop.is_set():
-                    return  # leaving the block closes the connection: the server aborts the request
-
-    def wait_started(self, timeout: float = 60) -> None:
-        for event in self.started:
-            assert event.wait(timeout), "a background stream did not start"
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
-
 
 def test_page_and_its_files_are_served_without_external_urls(served):
     page = httpx.get(f"{served.url}/")
@@ -67,9 +33,9 @@ def test_no_webui_flag_turns_the_page_off(serve_tiny):
         assert httpx.get(f"{served.url}/v1/dashboard").status_code == 200  # the data stays
 
 
-def test_snapshot_lists_running_and_queued_requests(served):
+def test_snapshot_lists_running_and_queued_requests(served, long_streams):
     """4 slots, 6 long requests: 4 rows running (prefilling or decoding), 2 queued."""
-    streams = LongStreams(served.url, 6)
+    streams = long_streams(served.url, 6)
     try:
         served.wait_until(lambda: served.core.scheduler.num_running == 4 and served.core.scheduler.num_waiting == 2,
                           timeout=60, what="4 running and 2 queued")

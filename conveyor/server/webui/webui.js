@@ -171,6 +171,7 @@ function requestBody() {
     top_p: numberField("top_p"),
     max_tokens: numberField("max_tokens"),
     seed: numberField("seed"),
+    ignore_eos: $("ignore_eos").checked || undefined,  // a server extension (llama-server's too)
   };
   const tools = $("tools").value.trim();
   if (tools) body.tools = JSON.parse(tools);  // a SyntaxError is shown as the reply's error

@@ -1,0 +1,155 @@
+"""The page at / in a real browser: Debian's chromium driven by Playwright (no browser download).
+
+Skips, saying why, only where no chromium is installed (`make setup` installs it with apt-get).
+Every wait is on a page or server condition, never a sleep. CONVEYOR_WEBUI_SCREENSHOT=path.png
+saves the page under load (docs/webui.png is made that way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from conveyor.config import EngineConfig, ServerConfig
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+
+# The real binary first: /usr/bin/chromium is Debian's shell wrapper around it.
+CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", shutil.which("chromium"), shutil.which("chromium-browser"))
+                 if p and os.access(p, os.X_OK)), None)
+if CHROMIUM is None:
+    pytest.skip("no chromium browser on this machine (apt-get install chromium; `make setup` tries it): "
+                "the web page's browser test cannot run", allow_module_level=True)
+
+WAIT_MS = 60_000  # an upper bound on waiting for an event, never a pacing delay
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def served8(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=8, max_queue_depth=32), ServerConfig(metrics=True)) as served:
+        yield served
+
+
+class Page:
+    """A browser tab on the server's page, collecting console errors and uncaught exceptions."""
+
+    def __init__(self, browser, url: str) -> None:
+        self.page = browser.new_page(viewport={"width": 1400, "height": 900})
+        self.page.set_default_timeout(WAIT_MS)
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.goto(url)
+
+    def wait_live(self) -> None:
+        self.page.wait_for_selector('#conn[data-state="live"]')
+
+    def settings(self, **values) -> None:
+        self.page.click("#settings summary")
+        for name, value in values.items():
+            if isinstance(value, bool):
+                self.page.set_checked(f"#{name}", value)
+            else:
+                self.page.fill(f"#{name}", str(value))
+
+    def send(self, text: str) -> None:
+        self.page.fill("#prompt", text)
+        self.page.click("#send")
+
+    def close(self) -> None:
+        self.page.close()
+
+
+def _aborted(served) -> int:
+    return served.core.scheduler.stats.finished_by_reason.get("abort", 0)
+
+
+def test_page_loads_and_a_chat_streams_to_completion(browser, served8):
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=served8.model)
+        assert tab.page.text_content("#backend")  # the kernel backend, from the snapshot
+        tab.settings(temperature=0, max_tokens=12)
+        tab.send("Hello there!")
+        reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        assert reply.query_selector(".content").text_content()
+        meta = reply.query_selector(".meta").text_content()
+        assert "finished:" in meta and "tokens" in meta
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()
+
+
+def test_stop_button_cancels_and_frees_kv_blocks(browser, served8):
+    aborted = _aborted(served8)
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.settings(max_tokens=3000, ignore_eos=True)
+        tab.send("Count forever")
+        # Streaming: text arrived and the request holds KV blocks.
+        tab.page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .content')?.textContent.length > 0")
+        assert served8.core.pool.stats().num_used > 0
+        tab.page.click("#stop")
+        tab.page.wait_for_selector('.msg.assistant[data-state="stopped"]')
+        served8.wait_until(lambda: served8.core.pool.stats().num_used == 0 and served8.engine.num_in_flight == 0,
+                           timeout=30, what="the stopped request's KV blocks to be freed")
+        assert _aborted(served8) == aborted + 1
+        assert tab.page.is_enabled("#send") and not tab.page.is_enabled("#stop")
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()
+
+
+def test_dashboard_shows_eight_active_slots_under_load(browser, served8, long_streams):
+    tab = Page(browser, served8.url)
+    streams = long_streams(served8.url, 8)
+    try:
+        tab.wait_live()
+        tab.page.wait_for_function("() => document.querySelectorAll('#slots tbody tr.active').length === 8")
+        assert tab.page.text_content("#stat-running") == "8 / 8"
+        # The rows' tokens and rates move: a decoding row shows its tok/s once it has two tokens.
+        tab.page.wait_for_function(
+            "() => [...document.querySelectorAll('#slots tr[data-state=decoding] td:last-child')]"
+            ".filter(td => td.textContent !== '–').length === 8")
+        tab.page.wait_for_function("() => Number(document.querySelector('#kv-bar').dataset.used) > 0")
+        if path := os.environ.get("CONVEYOR_WEBUI_SCREENSHOT"):
+            tab.send("Tell me about continuous batching.")
+            tab.page.wait_for_function("() => document.querySelector('.msg.assistant .content')?.textContent.length > 40")
+            tab.page.screenshot(path=path)
+        assert not tab.errors, tab.errors
+    finally:
+        streams.close()
+        tab.close()
+    served8.wait_until(lambda: served8.core.pool.stats().num_used == 0 and served8.engine.num_in_flight == 0,
+                       timeout=30, what="the background requests to end")
+
+
+def test_page_asks_for_the_api_key(browser, serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="sesame")) as served:
+        tab = Page(browser, served.url)
+        try:
+            tab.page.wait_for_selector("#key-form:not([hidden])")
+            tab.page.fill("#api-key", "sesame")
+            tab.page.click("#save-key")
+            tab.wait_live()
+            tab.settings(temperature=0, max_tokens=4)
+            tab.send("Hi")
+            tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+            # The only errors are the browser's notes of the first, keyless 401s.
+            assert all("401" in e for e in tab.errors), tab.errors
+        finally:
+            tab.close()
