@@ -81,6 +81,7 @@ def test_page_loads_and_a_chat_streams_to_completion(browser, served8):
         tab.wait_live()
         tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=served8.model)
         assert tab.page.text_content("#backend")  # the kernel backend, from the snapshot
+        assert not tab.page.is_visible("#key-form")  # no key needed, none asked for
         tab.settings(temperature=0, max_tokens=12)
         tab.send("Hello there!")
         reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
@@ -142,10 +143,11 @@ def test_page_asks_for_the_api_key(browser, serve_tiny):
     with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="sesame")) as served:
         tab = Page(browser, served.url)
         try:
-            tab.page.wait_for_selector("#key-form:not([hidden])")
+            tab.page.wait_for_selector("#key-form", state="visible")
             tab.page.fill("#api-key", "sesame")
             tab.page.click("#save-key")
             tab.wait_live()
+            assert not tab.page.is_visible("#key-form")
             tab.settings(temperature=0, max_tokens=4)
             tab.send("Hi")
             tab.page.wait_for_selector('.msg.assistant[data-state="done"]')

@@ -359,12 +359,14 @@ function drawChart(canvas, points, now) {
   ctx.beginPath(); ctx.moveTo(0, y(0)); ctx.lineTo(width, y(0)); ctx.stroke();
   ctx.strokeStyle = "#2f6fdb";
   ctx.lineWidth = 1.5;
+  ctx.fillStyle = "#2f6fdb";
   ctx.beginPath();
   let drawing = false;
   for (const [t, v] of points) {
     if (v === null) { drawing = false; continue; }
     if (drawing) ctx.lineTo(x(t), y(v)); else ctx.moveTo(x(t), y(v));
     drawing = true;
+    ctx.fillRect(x(t) - 1.5, y(v) - 1.5, 3, 3);  // a lone value (a TTFT between gaps) still shows
   }
   ctx.stroke();
   ctx.fillStyle = "#6b6b70";
