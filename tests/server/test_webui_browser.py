@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import threading
+import time
 
 import pytest
+import uvicorn
 
 from conveyor.config import EngineConfig, ServerConfig
 
@@ -155,3 +159,42 @@ def test_page_asks_for_the_api_key(browser, serve_tiny):
             assert all("401" in e for e in tab.errors), tab.errors
         finally:
             tab.close()
+
+
+def test_router_page_shows_each_node(browser):
+    """The cluster router serves the same page; its dashboard lists the nodes of both pools."""
+    from conveyor.cluster.router import create_router_app
+    from conveyor.config import ClusterConfig
+    from conveyor.server.lifecycle import GracefulServer
+    from conveyor.testing import smollm_tokenizer
+
+    with socket.socket() as node, socket.socket() as dead, socket.socket() as front:
+        node.bind(("127.0.0.1", 0))
+        node.listen()  # accepts the health probe: online
+        dead.bind(("127.0.0.1", 0))  # refuses: unreachable
+        front.bind(("127.0.0.1", 0))
+        online, offline = (f"127.0.0.1:{s.getsockname()[1]}" for s in (node, dead))
+        cluster = ClusterConfig(node_role="router", prefill_peers=online, decode_peers=offline, health_check_interval=60)
+        app = create_router_app(smollm_tokenizer(), "tiny-router", cluster)
+        server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), None)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [front]}, daemon=True)
+        thread.start()
+        tab = None
+        try:
+            while not server.started:
+                assert thread.is_alive(), "the router did not start"
+                time.sleep(0.01)  # polling uvicorn start, as conftest.serve does
+            tab = Page(browser, f"http://127.0.0.1:{front.getsockname()[1]}")
+            tab.wait_live()
+            tab.page.wait_for_function("() => document.querySelectorAll('#nodes tbody tr').length === 2")
+            assert tab.page.get_attribute("body", "data-role") == "router"
+            rows = [r.split("\t") for r in tab.page.eval_on_selector_all(
+                "#nodes tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent).join('\\t'))")]
+            assert [r[:3] for r in rows] == [["prefill", online, "online"], ["decode", offline, "unreachable"]]
+            assert not tab.page.is_visible("#slots")
+            assert not tab.errors, tab.errors
+        finally:
+            if tab is not None:
+                tab.close()
+            server.should_exit = True
+            thread.join(timeout=15)
