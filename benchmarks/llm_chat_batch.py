@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--note", default="", help="appended to the caption (e.g. 'machine busy')")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    llm = LLM(model=args.model, parallel=max(16, args.conversations))
+    # No prefix cache: the batch would otherwise reuse the prompts' blocks the loop computed first.
+    llm = LLM(model=args.model, parallel=max(16, args.conversations), enable_prefix_caching=False)
     convs = conversations(args.conversations)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.chat(convs[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up: kernels, allocator
