@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.health import HealthMonitor
 from conveyor.cluster.registry import Registry
 from conveyor.cluster.remote import DispatchError, RemoteRequest, cancel_quietly, no_decode, no_prefill, overloaded
@@ -28,7 +29,6 @@ from conveyor.config import ClusterConfig, ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.cluster.dashboard import router_snapshot
 from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits

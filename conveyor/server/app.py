@@ -109,7 +109,6 @@ def add_dashboard_routes(router: APIRouter, snapshot: Callable[[], dict], stop: 
         return SSEResponse(dashboard.snapshot_stream(snapshot, stop))
 
 
-
 def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_card: Callable[[], dict]) -> None:
     """The OpenAI routes a single node and the cluster router share; `serving` has chat(), completion()
     and check_model() (OpenAIServing here, the router's dispatcher in conveyor/cluster/router.py)."""

@@ -7,6 +7,7 @@ saves the page under load (docs/webui.png is made that way).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -198,3 +199,38 @@ def test_router_page_shows_each_node(browser):
                 tab.close()
             server.should_exit = True
             thread.join(timeout=15)
+
+
+def test_reasoning_is_folded_and_tool_calls_are_shown(browser, served8):
+    """The tiny random model never thinks or calls tools, so this reply is canned (the page's
+    request is answered in the browser); what is checked is how the page shows such a stream."""
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    stream = "".join([
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "The user wants "}), chunk({"reasoning_content": "the weather."}),
+        chunk({"content": "Let me check."}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+        "data: [DONE]\n\n"])
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.page.route("**/v1/chat/completions",
+                       lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
+        tab.send("Weather in Paris?")
+        reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        details = reply.query_selector("details.reasoning")
+        assert details.get_attribute("open") is None  # folded
+        assert details.query_selector("pre").text_content() == "The user wants the weather."
+        assert not details.query_selector("pre").is_visible()
+        assert reply.query_selector(".content").text_content() == "Let me check."
+        assert reply.query_selector(".tool").text_content() == 'tool call: get_weather({"city": "Paris"})'
+        assert "finished: tool_calls" in reply.query_selector(".meta").text_content()
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()

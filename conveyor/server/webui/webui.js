@@ -113,19 +113,22 @@ class Reply {
     this.render();
   }
 
+  // Updates the reply in place, so a reasoning block the user unfolded stays open while it streams.
   render() {
-    const node = this.node;
-    node.replaceChildren();
-    if (this.reasoning) {
+    if (!this.parts) {
       const details = el("details", "reasoning");
-      details.append(el("summary", "", "Reasoning"), el("pre", "", this.reasoning));
-      node.append(details);
+      details.hidden = true;
+      details.append(el("summary", "", "Reasoning"), el("pre"));
+      this.parts = { details, content: el("div", "content"), tools: el("div", "tools") };
+      this.node.replaceChildren(details, this.parts.content, this.parts.tools);
     }
-    node.append(el("div", "content", this.content));
-    for (const call of this.toolCalls.filter(Boolean)) {
-      node.append(el("div", "tool", `tool call: ${call.name}(${call.arguments})`));
-    }
-    node.scrollIntoView({ block: "end" });
+    const { details, content, tools } = this.parts;
+    details.hidden = !this.reasoning;
+    details.querySelector("pre").textContent = this.reasoning;
+    content.textContent = this.content;
+    tools.replaceChildren(...this.toolCalls.filter(Boolean).map(
+      (call) => el("div", "tool", `tool call: ${call.name}(${call.arguments})`)));
+    this.node.scrollIntoView({ block: "end" });
   }
 
   finish(outcome, usage) {
