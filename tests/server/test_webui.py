@@ -81,3 +81,24 @@ def test_rates_are_counter_differences():
     got = rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=100.5)
     assert got == {"tok_s": 100.0, "ttft_s": pytest.approx(0.4)}
     assert rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=101.0)["ttft_s"] is None
+
+
+def test_request_rows_name_each_state():
+    from conveyor.engine.request import Request, RequestStatus
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.server.dashboard import _request_row
+
+    def request(status: RequestStatus, computed: int = 0, outputs: int = 0, preemptions: int = 0) -> Request:
+        r = Request("r", list(range(10)), SamplingParams(max_tokens=50), status=status, num_computed_tokens=computed,
+                    num_preemptions=preemptions)
+        r.output_token_ids = [1] * outputs
+        r.first_token_time = 100.0 if outputs else None
+        return r
+
+    assert _request_row(request(RequestStatus.QUEUED), 101.0)["state"] == "queued"
+    assert _request_row(request(RequestStatus.QUEUED, outputs=3, preemptions=1), 101.0)["state"] == "preempted"
+    prefill = _request_row(request(RequestStatus.PREFILLING, computed=4), 101.0)
+    assert (prefill["state"], prefill["computed_tokens"], prefill["prompt_tokens"], prefill["tok_s"]) == \
+        ("prefilling", 4, 10, None)
+    decode = _request_row(request(RequestStatus.DECODING, computed=14, outputs=5), 102.0)
+    assert (decode["state"], decode["output_tokens"], decode["tok_s"]) == ("decoding", 5, 2.0)  # 4 tokens in 2 s
