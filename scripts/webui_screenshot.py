@@ -46,6 +46,8 @@ def main() -> None:
             page.set_default_timeout(300_000)
             page.goto(url)
             page.wait_for_function(f"() => document.querySelectorAll('#slots tr[data-state=decoding]').length >= {args.load}")
+            # Half a minute of history, so the charts show a line rather than a few points.
+            page.wait_for_function("() => state.history.length && state.history.at(-1).t - state.history[0].t > 30")
             page.fill("#prompt", "What is continuous batching in LLM serving? Answer in a few sentences.")
             page.click("#send")
             page.wait_for_function("() => document.querySelector('.msg.assistant .content')?.textContent.length > 200")

@@ -257,12 +257,23 @@ async function runDashboard() {
 function render(snapshot) {
   document.body.dataset.role = snapshot.role;
   $("model").textContent = snapshot.model;
-  state.history.push({ t: snapshot.time, tok_s: snapshot.rates.tok_s, ttft_s: snapshot.rates.ttft_s });
+  state.history.push({ t: snapshot.time, tokens: snapshot.counters.generated_tokens,
+                       tok_s: smoothedRate(snapshot), ttft_s: snapshot.rates.ttft_s });
   while (state.history.length && state.history[0].t < snapshot.time - HISTORY_S) state.history.shift();
   if (snapshot.role === "router") renderRouter(snapshot);
   else renderNode(snapshot);
   drawChart($("chart-toks"), state.history.map((h) => [h.t, h.tok_s]), snapshot.time);
   drawChart($("chart-ttft"), state.history.map((h) => [h.t, h.ttft_s]), snapshot.time);
+}
+
+// tokens/s over the last RATE_WINDOW_S from the cumulative counter (a 0.25 s difference is jumpy).
+const RATE_WINDOW_S = 1;
+function smoothedRate(snapshot) {
+  const tokens = snapshot.counters.generated_tokens;
+  if (tokens === null || tokens === undefined) return null;
+  const then = state.history.findLast((h) => h.t <= snapshot.time - RATE_WINDOW_S && h.tokens !== null);
+  if (!then || tokens < then.tokens) return snapshot.rates.tok_s;  // too young, or the server restarted
+  return (tokens - then.tokens) / (snapshot.time - then.t);
 }
 
 const percent = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)} %`);
@@ -282,7 +293,7 @@ function renderNode(s) {
   $("stat-queue").textContent = `${s.queue_depth}`;
   $("stat-prefix").textContent = percent(s.prefix_cache.enabled ? s.prefix_cache.hit_rate : null);
   $("stat-spec").textContent = s.speculation.acceptance === null ? "–" : percent(s.speculation.acceptance);
-  $("stat-toks").textContent = fixed(s.rates.tok_s, 1);
+  $("stat-toks").textContent = fixed(lastValue("tok_s"), 1);
   const ttft = lastValue("ttft_s");
   $("stat-ttft").textContent = ttft === null ? "–" : `${ttft.toFixed(3)} s`;
   const kv = s.kv;
