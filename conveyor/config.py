@@ -145,7 +145,7 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     metrics: bool = False
-    webui: bool = True  # the chat + live dashboard page at / (server/webui/)
+    webui: bool = True  # the chat + live dashboard page at / (server/webui.py, static/)
     served_model_name: str | None = None
     shutdown_grace_seconds: float = 30.0
     # Request limits (server/limits.py): refused with 413 / 400 before anything is tokenized.

@@ -1,6 +1,6 @@
 """The built-in page at `/`: chat and a live dashboard, plain HTML/CSS/JS shipped in the package.
 
-The files are read once from the package (server/webui/, package-data) and served as they are:
+The files are read once from the package (server/static/, package-data) and served as they are:
 no build step, nothing from a CDN, and the Content-Security-Policy keeps the page from loading
 anything but its own files and this server's API. The page itself holds no data, so it is served
 without the API key; it asks for the key and sends it on every API call (/v1/dashboard/stream too).
@@ -21,7 +21,7 @@ _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
 
 
 def load_assets() -> dict[str, bytes]:
-    folder = resources.files("conveyor.server") / "webui"
+    folder = resources.files("conveyor.server") / "static"
     return {name: (folder / name).read_bytes() for name in _ASSETS}
 
 
