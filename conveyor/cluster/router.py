@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.health import HealthMonitor
 from conveyor.cluster.registry import Registry
 from conveyor.cluster.remote import DispatchError, RemoteRequest, cancel_quietly, no_decode, no_prefill, overloaded
@@ -28,7 +29,7 @@ from conveyor.config import ClusterConfig, ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.app import _api_key_check, add_openai_routes
+from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.middleware import BodySizeLimit, CatchAll
@@ -38,6 +39,7 @@ from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, S
 from conveyor.server.responses import ChoiceState, ResponseHeader, TokenText, chunk, full_response, sse, usage_chunk
 from conveyor.server.streams import wait_for_disconnect
 from conveyor.server.structured_output import plan_chat, reply_starts_thinking
+from conveyor.server.webui import add_webui_routes
 
 logger = logging.getLogger(__name__)
 
@@ -325,8 +327,11 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_name}
 
+    if server.webui:
+        add_webui_routes(app)
     api = APIRouter()
     add_openai_routes(api, serving, limits, model_card)
+    add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
     app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
     return app
 
