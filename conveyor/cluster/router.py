@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.health import HealthMonitor
 from conveyor.cluster.node import to_wire
 from conveyor.cluster.registry import Registry
@@ -32,7 +33,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.app import _api_key_check, add_openai_routes
+from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.metrics import CONTENT_TYPE
@@ -41,6 +42,7 @@ from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.reply import respond
 from conveyor.server.request_plan import RequestPlan, plan_chat_request, plan_completion_request, priority
 from conveyor.server.responses import TokenText
+from conveyor.server.webui import add_webui_routes
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +303,11 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_name}
 
+    if server.webui:
+        add_webui_routes(app)
     api = APIRouter()
     add_openai_routes(api, serving, limits, model_card)
+    add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
     app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
     return app
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import EngineCore
+from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.loading import Checkpoint
@@ -64,7 +65,8 @@ class AsyncEngine:
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None, **kwargs) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                    progress: LoadProgress | None = None, **kwargs) -> AsyncEngine:
         """Build the EngineCore on the thread that will step it, and wait until it is loaded.
 
         NOTE: measured here, a core built on the main thread and stepped on another decoded at
@@ -76,7 +78,7 @@ class AsyncEngine:
 
         def build_then_run() -> None:
             try:
-                engine.core = EngineCore(config, checkpoint)
+                engine.core = EngineCore(config, checkpoint, progress=progress)
                 engine.max_queue_depth = kwargs.get("max_queue_depth") or config.max_queue_depth
             except BaseException as exc:  # reported to the caller below
                 failure.append(exc)

@@ -15,6 +15,7 @@ from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.draft_setup import load_draft_model
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
+from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
@@ -68,16 +69,20 @@ class EngineCounters:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                 draft_checkpoint: Checkpoint | None = None) -> None:
+                 draft_checkpoint: Checkpoint | None = None, progress: LoadProgress | None = None) -> None:
         self.config = config
+        progress = progress or LoadProgress()
         if config.threads:
             torch.set_num_threads(config.threads)
-        checkpoint = checkpoint or load_checkpoint(config.model)
+        if checkpoint is None:
+            progress.set_stage("reading the checkpoint")
+            checkpoint = load_checkpoint(config.model)
         self.model_name = checkpoint.name
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
+        progress.set_stage("kernels")  # the first start compiles them (kernels/build.py logs how long)
         # The compute backend is resolved once, here, and handed to every layer and the sampler.
         self.backend: KernelBackend = resolve_backend(self.device, self.dtype, config.kernel_settings,
                                                       config.batch_invariant)
@@ -85,14 +90,17 @@ class EngineCore:
         if not self.backend.batch_invariant:
             logger.warning("batch invariance is OFF on this backend (%s): greedy outputs may depend on "
                            "batch-mates, and speculative decoding is disabled", self.backend.name)
-        model = build_model(checkpoint.config, checkpoint.weights, self.dtype, self.device, config.batch_invariant,
-                            config.weight_dtype, ops=self.backend, release=checkpoint.release_pages)
+        progress.set_stage("weights")
+        model = build_model(checkpoint.config, progress.track(checkpoint.weights), self.dtype, self.device,
+                            config.batch_invariant, config.weight_dtype, ops=self.backend,
+                            release=checkpoint.release_pages)
         # Bytes as kept (GGML blocks, packed bf16, int8): what the weights cost, for the KV pool plan.
         self.weight_formats = weight_bytes_by_format(model)
         weight_bytes = sum(self.weight_formats.values())
         logger.info("weights: %s", describe_formats(self.weight_formats))
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
+        progress.set_stage("draft model and KV cache")
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
         # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes.
         bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype)
@@ -137,6 +145,7 @@ class EngineCore:
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
+        progress.finish()
 
     def _drafter(self, config: EngineConfig) -> DraftRunner | None:
         if self.draft is None:

@@ -1,4 +1,8 @@
-"""Offline Python API: LLM(model=...).generate(prompts, SamplingParams(...))."""
+"""Offline Python API: LLM(model=...).chat(conversations, params) and .generate(prompts, params).
+
+chat() applies the model's chat template; generate() is raw completion of the text as given. Both
+put every input into the one continuous batch of the engine at once.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionResult]:
-        """Run every prompt through the continuous-batching engine at once; results in input order."""
+        """Raw completion: each prompt is continued as given (no chat template; for an instruct model
+        use chat()). Every prompt runs through the continuous-batching engine at once; results in
+        input order. `params` is one SamplingParams for all prompts or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -54,7 +60,19 @@ class LLM:
                     result.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in order]
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionResult:
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> CompletionResult | list[CompletionResult]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to a list of them.
+
+        The chat template is applied to each, then all run in one continuous batch through generate();
+        one conversation gives one result, a list gives a list in input order.
+        """
+        single = not conversations or isinstance(conversations[0], dict)
+        batch: list[list[dict]] = [conversations] if single else conversations  # type: ignore[list-item]
+        prompts = [self._chat_prompt_ids(messages) for messages in batch]
+        results = self.generate(prompts, params)
+        return results[0] if single else results
+
+    def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.generate([ids], params)[0]
+        return self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import platform
 import re
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -204,11 +205,64 @@ def load_kernel(kernel: str, arch: str) -> KernelBuild:
         return KernelBuild(kernel, None, first_error(str(exc)) or type(exc).__name__)
 
 
+# Compiler CPU seconds for all four kernels (README: about 2 min 40 s), for the first start's estimate.
+ESTIMATED_BUILD_CPU_S = 160.0
+
+
+def isa_level(features: frozenset[str]) -> str:
+    """The kernels' fast path for these CPU flags, named as KernelBackend names it."""
+    if {"amx_tile", "amx_bf16"} <= features:
+        return "amx"
+    if "avx512_bf16" in features:
+        return "avx512_bf16"
+    if "avx512f" in features:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= features else "generic"
+
+
+def _build_directory(name: str) -> Path | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except Exception:  # a private torch helper moved: no estimate, the build itself is unaffected
+        return None
+
+
+def _announce_build(arch: str) -> set[str]:
+    """Log what a first start is waiting for (which level, about how long, where it is cached);
+    returns the kernels not built yet."""
+    pending = set()
+    for kernel in KERNELS:
+        directory = _build_directory(extension_name(kernel, arch))
+        if directory is not None and not (directory / f"{extension_name(kernel, arch)}.so").exists():
+            pending.add(kernel)
+    if pending:
+        try:
+            level = isa_level(required_features(arch)) if is_x86() else "generic"
+        except Exception:  # no compiler: load_kernel reports it
+            return pending
+        cpus = max(1, min(len(pending), os.cpu_count() or 1))
+        seconds = ESTIMATED_BUILD_CPU_S * len(pending) / len(KERNELS) / cpus
+        cache = _build_directory(extension_name(next(iter(pending)), arch))
+        # NOTE: a warning so that every entry point shows it: a silent multi-minute start looks hung.
+        logger.warning("compiling %d C++ kernel(s) for %s (-march=%s), about %.0f s on %d CPU(s), once: "
+                       "cached in %s", len(pending), level, arch, seconds, cpus, cache.parent if cache else "?")
+    return pending
+
+
 @lru_cache(maxsize=8)
 def load_kernels(arch: str = "native") -> dict[str, KernelBuild]:
     """Every kernel for `arch`, compiled concurrently (each build is one compiler process)."""
+    pending = _announce_build(arch)
+    started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(KERNELS)) as pool:
-        builds = list(pool.map(lambda k: load_kernel(k, arch), KERNELS))
+        futures = {pool.submit(load_kernel, k, arch): k for k in KERNELS}
+        for done, future in enumerate(as_completed(futures), 1):
+            if futures[future] in pending:
+                logger.info("kernel %s ready after %.0f s (%d/%d)", futures[future], time.perf_counter() - started,
+                            done, len(KERNELS))
+        builds = [future.result() for future in futures]
     for build in builds:
         if build.module is None:
             logger.warning("C++ kernel %r unavailable for -march=%s: %s", build.kernel, arch, build.error)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.server import errors, observability
+from conveyor.server import dashboard, errors, observability
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
 from conveyor.server.limits import RequestLimits, check_request, parse_json
@@ -27,6 +27,8 @@ from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from conveyor.server.reply import SSEResponse
+from conveyor.server.webui import add_webui_routes
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -86,8 +88,26 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
         async def prometheus() -> Response:
             return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.include_router(_api_router(engine, serving, model_id, limits), dependencies=[Depends(_api_key_check(config.api_key))])
+    if config.webui:
+        add_webui_routes(app)
+    api = _api_router(engine, serving, model_id, limits)
+    add_dashboard_routes(api, lambda: dashboard.engine_snapshot(engine, metrics, model_id),
+                          lambda: serving.draining or not engine.is_alive)
+    app.include_router(api, dependencies=[Depends(_api_key_check(config.api_key))])
     return app
+
+
+def add_dashboard_routes(router: APIRouter, snapshot: Callable[[], dict], stop: Callable[[], bool]) -> None:
+    """The page's live view (a node's or the cluster router's `snapshot`): one JSON snapshot, or a
+    stream of them (SSE, a few per second, ending when `stop()`: draining or dead)."""
+
+    @router.get("/v1/dashboard")
+    async def dashboard_once() -> dict:
+        return snapshot()
+
+    @router.get("/v1/dashboard/stream")
+    async def dashboard_stream() -> Response:
+        return SSEResponse(dashboard.snapshot_stream(snapshot, stop))
 
 
 def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_card: Callable[[], dict]) -> None:

@@ -48,6 +48,9 @@ def serve_until_signal(build: Callable[[], Any]) -> int:
         print(f"conveyor serve: cannot start: {exc}", file=sys.stderr)
         return 1
     server.run()
+    if getattr(server, "failure", None) is not None:  # loaded after listening (server/deferred.py) and failed
+        print(f"conveyor serve: cannot start: {server.failure}", file=sys.stderr)
+        return 1
     logger.info("server stopped")
     return 0
 
@@ -75,17 +78,31 @@ def _setup_logging() -> None:
 
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig):
-    """Load the model and wire engine, app and uvicorn (nothing runs until `.run()`)."""
+    """The uvicorn server; it listens at once and loads the model on a thread meanwhile (`/health` says
+    503 "loading" with the progress until it is ready; server/deferred.py). Nothing runs until `.run()`."""
     # Imported here so `conveyor --help` stays fast.
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import create_app
+    from conveyor.server.deferred import DeferredApp
     from conveyor.server.lifecycle import GracefulServer
 
-    engine = AsyncEngine.from_config(engine_config)  # built on the thread that will step it
-    app = create_app(engine, server_config)
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
+    def build(progress):
+        engine = AsyncEngine.from_config(engine_config, progress=progress)  # built on the thread that will step it
+        return create_app(engine, server_config)
+
+    deferred = DeferredApp(build)
+    config = uvicorn.Config(deferred, host=server_config.host, port=server_config.port, log_config=None,
                             timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
-    return GracefulServer(config, app.state.lifecycle)
+    server = GracefulServer(config, None)
+
+    def ready(app) -> None:
+        server.lifecycle = app.state.lifecycle
+        page = f" (the chat and dashboard page: http://{server_config.host}:{server_config.port}/)" \
+            if server_config.webui else ""
+        logger.info("ready: serving %s%s", app.state.serving.model_id, page)
+
+    deferred.on_ready, deferred.on_failure = ready, server.fail
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:

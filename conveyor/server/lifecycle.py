@@ -65,9 +65,10 @@ class GracefulServer(uvicorn.Server):
     -SIGTERM; we keep the socket open while draining and never re-raise.
     """
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle | None) -> None:
         super().__init__(config)
-        self.lifecycle = lifecycle
+        self.lifecycle = lifecycle  # None while the model loads (server/deferred.py): a signal exits at once
+        self.failure: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
@@ -76,8 +77,13 @@ class GracefulServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    def fail(self, exc: BaseException) -> None:
+        """The model did not load: stop serving; `conveyor serve` exits 1 with the reason."""
+        self.failure = exc
+        self.should_exit = True
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_requested or self._loop is None:
+        if self._drain_requested or self._loop is None or self.lifecycle is None:
             logger.warning("second signal: exiting now")
             self.should_exit = self.force_exit = True
             return
@@ -95,6 +101,7 @@ class GracefulServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await self.lifecycle.drain()
+            if self.lifecycle is not None:
+                await self.lifecycle.drain()
         finally:
             self.should_exit = True

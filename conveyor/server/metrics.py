@@ -144,5 +144,21 @@ class ServerMetrics:
         if out.finished:
             self.e2e.observe(now - timing.arrival)
 
+    def ttft_totals(self) -> tuple[float, float]:
+        """(sum of seconds, count) of the TTFT histogram, for rates over an interval (the dashboard)."""
+        return histogram_totals(self.ttft)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def histogram_totals(histogram: Histogram) -> tuple[float, float]:
+    """A prometheus Histogram's (sum, count), read through its public collect()."""
+    total, count = 0.0, 0.0
+    for family in histogram.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+    return total, count

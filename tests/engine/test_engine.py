@@ -140,3 +140,20 @@ def test_failed_step_finishes_only_its_requests(llm, monkeypatch):
     ok = llm.generate(["after the fault"], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])[0]
     assert len(ok.token_ids) == 3
     _assert_pool_clean(llm)
+
+
+@pytest.mark.batch_invariant
+def test_chat_batch_equals_single_chats(llm):
+    conversations = [[{"role": "user", "content": f"Question {i}: " + "why " * i}] for i in range(6)]
+    conversations[2] = [{"role": "system", "content": "Be brief."}, *conversations[2]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = llm.chat(conversations, params)
+    assert isinstance(batched, list) and len(batched) == len(conversations)
+    for messages, got in zip(conversations, batched):
+        alone = llm.chat(messages, params)
+        assert not isinstance(alone, list)
+        assert got.token_ids == alone.token_ids and got.text == alone.text
+        # The chat template was applied: the prompt is the rendered conversation, not the raw text.
+        rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        assert alone.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    _assert_pool_clean(llm)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -93,3 +94,49 @@ def served(tiny: Checkpoint) -> Iterator[Served]:
     """The shared server: 4 slots, metrics on, no API key. Tests must leave it idle."""
     with serve(tiny, EngineConfig(parallel=4, max_queue_depth=32), ServerConfig(metrics=True)) as s:
         yield s
+
+
+LONG_STREAM = {"prompt": "Count forever:", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+class LongStreams:
+    """`n` long streaming completions held open in background threads until `close()`."""
+
+    def __init__(self, url: str, n: int, path: str = "/v1/completions", body: dict | None = None,
+                 headers: dict | None = None) -> None:
+        self.started = [threading.Event() for _ in range(n)]
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(url + path, body or LONG_STREAM, headers or {}, e),
+                                          daemon=True) for e in self.started]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, url: str, body: dict, headers: dict, started: threading.Event) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                if self._stop.is_set():
+                    return  # leaving the block closes the connection: the server aborts the request
+
+    def wait_started(self, timeout: float = 60) -> None:
+        for event in self.started:
+            assert event.wait(timeout), "a background stream did not start"
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+
+
+@pytest.fixture
+def long_streams():
+    """A factory: `long_streams(url, n)` starts n long streaming completions; all are closed after the test."""
+    opened: list[LongStreams] = []
+
+    def start(url: str, n: int, **kwargs) -> LongStreams:
+        opened.append(LongStreams(url, n, **kwargs))
+        return opened[-1]
+    yield start
+    for streams in opened:
+        streams.close()

@@ -1,0 +1,418 @@
+// conveyor's built-in page: a chat over /v1/chat/completions (SSE) and a live dashboard fed by
+// /v1/dashboard/stream (SSE). Plain browser JavaScript, no dependencies, no build step.
+// Both streams are read with fetch() rather than EventSource, which cannot send the API key.
+"use strict";
+
+const KEY_STORAGE = "conveyor.apiKey";
+const HISTORY_S = 60;  // the charts' window
+const RECONNECT_MS = 1000;
+
+const state = {
+  key: localStorage.getItem(KEY_STORAGE) || "",
+  model: null,
+  messages: [],        // the conversation sent with every request
+  chat: null,          // AbortController of the reply being streamed
+  dashboard: null,     // AbortController of the dashboard stream
+  history: [],         // [{t, tok_s, ttft_s}] for the charts
+};
+
+const $ = (id) => document.getElementById(id);
+
+class Unauthorized extends Error {}
+
+function headers(extra = {}) {
+  return state.key ? { ...extra, Authorization: `Bearer ${state.key}` } : extra;
+}
+
+// Yields the `data:` payload of each server-sent event of a fetch() response.
+async function* sseData(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart()).join("\n");
+      if (data) yield data;
+    }
+  }
+}
+
+async function api(path, init = {}) {
+  const response = await fetch(path, { ...init, headers: headers(init.headers) });
+  if (response.status === 401) throw new Unauthorized();
+  if (!response.ok) {
+    let message = `HTTP ${response.status}`;
+    try { message = (await response.json()).error.message || message; } catch (_) { /* not JSON */ }
+    throw new Error(message);
+  }
+  return response;
+}
+
+// -- API key ---------------------------------------------------------------------------------
+function askForKey(message) {
+  $("key-form").hidden = false;
+  $("show-key").hidden = true;
+  $("key-error").textContent = message || "";
+  setConn("locked", "API key needed");
+  $("api-key").focus();
+}
+
+function useKey(event) {
+  event.preventDefault();
+  state.key = $("api-key").value.trim();
+  localStorage.setItem(KEY_STORAGE, state.key);
+  $("key-form").hidden = true;
+  $("show-key").hidden = false;
+  connect();
+}
+
+// -- chat ------------------------------------------------------------------------------------
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function addMessage(role, text) {
+  const node = el("div", `msg ${role}`);
+  node.append(el("div", "content", text));
+  $("chat-log").append(node);
+  node.scrollIntoView({ block: "end" });
+  return node;
+}
+
+// One assistant reply as it streams: reasoning folded, content, tool calls, a meta line.
+class Reply {
+  constructor() {
+    this.node = addMessage("assistant", "");
+    this.node.dataset.state = "streaming";
+    this.reasoning = "";
+    this.content = "";
+    this.toolCalls = [];
+    this.started = performance.now();
+    this.firstToken = null;
+    this.tokens = 0;
+  }
+
+  add(delta) {
+    if (this.firstToken === null) this.firstToken = performance.now();
+    if (delta.reasoning_content) this.reasoning += delta.reasoning_content;
+    if (delta.content) this.content += delta.content;
+    for (const call of delta.tool_calls || []) {
+      const slot = this.toolCalls[call.index] ||= { id: call.id, name: "", arguments: "" };
+      if (call.function?.name) slot.name += call.function.name;
+      if (call.function?.arguments) slot.arguments += call.function.arguments;
+    }
+    this.render();
+  }
+
+  // Updates the reply in place, so a reasoning block the user unfolded stays open while it streams.
+  render() {
+    if (!this.parts) {
+      const details = el("details", "reasoning");
+      details.hidden = true;
+      details.append(el("summary", "", "Reasoning"), el("pre"));
+      this.parts = { details, content: el("div", "content"), tools: el("div", "tools") };
+      this.node.replaceChildren(details, this.parts.content, this.parts.tools);
+    }
+    const { details, content, tools } = this.parts;
+    details.hidden = !this.reasoning;
+    details.querySelector("pre").textContent = this.reasoning;
+    content.textContent = this.content;
+    tools.replaceChildren(...this.toolCalls.filter(Boolean).map(
+      (call) => el("div", "tool", `tool call: ${call.name}(${call.arguments})`)));
+    this.node.scrollIntoView({ block: "end" });
+  }
+
+  finish(outcome, usage) {
+    this.node.dataset.state = outcome === "error" ? "error" : outcome === "stopped" ? "stopped" : "done";
+    const parts = [outcome];
+    if (usage) {
+      parts.push(`${usage.completion_tokens} tokens`);
+      const seconds = (performance.now() - (this.firstToken ?? this.started)) / 1000;
+      if (usage.completion_tokens > 1 && seconds > 0) parts.push(`${((usage.completion_tokens - 1) / seconds).toFixed(1)} tok/s`);
+    }
+    if (this.firstToken !== null) parts.push(`first token ${((this.firstToken - this.started) / 1000).toFixed(2)} s`);
+    this.node.append(el("div", "meta", parts.join(" · ")));
+  }
+
+  fail(message) {
+    this.node.append(el("div", "meta", `error: ${message}`));
+    this.node.dataset.state = "error";
+  }
+
+  message() {
+    const message = { role: "assistant", content: this.content };
+    const calls = this.toolCalls.filter(Boolean);
+    if (calls.length) {
+      message.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+    }
+    return message;
+  }
+}
+
+function numberField(id) {
+  const text = $(id).value.trim();
+  return text === "" ? undefined : Number(text);
+}
+
+function requestBody() {
+  const system = $("system").value.trim();
+  const body = {
+    model: state.model || undefined,
+    messages: system ? [{ role: "system", content: system }, ...state.messages] : state.messages,
+    stream: true,
+    stream_options: { include_usage: true },
+    temperature: numberField("temperature"),
+    top_p: numberField("top_p"),
+    max_tokens: numberField("max_tokens"),
+    seed: numberField("seed"),
+    ignore_eos: $("ignore_eos").checked || undefined,  // a server extension (llama-server's too)
+  };
+  const tools = $("tools").value.trim();
+  if (tools) body.tools = JSON.parse(tools);  // a SyntaxError is shown as the reply's error
+  return body;
+}
+
+async function send(event) {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || state.chat) return;
+  $("prompt").value = "";
+  state.messages.push({ role: "user", content: text });
+  addMessage("user", text);
+  const reply = new Reply();
+  const controller = new AbortController();
+  state.chat = controller;
+  setBusy(true);
+  let finish = null, usage = null;
+  try {
+    const response = await api("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(requestBody()), signal: controller.signal,
+    });
+    for await (const data of sseData(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      const choice = chunk.choices?.[0];
+      if (!choice) continue;
+      if (choice.delta) reply.add(choice.delta);
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+    reply.finish(finish ? `finished: ${finish}` : "ended", usage);
+  } catch (error) {
+    if (error.name === "AbortError") reply.finish("stopped", null);
+    else if (error instanceof Unauthorized) { reply.fail("unauthorized"); askForKey("The server wants an API key."); }
+    else reply.fail(error.message);
+  } finally {
+    state.chat = null;
+    setBusy(false);
+  }
+  state.messages.push(reply.message());
+}
+
+// Aborting the fetch closes the connection; the server aborts the request and frees its KV blocks.
+function stop() {
+  if (state.chat) state.chat.abort();
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+// -- dashboard -------------------------------------------------------------------------------
+function setConn(name, text) {
+  $("conn").dataset.state = name;
+  $("conn").textContent = text || name;
+}
+
+async function runDashboard() {
+  if (state.dashboard) state.dashboard.abort();
+  const controller = new AbortController();
+  state.dashboard = controller;
+  while (!controller.signal.aborted) {
+    try {
+      const response = await api("/v1/dashboard/stream", { signal: controller.signal });
+      setConn("live");
+      for await (const data of sseData(response)) render(JSON.parse(data));
+    } catch (error) {
+      if (controller.signal.aborted) return;
+      if (error instanceof Unauthorized) { askForKey(state.key ? "That key was refused." : ""); return; }
+    }
+    setConn("reconnecting");
+    await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+  }
+}
+
+function render(snapshot) {
+  document.body.dataset.role = snapshot.role;
+  $("model").textContent = snapshot.model;
+  state.history.push({ t: snapshot.time, tokens: snapshot.counters.generated_tokens,
+                       tok_s: smoothedRate(snapshot), ttft_s: snapshot.rates.ttft_s });
+  while (state.history.length && state.history[0].t < snapshot.time - HISTORY_S) state.history.shift();
+  if (snapshot.role === "router") renderRouter(snapshot);
+  else renderNode(snapshot);
+  drawChart($("chart-toks"), state.history.map((h) => [h.t, h.tok_s]), snapshot.time);
+  drawChart($("chart-ttft"), state.history.map((h) => [h.t, h.ttft_s]), snapshot.time);
+}
+
+// tokens/s over the last RATE_WINDOW_S from the cumulative counter (a 0.25 s difference is jumpy).
+const RATE_WINDOW_S = 1;
+function smoothedRate(snapshot) {
+  const tokens = snapshot.counters.generated_tokens;
+  if (tokens === null || tokens === undefined) return null;
+  const then = state.history.findLast((h) => h.t <= snapshot.time - RATE_WINDOW_S && h.tokens !== null);
+  if (!then || tokens < then.tokens) return snapshot.rates.tok_s;  // too young, or the server restarted
+  return (tokens - then.tokens) / (snapshot.time - then.t);
+}
+
+const percent = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)} %`);
+const fixed = (x, digits) => (x === null || x === undefined ? "–" : x.toFixed(digits));
+
+function lastValue(key) {
+  for (let i = state.history.length - 1; i >= 0; i--) if (state.history[i][key] !== null) return state.history[i][key];
+  return null;
+}
+
+function renderNode(s) {
+  const k = s.kernels;
+  $("backend").textContent = `${k.backend}${k.arch ? ` (${k.arch})` : ""}`;
+  const formats = Object.keys(s.weights.formats);
+  $("weights").textContent = `weights ${s.weights.weight_dtype}${formats.length ? `: ${formats.join(", ")}` : ""}`;
+  $("stat-running").textContent = `${s.num_running} / ${s.slots_total}`;
+  $("stat-queue").textContent = `${s.queue_depth}`;
+  $("stat-prefix").textContent = percent(s.prefix_cache.enabled ? s.prefix_cache.hit_rate : null);
+  $("stat-spec").textContent = s.speculation.acceptance === null ? "–" : percent(s.speculation.acceptance);
+  $("stat-toks").textContent = fixed(lastValue("tok_s"), 1);
+  const ttft = lastValue("ttft_s");
+  $("stat-ttft").textContent = ttft === null ? "–" : `${ttft.toFixed(3)} s`;
+  const kv = s.kv;
+  const share = (n) => `${kv.total ? (100 * n) / kv.total : 0}%`;
+  const bar = $("kv-bar");
+  bar.querySelector(".used").style.width = share(kv.used);
+  bar.querySelector(".cached").style.width = share(kv.cached_free);
+  bar.querySelector(".free").style.width = share(kv.free);
+  $("kv-text").textContent = `${kv.used} used · ${kv.cached_free} cached · ${kv.free} free of ${kv.total} (${kv.block_size} tokens each)`;
+  bar.dataset.used = kv.used;
+  renderSlots(s);
+}
+
+function renderSlots(s) {
+  const rows = s.requests.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.state = r.state;
+    if (r.state === "prefilling" || r.state === "decoding") tr.className = "active";
+    const progress = el("td");
+    if (r.state === "prefilling") {
+      const bar = el("progress");
+      bar.max = r.prompt_tokens;
+      bar.value = r.computed_tokens;
+      progress.append(bar, ` ${r.computed_tokens}/${r.prompt_tokens}`);
+    } else if (r.state === "decoding") {
+      progress.textContent = `${r.output_tokens}/${r.max_tokens}`;
+    } else {
+      progress.textContent = r.preemptions ? `preempted ${r.preemptions}×` : "waiting";
+    }
+    tr.append(el("td", "id", r.id), el("td", "state", r.state), progress,
+              el("td", "", `${r.prompt_tokens} + ${r.output_tokens}`), el("td", "", fixed(r.tok_s, 1)));
+    return tr;
+  });
+  const idle = s.slots_total - s.num_running;
+  if (idle > 0) {
+    const tr = document.createElement("tr");
+    tr.dataset.state = "idle";
+    const td = el("td", "", `${idle} idle slot${idle === 1 ? "" : "s"}`);
+    td.colSpan = 5;
+    tr.append(td);
+    rows.splice(s.num_running, 0, tr);
+  }
+  $("slots").tBodies[0].replaceChildren(...rows);
+}
+
+function renderRouter(s) {
+  $("backend").textContent = "router";
+  $("weights").textContent = "";
+  const rows = s.nodes.map((n) => {
+    const tr = document.createElement("tr");
+    tr.dataset.state = n.status;
+    tr.append(el("td", "", n.role), el("td", "id", n.address), el("td", "state", n.status),
+              el("td", "", `${n.dispatched}`), el("td", "", `${n.in_flight}`), el("td", "", `${n.failures}`));
+    return tr;
+  });
+  $("nodes").tBodies[0].replaceChildren(...rows);
+  const r = s.routing;
+  $("router-text").textContent = `${r.requests} routed · ${r.completed} completed · ${r.failed} failed · ` +
+    `${r.cancelled} cancelled · ${s.awaiting_first_token} awaiting a first token`;
+}
+
+// A line over the last HISTORY_S seconds; gaps (no value) break the line.
+function drawChart(canvas, points, now) {
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth, height = canvas.clientHeight;
+  if (!width || !height) return;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  ctx.clearRect(0, 0, width, height);
+  const values = points.map((p) => p[1]).filter((v) => v !== null);
+  const top = Math.max(...values, 0) * 1.15 || 1;
+  const x = (t) => width - ((now - t) / HISTORY_S) * width;
+  const y = (v) => height - 14 - (v / top) * (height - 20);
+  ctx.strokeStyle = "#deded8";
+  ctx.beginPath(); ctx.moveTo(0, y(0)); ctx.lineTo(width, y(0)); ctx.stroke();
+  ctx.strokeStyle = "#2f6fdb";
+  ctx.lineWidth = 1.5;
+  ctx.fillStyle = "#2f6fdb";
+  ctx.beginPath();
+  let drawing = false;
+  for (const [t, v] of points) {
+    if (v === null) { drawing = false; continue; }
+    if (drawing) ctx.lineTo(x(t), y(v)); else ctx.moveTo(x(t), y(v));
+    drawing = true;
+    ctx.fillRect(x(t) - 1.5, y(v) - 1.5, 3, 3);  // a lone value (a TTFT between gaps) still shows
+  }
+  ctx.stroke();
+  ctx.fillStyle = "#6b6b70";
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillText(`max ${values.length ? Math.max(...values).toPrecision(3) : "–"}`, 2, height - 2);
+}
+
+// -- start -----------------------------------------------------------------------------------
+async function loadModel() {
+  try {
+    const models = await (await api("/v1/models")).json();
+    state.model = models.data[0]?.id ?? null;
+    if (state.model) $("model").textContent = state.model;
+  } catch (error) {
+    if (error instanceof Unauthorized) askForKey(state.key ? "That key was refused." : "");
+  }
+}
+
+function connect() {
+  loadModel();
+  runDashboard();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("chat-form").addEventListener("submit", send);
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("chat-form").requestSubmit(); }
+  });
+  $("stop").addEventListener("click", stop);
+  $("clear").addEventListener("click", () => { state.messages = []; $("chat-log").replaceChildren(); });
+  $("key-form").addEventListener("submit", useKey);
+  $("show-key").addEventListener("click", () => askForKey(""));
+  $("api-key").value = state.key;
+  connect();
+});

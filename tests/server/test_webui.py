@@ -1,0 +1,104 @@
+"""The built-in page's HTTP side: its files, --no-webui, and the dashboard snapshot and stream."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.server.dashboard import Rates
+from conveyor.server.webui import load_assets
+
+def test_page_and_its_files_are_served_without_external_urls(served):
+    page = httpx.get(f"{served.url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert '<script src="/webui/webui.js"' in page.text
+    js = httpx.get(f"{served.url}/webui/webui.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert "/v1/dashboard/stream" in js.text and "/v1/chat/completions" in js.text
+    assert httpx.get(f"{served.url}/webui/webui.css").status_code == 200
+    assert httpx.get(f"{served.url}/webui/secret.py").status_code == 404
+    for name, data in load_assets().items():  # nothing is fetched from anywhere else (no CDN)
+        assert not re.search(rb"(?<![\w-])(https?:)?//[a-z0-9]", data), name
+
+
+def test_no_webui_flag_turns_the_page_off(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(webui=False)) as served:
+        assert httpx.get(f"{served.url}/").status_code == 404
+        assert httpx.get(f"{served.url}/webui/webui.js").status_code == 404
+        assert httpx.get(f"{served.url}/v1/dashboard").status_code == 200  # the data stays
+
+
+def test_snapshot_lists_running_and_queued_requests(served, long_streams):
+    """4 slots, 6 long requests: 4 rows running (prefilling or decoding), 2 queued."""
+    streams = long_streams(served.url, 6)
+    try:
+        served.wait_until(lambda: served.core.scheduler.num_running == 4 and served.core.scheduler.num_waiting == 2,
+                          timeout=60, what="4 running and 2 queued")
+        snap = httpx.get(f"{served.url}/v1/dashboard").json()
+        states = [r["state"] for r in snap["requests"]]
+        assert snap["slots_total"] == 4 and snap["queue_depth"] == 2
+        assert set(states[:4]) <= {"prefilling", "decoding"} and states[4:] == ["queued"] * 2
+        assert snap["kv"]["used"] > 0
+        assert snap["kv"]["used"] + snap["kv"]["cached_free"] + snap["kv"]["free"] == snap["kv"]["total"]
+        assert snap["kernels"]["backend"] and snap["weights"]["weight_dtype"]
+        assert snap["model"] == served.model
+    finally:
+        streams.close()
+    served.wait_until(lambda: served.core.pool.stats().num_used == 0, what="KV blocks freed")
+
+
+def test_stream_pushes_snapshots_with_rates(served):
+    with httpx.stream("GET", f"{served.url}/v1/dashboard/stream", timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    break
+    assert events[0]["rates"] == {"tok_s": None, "ttft_s": None}  # no interval yet
+    assert events[1]["rates"]["tok_s"] is not None and events[1]["time"] > events[0]["time"]
+
+
+def test_dashboard_needs_the_api_key(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="k")) as served:
+        assert httpx.get(f"{served.url}/v1/dashboard/stream").status_code == 401
+        assert httpx.get(f"{served.url}/").status_code == 200
+        ok = httpx.get(f"{served.url}/v1/dashboard", headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200 and ok.json()["role"] == "node"
+
+
+def test_rates_are_counter_differences():
+    rates = Rates()
+    assert rates.update({"generated_tokens": 10, "ttft_sum": 1.0, "ttft_count": 2}, now=100.0) == \
+        {"tok_s": None, "ttft_s": None}
+    # 50 tokens in 0.5 s; two first tokens arrived, 0.3 s and 0.5 s after their requests.
+    got = rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=100.5)
+    assert got == {"tok_s": 100.0, "ttft_s": pytest.approx(0.4)}
+    assert rates.update({"generated_tokens": 60, "ttft_sum": 1.8, "ttft_count": 4}, now=101.0)["ttft_s"] is None
+
+
+def test_request_rows_name_each_state():
+    from conveyor.engine.request import Request, RequestStatus
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.server.dashboard import _request_row
+
+    def request(status: RequestStatus, computed: int = 0, outputs: int = 0, preemptions: int = 0) -> Request:
+        r = Request("r", list(range(10)), SamplingParams(max_tokens=50), status=status, num_computed_tokens=computed,
+                    num_preemptions=preemptions)
+        r.output_token_ids = [1] * outputs
+        r.first_token_time = 100.0 if outputs else None
+        return r
+
+    assert _request_row(request(RequestStatus.QUEUED), 101.0)["state"] == "queued"
+    assert _request_row(request(RequestStatus.QUEUED, outputs=3, preemptions=1), 101.0)["state"] == "preempted"
+    prefill = _request_row(request(RequestStatus.PREFILLING, computed=4), 101.0)
+    assert (prefill["state"], prefill["computed_tokens"], prefill["prompt_tokens"], prefill["tok_s"]) == \
+        ("prefilling", 4, 10, None)
+    decode = _request_row(request(RequestStatus.DECODING, computed=14, outputs=5), 102.0)
+    assert (decode["state"], decode["output_tokens"], decode["tok_s"]) == ("decoding", 5, 2.0)  # 4 tokens in 2 s

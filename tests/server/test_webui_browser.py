@@ -1,0 +1,236 @@
+"""The page at / in a real browser: Debian's chromium driven by Playwright (no browser download).
+
+Skips, saying why, only where no chromium is installed (`make setup` installs it with apt-get).
+Every wait is on a page or server condition, never a sleep. CONVEYOR_WEBUI_SCREENSHOT=path.png
+saves the page under load (docs/webui.png is made that way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from conveyor.config import EngineConfig, ServerConfig
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+
+# The real binary first: /usr/bin/chromium is Debian's shell wrapper around it.
+CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", shutil.which("chromium"), shutil.which("chromium-browser"))
+                 if p and os.access(p, os.X_OK)), None)
+if CHROMIUM is None:
+    pytest.skip("no chromium browser on this machine (apt-get install chromium; `make setup` tries it): "
+                "the web page's browser test cannot run", allow_module_level=True)
+
+WAIT_MS = 60_000  # an upper bound on waiting for an event, never a pacing delay
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def served8(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=8, max_queue_depth=32), ServerConfig(metrics=True)) as served:
+        yield served
+
+
+class Page:
+    """A browser tab on the server's page, collecting console errors and uncaught exceptions."""
+
+    def __init__(self, browser, url: str) -> None:
+        self.page = browser.new_page(viewport={"width": 1400, "height": 900})
+        self.page.set_default_timeout(WAIT_MS)
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.goto(url)
+
+    def wait_live(self) -> None:
+        self.page.wait_for_selector('#conn[data-state="live"]')
+
+    def settings(self, **values) -> None:
+        self.page.click("#settings summary")
+        for name, value in values.items():
+            if isinstance(value, bool):
+                self.page.set_checked(f"#{name}", value)
+            else:
+                self.page.fill(f"#{name}", str(value))
+
+    def send(self, text: str) -> None:
+        self.page.fill("#prompt", text)
+        self.page.click("#send")
+
+    def close(self) -> None:
+        self.page.close()
+
+
+def _aborted(served) -> int:
+    return served.core.scheduler.stats.finished_by_reason.get("abort", 0)
+
+
+def test_page_loads_and_a_chat_streams_to_completion(browser, served8):
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=served8.model)
+        assert tab.page.text_content("#backend")  # the kernel backend, from the snapshot
+        assert not tab.page.is_visible("#key-form")  # no key needed, none asked for
+        tab.settings(temperature=0, max_tokens=12)
+        tab.send("Hello there!")
+        reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        assert reply.query_selector(".content").text_content()
+        meta = reply.query_selector(".meta").text_content()
+        assert "finished:" in meta and "tokens" in meta
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()
+
+
+def test_stop_button_cancels_and_frees_kv_blocks(browser, served8):
+    aborted = _aborted(served8)
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.settings(max_tokens=3000, ignore_eos=True)
+        tab.send("Count forever")
+        # Streaming: text arrived and the request holds KV blocks.
+        tab.page.wait_for_function(
+            "() => document.querySelector('.msg.assistant .content')?.textContent.length > 0")
+        assert served8.core.pool.stats().num_used > 0
+        tab.page.click("#stop")
+        tab.page.wait_for_selector('.msg.assistant[data-state="stopped"]')
+        served8.wait_until(lambda: served8.core.pool.stats().num_used == 0 and served8.engine.num_in_flight == 0,
+                           timeout=30, what="the stopped request's KV blocks to be freed")
+        assert _aborted(served8) == aborted + 1
+        assert tab.page.is_enabled("#send") and not tab.page.is_enabled("#stop")
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()
+
+
+def test_dashboard_shows_eight_active_slots_under_load(browser, served8, long_streams):
+    tab = Page(browser, served8.url)
+    streams = long_streams(served8.url, 8)
+    try:
+        tab.wait_live()
+        tab.page.wait_for_function("() => document.querySelectorAll('#slots tbody tr.active').length === 8")
+        assert tab.page.text_content("#stat-running") == "8 / 8"
+        # The rows' tokens and rates move: a decoding row shows its tok/s once it has two tokens.
+        tab.page.wait_for_function(
+            "() => [...document.querySelectorAll('#slots tr[data-state=decoding] td:last-child')]"
+            ".filter(td => td.textContent !== '–').length === 8")
+        tab.page.wait_for_function("() => Number(document.querySelector('#kv-bar').dataset.used) > 0")
+        if path := os.environ.get("CONVEYOR_WEBUI_SCREENSHOT"):
+            tab.send("Tell me about continuous batching.")
+            tab.page.wait_for_function("() => document.querySelector('.msg.assistant .content')?.textContent.length > 40")
+            tab.page.screenshot(path=path)
+        assert not tab.errors, tab.errors
+    finally:
+        streams.close()
+        tab.close()
+    served8.wait_until(lambda: served8.core.pool.stats().num_used == 0 and served8.engine.num_in_flight == 0,
+                       timeout=30, what="the background requests to end")
+
+
+def test_page_asks_for_the_api_key(browser, serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="sesame")) as served:
+        tab = Page(browser, served.url)
+        try:
+            tab.page.wait_for_selector("#key-form", state="visible")
+            tab.page.fill("#api-key", "sesame")
+            tab.page.click("#save-key")
+            tab.wait_live()
+            assert not tab.page.is_visible("#key-form")
+            tab.settings(temperature=0, max_tokens=4)
+            tab.send("Hi")
+            tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+            # The only errors are the browser's notes of the first, keyless 401s.
+            assert all("401" in e for e in tab.errors), tab.errors
+        finally:
+            tab.close()
+
+
+def test_router_page_shows_each_node(browser):
+    """The cluster router serves the same page; its dashboard lists the nodes of both pools."""
+    from conveyor.cluster.router import create_router_app
+    from conveyor.config import ClusterConfig
+    from conveyor.server.lifecycle import GracefulServer
+    from conveyor.testing import smollm_tokenizer
+
+    with socket.socket() as node, socket.socket() as dead, socket.socket() as front:
+        node.bind(("127.0.0.1", 0))
+        node.listen()  # accepts the health probe: online
+        dead.bind(("127.0.0.1", 0))  # refuses: unreachable
+        front.bind(("127.0.0.1", 0))
+        online, offline = (f"127.0.0.1:{s.getsockname()[1]}" for s in (node, dead))
+        cluster = ClusterConfig(node_role="router", prefill_peers=online, decode_peers=offline, health_check_interval=60)
+        app = create_router_app(smollm_tokenizer(), "tiny-router", cluster)
+        server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1), None)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [front]}, daemon=True)
+        thread.start()
+        tab = None
+        try:
+            while not server.started:
+                assert thread.is_alive(), "the router did not start"
+                time.sleep(0.01)  # polling uvicorn start, as conftest.serve does
+            tab = Page(browser, f"http://127.0.0.1:{front.getsockname()[1]}")
+            tab.wait_live()
+            tab.page.wait_for_function("() => document.querySelectorAll('#nodes tbody tr').length === 2")
+            assert tab.page.get_attribute("body", "data-role") == "router"
+            rows = [r.split("\t") for r in tab.page.eval_on_selector_all(
+                "#nodes tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent).join('\\t'))")]
+            assert [r[:3] for r in rows] == [["prefill", online, "online"], ["decode", offline, "unreachable"]]
+            assert not tab.page.is_visible("#slots")
+            assert not tab.errors, tab.errors
+        finally:
+            if tab is not None:
+                tab.close()
+            server.should_exit = True
+            thread.join(timeout=15)
+
+
+def test_reasoning_is_folded_and_tool_calls_are_shown(browser, served8):
+    """The tiny random model never thinks or calls tools, so this reply is canned (the page's
+    request is answered in the browser); what is checked is how the page shows such a stream."""
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        body = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    stream = "".join([
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "The user wants "}), chunk({"reasoning_content": "the weather."}),
+        chunk({"content": "Let me check."}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, "tool_calls"),
+        "data: [DONE]\n\n"])
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.page.route("**/v1/chat/completions",
+                       lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
+        tab.send("Weather in Paris?")
+        reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        details = reply.query_selector("details.reasoning")
+        assert details.get_attribute("open") is None  # folded
+        assert details.query_selector("pre").text_content() == "The user wants the weather."
+        assert not details.query_selector("pre").is_visible()
+        assert reply.query_selector(".content").text_content() == "Let me check."
+        assert reply.query_selector(".tool").text_content() == 'tool call: get_weather({"city": "Paris"})'
+        assert "finished: tool_calls" in reply.query_selector(".meta").text_content()
+        assert not tab.errors, tab.errors
+    finally:
+        tab.close()
