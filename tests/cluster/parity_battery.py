@@ -8,6 +8,7 @@ describes the history of the node that served it, not the request, so both sides
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 
@@ -39,7 +40,8 @@ HISTORY = ASK + [
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 # A grammar stands in for a model that calls a tool after a sentence (tool_choice auto).
-CALL_AFTER_TEXT = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+CALL_AFTER_TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+                   '\n</tool_call>')
 
 
 def _chat(messages: list[dict], **body) -> tuple[str, dict]:
@@ -83,35 +85,38 @@ def battery() -> dict[str, tuple[str, dict]]:
     return items
 
 
-def fetch(base: str, path: str, body: dict) -> object:
-    """The whole answer, ids and timestamps removed: a JSON body, or the SSE events as a list of JSON
-    objects per choice index (choices of one stream interleave in arrival order, which is timing)."""
+def fetch(base: str, path: str, body: dict) -> dict:
+    """The whole answer as bytes (text), ids and timestamps replaced: a JSON body (parsed beside it for
+    the tests' own checks), or each SSE event's data grouped per choice index (choices of one stream
+    interleave in arrival order, which is timing)."""
     with httpx.Client(base_url=base, timeout=120) as client:
         if not body.get("stream"):
             r = client.post(path, json=body)
-            return {"status": r.status_code, "body": _without_ids(r.json())}
-        events: dict[str, list] = {}
+            raw = _normalized(r.text)
+            return {"status": r.status_code, "raw": raw, "body": json.loads(raw)}
+        events: dict[str, list[str]] = {}
         with client.stream("POST", path, json=body) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if not line:
                     continue
                 assert line.startswith("data: "), line
-                data = line[6:]
-                event = "[DONE]" if data == "[DONE]" else _without_ids(json.loads(data))
-                key = "end" if data == "[DONE]" or not event["choices"] else str(event["choices"][0]["index"])
-                events.setdefault(key, []).append(event)
+                data = _normalized(line[6:])
+                choices = json.loads(data)["choices"] if data != "[DONE]" else []
+                events.setdefault(str(choices[0]["index"]) if choices else "end", []).append(data)
         return events
 
 
-def _without_ids(body: dict) -> dict:
-    """The response id and created time dropped, each tool call's random id replaced by its shape."""
-    out = {k: v for k, v in body.items() if k not in ("id", "created")}
-    for choice in out.get("choices", []):
-        for call in (choice.get("message") or choice.get("delta") or {}).get("tool_calls") or []:
-            assert call["id"].startswith("call_") and len(call["id"]) == 29, call
-            call["id"] = "call_<random>"
-    return out
+# Ids and times differ by design: the response id, its creation second, each tool call's random id.
+_IDS = [(re.compile(r'"id":"(chatcmpl|cmpl)-[0-9a-f]{32}"'), '"id":"<id>"'),
+        (re.compile(r'"created":\d+'), '"created":0'),
+        (re.compile(r'"id":"call_[0-9a-f]{24}"'), '"id":"call_<random>"')]
+
+
+def _normalized(text: str) -> str:
+    for pattern, replacement in _IDS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def spliced(result: dict) -> dict:
@@ -125,7 +130,7 @@ def spliced(result: dict) -> dict:
         if key == "end":
             continue
         merged: dict = {"text": "", "reasoning": "", "tool_calls": [], "logprobs": [], "finish_reason": None}
-        for event in events:
+        for event in map(json.loads, events):
             choice = event["choices"][0]
             delta = choice.get("delta", {})
             merged["text"] += delta.get("content") or choice.get("text") or ""
