@@ -1,8 +1,9 @@
-"""OpenAI request -> engine requests -> OpenAI response (JSON or SSE).
+"""OpenAI request -> engine requests -> OpenAI response (JSON or SSE), on a node.
 
-Everything a request can get wrong is checked here, before the engine sees it: the model
-name, the chat template, sampling parameters and the context window. Admission (503) is
-the last step before the response starts.
+Everything a request can get wrong is checked before the engine sees it: the model name here,
+the chat template and sampling parameters in its plan (request_plan.py, which the router shares),
+the grammar and the context window here. Admission (503) is the last step before the response
+starts; reply.py writes the response.
 """
 
 from __future__ import annotations
