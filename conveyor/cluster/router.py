@@ -33,7 +33,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes
+from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.metrics import CONTENT_TYPE
@@ -307,6 +307,8 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
         add_webui_routes(app)
     api = APIRouter()
     add_openai_routes(api, serving, limits, model_card)
+    # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
+    add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)
     add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
     app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
     return app

@@ -168,6 +168,11 @@ def test_router_serves_health_models_metrics(topo):
                    for name in ("single", "router")]
         assert [a.status_code for a in answers] == [400, 400], [a.text for a in answers]
         assert answers[1].json() == answers[0].json() and answers[0].json()["error"]["param"] == param
+    for path, body in (("/tokenize", {"content": "Hello <|im_start|> wörld", "with_pieces": True}),
+                       ("/tokenize", {"prompt": "x", "add_special": True}), ("/detokenize", {"tokens": [9906, 28, 2]}),
+                       ("/detokenize", {"tokens": [1 << 20]})):  # the last: out of the vocabulary, a 400
+        answers = [httpx.post(f"{topo[name].url}{path}", json=body, timeout=30) for name in ("single", "router")]
+        assert (answers[1].status_code, answers[1].content) == (answers[0].status_code, answers[0].content)
     deep = httpx.post(f"{base}/v1/completions", content='{"prompt": ' + "[" * 200 + "]" * 200 + "}",
                       headers={"content-type": "application/json"})
     assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error"  # single-node limits
