@@ -21,7 +21,8 @@ from conveyor.cluster import transport
 from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, logprobs_to_wire, refuse, \
     run_unless_closed, to_sampling_params, to_wire
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, WireError
+from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, \
+    WireError
 from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVHandoff
@@ -157,7 +158,7 @@ class PrefillNode(FrameServer):
                              rng_state=handoff.rng_state)
         opened = await self._open_decode(frame, targets)
         if isinstance(opened, str):
-            await transport.write_frame(writer, error_token_frame(request.request_id, opened))
+            await transport.write_frame(writer, error_token_frame(request.request_id, opened, DECODE_LOST))
             return
         address, reader, decode_writer, first = opened
         try:
@@ -178,7 +179,8 @@ class PrefillNode(FrameServer):
             self.stats.num_decode_lost += 1
             logger.warning("prefill node: decode node %s lost mid-stream (%s)", address, exc or type(exc).__name__)
             await transport.write_frame(writer, error_token_frame(
-                request.request_id, f"decode node {address} failed mid-stream: {exc or type(exc).__name__}"))
+                request.request_id, f"decode node {address} failed mid-stream: {exc or type(exc).__name__}",
+                DECODE_LOST))
         finally:
             transport.close(decode_writer)
 
@@ -220,6 +222,6 @@ def token_frame(out: RequestOutput, node: str, finished: bool | None = None) -> 
                       error=out.error, node=node, logprobs=logprobs_to_wire(out.logprobs))
 
 
-def error_token_frame(request_id: str, message: str) -> TokenFrame:
+def error_token_frame(request_id: str, message: str, code: str | None = None) -> TokenFrame:
     return TokenFrame(request_id=request_id, token_ids=[], text="", finished=True, finish_reason="error",
-                      error=message, node="prefill")
+                      error=message, node="prefill", error_code=code)

@@ -3,10 +3,11 @@
 Each attempt dials a prefill node (round-robin over those online) and names a decode node
 (independently round-robin) in the frame. A transport failure with the prefill node (refused,
 reset, EOF before the final frame) marks it unreachable and the request moves to the next
-online one. Greedy and seeded requests regenerate the same tokens there, so the first
-`num_tokens_sent` tokens (with their logprobs) and `num_chars_sent` characters of the new stream
-are dropped and the client sees one unbroken stream; an unseeded sampled request that already
-streamed text cannot be spliced and ends with an error instead.
+online one. A stream whose decode node is lost (the prefill node reports `decode_lost`) moves
+to another decode node the same way. Greedy and seeded requests regenerate the same tokens
+there, so the first `num_tokens_sent` tokens (with their logprobs) and `num_chars_sent`
+characters of the new stream are dropped and the client sees one unbroken stream; an unseeded
+sampled request that already streamed text cannot be spliced and ends with an error instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from conveyor.cluster import transport
 from conveyor.cluster.node import _TRANSPORT_ERRORS, logprobs_from_wire
 from conveyor.cluster.registry import Node, Registry
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
+from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
 from conveyor.engine.outputs import RequestOutput
 
 _BUSY_CODES = {"overloaded", "unavailable"}
@@ -66,6 +67,8 @@ class RemoteRequest:
         """RequestOutput deltas (the last has finished=True); DispatchError before the first one."""
         registry = self.registry
         tried: list[Node] = []
+        decodes_lost: list[Node] = []
+        lost_error: str | None = None  # what the last lost decode node's prefill node said
         num_chars_sent = 0
         num_tokens_sent = 0
         num_yielded = 0
@@ -74,12 +77,13 @@ class RemoteRequest:
         attempt = 0
         while True:
             node = registry.prefill.pick(exclude=tried)
-            decode = registry.decode.pick()
+            decode = registry.decode.pick(exclude=decodes_lost)
             if node is None or decode is None:
                 error = overloaded() if busy else no_prefill() if node is None else no_decode()
                 if not num_yielded:
                     raise error
-                yield _error_output(self.request_id, error.message, num_output_tokens)
+                lost = decode is None and node is not None and lost_error is not None
+                yield _error_output(self.request_id, lost_error if lost else error.message, num_output_tokens)
                 return
             if attempt:
                 registry.stats.num_retries += 1
@@ -110,6 +114,10 @@ class RemoteRequest:
                         return
                     if not isinstance(reply, TokenFrame):
                         raise WireError(f"unexpected {type(reply).__name__} from a prefill node")
+                    if reply.error_code == DECODE_LOST and self.deterministic:
+                        decodes_lost.append(decode)  # (the health monitor decides whether it is down)
+                        lost_error = reply.error
+                        break  # rerun on another decode node, the tokens already sent skipped
                     out = _output(self.request_id, reply, num_output_tokens)
                     num_output_tokens = out.num_output_tokens
                     if skip or skip_tokens:  # a retry regenerates what the client already has

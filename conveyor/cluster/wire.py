@@ -17,7 +17,10 @@ import msgspec
 MAGIC = b"CNVY"
 VERSION = 1
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
-MAX_FRAME_BYTES = 1 << 30  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
+MAX_FRAME_BYTES = 1 << 30
+# TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
+# died mid-stream): the router may rerun a greedy or seeded request on another decode node.
+DECODE_LOST = "decode_lost"  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
 
 
 class WireError(ValueError):
@@ -109,6 +112,7 @@ class TokenFrame(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
     error: str | None = None
     node: str = ""  # the role that produced it: "prefill" or "decode"
     logprobs: list[LogprobWire] = []  # one per token in token_ids, when the request asked for them
+    error_code: str | None = None  # DECODE_LOST, or None
 
 
 class ErrorFrame(msgspec.Struct, tag="error", forbid_unknown_fields=True):
