@@ -200,8 +200,6 @@ class RemoteGroup:
                 raise _api_error(failed) from None
             raise failed
         self._started = True
-        for _ in results:
-            serving.metrics.ttft.observe(time.monotonic() - self.arrival)
 
     async def _pump(self, index: int, deltas: AsyncIterator[RequestOutput]) -> None:
         first = self._firsts[index]
@@ -212,6 +210,7 @@ class RemoteGroup:
                 first.set_exception(exc)
                 return
             first.set_result(out)
+            self.serving.metrics.ttft.observe(time.monotonic() - self.arrival)
             self._merged.put_nowait((index, out))
             while not out.finished:
                 try:
