@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
 
 
 class ModelConfigError(ValueError):
@@ -30,9 +31,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qk_norm_per_head: bool = True  # False (OLMoE): one RMSNorm over the whole q (and k) projection
     sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -50,14 +58,23 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                                   f"({self.num_experts})")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs a sparse mixture-of-experts MLP."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
+        """Build from a Hugging Face config.json dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMoE)."""
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         if model_type is None and archs:
@@ -90,13 +107,61 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+                qk_norm_per_head=model_type != "olmoe",
                 # Qwen2's per-layer windows (use_sliding_window) are not supported; it runs full attention.
-                sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
+                sliding_window=raw.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **_moe_fields(model_type, raw),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"malformed model config: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoints keep the sparse MLP: `model.layers.N.{block}.gate.weight` (router) and
+    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too).
+
+    `prefix` is the layer's, with its dot: `model.layers.N.`."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+    def router(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.gate.weight"
+
+    def expert(self, prefix: str, expert: int, part: str) -> str:
+        """`part`: gate, up or down."""
+        return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.weight"
+
+
+EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+                "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def _moe_fields(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / OLMoE config.json (empty for a dense family)."""
+    if model_type not in MOE_ARCHITECTURES:
+        return {}
+    if raw.get("clip_qkv") is not None:
+        raise ModelConfigError(f"{model_type} with clip_qkv={raw['clip_qkv']} is not supported")
+    num_layers = int(raw["num_hidden_layers"])
+    if model_type == "mixtral":  # softmax over all experts, top-k always renormalised; experts are intermediate_size wide
+        return dict(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (an attribute_map alias).
+    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                # Qwen3-MoE: a layer is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
+                dense_mlp_layers=tuple(i for i in range(num_layers) if i in dense or (i + 1) % step))
