@@ -82,9 +82,10 @@ class SparseMoeBlock(nn.Module):
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:
         """Router and experts from HF names under the layer's `prefix` (`model.layers.N.`)."""
-        # The router stays in the model dtype, never block-quantized: routing decisions are sensitive
-        # (llama.cpp keeps ffn_gate_inp in F32 for the same reason).
-        loader.dense_linear(self.gate, loader.dense(get(names.router(prefix))))
+        # The router stays in the model dtype, never quantized (not even under --weight-dtype int8): routing
+        # decisions are sensitive, and llama.cpp keeps ffn_gate_inp in F32 for the same reason.
+        self.gate.load_dense(loader.dense(get(names.router(prefix))))
+        self.gate.prepack()
         for e, expert in enumerate(self.experts):
             loader.linear(expert.gate_up_proj, [get(names.expert(prefix, e, "gate")), get(names.expert(prefix, e, "up"))])
             loader.linear(expert.down_proj, [get(names.expert(prefix, e, "down"))])
