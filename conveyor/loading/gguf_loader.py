@@ -37,7 +37,8 @@ BLOCK_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 # Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
-EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
+                  "ffn_gate_up_exps": "gate_up"}  # convert_hf_to_gguf --fuse-gate-up-exps: gate rows, then up
 # Tensors that only feed the config (rope_freqs -> rope_scaling).
 CONFIG_TENSORS = {"rope_freqs.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
@@ -119,7 +120,20 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
         stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
         experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
     part = EXPERT_TENSORS[kind]
-    return {names.expert(prefix, e, part): weight for e, weight in enumerate(experts)}
+    if part != "gate_up":
+        return {names.expert(prefix, e, part): weight for e, weight in enumerate(experts)}
+    half = shape[1] // 2
+    split = {}
+    for e, weight in enumerate(experts):  # whole rows either side: views, blocks stay blocks
+        split[names.expert(prefix, e, "gate")] = _rows(weight, 0, half)
+        split[names.expert(prefix, e, "up")] = _rows(weight, half, shape[1])
+    return split
+
+
+def _rows(weight: Weight, start: int, end: int) -> Weight:
+    if isinstance(weight, QuantizedTensor):
+        return QuantizedTensor(weight.qtype, (end - start, weight.shape[1]), weight.raw[start:end])
+    return weight[start:end]
 
 
 def model_name(path: str) -> str:

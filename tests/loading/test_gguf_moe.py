@@ -47,9 +47,9 @@ def _hf_model(family: str) -> transformers.PreTrainedModel:
     return model
 
 
-def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32) -> None:
+def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32, fuse_gate_up: bool = False) -> None:
     """As convert_hf_to_gguf does: experts stacked (E, N, K), router and norms F32, Mixtral q/k permuted;
-    the other matrices in `qtype`."""
+    the other matrices in `qtype`; gate and up in one ffn_gate_up_exps with `fuse_gate_up`."""
     cfg, arch = model.config, GGUF_ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -70,9 +70,12 @@ def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32) -> None:
         array = tensor.float().numpy()
         if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate|up fused: (E, 2I, H)
             layer = name.split(".")[2]
-            gate, up = np.split(array, 2, axis=1)
-            _add(writer, f"blk.{layer}.ffn_gate_exps.weight", gate, qtype)
-            _add(writer, f"blk.{layer}.ffn_up_exps.weight", up, qtype)
+            if fuse_gate_up:
+                _add(writer, f"blk.{layer}.ffn_gate_up_exps.weight", array, qtype)
+            else:
+                gate, up = np.split(array, 2, axis=1)
+                _add(writer, f"blk.{layer}.ffn_gate_exps.weight", gate, qtype)
+                _add(writer, f"blk.{layer}.ffn_up_exps.weight", up, qtype)
         elif name.endswith("experts.down_proj"):
             _add(writer, f"blk.{name.split('.')[2]}.ffn_down_exps.weight", array, qtype)
         elif name.endswith("mlp.gate.weight"):
@@ -106,11 +109,11 @@ def hf_dir(tmp_path, copy_tokenizer):
     return save
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
-def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str) -> None:
+@pytest.mark.parametrize(("family", "fuse_gate_up"), [("mixtral", False), ("qwen3_moe", True), ("olmoe", False)])
+def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str, fuse_gate_up: bool) -> None:
     model, want = hf_dir(family)
     path = tmp_path / f"tiny-{family}.gguf"
-    _write_moe_gguf(path, family, model)
+    _write_moe_gguf(path, family, model, fuse_gate_up=fuse_gate_up)
     got = load_checkpoint(str(path))
     fields = ("architecture", "hidden_size", "num_hidden_layers", "head_dim", "qk_norm", "qk_norm_per_head",
               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_mlp_layers")
@@ -124,7 +127,7 @@ def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str
 def test_q8_0_experts_run_as_blocks_and_match_the_hf_directory(tmp_path, hf_dir) -> None:
     model, want = hf_dir("mixtral")
     path = tmp_path / "tiny-mixtral.Q8_0.gguf"
-    _write_moe_gguf(path, "mixtral", model, Q.Q8_0)
+    _write_moe_gguf(path, "mixtral", model, Q.Q8_0, fuse_gate_up=True)
     got = load_checkpoint(str(path))
     expert = got.weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     assert isinstance(expert, QuantizedTensor) and expert.shape == (64, 96)
