@@ -52,7 +52,7 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "input_layernorm.weight": 1 + rand(h), p + "post_attention_layernorm.weight": 1 + rand(h),
         })
         if config.qk_norm:
-            width = (d, d) if config.qk_norm_per_head else (q, kv)
+            width = (q, kv) if config.qk_norm_scope == "full" else (d, d)
             weights.update({p + "self_attn.q_norm.weight": 1 + rand(width[0]),
                             p + "self_attn.k_norm.weight": 1 + rand(width[1])})
         if config.is_moe_layer(n):
@@ -84,7 +84,7 @@ TINY_MOE = {
     "qwen3_moe": dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       qk_norm=True, norm_topk_prob=False),
     "olmoe": dict(architecture="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                  qk_norm=True, qk_norm_per_head=False, norm_topk_prob=False),
+                  qk_norm=True, qk_norm_scope="full", norm_topk_prob=False),
 }
 
 

@@ -80,7 +80,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=q_norm is not None,
-        qk_norm_per_head=q_norm is None or int(q_norm.shape[0]) == head_dim,  # OLMoE's spans the whole projection
+        qk_norm_scope="head" if q_norm is None or int(q_norm.shape[0]) == head_dim else "full",  # OLMoE: full
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(i for i in [field_value(reader, "tokenizer.ggml.eos_token_id")] if i is not None),
         **_moe_fields(architecture, meta, tensors),

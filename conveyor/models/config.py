@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.models import mixtral, olmoe, qwen3_moe
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
+# Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
+FAMILY_FIELDS = {"mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields}
 
 
 class ModelConfigError(ValueError):
@@ -31,7 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    qk_norm_per_head: bool = True  # False (OLMoE): one RMSNorm over the whole q (and k) projection
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3) or over the whole projection ("full": OLMoE)
     sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -92,7 +95,8 @@ class ModelConfig:
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            return cls(
+            family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
+            fields = dict(
                 architecture=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -107,14 +111,13 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
-                qk_norm_per_head=model_type != "olmoe",
+                qk_norm=model_type == "qwen3",
                 # Qwen2's per-layer windows (use_sliding_window) are not supported; it runs full attention.
-                sliding_window=raw.get("sliding_window") if model_type in ("mistral", "mixtral") else None,
+                sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **_moe_fields(model_type, raw),
             )
+            return cls(**{**fields, **family})
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
@@ -145,23 +148,3 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
                 "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")}
 
-
-def _moe_fields(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / OLMoE config.json (empty for a dense family)."""
-    if model_type not in MOE_ARCHITECTURES:
-        return {}
-    if raw.get("clip_qkv") is not None:
-        raise ModelConfigError(f"{model_type} with clip_qkv={raw['clip_qkv']} is not supported")
-    num_layers = int(raw["num_hidden_layers"])
-    if model_type == "mixtral":  # softmax over all experts, top-k always renormalised; experts are intermediate_size wide
-        return dict(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
-    step = int(raw.get("decoder_sparse_step") or 1)
-    dense = set(raw.get("mlp_only_layers") or ())
-    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (an attribute_map alias).
-    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                # Qwen3-MoE: a layer is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
-                dense_mlp_layers=tuple(i for i in range(num_layers) if i in dense or (i + 1) % step))

@@ -33,11 +33,11 @@ class LlamaAttention(nn.Module):
         # q, k and v projections fused into one GEMM at load time.
         self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops)
         self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
-        # Per head (Qwen3) or over the whole projection (OLMoE), before rotary either way.
-        self.qk_norm_full = config.qk_norm and not config.qk_norm_per_head
-        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_full else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, ops) if config.qk_norm else None
+        # QK-norm per head (Qwen3) or over the whole q / k projection (OLMoE).
+        self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
         self.window = config.sliding_window or 0
 
@@ -45,17 +45,17 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.qk_norm_full:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
-        if self.ops.fuses_rope and (self.q_norm is None or self.qk_norm_full):  # rotary + cache write fused into one pass
+        if self.ops.fuses_rope and self.q_norm is None:  # rotary + cache write fused into one pass
             q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
             out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        if self.full_qk_norm:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
-        if self.q_norm is not None and not self.qk_norm_full:
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k sit side by side in the fused output, so one rotary pass covers both.

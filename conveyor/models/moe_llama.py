@@ -1,7 +1,7 @@
 """Llama-family decoders whose MLPs are sparse mixtures of experts: Mixtral, Qwen3-MoE, OLMoE.
 
 What differs from models/llama.py is config: the attention is Llama's (Mixtral), Qwen3's with per-head
-QK-norm (Qwen3-MoE) or with one QK-norm over the whole projection (OLMoE: `qk_norm_per_head=False`);
+QK-norm (Qwen3-MoE) or with one QK-norm over the whole projection (OLMoE: `qk_norm_scope="full"`);
 the sparse layers' MLP is models/moe.py's block, loaded from the family's checkpoint names.
 """
 

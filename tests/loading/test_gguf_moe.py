@@ -115,7 +115,7 @@ def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str
     path = tmp_path / f"tiny-{family}.gguf"
     _write_moe_gguf(path, family, model, fuse_gate_up=fuse_gate_up)
     got = load_checkpoint(str(path))
-    fields = ("architecture", "hidden_size", "num_hidden_layers", "head_dim", "qk_norm", "qk_norm_per_head",
+    fields = ("architecture", "hidden_size", "num_hidden_layers", "head_dim", "qk_norm", "qk_norm_scope",
               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_mlp_layers")
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(want.config, f) for f in fields}
     assert set(got.weights) == set(want.weights)

@@ -85,11 +85,11 @@ def test_logits_match_transformers(family, tmp_path):
 def test_config_fields():
     qwen = ModelConfig.from_hf_dict(_hf_model("qwen3_moe").config.to_dict())
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (4, 2, 48)
-    assert qwen.dense_mlp_layers == (1,) and not qwen.norm_topk_prob and qwen.qk_norm and qwen.qk_norm_per_head
+    assert qwen.dense_mlp_layers == (1,) and not qwen.norm_topk_prob and qwen.qk_norm and qwen.qk_norm_scope == "head"
     stepped = ModelConfig.from_hf_dict({**qwen_raw(), "decoder_sparse_step": 2, "num_hidden_layers": 4})
     assert stepped.dense_mlp_layers == (0, 2)  # sparse where (i + 1) % step == 0
     olmoe = ModelConfig.from_hf_dict(_hf_model("olmoe").config.to_dict())
-    assert olmoe.qk_norm and not olmoe.qk_norm_per_head and olmoe.moe_intermediate_size == 48
+    assert olmoe.qk_norm and olmoe.qk_norm_scope == "full" and olmoe.moe_intermediate_size == 48
     mixtral = ModelConfig.from_hf_dict(_hf_model("mixtral").config.to_dict())
     assert mixtral.norm_topk_prob and mixtral.num_experts == 4 and not mixtral.qk_norm
 
