@@ -74,10 +74,11 @@ class SparseMoeBlock(nn.Module):
         by_rank = torch.empty_like(outputs)
         by_rank[order] = outputs
         by_rank = by_rank.view(num_tokens, k, -1)  # (T, k, H)
+        weighted = by_rank.float() * weights.unsqueeze(-1)  # (T, k, H)
         # NOTE: the fixed per-row order of this sum (rank 0, 1, ...) is what keeps rows batch-invariant.
-        y = by_rank[:, 0].float() * weights[:, :1]
+        y = weighted[:, 0]
         for r in range(1, k):
-            y = y + by_rank[:, r].float() * weights[:, r:r + 1]
+            y = y + weighted[:, r]
         return y.to(x.dtype)
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:

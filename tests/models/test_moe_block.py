@@ -45,3 +45,13 @@ def test_route_renormalises_top_k():
     torch.testing.assert_close(weights, torch.softmax(logits, -1).topk(2).values)
     weights, _ = route(logits, 2, renormalise=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("num_experts", [8, 60, 128, 256])
+def test_routing_of_a_row_does_not_depend_on_the_rows_beside_it(num_experts):
+    logits = torch.randn(97, num_experts, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for renormalise in (True, False):
+        weights, ids = route(logits, 8, renormalise)
+        for start, rows in ((0, 1), (5, 1), (3, 7), (10, 33), (0, 64)):
+            got_w, got_ids = route(logits[start:start + rows], 8, renormalise)
+            assert torch.equal(got_w, weights[start:start + rows]) and torch.equal(got_ids, ids[start:start + rows])
