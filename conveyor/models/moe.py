@@ -73,7 +73,7 @@ class SparseMoeBlock(nn.Module):
                 start += count
         by_rank = torch.empty_like(outputs)
         by_rank[order] = outputs
-        by_rank = by_rank.view(num_tokens, k, -1)  # (T, k, H)
+        by_rank = by_rank.view(num_tokens, k, x.shape[1])  # (T, k, H)
         weighted = by_rank.float() * weights.unsqueeze(-1)  # (T, k, H)
         # NOTE: the fixed per-row order of this sum (rank 0, 1, ...) is what keeps rows batch-invariant.
         y = weighted[:, 0]
