@@ -52,9 +52,9 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "input_layernorm.weight": 1 + rand(h), p + "post_attention_layernorm.weight": 1 + rand(h),
         })
         if config.qk_norm:
-            width = (q, kv) if config.qk_norm_scope == "full" else (d, d)
-            weights.update({p + "self_attn.q_norm.weight": 1 + rand(width[0]),
-                            p + "self_attn.k_norm.weight": 1 + rand(width[1])})
+            full = config.qk_norm_scope == "full"
+            weights[p + "self_attn.q_norm.weight"] = 1 + rand(q if full else d)
+            weights[p + "self_attn.k_norm.weight"] = 1 + rand(kv if full else d)
         if config.is_moe_layer(n):
             weights.update(_random_experts(config, p, rand))
     return weights

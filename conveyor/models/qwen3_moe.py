@@ -7,6 +7,8 @@ from typing import Any
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("use_sliding_window"):  # off in every released checkpoint
+        raise ValueError("qwen3_moe with use_sliding_window is not supported")
     step = int(raw.get("decoder_sparse_step") or 1)
     dense = set(raw.get("mlp_only_layers") or ())
     # transformers 5 saves num_experts as num_local_experts (an attribute_map alias); the Hub's files say num_experts.

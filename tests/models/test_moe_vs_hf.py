@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading.checkpoint import select_weights
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.moe import SparseMoeBlock
 from conveyor.models.registry import build_model
 from conveyor.runner.model_runner import ModelRunner
@@ -92,6 +92,10 @@ def test_config_fields():
     assert olmoe.qk_norm and olmoe.qk_norm_scope == "full" and olmoe.moe_intermediate_size == 48
     mixtral = ModelConfig.from_hf_dict(_hf_model("mixtral").config.to_dict())
     assert mixtral.norm_topk_prob and mixtral.num_experts == 4 and not mixtral.qk_norm
+    for raw, what in ((qwen_raw() | {"use_sliding_window": True}, "use_sliding_window"),
+                      (_hf_model("olmoe").config.to_dict() | {"clip_qkv": 8.0}, "clip_qkv")):
+        with pytest.raises(ModelConfigError, match=what):  # refused, never run differently
+            ModelConfig.from_hf_dict(raw)
 
 
 def qwen_raw() -> dict:
