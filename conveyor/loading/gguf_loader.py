@@ -116,7 +116,7 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
         stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
         experts: list[Weight] = list(stack.unbind(0))
     else:
-        _check_dequantizable(tensor, shape[1:], source)
+        _check_dequantizable(tensor, source)
         stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
         experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
     part = EXPERT_TENSORS[kind]
@@ -150,11 +150,11 @@ def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
         return _view(data.view(np.uint8)).view(_FLOAT_TYPES[kind]).reshape(shape)
     if len(shape) != 2:
         raise LoadError(f"{source}: {tensor.name} is {kind.name} with {len(shape)} dimensions (expected a matrix)")
-    _check_dequantizable(tensor, shape, source)
+    _check_dequantizable(tensor, source)
     return QuantizedTensor(int(kind), shape, _view(data).reshape(shape[0], -1))
 
 
-def _check_dequantizable(tensor: gguf.gguf_reader.ReaderTensor, shape: tuple[int, ...], source: str) -> None:
+def _check_dequantizable(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> None:
     kind = tensor.tensor_type
     if kind in NATIVE_TYPES:
         return
