@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from conveyor.loading import Checkpoint, Tokenizer, default_model_path
+from conveyor.loading.checkpoint import select_weights
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 
 @lru_cache(maxsize=1)
@@ -50,6 +51,23 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "mlp.down_proj.weight": rand(h, i),
             p + "input_layernorm.weight": 1 + rand(h), p + "post_attention_layernorm.weight": 1 + rand(h),
         })
+        if config.qk_norm:
+            full = config.qk_norm_scope == "full"
+            weights[p + "self_attn.q_norm.weight"] = 1 + rand(q if full else d)
+            weights[p + "self_attn.k_norm.weight"] = 1 + rand(kv if full else d)
+        if config.is_moe_layer(n):
+            weights.update(_random_experts(config, p, rand))
+    return weights
+
+
+def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts (its dense MLP tensors are dropped by select_weights)."""
+    names = EXPERT_NAMES[config.architecture]
+    h, width = config.hidden_size, config.moe_intermediate_size
+    weights = {names.router(prefix): rand(config.num_experts, h) * 5}  # spread out: rows pick different experts
+    for e in range(config.num_experts):
+        weights.update({names.expert(prefix, e, "gate"): rand(width, h), names.expert(prefix, e, "up"): rand(width, h),
+                        names.expert(prefix, e, "down"): rand(h, width)})
     return weights
 
 
@@ -58,6 +76,26 @@ def tiny_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
     config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **overrides)
     return Checkpoint(config=config, weights=random_weights(config, seed), tokenizer=tokenizer,
                       source="<tiny random>", name="tiny-random-llama")
+
+
+# Tiny mixture-of-experts variants of tiny_config: 4 experts, 2 per token.
+TINY_MOE = {
+    "mixtral": dict(architecture="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "qwen3_moe": dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      qk_norm=True, norm_topk_prob=False),
+    "olmoe": dict(architecture="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                  qk_norm=True, qk_norm_scope="full", norm_topk_prob=False),
+}
+
+
+def tiny_moe_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
+    """tiny_checkpoint as a random Mixtral / Qwen3-MoE / OLMoE (weights under that family's HF names)."""
+    tokenizer = smollm_tokenizer()
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                         **{**TINY_MOE[architecture], **overrides})
+    weights = select_weights(config, random_weights(config, seed), "<tiny random>")
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source="<tiny random>",
+                      name=f"tiny-random-{architecture}")
 
 
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:

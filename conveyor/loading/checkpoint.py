@@ -10,7 +10,7 @@ import torch
 from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 
 class LoadError(Exception):
@@ -69,14 +69,20 @@ class Checkpoint:
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
-    """Every parameter a Llama-family model built from `config` needs, in Hugging Face naming."""
+    """Every parameter a Llama-family (or MoE) model built from `config` needs, in Hugging Face naming."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
         names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
-        names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if config.is_moe_layer(i):
+            experts = EXPERT_NAMES[config.architecture]
+            names.append(experts.router(f"{layer}."))
+            names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
+                      for part in ("gate", "up", "down")]
+        else:
+            names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
         if config.attention_bias:
             names += [f"{layer}.self_attn.{p}_proj.bias" for p in "qkv"]

@@ -12,7 +12,9 @@ from conveyor.loading.checkpoint import LoadError
 from conveyor.models.config import ModelConfig, ModelConfigError
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False}
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -57,25 +59,43 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         return value
 
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    architecture = GGUF_ARCHITECTURES[arch]
+    if architecture == "llama" and int(meta("expert_count", 0)):
+        architecture = "mixtral"  # convert_hf_to_gguf writes Mixtral as llama with experts
+    q_norm = tensors.get("blk.0.attn_q_norm.weight")
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=int(meta("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch, tensors, source),
         max_position_embeddings=int(meta("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm=q_norm is not None,
+        qk_norm_scope="head" if q_norm is None or int(q_norm.shape[0]) == head_dim else "full",  # OLMoE: full
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(i for i in [field_value(reader, "tokenizer.ggml.eos_token_id")] if i is not None),
+        **_moe_fields(architecture, meta, tensors),
     )
+
+
+def _moe_fields(architecture: str, meta, tensors: dict) -> dict[str, Any]:
+    """Experts, from llama.cpp's metadata; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
+    if architecture not in _NORM_TOPK:
+        return {}
+    num_layers = int(meta("block_count"))
+    return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                moe_intermediate_size=int(meta("expert_feed_forward_length", meta("feed_forward_length"))),
+                norm_topk_prob=_NORM_TOPK[architecture],
+                dense_mlp_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors))
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -36,6 +36,9 @@ BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
+EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
+                  "ffn_gate_up_exps": "gate_up"}  # convert_hf_to_gguf --fuse-gate-up-exps: gate rows, then up
 # Tensors that only feed the config (rope_freqs -> rope_scaling).
 CONFIG_TENSORS = {"rope_freqs.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
@@ -68,6 +71,9 @@ def load_gguf(path: str) -> Checkpoint:
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
+        if config.num_experts and _is_moe_tensor(tensor.name):
+            weights.update(_moe_weights(config, tensor, path))
+            continue
         name = hf_name(tensor.name, path)
         weights[name] = _unpermute(config, name, _to_torch(tensor, path), mapping.release)
     _warn_dequantized(reader)
@@ -93,6 +99,43 @@ def hf_name(gguf_name: str, source: str = "") -> str:
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
 
 
+def _is_moe_tensor(gguf_name: str) -> bool:
+    return gguf_name.split(".")[-2] in (*EXPERT_TENSORS, "ffn_gate_inp")
+
+
+def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:
+    """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert."""
+    layer, kind = tensor.name.split(".")[1:3]
+    names, prefix = EXPERT_NAMES[config.architecture], f"model.layers.{layer}."
+    if kind == "ffn_gate_inp":
+        return {names.router(prefix): _to_torch(tensor, source)}
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # (E, N, K)
+    if len(shape) != 3 or shape[0] != config.num_experts:
+        raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected ({config.num_experts}, rows, cols)")
+    if tensor.tensor_type in _FLOAT_TYPES:
+        stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
+        experts: list[Weight] = list(stack.unbind(0))
+    else:
+        _check_dequantizable(tensor, source)
+        stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
+        experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
+    part = EXPERT_TENSORS[kind]
+    if part != "gate_up":
+        return {names.expert(prefix, e, part): weight for e, weight in enumerate(experts)}
+    half = shape[1] // 2
+    split = {}
+    for e, weight in enumerate(experts):  # whole rows either side: views, blocks stay blocks
+        split[names.expert(prefix, e, "gate")] = _rows(weight, 0, half)
+        split[names.expert(prefix, e, "up")] = _rows(weight, half, shape[1])
+    return split
+
+
+def _rows(weight: Weight, start: int, end: int) -> Weight:
+    if isinstance(weight, QuantizedTensor):
+        return QuantizedTensor(weight.qtype, (end - start, weight.shape[1]), weight.raw[start:end])
+    return weight[start:end]
+
+
 def model_name(path: str) -> str:
     stem = os.path.basename(path).removesuffix(".gguf")
     return _QUANT_SUFFIX.sub("", stem) or stem
@@ -107,13 +150,19 @@ def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
         return _view(data.view(np.uint8)).view(_FLOAT_TYPES[kind]).reshape(shape)
     if len(shape) != 2:
         raise LoadError(f"{source}: {tensor.name} is {kind.name} with {len(shape)} dimensions (expected a matrix)")
-    if kind not in NATIVE_TYPES:
-        try:  # one row tells whether gguf-py can dequantize this type at all
-            gguf.quants.dequantize(np.asarray(data).reshape(shape[0], -1)[:1], kind)
-        except NotImplementedError as exc:
-            raise LoadError(f"{source}: {tensor.name} is {kind.name}, which neither the kernels nor gguf-py's "
-                            "dequantizer support") from exc
+    _check_dequantizable(tensor, source)
     return QuantizedTensor(int(kind), shape, _view(data).reshape(shape[0], -1))
+
+
+def _check_dequantizable(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> None:
+    kind = tensor.tensor_type
+    if kind in NATIVE_TYPES:
+        return
+    try:  # one row tells whether gguf-py can dequantize this type at all
+        gguf.quants.dequantize(np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])[:1], kind)
+    except NotImplementedError as exc:
+        raise LoadError(f"{source}: {tensor.name} is {kind.name}, which neither the kernels nor gguf-py's "
+                        "dequantizer support") from exc
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -141,7 +190,7 @@ def _unpermute(config: ModelConfig, name: str, weight: Weight, release) -> Weigh
     Per head, HF keeps rows [x0..x(d/2-1) | y0..y(d/2-1)] (rotate-half); llama.cpp stores x0 y0 x1 y1 ...
     A quantized row is a whole output feature, so the same permutation moves raw block rows.
     """
-    if config.architecture != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    if config.architecture not in ("llama", "mixtral") or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return weight
     heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
     rows = weight.raw if isinstance(weight, QuantizedTensor) else weight

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from conveyor.models import mixtral, olmoe, qwen3_moe
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+# Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
+FAMILY_FIELDS = {"mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields}
 
 
 class ModelConfigError(ValueError):
@@ -30,9 +34,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3) or over the whole projection ("full": OLMoE)
     sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -50,14 +61,23 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                                   f"({self.num_experts})")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs a sparse mixture-of-experts MLP."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
+        """Build from a Hugging Face config.json dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMoE)."""
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         if model_type is None and archs:
@@ -75,7 +95,8 @@ class ModelConfig:
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            return cls(
+            family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
+            fields = dict(
                 architecture=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -96,7 +117,34 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            return cls(**{**fields, **family})
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"malformed model config: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoints keep the sparse MLP: `model.layers.N.{block}.gate.weight` (router) and
+    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too).
+
+    `prefix` is the layer's, with its dot: `model.layers.N.`."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+    def router(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.gate.weight"
+
+    def expert(self, prefix: str, expert: int, part: str) -> str:
+        """`part`: gate, up or down."""
+        return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.weight"
+
+
+EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+                "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")}
+

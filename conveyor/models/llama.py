@@ -7,7 +7,7 @@ boundaries, through AttentionMetadata.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -33,8 +33,11 @@ class LlamaAttention(nn.Module):
         # q, k and v projections fused into one GEMM at load time.
         self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops)
         self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        # QK-norm per head (Qwen3) or over the whole q / k projection (OLMoE).
+        self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.scale = self.head_dim ** -0.5
         self.window = config.sliding_window or 0
 
@@ -48,8 +51,11 @@ class LlamaAttention(nn.Module):
             out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        if self.full_qk_norm:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k sit side by side in the fused output, so one rotary pass covers both.
@@ -152,7 +158,11 @@ class LlamaForCausalLM(nn.Module):
             if cfg.qk_norm:
                 attn.q_norm.weight = loader.param(get(p + "self_attn.q_norm.weight"))
                 attn.k_norm.weight = loader.param(get(p + "self_attn.k_norm.weight"))
-            loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
+            self._load_mlp(layer.mlp, get, p, loader)
             layer.input_layernorm.weight = loader.param(get(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight = loader.param(get(p + "post_attention_layernorm.weight"))
+
+    def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader) -> None:
+        """One layer's MLP from HF names under `prefix` (`model.layers.N.`); MoE families load experts here."""
+        loader.linear(mlp.gate_up_proj, [get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")])
+        loader.linear(mlp.down_proj, [get(prefix + "mlp.down_proj.weight")])

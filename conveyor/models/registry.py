@@ -14,6 +14,7 @@ from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RowInvariantLinear, calibrate_row_tile
 from conveyor.models.llama import LlamaForCausalLM
+from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MoEForCausalLM,
+    "qwen3_moe": MoEForCausalLM,
+    "olmoe": MoEForCausalLM,
 }
 
 

@@ -1,0 +1,12 @@
+"""Mixtral: Llama attention (Mistral's sliding window if set) and a sparse MoE MLP in every layer:
+softmax over all experts, top k, always renormalised; each expert is intermediate_size wide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
+                sliding_window=raw.get("sliding_window"))

@@ -1,0 +1,145 @@
+"""MoE GGUF files laid out as llama.cpp's converter writes them (experts stacked in 3D tensors, Mixtral as
+`llama` with q/k permuted) load to what the same model's Hugging Face directory loads to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tiny_checkpoints import gguf_name, head_dim, permute_for_llama_cpp
+
+from conveyor.config import kernel_settings_from_env
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.kernels import cpu_backend
+from conveyor.loading import load_checkpoint
+from conveyor.loading.checkpoint import QuantizedTensor
+from conveyor.testing import add_tiny_bpe_vocab
+
+Q = gguf.GGMLQuantizationType
+TINY = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, rms_norm_eps=1e-6, num_experts_per_tok=2, tie_word_embeddings=False)
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
+def _hf_model(family: str) -> transformers.PreTrainedModel:
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(**TINY, intermediate_size=96, num_local_experts=4)
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**TINY, intermediate_size=96, moe_intermediate_size=64, num_experts=4,
+                                          norm_topk_prob=True)
+    else:
+        cfg = transformers.OlmoeConfig(**TINY, intermediate_size=64, num_experts=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_()
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)  # rows pick different experts
+            elif "experts" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32, fuse_gate_up: bool = False) -> None:
+    """As convert_hf_to_gguf does: experts stacked (E, N, K), router and norms F32, Mixtral q/k permuted;
+    the other matrices in `qtype`; gate and up in one ffn_gate_up_exps with `fuse_gate_up`."""
+    cfg, arch = model.config, GGUF_ARCH[family]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if family == "qwen3_moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    add_tiny_bpe_vocab(writer)
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate|up fused: (E, 2I, H)
+            layer = name.split(".")[2]
+            if fuse_gate_up:
+                _add(writer, f"blk.{layer}.ffn_gate_up_exps.weight", array, qtype)
+            else:
+                gate, up = np.split(array, 2, axis=1)
+                _add(writer, f"blk.{layer}.ffn_gate_exps.weight", gate, qtype)
+                _add(writer, f"blk.{layer}.ffn_up_exps.weight", up, qtype)
+        elif name.endswith("experts.down_proj"):
+            _add(writer, f"blk.{name.split('.')[2]}.ffn_down_exps.weight", array, qtype)
+        elif name.endswith("mlp.gate.weight"):
+            writer.add_tensor(f"blk.{name.split('.')[2]}.ffn_gate_inp.weight", array)
+        else:
+            if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                array = permute_for_llama_cpp(tensor, heads).numpy()
+            _add(writer, gguf_name(name), array, qtype if array.ndim == 2 else Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
+    if qtype == Q.F32:
+        writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+@pytest.fixture
+def hf_dir(tmp_path, copy_tokenizer):
+    def save(family: str):
+        model = _hf_model(family)
+        folder = tmp_path / family
+        model.save_pretrained(folder)
+        copy_tokenizer(folder)
+        return model, load_checkpoint(str(folder))
+    return save
+
+
+@pytest.mark.parametrize(("family", "fuse_gate_up"), [("mixtral", False), ("qwen3_moe", True), ("olmoe", False)])
+def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str, fuse_gate_up: bool) -> None:
+    model, want = hf_dir(family)
+    path = tmp_path / f"tiny-{family}.gguf"
+    _write_moe_gguf(path, family, model, fuse_gate_up=fuse_gate_up)
+    got = load_checkpoint(str(path))
+    fields = ("architecture", "hidden_size", "num_hidden_layers", "head_dim", "qk_norm", "qk_norm_scope",
+              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_mlp_layers")
+    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(want.config, f) for f in fields}
+    assert set(got.weights) == set(want.weights)
+    for name, weight in want.weights.items():  # experts split from their stacks, Mixtral q/k un-permuted
+        assert torch.equal(got.weights[name], weight), name
+
+
+@pytest.mark.skipif(not cpu_backend(kernel_settings_from_env()).runs_quantized(Q.Q8_0), reason="no quantized kernel")
+def test_q8_0_experts_run_as_blocks_and_match_the_hf_directory(tmp_path, hf_dir) -> None:
+    model, want = hf_dir("mixtral")
+    path = tmp_path / "tiny-mixtral.Q8_0.gguf"
+    _write_moe_gguf(path, "mixtral", model, Q.Q8_0, fuse_gate_up=True)
+    got = load_checkpoint(str(path))
+    expert = got.weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    assert isinstance(expert, QuantizedTensor) and expert.shape == (64, 96)
+    down = want.weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"].numpy()
+    assert np.array_equal(expert.dequantize().numpy(), gguf.quants.dequantize(gguf.quants.quantize(down, Q.Q8_0),
+                                                                              Q.Q8_0))
+    quantized = LLM(checkpoint=got, parallel=4, kv_cache_budget="none")
+    assert quantized.engine.runner.model.layers[0].mlp.experts[2].down_proj.segments  # one packed linear each
+    # The HF directory quantized to Q8_0 at load holds the same blocks (the router stays dense in both): same tokens.
+    reference = LLM(checkpoint=dataclasses.replace(want, tokenizer=got.tokenizer), parallel=4, weight_dtype="q8_0",
+                    kv_cache_budget="none")
+    prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(5 + 3 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert ([r.token_ids for r in quantized.generate(prompts, params)]
+            == [r.token_ids for r in reference.generate(prompts, params)])

@@ -1,0 +1,102 @@
+"""Mixtral, Qwen3-MoE and OLMoE match transformers (float32) from the files save_pretrained writes:
+logits at prefill and over greedy decode steps through the paged cache."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.loading.checkpoint import select_weights
+from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.moe import SparseMoeBlock
+from conveyor.models.registry import build_model
+from conveyor.runner.model_runner import ModelRunner
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK = 4
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, num_experts_per_tok=2)
+
+
+def _hf_model(family: str):
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4)
+    elif family == "qwen3_moe":  # layer 1 keeps a dense MLP; top-k weights not renormalised
+        cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=48,
+                                          num_experts=4, norm_topk_prob=False, mlp_only_layers=[1])
+    elif family == "olmoe":  # renormalised here (OLMoE's default is not): both branches get checked
+        cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=48, num_experts=5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # norms start at 1.0; randomize so a skipped norm cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a spread-out router so rows pick different experts
+                p.normal_(0, 0.5)
+    return model
+
+
+def _runner(hf_model, tmp_path) -> ModelRunner:
+    hf_model.save_pretrained(tmp_path)  # the Hub layout: one tensor per expert
+    config = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    weights = select_weights(config, load_file(tmp_path / "model.safetensors"), str(tmp_path))
+    model = build_model(config, weights, torch.float32, torch.device("cpu"), batch_invariant=False)
+    return ModelRunner(model, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"),
+                       ops=model.ops)
+
+
+def _forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
+    chunk = ScheduledChunk("r", tokens, start, table, True, SamplingParams(temperature=0))
+    inputs = runner.prepare_inputs(SchedulerOutput(chunks=[chunk]))
+    every_row = torch.arange(len(tokens))
+    return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, every_row)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_logits_match_transformers(family, tmp_path):
+    hf = _hf_model(family)
+    runner = _runner(hf, tmp_path)
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.layers]
+    assert sparse == ([True, False] if family == "qwen3_moe" else [True, True])
+    prompt = torch.randint(0, 128, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = [5, 2, 9, 7, 11, 3, 8]  # scattered blocks on purpose
+    ours = _forward_all(runner, prompt, 0, table)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    tokens = list(prompt)
+    for _ in range(6):  # greedy decode steps continue from the paged cache
+        nxt = int(ours[-1].argmax())
+        ours = _forward_all(runner, [nxt], len(tokens), table)
+        tokens.append(nxt)
+        with torch.no_grad():
+            want = hf(torch.tensor([tokens])).logits[0, -1:]
+        torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # and the greedy tokens are transformers' own
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert tokens[len(prompt):] == theirs
+
+
+def test_config_fields():
+    qwen = ModelConfig.from_hf_dict(_hf_model("qwen3_moe").config.to_dict())
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (4, 2, 48)
+    assert qwen.dense_mlp_layers == (1,) and not qwen.norm_topk_prob and qwen.qk_norm and qwen.qk_norm_scope == "head"
+    stepped = ModelConfig.from_hf_dict({**qwen_raw(), "decoder_sparse_step": 2, "num_hidden_layers": 4})
+    assert stepped.dense_mlp_layers == (0, 2)  # sparse where (i + 1) % step == 0
+    olmoe = ModelConfig.from_hf_dict(_hf_model("olmoe").config.to_dict())
+    assert olmoe.qk_norm and olmoe.qk_norm_scope == "full" and olmoe.moe_intermediate_size == 48
+    mixtral = ModelConfig.from_hf_dict(_hf_model("mixtral").config.to_dict())
+    assert mixtral.norm_topk_prob and mixtral.num_experts == 4 and not mixtral.qk_norm
+    for raw, what in ((qwen_raw() | {"use_sliding_window": True}, "use_sliding_window"),
+                      (_hf_model("olmoe").config.to_dict() | {"clip_qkv": 8.0}, "clip_qkv")):
+        with pytest.raises(ModelConfigError, match=what):  # refused, never run differently
+            ModelConfig.from_hf_dict(raw)
+
+
+def qwen_raw() -> dict:
+    return _hf_model("qwen3_moe").config.to_dict() | {"mlp_only_layers": []}
