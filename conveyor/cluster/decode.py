@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from conveyor.cluster import transport
 from conveyor.cluster.transport import numeric_address
-from conveyor.cluster.node import FrameServer, refuse, run_unless_closed, to_sampling_params
+from conveyor.cluster.node import FrameServer, compile_grammar, refuse, run_unless_closed, to_sampling_params
 from conveyor.cluster.prefill import token_frame
 from conveyor.cluster.wire import Frame, HandoffFrame
 from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVBlob
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.request import Request
 from conveyor.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,7 @@ class DecodeNode(FrameServer):
         core = self.core
         blob = KVBlob(**{name: getattr(frame.kv, name) for name in frame.kv.__struct_fields__})
         try:
-            if not frame.output_token_ids:
-                raise ValueError("a handoff carries at least the first token")
-            core.kv_transfer.check_layout(blob)
-            if frame.sampling.max_tokens is None:
-                raise ValueError("a handoff carries its max_tokens")
-            params = to_sampling_params(frame.sampling, frame.sampling.max_tokens)
-            request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority)
-            request.output_token_ids = list(frame.output_token_ids)
-            request.num_cached_tokens = frame.num_cached_tokens
-            core.kv_transfer.stage_import(request, blob, frame.rng_state)
+            request = await self._request(frame, blob)
         except InvalidRequestError as exc:
             self.stats.num_refused += 1
             raise refuse(400, str(exc), "invalid_request", exc.param) from None
@@ -80,6 +72,27 @@ class DecodeNode(FrameServer):
         self.stats.received_bytes += len(blob.data)
         if await run_unless_closed(self._stream(request.request_id, stream, writer), reader):
             self.stats.num_cancelled += 1
+
+    async def _request(self, frame: HandoffFrame, blob: KVBlob) -> Request:
+        """The handed-off sequence as this engine's request, at the state the prefill node left it in:
+        its first token(s) appended (its grammar advanced past them), its KV staged for import."""
+        core = self.core
+        if not frame.output_token_ids:
+            raise ValueError("a handoff carries at least the first token")
+        core.kv_transfer.check_layout(blob)
+        if frame.sampling.max_tokens is None:
+            raise ValueError("a handoff carries its max_tokens")
+        params = to_sampling_params(frame.sampling, frame.sampling.max_tokens)
+        await compile_grammar(core, params)
+        request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,
+                                    cache_prompt=frame.cache_prompt)
+        for token in frame.output_token_ids:
+            request.append_output_token(token)
+        if request.error is not None:  # the prefill node's masks allowed it: a different grammar here
+            raise ValueError(request.error)
+        request.num_cached_tokens = frame.num_cached_tokens
+        core.kv_transfer.stage_import(request, blob, frame.rng_state)
+        return request
 
     async def _stream(self, request_id: str, stream: asyncio.Queue[RequestOutput],
                       writer: asyncio.StreamWriter) -> None:

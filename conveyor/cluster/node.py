@@ -10,12 +10,15 @@ from collections.abc import Awaitable
 
 from conveyor.cluster import transport, wire
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, Frame, SamplingWire, WireError
+from conveyor.cluster.wire import ErrorFrame, Frame, GrammarWire, LogprobWire, SamplingWire, WireError
+from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
+from conveyor.structured.grammar import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = tuple(f for f in SamplingWire.__struct_fields__ if f != "max_tokens")
+_SAMPLING_FIELDS = tuple(f for f in SamplingWire.__struct_fields__ if f not in ("max_tokens", "grammar"))
 _TRANSPORT_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError)
 
 
@@ -33,11 +36,37 @@ def refuse(status: int, message: str, code: str, param: str | None = None) -> Re
 
 def to_sampling_params(sampling: SamplingWire, max_tokens: int) -> SamplingParams:
     """Raises InvalidRequestError for values the engine refuses."""
-    return SamplingParams(max_tokens=max_tokens, **{name: getattr(sampling, name) for name in _SAMPLING_FIELDS})
+    grammar = sampling.grammar
+    structured = GrammarSpec(grammar.kind, grammar.source) if grammar is not None else None
+    return SamplingParams(max_tokens=max_tokens, structured=structured,
+                          **{name: getattr(sampling, name) for name in _SAMPLING_FIELDS})
 
 
 def to_wire(params: SamplingParams) -> SamplingWire:
-    return SamplingWire(max_tokens=params.max_tokens, **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+    """The request's whole sampling contract: penalties, stops, seed, logprobs, grammar."""
+    spec = params.structured
+    grammar = GrammarWire(kind=spec.kind, source=spec.source) if spec is not None else None
+    return SamplingWire(max_tokens=params.max_tokens, grammar=grammar,
+                        **{name: getattr(params, name) for name in _SAMPLING_FIELDS})
+
+
+async def compile_grammar(core, params: SamplingParams) -> None:
+    """Compile the request's grammar (or find it cached) off the event loop, as a node's HTTP path does;
+    make_request then starts its matcher from the cache."""
+    if params.structured is None:
+        return
+    try:
+        await asyncio.to_thread(core.grammars.compile, params.structured)
+    except InvalidRequestError as exc:
+        raise refuse(400, str(exc), "invalid_request", exc.param) from None
+
+
+def logprobs_to_wire(logprobs: list[TokenLogprob]) -> list[LogprobWire]:
+    return [LogprobWire(lp.token_id, lp.logprob, list(lp.top)) for lp in logprobs]
+
+
+def logprobs_from_wire(logprobs: list[LogprobWire]) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in logprobs]
 
 
 class FrameServer:

@@ -18,10 +18,11 @@ import logging
 from dataclasses import dataclass, field
 
 from conveyor.cluster import transport
-from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, refuse, run_unless_closed, to_sampling_params, \
-    to_wire
+from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, logprobs_to_wire, refuse, \
+    run_unless_closed, to_sampling_params, to_wire
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, WireError
+from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, \
+    WireError
 from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVHandoff
@@ -93,6 +94,10 @@ class PrefillNode(FrameServer):
             max_tokens = max(core.max_model_len - len(frame.prompt_token_ids), 1)
         try:
             params = to_sampling_params(frame.sampling, max_tokens)
+        except InvalidRequestError as exc:
+            raise refuse(400, str(exc), "invalid_request", exc.param) from None
+        await compile_grammar(core, params)
+        try:
             request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,
                                         cache_prompt=frame.cache_prompt)
         except InvalidRequestError as exc:
@@ -149,10 +154,11 @@ class PrefillNode(FrameServer):
         frame = HandoffFrame(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                              output_token_ids=request.output_token_ids, sampling=to_wire(request.sampling_params),
                              kv=KVPayload(**vars(handoff.kv)), priority=request.priority,
-                             num_cached_tokens=request.num_cached_tokens, rng_state=handoff.rng_state)
+                             cache_prompt=request.cache_prompt, num_cached_tokens=request.num_cached_tokens,
+                             rng_state=handoff.rng_state)
         opened = await self._open_decode(frame, targets)
         if isinstance(opened, str):
-            await transport.write_frame(writer, error_token_frame(request.request_id, opened))
+            await transport.write_frame(writer, error_token_frame(request.request_id, opened, DECODE_LOST))
             return
         address, reader, decode_writer, first = opened
         try:
@@ -173,7 +179,8 @@ class PrefillNode(FrameServer):
             self.stats.num_decode_lost += 1
             logger.warning("prefill node: decode node %s lost mid-stream (%s)", address, exc or type(exc).__name__)
             await transport.write_frame(writer, error_token_frame(
-                request.request_id, f"decode node {address} failed mid-stream: {exc or type(exc).__name__}"))
+                request.request_id, f"decode node {address} failed mid-stream: {exc or type(exc).__name__}",
+                DECODE_LOST))
         finally:
             transport.close(decode_writer)
 
@@ -212,9 +219,9 @@ def token_frame(out: RequestOutput, node: str, finished: bool | None = None) -> 
     return TokenFrame(request_id=out.request_id, token_ids=list(out.new_token_ids), text=out.new_text, finished=done,
                       finish_reason=out.finish_reason if done else None, num_prompt_tokens=out.num_prompt_tokens,
                       num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
-                      error=out.error, node=node)
+                      error=out.error, node=node, logprobs=logprobs_to_wire(out.logprobs))
 
 
-def error_token_frame(request_id: str, message: str) -> TokenFrame:
+def error_token_frame(request_id: str, message: str, code: str | None = None) -> TokenFrame:
     return TokenFrame(request_id=request_id, token_ids=[], text="", finished=True, finish_reason="error",
-                      error=message, node="prefill")
+                      error=message, node="prefill", error_code=code)

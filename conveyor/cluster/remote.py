@@ -3,10 +3,11 @@
 Each attempt dials a prefill node (round-robin over those online) and names a decode node
 (independently round-robin) in the frame. A transport failure with the prefill node (refused,
 reset, EOF before the final frame) marks it unreachable and the request moves to the next
-online one. Greedy and seeded requests regenerate the same text there, so the first
-`num_chars_sent` characters of the new stream are dropped and the client sees one unbroken
-stream; an unseeded sampled request that already streamed text cannot be spliced and ends
-with an error instead.
+online one. A stream whose decode node is lost (the prefill node reports `decode_lost`) moves
+to another decode node the same way. Greedy and seeded requests regenerate the same tokens
+there, so the first `num_tokens_sent` tokens (with their logprobs) and `num_chars_sent`
+characters of the new stream are dropped and the client sees one unbroken stream; an unseeded
+sampled request that already streamed text cannot be spliced and ends with an error instead.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from conveyor.cluster import transport
-from conveyor.cluster.node import _TRANSPORT_ERRORS
+from conveyor.cluster.node import _TRANSPORT_ERRORS, logprobs_from_wire
 from conveyor.cluster.registry import Node, Registry
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
+from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
 from conveyor.engine.outputs import RequestOutput
 
 _BUSY_CODES = {"overloaded", "unavailable"}
@@ -66,19 +67,23 @@ class RemoteRequest:
         """RequestOutput deltas (the last has finished=True); DispatchError before the first one."""
         registry = self.registry
         tried: list[Node] = []
+        decodes_lost: list[Node] = []
+        lost_error: str | None = None  # what the last lost decode node's prefill node said
         num_chars_sent = 0
+        num_tokens_sent = 0
         num_yielded = 0
         num_output_tokens = 0
         busy = False
         attempt = 0
         while True:
             node = registry.prefill.pick(exclude=tried)
-            decode = registry.decode.pick()
+            decode = registry.decode.pick(exclude=decodes_lost)
             if node is None or decode is None:
                 error = overloaded() if busy else no_prefill() if node is None else no_decode()
                 if not num_yielded:
                     raise error
-                yield _error_output(self.request_id, error.message, num_output_tokens)
+                lost = decode is None and node is not None and lost_error is not None
+                yield _error_output(self.request_id, lost_error if lost else error.message, num_output_tokens)
                 return
             if attempt:
                 registry.stats.num_retries += 1
@@ -86,7 +91,7 @@ class RemoteRequest:
             frame = GenerateFrame(request_id=f"{self.request_id}-{attempt}", prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling, priority=self.priority, cache_prompt=self.cache_prompt,
                                   decode_target=decode.address)
-            skip = num_chars_sent
+            skip, skip_tokens = num_chars_sent, num_tokens_sent
             writer = None
             node.num_in_flight += 1
             try:
@@ -101,17 +106,29 @@ class RemoteRequest:
                             busy = True
                             tried.append(node)
                             break  # the next node may have room
-                        raise DispatchError(reply.status, reply.message, _error_type(reply.status), reply.code,
-                                            reply.param)
+                        error = DispatchError(reply.status, reply.message, _error_type(reply.status), reply.code,
+                                              reply.param)
+                        if not num_yielded:
+                            raise error
+                        yield _error_output(self.request_id, error.message, num_output_tokens)
+                        return
                     if not isinstance(reply, TokenFrame):
                         raise WireError(f"unexpected {type(reply).__name__} from a prefill node")
+                    if reply.error_code == DECODE_LOST and self.deterministic:
+                        decodes_lost.append(decode)  # (the health monitor decides whether it is down)
+                        lost_error = reply.error
+                        break  # rerun on another decode node, the tokens already sent skipped
                     out = _output(self.request_id, reply, num_output_tokens)
                     num_output_tokens = out.num_output_tokens
-                    if skip:  # a retry regenerates what the client already has
+                    if skip or skip_tokens:  # a retry regenerates what the client already has
                         cut = min(skip, len(out.new_text))
                         out.new_text = out.new_text[cut:]
                         skip -= cut
+                        cut = min(skip_tokens, len(out.new_token_ids))
+                        out.new_token_ids, out.logprobs = out.new_token_ids[cut:], out.logprobs[cut:]
+                        skip_tokens -= cut
                     num_chars_sent += len(out.new_text)
+                    num_tokens_sent += len(out.new_token_ids)
                     num_yielded += 1
                     yield out
                     if out.finished:
@@ -134,7 +151,8 @@ def _output(request_id: str, frame: TokenFrame, num_output_tokens: int) -> Reque
                          finished=frame.finished, finish_reason=frame.finish_reason,
                          num_prompt_tokens=frame.num_prompt_tokens,
                          num_output_tokens=max(frame.num_output_tokens, num_output_tokens),
-                         num_cached_tokens=frame.num_cached_tokens, error=frame.error)
+                         num_cached_tokens=frame.num_cached_tokens, error=frame.error,
+                         logprobs=logprobs_from_wire(frame.logprobs))
 
 
 def _error_output(request_id: str, message: str, num_output_tokens: int) -> RequestOutput:

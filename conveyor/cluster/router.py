@@ -1,9 +1,11 @@
 """Router role: a model-free OpenAI-compatible HTTP front over a prefill pool and a decode pool.
 
-It loads only the tokenizer and chat template, tokenizes each request, dispatches it
-(remote.py) and merges the prefill node's first token with the relayed continuation into
-one response, shaped exactly as a single node shapes it (server/responses.py): SSE or JSON,
-usage from the workers' own token counts, finish_reason as the engine reports it.
+It loads only the tokenizer and chat template and plans each request as a node does
+(server/request_plan.py: the same prompt, per-choice sampling, grammar and 400s), dispatches each
+choice (remote.py: grammar, logprobs, stops and seed travel in the frames) and answers through
+the node's own reply code (server/reply.py) over a RemoteGroup of the relayed deltas: the same
+SSE or JSON, reply parsing, logprobs, usage from the workers' token counts, and finish_reason
+as the engine reports it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,29 +25,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.health import HealthMonitor
+from conveyor.cluster.node import to_wire
 from conveyor.cluster.registry import Registry
-from conveyor.cluster.remote import DispatchError, RemoteRequest, cancel_quietly, no_decode, no_prefill, overloaded
-from conveyor.cluster.wire import SamplingWire
+from conveyor.cluster.remote import DispatchError, RemoteRequest, no_decode, no_prefill, overloaded
 from conveyor.config import ClusterConfig, ServerConfig
 from conveyor.engine.outputs import RequestOutput
+from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes
+from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
-from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.metrics import CONTENT_TYPE
-from conveyor.server.openai_serving import CLIENT_CLOSED_REQUEST, SSEResponse, _logit_bias, _priority
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from conveyor.server.responses import ChoiceState, ResponseHeader, TokenText, chunk, full_response, sse, usage_chunk
-from conveyor.server.streams import wait_for_disconnect
-from conveyor.server.structured_output import plan_chat, reply_starts_thinking
+from conveyor.server.middleware import BodySizeLimit, CatchAll
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.reply import respond
+from conveyor.server.request_plan import RequestPlan, plan_chat_request, plan_completion_request, priority
+from conveyor.server.responses import TokenText
 from conveyor.server.webui import add_webui_routes
 
 logger = logging.getLogger(__name__)
 
-_WIRE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "stop_token_ids", "seed")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -103,39 +104,19 @@ class RouterServing:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            "invalid_request_error", "model", "model_not_found")
 
-    # -- endpoints -------------------------------------------------------------------------
+    # -- endpoints: planned exactly as a node plans them (server/request_plan.py) -------------
     async def chat(self, http: Request, body: ChatCompletionRequest, arrival: float) -> Response:
         self.check_model(body.model)
-        _check_supported(body, logprobs=body.logprobs)
-        # The node's own planning: the same history (earlier tool_calls, tool results), the same 400s
-        # (tool_choice without tools) and the same reply parsing (<think> -> reasoning_content).
-        plan = plan_chat(body, self.tokenizer, self.reasoning_parser)
-        try:
-            text = self.tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools)
-        except ValueError as exc:
-            raise errors.invalid(str(exc), "messages") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=True,
-                                want_logprobs=False, parsing=reply_starts_thinking(plan.parsing, text))
-        return await self._run(http, body, header, prompt, max_tokens, arrival, {"prompt": "messages"})
+        plan = plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id)
+        return await self._run(http, plan, arrival)
 
     async def completion(self, http: Request, body: CompletionRequest, arrival: float) -> Response:
         self.check_model(body.model)
-        _check_supported(body, logprobs=body.logprobs is not None)
-        if body.best_of is not None and body.best_of != body.n:
-            raise errors.invalid("best_of is not supported (omit it or set it equal to n)", "best_of")
-        prompts = body.prompts()
-        if len(prompts) != 1:
-            raise errors.invalid("the router serves one prompt per request (send a batch as separate requests)",
-                                 "prompt")
-        prompt = self.tokenizer.encode(prompts[0]) if isinstance(prompts[0], str) else list(prompts[0])
-        header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, chat=False,
-                                want_logprobs=False)
-        return await self._run(http, body, header, prompt, body.max_tokens, arrival, {"messages": "prompt"})
+        plan = plan_completion_request(body, self.tokenizer, self.model_id)
+        return await self._run(http, plan, arrival)
 
     # -- running ---------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self, num_requests: int = 1) -> None:
         """Before any dispatch: a pool with no node online, or a router queue at its bound, is a 503."""
         stats = self.registry.stats
         num_prefill = len(self.registry.prefill.online())
@@ -145,135 +126,129 @@ class RouterServing:
         if not self.registry.decode.online():
             stats.num_rejected_no_decode += 1
             raise _api_error(no_decode())
-        if self.num_awaiting_first_token >= self.max_queue_depth * num_prefill:
+        if self.num_awaiting_first_token + num_requests > self.max_queue_depth * num_prefill:
             stats.num_rejected_overloaded += 1
             raise _api_error(overloaded())
 
-    async def _run(self, http: Request, body: SamplingFields, header: ResponseHeader, prompt: list[int],
-                   max_tokens: int | None, arrival: float, params: dict[str, str]) -> Response:
-        if not prompt:
-            raise errors.invalid("the prompt is empty", params.get("prompt", "prompt"))
-        self._admit()
-        self.registry.stats.num_requests += 1
-        remote = RemoteRequest(self.registry, uuid.uuid4().hex[:16], prompt, _sampling(body, max_tokens),
-                               priority=_priority(body, http), cache_prompt=body.cache_prompt)
-        deltas = remote.stream()
-        first = await self._first(deltas, arrival, params)  # 4xx/5xx here, before any response byte
-        if body.stream:
-            return SSEResponse(self._stream(deltas, first, header, body.include_usage, arrival))
-        return await self._complete(http, deltas, first, header, arrival)
+    def _remotes(self, http: Request, plan: RequestPlan) -> list[RemoteRequest]:
+        """n requests per prompt with the node's per-choice sampling (validated here, with a node's 400s);
+        max_tokens stays unset when the body leaves it, for the prefill node's context window to fill."""
+        body = plan.body
+        rank = priority(body, http)
+        try:  # (the value only stands in for validation: the wire carries the body's max_tokens)
+            choices = [plan.sampling(i, plan.max_tokens if plan.max_tokens is not None else 1) for i in range(plan.n)]
+        except InvalidRequestError as exc:
+            raise plan.error(exc) from None
+        if not all(plan.prompts):
+            raise plan.invalid("the prompt is empty", "prompt")
+        base_id = uuid.uuid4().hex[:12]
+        remotes = []
+        for p, prompt in enumerate(plan.prompts):
+            for i, params in enumerate(choices):
+                wire = msgspec.structs.replace(to_wire(params), max_tokens=plan.max_tokens)
+                remotes.append(RemoteRequest(self.registry, f"{base_id}-{p * plan.n + i}", prompt, wire,
+                                             priority=rank, cache_prompt=body.cache_prompt))
+        return remotes
 
-    async def _first(self, deltas: AsyncIterator[RequestOutput], arrival: float, params: dict[str, str]):
-        self.num_awaiting_first_token += 1
+    async def _run(self, http: Request, plan: RequestPlan, arrival: float) -> Response:
+        remotes = self._remotes(http, plan)
+        self._admit(len(remotes))
+        self.registry.stats.num_requests += len(remotes)
+        group = RemoteGroup(self, remotes, arrival)
+        await group.start(plan)  # 4xx/5xx here, before any response byte
+        body = plan.body
+        return await respond(http, group, plan.header, self.token_text, body.stream, body.include_usage, plan.n)
+
+
+class RemoteGroup:
+    """The routed requests of one HTTP response, as the node's RequestGroup (server/streams.py) is for
+    engine requests: one pump per member relays its deltas into one queue; close() ends them all."""
+
+    def __init__(self, serving: RouterServing, remotes: list[RemoteRequest], arrival: float) -> None:
+        self.serving = serving
+        self.arrival = arrival
+        self.request_ids = [r.request_id for r in remotes]
+        self._unfinished = set(range(len(remotes)))
+        self._merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._firsts: list[asyncio.Future[RequestOutput]] = [loop.create_future() for _ in remotes]
+        self._pumps = [asyncio.create_task(self._pump(i, r.stream())) for i, r in enumerate(remotes)]
+        self._started = False
+
+    @property
+    def done(self) -> bool:
+        return not self._unfinished
+
+    async def start(self, plan: RequestPlan) -> None:
+        """Wait for every member's first delta: a refusal (DispatchError) becomes this response's error."""
+        serving = self.serving
+        serving.num_awaiting_first_token += len(self._firsts)
         try:
-            first = await deltas.__anext__()
-        except DispatchError as exc:
-            self.registry.stats.num_failed += 1
-            if exc.code == "invalid_request" and exc.param in params:
-                exc.param = params[exc.param]
-            raise _api_error(exc) from None
+            results = await asyncio.gather(*self._firsts, return_exceptions=True)
+        except BaseException:
+            self.close()
+            raise
         finally:
-            self.num_awaiting_first_token -= 1
-        self.metrics.ttft.observe(time.monotonic() - arrival)
-        return first
+            serving.num_awaiting_first_token -= len(self._firsts)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            self.close()
+            serving.registry.stats.num_failed += 1
+            if isinstance(failed, DispatchError):
+                if failed.status == 400 and failed.code == "invalid_request":  # a node's 400, named as a node names it
+                    raise plan.invalid(failed.message, failed.param) from None
+                raise _api_error(failed) from None
+            raise failed
+        self._started = True
 
-    def _finish(self, out: RequestOutput, arrival: float) -> None:
-        self.metrics.e2e.observe(time.monotonic() - arrival)
-        self.metrics.finished.labels(out.finish_reason or "unknown").inc()
-        stats = self.registry.stats
+    async def _pump(self, index: int, deltas: AsyncIterator[RequestOutput]) -> None:
+        first = self._firsts[index]
+        try:
+            try:
+                out = await deltas.__anext__()
+            except Exception as exc:  # noqa: BLE001 - the refusal is start()'s to raise
+                first.set_exception(exc)
+                return
+            first.set_result(out)
+            self.serving.metrics.ttft.observe(time.monotonic() - self.arrival)
+            self._merged.put_nowait((index, out))
+            while not out.finished:
+                try:
+                    out = await deltas.__anext__()
+                except Exception as exc:  # noqa: BLE001 - a bug costs this member, never a hung response
+                    logger.exception("router: relay failed")
+                    out = RequestOutput(self.request_ids[index], finished=True, finish_reason="error",
+                                        error=f"router relay failed: {exc}")
+                self._merged.put_nowait((index, out))
+        finally:
+            if not first.done():
+                first.cancel()
+            await deltas.aclose()  # closes the prefill connection: the nodes cancel and free their blocks
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        index, out = await self._merged.get()
+        if out.finished:
+            self._unfinished.discard(index)
+            self._finish(out)
+            if self.done:
+                self.close()
+        return index, out
+
+    def _finish(self, out: RequestOutput) -> None:
+        metrics, stats = self.serving.metrics, self.serving.registry.stats
+        metrics.e2e.observe(time.monotonic() - self.arrival)
+        metrics.finished.labels(out.finish_reason or "unknown").inc()
         if out.finish_reason == "error":
             stats.num_failed += 1
         else:
             stats.num_completed += 1
 
-    async def _complete(self, http: Request, deltas, first: RequestOutput, header: ResponseHeader,
-                        arrival: float) -> Response:
-        choice = ChoiceState(0)
-
-        async def collect() -> None:
-            out = first
-            choice.add(out)
-            while not out.finished:
-                out = await deltas.__anext__()
-                choice.add(out)
-            self._finish(out, arrival)
-
-        task = asyncio.create_task(collect())
-        gone = asyncio.create_task(wait_for_disconnect(http.receive))
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            client_left = not task.done()
-            if client_left:
-                await cancel_quietly(task)
-            await deltas.aclose()  # closes the prefill connection: the nodes cancel and free their blocks
-        if client_left:
-            self.registry.stats.num_cancelled += 1
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        task.result()
-        if choice.finish_reason == "error":
-            raise errors.generation_failed(choice.error or "generation failed")
-        return JSONResponse(full_response(header, [choice], self.token_text, 1))
-
-    async def _stream(self, deltas, first: RequestOutput, header: ResponseHeader, include_usage: bool,
-                      arrival: float) -> AsyncIterator[str]:
-        choice = ChoiceState(0)
-        finished = False
-        parser = header.parsing.parser() if header.parses else None  # type: ignore[union-attr]
-        try:
-            if header.chat:
-                yield sse(chunk(header, 0, "", [], self.token_text, role=True, with_usage=include_usage))
-            out = first
-            while True:
-                choice.add(out, keep=False)
-                parsed = None
-                if parser is not None:  # as a node streams it (openai_serving.py): text held until decided
-                    parsed = parser.feed(out.new_text)
-                    if out.finished:
-                        parsed += parser.finish(truncated=out.finish_reason == "length")
-                if (out.new_text and (parsed is None or not parsed.is_empty)) or out.finished:
-                    payload = chunk(header, 0, out.new_text, [], self.token_text,
-                                    finish_reason=out.finish_reason if out.finished else None,
-                                    with_usage=include_usage, parsed=parsed)
-                    if out.finish_reason == "error":
-                        payload["error"] = errors.generation_failed(out.error or "generation failed").body()["error"]
-                    yield sse(payload)
-                if out.finished:
-                    finished = True
-                    self._finish(out, arrival)
-                    break
-                out = await deltas.__anext__()
-            if include_usage:
-                yield sse(usage_chunk(header, [choice], 1))
-            yield sse("[DONE]")
-        finally:
-            if not finished:
-                self.registry.stats.num_cancelled += 1
-            await deltas.aclose()
-
-
-def _check_supported(body: SamplingFields, logprobs: bool) -> None:
-    """What the wire does not carry is refused, not silently dropped."""
-    if body.n != 1:
-        raise errors.invalid("the router serves n=1 only (send separate requests)", "n")
-    if logprobs:
-        raise errors.invalid("logprobs are not supported through the router", "logprobs")
-    # Grammars and tools are compiled by a single node's engine; the handoff does not carry a matcher.
-    constrained = [name for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "tools")
-                   if getattr(body, name, None) is not None]
-    if body.response_format is not None and body.response_format.type != "text":
-        constrained.append("response_format")
-    if constrained:
-        raise errors.invalid(f"{constrained[0]} is not supported through the router (structured output and tools "
-                             "run on a single node: docs/distributed.md)", constrained[0])
-
-
-def _sampling(body: SamplingFields, max_tokens: int | None) -> SamplingWire:
-    fields = {name: value for name in _WIRE_FIELDS if (value := getattr(body, name)) is not None}
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingWire(max_tokens=max_tokens, logit_bias=_logit_bias(body.logit_bias), stop=stop,
-                        ignore_eos=body.ignore_eos, **fields)
+    def close(self) -> None:
+        if self._started and self._unfinished:
+            self.serving.registry.stats.num_cancelled += 1
+        self._unfinished.clear()
+        for pump in self._pumps:
+            pump.cancel()
 
 
 def _api_error(exc: DispatchError) -> APIError:
@@ -331,6 +306,8 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
         add_webui_routes(app)
     api = APIRouter()
     add_openai_routes(api, serving, limits, model_card)
+    # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
+    add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)
     add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
     app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
     return app

@@ -10,17 +10,28 @@ the known frame types, raises WireError; the node answers with an ErrorFrame and
 from __future__ import annotations
 
 import struct
+from typing import Literal
 
 import msgspec
 
 MAGIC = b"CNVY"
 VERSION = 1
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
-MAX_FRAME_BYTES = 1 << 30  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
+MAX_FRAME_BYTES = 1 << 30
+# TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
+# died mid-stream): the router may rerun a greedy or seeded request on another decode node.
+DECODE_LOST = "decode_lost"  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
 
 
 class WireError(ValueError):
     """A malformed, truncated, oversized or unknown frame."""
+
+
+class GrammarWire(msgspec.Struct, forbid_unknown_fields=True):
+    """A GrammarSpec (structured/grammar.py): each node compiles it against its own vocabulary."""
+
+    kind: Literal["json_schema", "json_object", "regex", "lark", "choice"]
+    source: str
 
 
 class SamplingWire(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,6 +50,8 @@ class SamplingWire(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # None = off; k = the chosen token plus k alternatives
+    grammar: GrammarWire | None = None  # response_format / guided_* / a forced tool call
 
 
 class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
@@ -72,8 +85,17 @@ class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):
     sampling: SamplingWire
     kv: KVPayload
     priority: int = 0
+    cache_prompt: bool = True
     num_cached_tokens: int = 0
     rng_state: bytes | None = None  # the seeded request's generator after its first draw
+
+
+class LogprobWire(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A TokenLogprob (engine/outputs.py); floats travel as float64, so values arrive exact."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class TokenFrame(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
@@ -89,6 +111,8 @@ class TokenFrame(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
     num_cached_tokens: int = 0
     error: str | None = None
     node: str = ""  # the role that produced it: "prefill" or "decode"
+    logprobs: list[LogprobWire] = []  # one per token in token_ids, when the request asked for them
+    error_code: str | None = None  # DECODE_LOST, or None
 
 
 class ErrorFrame(msgspec.Struct, tag="error", forbid_unknown_fields=True):

@@ -152,11 +152,31 @@ class Sampler:
         if not wanted:
             return result
         logprobs = torch.log_softmax(logits[wanted], dim=-1)
-        k = max(params[i].logprobs for i in wanted)
-        top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
         chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=self.device))
-        chosen_list, values, ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+        chosen_list = chosen[:, 0].tolist()
         for j, i in enumerate(wanted):
-            n = params[i].logprobs
-            result[i] = TokenLogprob(tokens[i], chosen_list[j], list(zip(ids[j][:n], values[j][:n])))
+            result[i] = TokenLogprob(tokens[i], chosen_list[j], _alternatives(logprobs[j], params[i].logprobs))
         return result
+
+
+_TIE_SLACK = 8  # candidates beyond k that topk returns, so a tie at the k-th value is usually seen whole
+
+
+def _alternatives(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """A row's k best (token id, logprob), ties in token-id order.
+
+    NOTE: bf16 logits tie often, and topk orders ties by whatever k it was asked for, so the
+    alternatives would depend on the other rows of the batch; every token at or above the k-th
+    value, in id order, then sorted stably by value, does not.
+    """
+    if k == 0:
+        return []
+    num = min(k + _TIE_SLACK, logprobs.numel())
+    values, ids = logprobs.topk(num)
+    threshold = values[k - 1]
+    if num < logprobs.numel() and values[-1] >= threshold:  # the tie runs past what topk returned
+        ids = (logprobs >= threshold).nonzero()[:, 0]
+    else:
+        ids = ids[values >= threshold].sort().values
+    order = ids[logprobs[ids].sort(descending=True, stable=True).indices[:k]]
+    return list(zip(order.tolist(), logprobs[order].tolist()))

@@ -25,8 +25,10 @@ from conveyor.server.lifecycle import Lifecycle
 from conveyor.server.limits import RequestLimits, check_request, parse_json
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.middleware import BodySizeLimit, CatchAll
-from conveyor.server.openai_serving import OpenAIServing, SSEResponse
+from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from conveyor.server.reply import SSEResponse
+from conveyor.server.responses import TokenText
 from conveyor.server.webui import add_webui_routes
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -133,6 +135,26 @@ def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_c
         return model_card()
 
 
+def add_tokenizer_routes(router: APIRouter, token_text: TokenText, vocab_size: int, limits: RequestLimits) -> None:
+    """/tokenize and /detokenize: a node's, and the router's (which has the tokenizer but not the model)."""
+    tokenizer = token_text.tokenizer
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest, limits)
+        ids = tokenizer.encode(body.text, add_special_tokens=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": token_text(i)[0]} for i in ids]}
+        return {"tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest, limits)
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise errors.invalid(f"token ids must be in [0, {vocab_size})", "tokens")
+        return {"content": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
 def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limits: RequestLimits) -> APIRouter:
     router = APIRouter()
     core = engine.core
@@ -146,22 +168,7 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
                          "n_ctx_train": cfg.max_position_embeddings}}
 
     add_openai_routes(router, serving, limits, model_card)
-
-    @router.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeRequest, limits)
-        ids = core.tokenizer.encode(body.text, add_special_tokens=body.add_special)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": serving.token_text(i)[0]} for i in ids]}
-        return {"tokens": ids}
-
-    @router.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeRequest, limits)
-        vocab = core.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise errors.invalid(f"token ids must be in [0, {vocab})", "tokens")
-        return {"content": core.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    add_tokenizer_routes(router, serving.token_text, core.model_config.vocab_size, limits)
 
     @router.get("/slots")
     async def slots(fail_on_no_slot: bool = False) -> Response:

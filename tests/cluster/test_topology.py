@@ -1,6 +1,7 @@
 """Four real processes on loopback: one decode node (whose own HTTP API is the single-node
-reference), two prefill nodes and a router, all on the tiny random model. One topology serves every test here, in
-order: outputs first, then failures that kill nodes one by one."""
+reference), two prefill nodes and a router, all on the tiny random model (its chat template thinks: see
+parity_battery.py). One topology serves every test here, in order: outputs first, then failures that kill
+nodes one by one."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import socket
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from cluster_harness import call, free_port, start, wait_for, wait_healthy
+from parity_battery import ASK, CHAT, SCHEMA, THINK_TEMPLATE, battery, fetch, spliced
 from conveyor.cluster import wire
 from conveyor.testing import write_tiny_model_dir
 
@@ -25,6 +28,8 @@ pytestmark = [pytest.mark.batch_invariant, pytest.mark.timeout(240)]
 def topo(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     model = write_tiny_model_dir(root / "tiny-model")
+    config_path = Path(model) / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": THINK_TEMPLATE}))
     logs = str(root)
     # The decode node's own HTTP API is the single-node path (same model, same flags): it is the
     # reference, computed before anything is routed through it.
@@ -85,6 +90,46 @@ def test_router_matches_single_node_byte_for_byte(topo):
     assert body["routing"]["completed"] >= 16 and body["routing"]["retries"] == 0
 
 
+def test_router_answers_the_battery_as_a_node_does(topo):
+    """Plain, streamed, stop strings, n=2 seeded, logprobs, json_schema, tools auto/required/named/cut, a
+    tool-result turn, a <think> prompt, text completions: whole responses byte for byte but for ids and
+    timestamps."""
+    work = battery()
+    with ThreadPoolExecutor(8) as pool:
+        reference = dict(zip(work, pool.map(lambda w: fetch(topo["single"].url, *w), work.values())))
+        routed = dict(zip(work, pool.map(lambda w: fetch(topo["router"].url, *w), work.values())))
+    for name in work:
+        assert routed[name] == reference[name], f"{name}: {_first_difference(routed[name], reference[name])}"
+    # The battery means what it says: each feature showed up in the reference answers.
+    body = {name: r["body"] for name, r in reference.items() if "body" in r}
+    assert all(r["status"] == 200 for name, r in reference.items() if "body" in r)
+    assert len(body["n2-seeded"]["choices"]) == 2 and len(body["text-batch-n2"]["choices"]) == 4
+    assert body["n2-seeded"]["choices"][0]["message"] != body["n2-seeded"]["choices"][1]["message"]
+    assert len(body["logprobs"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    assert json.loads(body["json-schema"]["choices"][0]["message"]["content"]).keys() == {"kind", "n", "tags"}
+    for name in ("tools-required", "tools-named", "tools-auto-call"):
+        assert body[name]["choices"][0]["finish_reason"] == "tool_calls", name
+    assert body["tools-named"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add"
+    assert body["think"]["choices"][0]["message"]["reasoning_content"]  # the prompt opened <think>
+    streamed = reference["think-grammar-streamed"]["0"]
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in streamed) == "ok"
+    assert body["text-choice"]["choices"][0]["text"] in ("yes", "no", "maybe")
+
+
+def _first_difference(a, b):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if a.get(key) != b.get(key):
+                return [key, *_first_difference(a.get(key), b.get(key))]
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return [i, *_first_difference(x, y)]
+        if len(a) != len(b):
+            return [f"lengths {len(a)} != {len(b)}"]
+    return [a, b] if a != b else []
+
+
 def test_router_renders_the_history_a_node_renders(topo):
     """A tool turn's tool_calls and tool_call_id reach the prompt through the router as on a node
     (same prompt_tokens, same text); tool_choice without tools is the node's 400."""
@@ -111,13 +156,23 @@ def test_router_serves_health_models_metrics(topo):
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny-model"
     metrics = httpx.get(f"{base}/metrics").text
     assert 'conveyor_router_node_up{address="%s",role="prefill"} 1.0' % topo["a"].serving in metrics
-    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"guided_regex": "[ab]+"}, "guided_regex"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
-        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param  # never silently unconstrained
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"a": {"type": "no"}}}}}
+    for extra, param in (({"response_format": bad_schema}, "response_format"),  # refused by the prefill node
+                         ({"guided_json": bad_schema["json_schema"]["schema"]}, "guided_json"),
+                         ({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"n": 2, "top_p": 7.0}, "top_p"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, "response_format")):
+        body = {"messages": [{"role": "user", "content": "x"}], **extra}
+        answers = [httpx.post(f"{topo[name].url}/v1/chat/completions", json=body, timeout=30)
+                   for name in ("single", "router")]
+        assert [a.status_code for a in answers] == [400, 400], [a.text for a in answers]
+        assert answers[1].json() == answers[0].json() and answers[0].json()["error"]["param"] == param
+    for path, body in (("/tokenize", {"content": "Hello <|im_start|> wörld", "with_pieces": True}),
+                       ("/tokenize", {"prompt": "x", "add_special": True}), ("/detokenize", {"tokens": [9906, 28, 2]}),
+                       ("/detokenize", {"tokens": [1 << 20]})):  # the last: out of the vocabulary, a 400
+        answers = [httpx.post(f"{topo[name].url}{path}", json=body, timeout=30) for name in ("single", "router")]
+        assert (answers[1].status_code, answers[1].content) == (answers[0].status_code, answers[0].content)
     deep = httpx.post(f"{base}/v1/completions", content='{"prompt": ' + "[" * 200 + "]" * 200 + "}",
                       headers={"content-type": "application/json"})
     assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error"  # single-node limits
@@ -196,13 +251,19 @@ def test_client_disconnect_cancels_on_both_nodes(topo):
 
 def test_kill_9_of_a_prefill_node_under_load_loses_nothing(topo):
     work = [w for w in requests_16() if w[1].get("temperature") == 0]
-    for _, body in work:
+    schema = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    work += [(CHAT, {"messages": ASK, "temperature": 1.0, "seed": 5 + i, "response_format": schema,
+                     "stream": i == 1}) for i in range(2)]  # seeded and constrained: spliced too
+    for path, body in work:
         body["max_tokens"] = 120  # long enough that the kill lands mid-stream
         body["ignore_eos"] = True
+        body["cache_prompt"] = False
+        body["logprobs"] = True if path == CHAT else 2  # a retry must not repeat the logprobs sent
+        body["top_logprobs" if path == CHAT else "logprobs"] = 2
         body.pop("stop", None)
     with ThreadPoolExecutor(16) as pool:
-        reference = list(pool.map(lambda w: call(topo["single"].url, *w), work))
-        futures = [pool.submit(call, topo["router"].url, *w) for w in work]
+        reference = [spliced(r) for r in pool.map(lambda w: fetch(topo["single"].url, *w), work)]
+        futures = [pool.submit(lambda w: spliced(fetch(topo["router"].url, *w)), w) for w in work]
         wait_for(lambda: node(stats(topo), "prefill", topo["a"])["in_flight"] > 0, 20, "load on prefill-a")
         time.sleep(0.3)
         topo["a"].kill9()

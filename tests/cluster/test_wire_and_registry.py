@@ -33,6 +33,32 @@ def test_frames_round_trip_and_are_length_checked():
         wire.decode(wire._encoder.encode({"type": "error", "status": 1, "message": "m", "code": "c", "x": 1}))
 
 
+def test_the_whole_sampling_contract_and_logprobs_round_trip():
+    from conveyor.cluster.node import logprobs_from_wire, logprobs_to_wire, to_sampling_params, to_wire
+    from conveyor.engine.outputs import TokenLogprob
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.structured.grammar import GrammarSpec
+
+    params = SamplingParams(max_tokens=9, temperature=0.7, stop=["\n"], seed=3, logprobs=2, logit_bias={4: 1.5},
+                            structured=GrammarSpec.json_schema({"type": "object"}))
+    frame = wire.GenerateFrame(request_id="r", prompt_token_ids=[1], sampling=to_wire(params))
+    back = wire.decode(wire.encode(frame)[9:])
+    assert to_sampling_params(back.sampling, 9) == params
+    logprobs = [TokenLogprob(5, -0.1234567890123, [(5, -0.1234567890123), (7, -2.5)]), TokenLogprob(8, -1e-9)]
+    tokens = wire.TokenFrame(request_id="r", token_ids=[5, 8], text="ab", logprobs=logprobs_to_wire(logprobs))
+    assert logprobs_from_wire(wire.decode(wire.encode(tokens)[9:]).logprobs) == logprobs  # float64: exact
+    bad = wire._encoder.encode(_with_grammar_kind(frame, "nonsense"))
+    with pytest.raises(wire.WireError, match="malformed"):  # a grammar kind no node knows is a bad frame
+        wire.decode(bad)
+
+
+def _with_grammar_kind(frame, kind: str):
+    import msgspec
+
+    return msgspec.structs.replace(frame, sampling=msgspec.structs.replace(
+        frame.sampling, grammar=msgspec.structs.replace(frame.sampling.grammar, kind=kind)))
+
+
 def test_read_frame_reports_truncation_and_clean_close():
     async def go():
         async def feed(data: bytes):
@@ -135,6 +161,10 @@ def test_router_admission_refuses_before_dispatch():
     with pytest.raises(APIError) as refused:
         serving._admit()
     assert (refused.value.status, refused.value.type, refused.value.headers) == (503, "overloaded", {"Retry-After": "1"})
+    serving.num_awaiting_first_token = 2
+    serving._admit(2)  # n=2 fills the bound exactly
+    with pytest.raises(APIError):
+        serving._admit(3)  # n=3 would pass it: all of its choices are refused, none dispatched
     serving.num_awaiting_first_token = 0
     registry.decode.mark_unreachable(registry.decode.nodes[0], "test")
     with pytest.raises(APIError) as refused:
@@ -145,7 +175,7 @@ def test_router_admission_refuses_before_dispatch():
     with pytest.raises(APIError) as refused:
         serving._admit()
     assert refused.value.code == "no_prefill_node" and refused.value.headers == {"Retry-After": "1"}
-    assert registry.stats.view()["rejected_overloaded"] == 1 and registry.stats.num_rejected_no_prefill == 1
+    assert registry.stats.view()["rejected_overloaded"] == 2 and registry.stats.num_rejected_no_prefill == 1
 
 
 def test_prefill_node_checks_decode_target_against_the_allowlist():

@@ -1,6 +1,7 @@
 """SmolLM2 across real processes: router + two prefill nodes + one decode node on loopback give
 byte-identical text, finish_reason and usage to one node (the decode node's own HTTP API, the
-single-node path), for 16 greedy requests (half streamed)."""
+single-node path), for 16 greedy requests (half streamed), and whole responses for the parity
+battery's structured, tool and logprob items."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from cluster_harness import call, start, wait_healthy  # noqa: E402
+from parity_battery import battery, fetch  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.batch_invariant, pytest.mark.timeout(300)]
 
@@ -39,6 +41,14 @@ def test_smollm2_through_the_router_equals_one_node(tmp_path):
             routed = list(pool.map(lambda w: call(router.url, *w), work))
         assert routed == reference
         assert all(r["text"] for r in reference)
+        # The parity battery's structured, tool and logprob items on a real model, whole responses compared.
+        items = battery()
+        work = [items[name] for name in ("json-schema", "tools-auto", "tools-required-streamed", "tool-result-turn",
+                                         "logprobs-streamed", "n2-seeded")]
+        with ThreadPoolExecutor(len(work)) as pool:
+            reference = list(pool.map(lambda w: fetch(single.url, *w), work))
+            routed = list(pool.map(lambda w: fetch(router.url, *w), work))
+        assert routed == reference
         stats = httpx.get(f"{router.url}/router/stats").json()
         assert all(n["dispatched"] > 0 for n in stats["prefill"]) and stats["routing"]["retries"] == 0
     finally:
