@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from conveyor.models import gemma, granite, olmo2, phi3
+
+# HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2")
+# Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
+FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
+                 "granite": granite.hf_fields, "olmo2": olmo2.hf_fields}
+# HF model_type aliases: a Gemma 3 text-only checkpoint may say "gemma3" (Gemma3ForCausalLM).
+MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text"}
 
 
 class ModelConfigError(ValueError):
@@ -33,6 +41,22 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # --- what the other dense families change (defaults: Llama) -------------------------------
+    hidden_act: str = "silu"  # MLP gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
+    # "post" (OLMo 2: after attention and MLP only).
+    norm_layout: str = "pre"
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w); the 1 is added to w at load
+    # Per layer "sliding_attention" or "full_attention" (Gemma 2/3); empty: every layer uses `sliding_window`.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: rope base of the sliding layers (no scaling there)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden), rounded to the compute dtype; Granite
+    residual_multiplier: float = 1.0  # Granite: attention and MLP outputs scaled before the residual add
+    logits_scaling: float = 1.0  # Granite: logits divided by this
+    final_logit_softcapping: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
+    attn_logit_softcapping: float | None = None  # Gemma 2: the same on attention scores (torch attention)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -45,6 +69,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"model config field {name} must be a positive integer, got {value!r}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                                   f"{self.num_hidden_layers} layers")
+        if set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ModelConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -55,6 +86,16 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window (all layers when there are no layer types)."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int:
+        """The attention window of `layer` in tokens (0: the whole history)."""
+        return int(self.sliding_window) if self.is_sliding(layer) else 0
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
@@ -62,6 +103,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
+        model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} (architectures={archs}); "
@@ -75,7 +117,8 @@ class ModelConfig:
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            return cls(
+            family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
+            fields = dict(
                 architecture=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -96,6 +139,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            return cls(**{**fields, **family})
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
