@@ -96,9 +96,28 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": 1 + rand(h), p + "post_attention_layernorm.weight": 1 + rand(h),
         })
+        weights.update({p + f"{norm}.weight": 1 + rand(h) for norm in config.layer_norm_names})
+        if config.qk_norm:
+            full = config.qk_norm_scope == "full"
+            weights[p + "self_attn.q_norm.weight"] = 1 + rand(q if full else d)
+            weights[p + "self_attn.k_norm.weight"] = 1 + rand(kv if full else d)
     return weights
+
+
+# Tiny stand-ins for each dense family's config (tiny_checkpoint(**FAMILY_OVERRIDES[name])): what each
+# changes in the shared decoder, with sliding windows shorter than the test prompts.
+FAMILY_OVERRIDES = {
+    "gemma3": dict(architecture="gemma3_text", norm_layout="sandwich", hidden_act="gelu_tanh", qk_norm=True,
+                   norm_weight_offset=1.0, sliding_window=8, layer_types=("sliding_attention", "full_attention"),
+                   rope_theta=1e6, local_rope_theta=1e4, embedding_multiplier=8.0, attention_scale=0.25),
+    "gemma2": dict(architecture="gemma2", norm_layout="sandwich", hidden_act="gelu_tanh", norm_weight_offset=1.0,
+                   sliding_window=8, layer_types=("sliding_attention", "full_attention"), embedding_multiplier=8.0,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "olmo2": dict(architecture="olmo2", norm_layout="post", qk_norm=True, qk_norm_scope="full"),
+    "granite": dict(architecture="granite", embedding_multiplier=3.0, attention_scale=0.3, residual_multiplier=0.5,
+                    logits_scaling=4.0),
+}
 
 
 def tiny_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
