@@ -12,8 +12,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemm
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
                  "granite": granite.hf_fields, "olmo2": olmo2.hf_fields}
-# HF model_type aliases: a Gemma 3 text-only checkpoint may say "gemma3" (Gemma3ForCausalLM).
-MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -118,7 +116,9 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
-        model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
+        if model_type == "gemma3" and "text_config" in raw:
+            raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
+                                   "text-only ones (model_type 'gemma3_text') and GGUF files are")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} (architectures={archs}); "
