@@ -117,6 +117,9 @@ FAMILY_OVERRIDES = {
     "olmo2": dict(architecture="olmo2", norm_layout="post", qk_norm=True, qk_norm_scope="full"),
     "granite": dict(architecture="granite", embedding_multiplier=3.0, attention_scale=0.3, residual_multiplier=0.5,
                     logits_scaling=4.0),
+    "phi3": dict(architecture="phi3", sliding_window=24, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 1024,
+        "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i / 4 for i in range(8)]}),
 }
 
 

@@ -47,7 +47,9 @@ def gguf_name(hf_name: str) -> str:
         if base == hf_base:
             return f"{gguf_base}.{suffix}"
     _, _, layer, rest = base.split(".", 3)
-    inverse = {v: k for k, v in BLOCK_TENSORS.items()}
+    inverse: dict[str, str] = {}
+    for gguf_base, hf_base in BLOCK_TENSORS.items():  # the first (llama's) name wins: ffn_norm, not post_attention_norm
+        inverse.setdefault(hf_base, gguf_base)
     return f"blk.{layer}.{inverse[rest]}.{suffix}"
 
 
@@ -109,16 +111,13 @@ def add_tiny_sentencepiece_vocab(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}")
 
 
-def gguf_family_name(hf_name: str, arch: str) -> str:
-    """HF name -> the tensor name llama.cpp writes for `arch` (its per-architecture meanings included)."""
-    from conveyor.loading.gguf_loader import ARCH_BLOCK_TENSORS
-
+def gguf_family_name(hf_name: str, arch: str, num_layers: int) -> str:
+    """HF name -> the tensor name convert_hf_to_gguf writes for `arch`: gguf-py's own name map."""
     base, _, suffix = hf_name.rpartition(".")
-    if not base.startswith("model.layers."):
-        return gguf_name(hf_name)
-    _, _, layer, rest = base.split(".", 3)
-    inverse = {v: k for k, v in {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}.items()}
-    return f"blk.{layer}.{inverse[rest]}.{suffix}"
+    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers).get_name(base)
+    if name is None:
+        raise KeyError(f"gguf-py maps no tensor for {hf_name} in {arch}")
+    return f"{name}.{suffix}"
 
 
 def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> None:
@@ -162,7 +161,7 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
         if arch == "granite" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             tensor = permute_for_llama_cpp(tensor, heads)
-        writer.add_tensor(gguf_family_name(name, arch), tensor.float().numpy())
+        writer.add_tensor(gguf_family_name(name, arch, cfg.num_hidden_layers), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
