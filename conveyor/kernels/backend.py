@@ -125,7 +125,9 @@ class KernelBackend:
         return nn.functional.silu(gate) * up
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gelu_tanh(gate) * up for a fused (T, 2I) gate|up (Gemma's GeGLU); elementwise, so row-invariant."""
+        """gelu_tanh(gate) * up for a fused (T, 2I) gate|up (Gemma's GeGLU), rounding where torch's two ops would."""
+        if self.fused is not None and gate_up.device.type == "cpu":
+            return self.fused.gelu_tanh_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 

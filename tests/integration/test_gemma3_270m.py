@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conveyor.config import EngineConfig, ServerConfig
+from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading import load_checkpoint
@@ -104,3 +105,18 @@ def test_chat_and_streamed_http(path, checkpoint):
         text = "".join(pieces)
         # A base model's answer, but words: mostly letters and spaces, not byte soup.
         assert len(text) > 10 and sum(ch.isalpha() or ch.isspace() for ch in text) > 0.8 * len(text), text
+
+
+@pytest.mark.batch_invariant
+def test_concurrent_bf16_requests_equal_one_at_a_time(checkpoint):
+    # One prompt outgrows the 512-token window of the local layers; the rest are short.
+    llm = LLM(checkpoint=checkpoint, parallel=6, ctx_size=6 * 1024)
+    story = "The old lighthouse keeper climbed the stairs again, counting each step. " * 41  # ~540 tokens
+    prompts = [story + "What did he see?", "Name a color.", "The sea is", story[:300] + " Then",
+               "Count to five:", "Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=3 + i % 3) for i in range(len(prompts))]
+    batched = llm.generate(prompts, params)
+    assert len(batched[0].prompt_token_ids) > checkpoint.config.sliding_window
+    for prompt, p, got in zip(prompts, params, batched):
+        assert llm.generate([prompt], [p])[0].token_ids == got.token_ids
+    llm.engine.pool.check_integrity()
