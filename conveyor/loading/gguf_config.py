@@ -157,7 +157,8 @@ def _longrope_from_tensors(reader: gguf.GGUFReader, arch: str, tensors: dict, so
 
     def factors(name: str) -> list[float]:
         tensor = tensors[name]
-        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1).tolist()
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.asarray(values, dtype=np.float64).reshape(-1).tolist()
 
     scaling = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
                "short_factor": factors("rope_factors_short.weight"), "original_max_position_embeddings": int(original)}

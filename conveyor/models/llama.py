@@ -109,7 +109,8 @@ class LlamaDecoderLayer(nn.Module):
         """
         if self.layout == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
             residual = delta if residual is None else residual + delta
-            residual = residual + self._scaled(self.post_attention_layernorm(self.self_attn(residual, rope, kv_cache, meta)))
+            attn_out = self.self_attn(residual, rope, kv_cache, meta)
+            residual = residual + self._scaled(self.post_attention_layernorm(attn_out))
             return self._scaled(self.post_feedforward_layernorm(self.mlp(residual))), residual
         if residual is None:
             residual, h = delta, self.input_layernorm(delta)
@@ -154,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_multiplier != 1.0:
-            # NOTE: the multiplier rounded to the compute dtype first, as transformers' Gemma does (sqrt(640) -> 25.25 in bf16).
+            # NOTE: rounded to the compute dtype first, as transformers' Gemma does (sqrt(640) -> 25.25 in bf16).
             x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
         local_rope = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
