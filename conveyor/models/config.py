@@ -63,7 +63,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: attention and MLP outputs scaled before the residual add
     logits_scaling: float = 1.0  # Granite: logits divided by this
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
-    attn_logit_softcapping: float | None = None  # Gemma 2: the same on attention scores (torch attention)
+    attn_logit_softcapping: float | None = None  # Gemma 2: the same on attention scores (in the kernel)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -111,7 +111,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
+        """Build from a Hugging Face config.json dict; a family file adds what its config changes (FAMILY_FIELDS)."""
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         if model_type is None and archs:
