@@ -87,21 +87,15 @@ def test_model_name() -> None:
     assert model_name(snapshot) == "SmolLM2-135M-Instruct"
 
 
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
 FAMILY_CONFIGS = {  # the other dense families: their norms, fused tensors (Phi-3) and config fields load back
-    "gemma3_text": lambda: transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
-                                                         num_hidden_layers=2, num_attention_heads=4,
-                                                         num_key_value_heads=2, head_dim=16, sliding_window=8,
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8,
                                                          sliding_window_pattern=2),
-    "gemma2": lambda: transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "olmo2": lambda: transformers.Olmo2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2),
-    "phi3": lambda: transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                                            eos_token_id=1, bos_token_id=2),
-    "granite": lambda: transformers.GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
-                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                  embedding_multiplier=12.0, logits_scaling=8.0),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "granite": lambda: transformers.GraniteConfig(**SMALL, embedding_multiplier=12.0, logits_scaling=8.0),
 }
 
 
