@@ -18,6 +18,10 @@ from conveyor.testing import GEMMA3_270M_INSTALL, gemma3_270m_path
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers < 5
+    from transformers.modeling_utils import no_init_weights
 
 PROMPT = "The capital of France is"
 
@@ -53,7 +57,8 @@ def hf_logits(checkpoint):
         layer_types=list(c.layer_types), rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    hf = transformers.Gemma3ForCausalLM(config).eval()
+    with no_init_weights():  # every weight is loaded below: skip transformers' random init (~5 s)
+        hf = transformers.Gemma3ForCausalLM(config).eval()
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
     ids = ck.tokenizer.encode(PROMPT)

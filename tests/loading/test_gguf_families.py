@@ -8,11 +8,11 @@ import torch
 import transformers
 from tiny_checkpoints import write_family_gguf
 
+from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading import load_checkpoint
 from conveyor.models.registry import build_model
 from conveyor.runner.model_runner import ModelRunner
-from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.engine.sampling_params import SamplingParams
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
