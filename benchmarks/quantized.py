@@ -4,7 +4,7 @@ beside each figure (issue #17).
 Usage:
   python benchmarks/quantized.py --build-llama-cpp /work/llama-native --build-arch native   # once per build
   python benchmarks/quantized.py --build-llama-cpp /work/llama-avx2 --build-arch avx2
-  python benchmarks/quantized.py [--files q4_k_m,q4_0,q8_0,smollm2] [--levels native,avx2]
+  python benchmarks/quantized.py [--files q4_k_m,q4_0,q8_0,smollm2,gemma3-270m] [--levels native,avx2]
                                  [--concurrency 1,16] [--out benchmarks/results.md]
 
 Models (cached under --models-dir, not in the repo): a synthetic Llama with Llama-3.2-1B's shapes
@@ -261,11 +261,19 @@ def ensure_models(names: list[str], models_dir: Path, quantize: str, threads: in
         if name == "smollm2":
             paths[name] = smollm2_path()
             continue
+        if name == "gemma3-270m":  # the real Gemma 3 270M Q4_K_M, put together from its PyPI chunks
+            from conveyor.testing import GEMMA3_270M_INSTALL, gemma3_270m_path
+            found = gemma3_270m_path()
+            if found is None:
+                raise SystemExit(f"Gemma 3 270M not installed: {GEMMA3_270M_INSTALL}")
+            paths[name] = Path(found)
+            continue
         if name.endswith(".gguf"):
             paths[Path(name).stem] = Path(name)
             continue
         if name not in QUANTS and name != "f16":
-            raise SystemExit(f"unknown file {name!r}: use {', '.join([*QUANTS, 'f16', 'smollm2'])} or a .gguf path")
+            raise SystemExit(f"unknown file {name!r}: use {', '.join([*QUANTS, 'f16', 'smollm2', 'gemma3-270m'])} "
+                             "or a .gguf path")
         if not f16.exists():
             print(f"writing {f16}", flush=True)
             write_synthetic(f16)
@@ -502,7 +510,8 @@ def emit(lines: list[str], out: str | None) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", default="q4_k_m,q4_0,q8_0,smollm2",
-                   help="comma list of q4_k_m, q4_0, q8_0, f16 (the synthetic 1B), smollm2, or .gguf paths")
+                   help="comma list of q4_k_m, q4_0, q8_0, f16 (the synthetic 1B), smollm2, gemma3-270m, "
+                        "or .gguf paths")
     p.add_argument("--levels", default="native,avx2", help="comma list of native, avx2")
     p.add_argument("--servers", default="conveyor,llama-server", help="comma list of conveyor, llama-server")
     p.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")])

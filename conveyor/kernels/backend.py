@@ -124,6 +124,18 @@ class KernelBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up for a fused (T, 2I) gate|up (Gemma's GeGLU), rounding where torch's two ops would."""
+        if self.fused is not None and gate_up.device.type == "cpu":
+            return self.fused.gelu_tanh_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
+    def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(x / cap), transformers' order (Gemma 2's final logits); elementwise."""
+        return torch.tanh(x / cap) * cap
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and logits.device.type == "cpu":
             return self.fused.argmax_rows(logits)
@@ -144,13 +156,13 @@ class KernelBackend:
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-        (or only the last `window` of them, for sliding-window attention)."""
+        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0."""
         if self.attention is not None and query.device.type == "cpu":
             return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
-                                                  meta.token_pos, scale, window)
-        return reference_paged_attention(query, key_cache, value_cache, meta, scale, window)
+                                                  meta.token_pos, scale, window, softcap)
+        return reference_paged_attention(query, key_cache, value_cache, meta, scale, window, softcap=softcap)
 
 
 _ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm"}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, Collection, Union
 
 import torch
 
@@ -68,22 +68,28 @@ class Checkpoint:
     release_pages: Callable[[torch.Tensor], None] = field(default=_keep_pages, repr=False, compare=False)
 
 
-def expected_weight_names(config: ModelConfig) -> list[str]:
-    """Every parameter a Llama-family (or MoE) model built from `config` needs, in Hugging Face naming."""
+def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
+    """Every parameter a model built from `config` needs, in Hugging Face naming; q|k|v and gate|up
+    may come fused (Phi-3) where `available` has them so."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
-        names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
+        if f"{layer}.self_attn.qkv_proj.weight" in available:
+            names += [f"{layer}.self_attn.qkv_proj.weight", f"{layer}.self_attn.o_proj.weight"]
+        else:
+            names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
         if config.is_moe_layer(i):
             experts = EXPERT_NAMES[config.architecture]
             names.append(experts.router(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
+        elif f"{layer}.mlp.gate_up_proj.weight" in available:
+            names += [f"{layer}.mlp.gate_up_proj.weight", f"{layer}.mlp.down_proj.weight"]
         else:
             names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-        names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
+        names += [f"{layer}.{norm}.weight" for norm in config.layer_norm_names]
         if config.attention_bias:
             names += [f"{layer}.self_attn.{p}_proj.bias" for p in "qkv"]
         if config.qk_norm:
@@ -93,7 +99,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
 
 def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
     """Keep exactly the expected parameters; extras (a tied lm_head, rotary buffers) are dropped."""
-    names = expected_weight_names(config)
+    names = expected_weight_names(config, weights.keys())
     missing = [name for name in names if name not in weights]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""

@@ -12,7 +12,11 @@ from conveyor.loading.checkpoint import LoadError
 from conveyor.models.config import ModelConfig, ModelConfigError
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                      "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
 _NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False}
 
@@ -64,7 +68,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     if architecture == "llama" and int(meta("expert_count", 0)):
         architecture = "mixtral"  # convert_hf_to_gguf writes Mixtral as llama with experts
     q_norm = tensors.get("blk.0.attn_q_norm.weight")
-    return ModelConfig(
+    fields = dict(
         architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
         hidden_size=hidden,
@@ -85,6 +89,55 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         eos_token_ids=tuple(i for i in [field_value(reader, "tokenizer.ggml.eos_token_id")] if i is not None),
         **_moe_fields(architecture, meta, tensors),
     )
+    fields.update(_family_fields(reader, arch, tensors, fields))
+    return ModelConfig(**fields)
+
+
+def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's converter writes for the non-Llama families, as ModelConfig fields."""
+    def meta(key: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{key}", default)
+
+    fields: dict[str, Any] = {}
+    window = meta("attention.sliding_window")
+    if arch in ("gemma2", "gemma3"):
+        layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
+        per_head = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else base["head_dim"]
+        # NOTE: no norm offset: the converter already stored (1 + w) in the file.
+        fields.update(hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden),
+                      attention_scale=per_head ** -0.5,
+                      final_logit_softcapping=meta("final_logit_softcapping") or None,
+                      attn_logit_softcapping=meta("attn_logit_softcapping") or None)
+        if window:
+            fields.update(sliding_window=int(window),
+                          layer_types=_layer_types(meta("attention.sliding_window_pattern"), layers,
+                                                   6 if arch == "gemma3" else 2))
+        if arch == "gemma3":
+            fields.update(local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)))
+    elif arch == "olmo2":
+        full = tuple(tensors["blk.0.attn_q_norm.weight"].shape) != (base["head_dim"],)
+        fields.update(norm_layout="post", qk_norm=True, qk_norm_scope="full" if full else "head")
+        if window:
+            fields.update(sliding_window=int(window), layer_types=_layer_types(
+                meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 4))
+    elif arch == "granite":
+        fields.update(embedding_multiplier=float(meta("embedding_scale", 1.0)),
+                      attention_scale=meta("attention.scale"),
+                      residual_multiplier=float(meta("residual_scale", 1.0)),
+                      logits_scaling=float(meta("logit_scale", 1.0)))
+    elif arch == "phi3":
+        fields.update(sliding_window=int(window) if window else None)
+    return fields
+
+
+def _layer_types(pattern: Any, num_layers: int, default: int) -> tuple[str, ...]:
+    """llama.cpp's sliding-window pattern (a bool per layer, or every n-th layer global) as HF layer types."""
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        n = int(pattern or default)
+        sliding = [(i + 1) % n != 0 for i in range(num_layers)]
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
 def _moe_fields(architecture: str, meta, tensors: dict) -> dict[str, Any]:
@@ -102,6 +155,8 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
     factor = field_value(reader, f"{arch}.rope.scaling.factor")
     original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensors:  # Phi-3's su/longrope: both factor sets are stored
+        return _longrope_from_tensors(reader, arch, tensors, source)
     if "rope_freqs.weight" in tensors:
         # Llama 3.x: llama.cpp stores the per-frequency factors, not the parameters that made them.
         freqs = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
@@ -113,6 +168,24 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _longrope_from_tensors(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str) -> dict[str, Any]:
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise LoadError(f"{source}: longrope factors without {arch}.rope.scaling.original_context_length")
+
+    def factors(name: str) -> list[float]:
+        tensor = tensors[name]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.asarray(values, dtype=np.float64).reshape(-1).tolist()
+
+    scaling = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+               "short_factor": factors("rope_factors_short.weight"), "original_max_position_embeddings": int(original)}
+    attn_factor = field_value(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
     return scaling
 
 

@@ -24,7 +24,7 @@ import torch
 
 from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
-from conveyor.loading.gguf_config import config_from_gguf
+from conveyor.loading.gguf_config import config_from_gguf, field_value
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
@@ -35,12 +35,24 @@ BLOCK_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    # Gemma 2/3 and OLMo 2: norms after attention and after the MLP.
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v fused in the file
 }
+# Where an architecture's tensor means something else: Gemma's ffn_norm is the norm before the MLP (its
+# post_attention_layernorm is post_attention_norm); Phi-3's ffn_up holds gate|up fused.
+ARCH_BLOCK_TENSORS = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+# Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses).
+PERMUTED_ARCHITECTURES = ("llama", "granite")
 # Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
                   "ffn_gate_up_exps": "gate_up"}  # convert_hf_to_gguf --fuse-gate-up-exps: gate rows, then up
-# Tensors that only feed the config (rope_freqs -> rope_scaling).
-CONFIG_TENSORS = {"rope_freqs.weight"}
+# Tensors that only feed the config (rope_freqs, Phi-3's longrope factors -> rope_scaling).
+CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
@@ -59,6 +71,28 @@ class _Reader(gguf.GGUFReader):
             self.data = self.data.view(np.ndarray)
         return super()._get(*args, **kwargs)
 
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        # NOTE: gguf-py reads an array one element at a time through two numpy views each: Gemma 3's
+        # 262k-token vocabulary (three such arrays) took ~6 s. Flat string and number arrays are read in
+        # one pass here, into the same parts layout (one part per element) that field_value() reads.
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        kind, n, start = gguf.GGUFValueType(int(itype[0])), int(count[0]), orig_offs + 12
+        if kind == gguf.GGUFValueType.STRING:
+            view, offs, parts = memoryview(self.data), start, []
+            for _ in range(n):
+                length = int.from_bytes(view[offs:offs + 8], "little")
+                parts.append(bytes(view[offs + 8:offs + 8 + length]))
+                offs += 8 + length
+            return offs - orig_offs, [itype, count, *parts], list(range(2, 2 + n)), [gguf.GGUFValueType.ARRAY, kind]
+        nptype = self.gguf_scalar_to_np.get(kind)
+        if nptype is None:  # arrays of arrays
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(start, nptype, n)
+        return (12 + int(values.nbytes), [itype, count, *values.reshape(n, 1)], list(range(2, 2 + n)),
+                [gguf.GGUFValueType.ARRAY, kind])
+
 
 def load_gguf(path: str) -> Checkpoint:
     try:
@@ -66,6 +100,7 @@ def load_gguf(path: str) -> Checkpoint:
     except (ValueError, OSError, IndexError) as exc:
         raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
     config = config_from_gguf(reader, path)
+    arch = field_value(reader, "general.architecture")
     mapping = _FileMapping(reader)
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
@@ -74,8 +109,8 @@ def load_gguf(path: str) -> Checkpoint:
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
             continue
-        name = hf_name(tensor.name, path)
-        weights[name] = _unpermute(config, name, _to_torch(tensor, path), mapping.release)
+        name = hf_name(tensor.name, path, arch)
+        weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
     _warn_dequantized(reader)
     tokenizer = tokenizer_from_gguf(reader, path)
     if tokenizer.eos_token_ids:
@@ -88,14 +123,15 @@ def load_gguf(path: str) -> Checkpoint:
                       source=path, name=model_name(path), release_pages=mapping.release)
 
 
-def hf_name(gguf_name: str, source: str = "") -> str:
+def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in BLOCK_TENSORS:
-        return f"model.layers.{match.group(1)}.{BLOCK_TENSORS[match.group(2)]}.{suffix}"
+    names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
 
 
@@ -116,7 +152,7 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
         stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
         experts: list[Weight] = list(stack.unbind(0))
     else:
-        _check_dequantizable(tensor, source)
+        _check_dequantizable(tensor, shape[1:], source)
         stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
         experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
     part = EXPERT_TENSORS[kind]
@@ -150,11 +186,11 @@ def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
         return _view(data.view(np.uint8)).view(_FLOAT_TYPES[kind]).reshape(shape)
     if len(shape) != 2:
         raise LoadError(f"{source}: {tensor.name} is {kind.name} with {len(shape)} dimensions (expected a matrix)")
-    _check_dequantizable(tensor, source)
+    _check_dequantizable(tensor, shape, source)
     return QuantizedTensor(int(kind), shape, _view(data).reshape(shape[0], -1))
 
 
-def _check_dequantizable(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> None:
+def _check_dequantizable(tensor: gguf.gguf_reader.ReaderTensor, shape: tuple[int, ...], source: str) -> None:
     kind = tensor.tensor_type
     if kind in NATIVE_TYPES:
         return
@@ -184,13 +220,13 @@ def _warn_dequantized(reader: gguf.GGUFReader) -> None:
                        "load (more memory, slower)", names[0], more, kind)
 
 
-def _unpermute(config: ModelConfig, name: str, weight: Weight, release) -> Weight:
-    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama q/k projections only.
+def _unpermute(arch: str, config: ModelConfig, name: str, weight: Weight, release) -> Weight:
+    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama (and granite) q/k only.
 
     Per head, HF keeps rows [x0..x(d/2-1) | y0..y(d/2-1)] (rotate-half); llama.cpp stores x0 y0 x1 y1 ...
     A quantized row is a whole output feature, so the same permutation moves raw block rows.
     """
-    if config.architecture not in ("llama", "mixtral") or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch not in PERMUTED_ARCHITECTURES or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return weight
     heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
     rows = weight.raw if isinstance(weight, QuantizedTensor) else weight

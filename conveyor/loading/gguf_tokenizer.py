@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import gguf
@@ -9,8 +10,11 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.family_templates import FAMILY_CHAT_TEMPLATES
 from conveyor.loading.gguf_config import field_value
 from conveyor.loading.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -50,7 +54,12 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
     add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
-    return build_tokenizer(backend, special, field_value(reader, "tokenizer.chat_template"),
+    template = field_value(reader, "tokenizer.chat_template")
+    arch = field_value(reader, "general.architecture")
+    if template is None and arch in FAMILY_CHAT_TEMPLATES:
+        logger.info("%s: no chat template in the file; using the %s family's", source, arch)
+        template = FAMILY_CHAT_TEMPLATES[arch]
+    return build_tokenizer(backend, special, template,
                            extra_eos_ids=[i for i in extra_eos if i is not None], add_bos=add_bos, add_eos=add_eos)
 
 

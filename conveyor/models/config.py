@@ -5,11 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.models import mixtral, olmoe, qwen3_moe
+from conveyor.models import gemma, granite, mixtral, olmo2, olmoe, phi3, qwen3_moe
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+# HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+                           "mixtral", "qwen3_moe", "olmoe")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
-FAMILY_FIELDS = {"mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields}
+FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
+                 "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
+                 "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields}
+
+
+# The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
+LAYOUT_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
 class ModelConfigError(ValueError):
@@ -34,10 +47,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3) or over the whole projection ("full": OLMoE)
     sliding_window: int | None = None  # Mistral: each token sees only the last N positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # --- what the other dense families change (defaults: Llama) -------------------------------
+    hidden_act: str = "silu"  # MLP gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
+    # "post" (OLMo 2: after attention and MLP only).
+    norm_layout: str = "pre"
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2, OLMoE)
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w); the 1 is added to w at load
+    # Per layer "sliding_attention" or "full_attention" (Gemma 2/3); empty: every layer uses `sliding_window`.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: rope base of the sliding layers (no scaling there)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden), rounded to the compute dtype; Granite
+    residual_multiplier: float = 1.0  # Granite: attention and MLP outputs scaled before the residual add
+    logits_scaling: float = 1.0  # Granite: logits divided by this
+    final_logit_softcapping: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
+    attn_logit_softcapping: float | None = None  # Gemma 2: the same on attention scores (in the kernel)
     # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -56,6 +84,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelConfigError(f"model config field {name} must be a positive integer, got {value!r}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                                   f"{self.num_hidden_layers} layers")
+        if set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ModelConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
+        if self.norm_layout not in LAYOUT_NORMS:
+            raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -75,13 +112,30 @@ class ModelConfig:
         """Whether layer `layer` runs a sparse mixture-of-experts MLP."""
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
+    @property
+    def layer_norm_names(self) -> tuple[str, ...]:
+        return LAYOUT_NORMS[self.norm_layout]
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window (all layers when there are no layer types)."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int:
+        """The attention window of `layer` in tokens (0: the whole history)."""
+        return int(self.sliding_window) if self.is_sliding(layer) else 0
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMoE)."""
+        """Build from a Hugging Face config.json dict; a family file adds what its config changes (FAMILY_FIELDS)."""
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
+        if model_type == "gemma3" and "text_config" in raw:
+            raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
+                                   "text-only ones (model_type 'gemma3_text') and GGUF files are")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} (architectures={archs}); "

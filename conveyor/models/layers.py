@@ -278,7 +278,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling)
+        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
@@ -297,7 +297,8 @@ class RotaryEmbedding(nn.Module):
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None,
+                    max_positions: int) -> tuple[torch.Tensor, float]:
     if not scaling:
         return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -316,4 +317,25 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> t
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind in ("longrope", "su"):
+        return _longrope(inv_freq, scaling, max_positions)
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's su/longrope: per-frequency divisors, the long ones when the context outgrows the original.
+
+    NOTE: transformers switches factors per forward (by its longest sequence), so cached keys and new
+    queries can disagree; here the choice is fixed by the context the model is built for, as llama.cpp
+    does (by n_ctx), which keeps every row independent of its batch-mates.
+    """
+    original = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.numel() != inv_freq.numel():
+        raise ModelConfigError(f"longrope has {ext.numel()} factors for {inv_freq.numel()} rotary frequencies")
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return inv_freq / ext, float(attention_factor)

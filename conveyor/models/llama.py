@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""The shared decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
+dense families that differ from Llama only in config (models/gemma.py, olmo2.py, granite.py, phi3.py):
+where the norms sit, the MLP gate, QK-norm, per-layer sliding windows and rope bases, multipliers and
+soft-capping, all read from ModelConfig.
 
 Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
 chunks and decode steps run through one forward; only attention looks at sequence
@@ -19,10 +22,11 @@ from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.weights import WeightLoader
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
+Rope = tuple[torch.Tensor, torch.Tensor]  # (T, 1, D) cos and signed sin
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int = 0) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -33,23 +37,22 @@ class LlamaAttention(nn.Module):
         # q, k and v projections fused into one GEMM at load time.
         self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops)
         self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
-        # QK-norm per head (Qwen3) or over the whole q / k projection (OLMoE).
+        # QK-norm per head (Qwen3, Gemma 3) or over the whole q / k projection (OLMo 2, OLMoE).
         self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
         q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.scale = self.head_dim ** -0.5
-        self.window = config.sliding_window or 0
+        self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
+        self.window = config.window(layer)
+        self.softcap = config.attn_logit_softcapping or 0.0
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.ops.fuses_rope and self.q_norm is None:  # rotary + cache write fused into one pass
             q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
-            out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return self._attend(q, kv_cache, meta)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.full_qk_norm:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
@@ -63,44 +66,65 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
+                                       self.softcap)  # (T, H, D)
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: SwiGLU (silu) or GeGLU (tanh-GELU, Gemma), gate and up fused into one GEMM."""
+
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, bias=False, ops=ops)
         self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False, ops=ops)
+        self.act_mul = ops.gelu_tanh_mul if config.hidden_act == "gelu_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops)
+        self.self_attn = LlamaAttention(config, ops, layer)
         self.mlp = LlamaMLP(config, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layout = config.norm_layout
+        self.norm_names = config.layer_norm_names
+        for name in self.norm_names:
+            setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, ops))
+        self.residual_multiplier = config.residual_multiplier
 
-    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous layer's MLP output, residual stream) -> (this layer's MLP output, residual stream).
 
-        Each residual add is fused into the norm after it (vLLM's scheme); the first layer
-        gets the embeddings as `delta` and no residual yet.
+        Each residual add is fused into the norm after it (vLLM's scheme) where one follows; the
+        first layer gets the embeddings as `delta` and no residual yet.
         """
+        if self.layout == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            residual = delta if residual is None else residual + delta
+            attn_out = self.self_attn(residual, rope, kv_cache, meta)
+            residual = residual + self._scaled(self.post_attention_layernorm(attn_out))
+            return self._scaled(self.post_feedforward_layernorm(self.mlp(residual))), residual
         if residual is None:
             residual, h = delta, self.input_layernorm(delta)
         else:
             residual, h = self.input_layernorm.add_and_norm(residual, delta)
         attn_out = self.self_attn(h, rope, kv_cache, meta)
-        residual, h = self.post_attention_layernorm.add_and_norm(residual, attn_out)
-        return self.mlp(h), residual
+        if self.layout == "sandwich":  # Gemma: norms after attention and MLP too
+            residual, h = self.pre_feedforward_layernorm.add_and_norm(residual, self.post_attention_layernorm(attn_out))
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, self._scaled(attn_out))
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier  # Granite
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,24 +136,40 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _freeze=True,
                                                     _weight=torch.empty(config.vocab_size, config.hidden_size,
                                                                         device="meta"))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
+        # Gemma 3: sliding layers rotate with their own base, unscaled.
+        self.local_rotary = (RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                             config.local_rope_theta, None)
+                             if config.local_rope_theta is not None else None)
+        self.local_rope = [self.local_rotary is not None and config.is_sliding(i)
+                           for i in range(config.num_hidden_layers)]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        if cfg.embedding_multiplier != 1.0:
+            # NOTE: rounded to the compute dtype first, as transformers' Gemma does (sqrt(640) -> 25.25 in bf16).
+            x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
+        local_rope = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+        for layer, kv_cache, local in zip(self.layers, kv_caches, self.local_rope):
+            x, residual = layer(x, residual, local_rope if local else rope, kv_cache, meta)
         # Only rows that sample need the last add, the final norm and the head.
         _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcapping:
+            logits = self.ops.softcap(logits, cfg.final_logit_softcapping)
+        return logits
 
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         """Fill the model from HF-named tensors (built on the meta device), fusing q/k/v and gate/up.
@@ -143,8 +183,20 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint is missing tensor {name}")
             return weights[name]
 
+        def norm(name: str) -> nn.Parameter:
+            weight = loader.param(get(name))
+            if cfg.norm_weight_offset:  # Gemma's (1 + w), folded into the weight once
+                weight.data += cfg.norm_weight_offset
+            return weight
+
+        def fused(prefix: str, fused_name: str, names: list[str]) -> list[Weight]:
+            # Phi-3 ships q|k|v and gate|up already fused, in the order our linears use.
+            if prefix + fused_name in weights:
+                return [get(prefix + fused_name)]
+            return [get(prefix + n) for n in names]
+
         self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
-        self.norm.weight = loader.param(get("model.norm.weight"))
+        self.norm.weight = norm("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
         else:
@@ -153,16 +205,18 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn = layer.self_attn
             bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
-            loader.linear(attn.qkv_proj, [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], bias)
+            loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
+                                               [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
             loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
             if cfg.qk_norm:
-                attn.q_norm.weight = loader.param(get(p + "self_attn.q_norm.weight"))
-                attn.k_norm.weight = loader.param(get(p + "self_attn.k_norm.weight"))
-            self._load_mlp(layer.mlp, get, p, loader)
-            layer.input_layernorm.weight = loader.param(get(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight = loader.param(get(p + "post_attention_layernorm.weight"))
+                attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
+                attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
+            self._load_mlp(layer.mlp, get, p, loader, fused)
+            for name in layer.norm_names:
+                getattr(layer, name).weight = norm(p + name + ".weight")
 
-    def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader) -> None:
+    def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
+                  fused: Callable[[str, str, list[str]], list[Weight]]) -> None:
         """One layer's MLP from HF names under `prefix` (`model.layers.N.`); MoE families load experts here."""
-        loader.linear(mlp.gate_up_proj, [get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")])
+        loader.linear(mlp.gate_up_proj, fused(prefix, "mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]))
         loader.linear(mlp.down_proj, [get(prefix + "mlp.down_proj.weight")])

@@ -27,8 +27,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             if config.is_moe_layer(i):  # the dense MLP built above is a meta placeholder: nothing to free
                 layer.mlp = SparseMoeBlock(config, ops)
 
-    def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader) -> None:
+    def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
+                  fused) -> None:
         if isinstance(mlp, SparseMoeBlock):
             mlp.load(get, prefix, self.expert_names, loader)
         else:  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step
-            super()._load_mlp(mlp, get, prefix, loader)
+            super()._load_mlp(mlp, get, prefix, loader, fused)

@@ -12,7 +12,7 @@ from torch import nn
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ModelConfig, ModelConfigError
-from conveyor.models.layers import RowInvariantLinear, calibrate_row_tile
+from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
@@ -24,6 +24,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    # Dense families on the shared decoder: what differs is config (models/gemma.py, olmo2.py, granite.py, phi3.py).
+    "gemma2": LlamaForCausalLM,
+    "gemma3_text": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "granite": LlamaForCausalLM,
+    "olmo2": LlamaForCausalLM,
     "mixtral": MoEForCausalLM,
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
@@ -51,7 +57,9 @@ def build_model(config: ModelConfig, weights: Mapping[str, Weight], dtype: torch
         logger.warning("--weight-dtype %s needs bf16 on the CPU kernels (here: %s on %s): weights stay %s",
                        weight_dtype, dtype, ops.name, dtype)
     model.load_weights(weights, loader)
-    model.rotary.to(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # global and (Gemma 3) local tables
+            module.to(device)
     left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:
         raise ModelConfigError(f"weights never loaded: {', '.join(left[:3])}")

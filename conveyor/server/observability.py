@@ -67,6 +67,8 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "total_slots": core.max_batch_size,
         "model_alias": model_id,
         "model_name": core.model_name,
+        "architecture": core.model_config.architecture,
+        "sliding_window": core.model_config.sliding_window,
         "model_path": core.config.model or "bundled SmolLM2-135M-Instruct",
         "chat_template": core.tokenizer.chat_template or "",
         "bos_token": _piece(engine, core.tokenizer.bos_token_id),

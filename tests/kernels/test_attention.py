@@ -46,6 +46,22 @@ def test_kernel_matches_reference(dtype, window):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_match_reference_and_stay_row_invariant(dtype):
+    # Gemma 2: scores = c * tanh(scores / c) before the softmax; a small cap so it changes the result.
+    query, kc, vc, meta = _random_batch([5, 40, 17, 100], [5, 1, 17, 3], dtype)
+    scale, cap = HEAD_DIM ** -0.5, 1.5
+    got = paged_attention(query, kc, vc, meta, scale=scale, window=7, softcap=cap)
+    want = reference_paged_attention(query, kc, vc, meta, scale=scale, window=7, softcap=cap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    uncapped = paged_attention(query, kc, vc, meta, scale=scale, window=7)
+    assert not torch.allclose(got, uncapped, atol=1e-3)
+    one = AttentionMetadata(meta.slot_mapping, meta.block_tables[3:4], torch.zeros(1, dtype=torch.int32),
+                            meta.token_pos[-1:], [100], [1])
+    assert torch.equal(paged_attention(query[-1:], kc, vc, one, scale=scale, window=7, softcap=cap), got[-1:])
+
+
 # SmolLM2's shape (64-dim heads, 3 query heads per KV head) and a 128-dim one take the
 # transposed vdpbf16ps path for q.k on AVX-512 BF16 CPUs; key counts straddle groups of 16.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])

@@ -67,6 +67,20 @@ def test_silu_mul_matches_torch(dtype, inter):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_torch_and_rows_stand_alone(dtype):
+    gate_up = (torch.randn(33, 2 * 100, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    got = kernels.gelu_tanh_mul(gate_up)
+    if dtype == torch.bfloat16:  # std::tanh is not Sleef's: a bf16 step apart at most (absolute, near 0)
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
+        assert (got == want).float().mean() > 0.99
+    else:  # a float step or two apart (std::tanh vs Sleef's)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(kernels.gelu_tanh_mul(gate_up[i:i + 1]), got[i:i + 1]) for i in (0, 17, 32))
+
+
 # 64 and 128: vector paths everywhere; 16 and 48: half a multiple of 8, not of 16 (vector on AVX2,
 # scalar on AVX-512); 24: half not a multiple of 8 takes the scalar loop.
 @pytest.mark.parametrize("head_dim", [64, 128, 16, 48, 24])

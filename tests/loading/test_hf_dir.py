@@ -85,3 +85,29 @@ def test_model_name() -> None:
     assert model_name("/models/Qwen3-0.6B/") == "Qwen3-0.6B"
     snapshot = "/root/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/12ab34"
     assert model_name(snapshot) == "SmolLM2-135M-Instruct"
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+FAMILY_CONFIGS = {  # the other dense families: their norms, fused tensors (Phi-3) and config fields load back
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8,
+                                                         sliding_window_pattern=2),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "granite": lambda: transformers.GraniteConfig(**SMALL, embedding_multiplier=12.0, logits_scaling=8.0),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILY_CONFIGS))
+def test_family_directories_load(tmp_path, copy_tokenizer, arch: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILY_CONFIGS[arch]())
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    ck = load_checkpoint(str(tmp_path))
+    assert ck.config.architecture == arch
+    tie = ck.config.tie_word_embeddings
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert set(ck.weights) == set(expected)
+    assert all(torch.equal(ck.weights[name], weight) for name, weight in expected.items())

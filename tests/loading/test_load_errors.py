@@ -42,6 +42,14 @@ def test_unsupported_model_type(model_dir) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
     message = _load_error(model_dir)
     assert "unsupported model_type 'gpt2'" in message and "config.json" in message
+    assert "gemma3_text" in message and "olmo2" in message  # the families that do run are listed
+
+
+def test_multimodal_gemma3_is_refused_by_name(model_dir) -> None:
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": {"hidden_size": 64}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert "multimodal Gemma 3" in _load_error(model_dir)
 
 
 def test_malformed_json(model_dir) -> None:
@@ -85,7 +93,8 @@ def test_corrupt_gguf(tmp_path) -> None:
 
 def test_unsupported_gguf_architecture(tmp_path) -> None:
     write_gguf(tmp_path / "m.gguf", "gpt2", tiny_hf_model("llama", tie=True))
-    assert "unsupported GGUF architecture 'gpt2'" in _load_error(tmp_path / "m.gguf")
+    message = _load_error(tmp_path / "m.gguf")
+    assert "unsupported GGUF architecture 'gpt2'" in message and "gemma3" in message
 
 
 def test_default_model_missing(monkeypatch) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import torch
@@ -45,7 +47,9 @@ def gguf_name(hf_name: str) -> str:
         if base == hf_base:
             return f"{gguf_base}.{suffix}"
     _, _, layer, rest = base.split(".", 3)
-    inverse = {v: k for k, v in BLOCK_TENSORS.items()}
+    inverse: dict[str, str] = {}
+    for gguf_base, hf_base in BLOCK_TENSORS.items():  # the first (llama's) name wins: ffn_norm, not post_attention_norm
+        inverse.setdefault(hf_base, gguf_base)
     return f"blk.{layer}.{inverse[rest]}.{suffix}"
 
 
@@ -105,3 +109,60 @@ def add_tiny_sentencepiece_vocab(writer: gguf.GGUFWriter) -> None:
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}")
+
+
+def gguf_family_name(hf_name: str, arch: str, num_layers: int) -> str:
+    """HF name -> the tensor name convert_hf_to_gguf writes for `arch`: gguf-py's own name map."""
+    base, _, suffix = hf_name.rpartition(".")
+    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers).get_name(base)
+    if name is None:
+        raise KeyError(f"gguf-py maps no tensor for {hf_name} in {arch}")
+    return f"{name}.{suffix}"
+
+
+def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> None:
+    """`model` (F32) the way convert_hf_to_gguf writes gemma2/gemma3/granite/olmo2/phi3: Gemma norms stored as
+    1 + w, Granite q/k permuted (a LlamaModel subclass), Phi-3's longrope factors as tensors."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    elif arch == "granite":
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    elif arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    add_tiny_bpe_vocab(writer)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        if arch == "granite" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            tensor = permute_for_llama_cpp(tensor, heads)
+        writer.add_tensor(gguf_family_name(name, arch, cfg.num_hidden_layers), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

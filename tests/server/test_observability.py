@@ -57,6 +57,7 @@ def test_props(served):
     props = _get(served, "/props")
     assert props["default_generation_settings"]["n_ctx"] == served.core.max_model_len
     assert props["total_slots"] == 4 and props["model_alias"] == served.model
+    assert props["architecture"] == "llama" and props["sliding_window"] is None
     assert "<|im_start|>" in props["chat_template"]
     kernels = props["kernels"]
     backend = served.core.backend

@@ -19,6 +19,7 @@ def test_models_lists_the_served_model(served):
     cfg = served.core.model_config
     embedding = cfg.vocab_size * cfg.hidden_size
     assert meta["n_params"] == served.core.num_params and meta["n_vocab"] == cfg.vocab_size
+    assert meta["architecture"] == "llama"
     assert embedding < meta["n_params"] < (2 if cfg.tie_word_embeddings else 3) * embedding + 10**9
 
 

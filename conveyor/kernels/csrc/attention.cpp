@@ -481,7 +481,7 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                 double scale, int64_t window, torch::Tensor& out) {
+                 double scale, int64_t window, double softcap, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t G = H / KVH;
@@ -532,6 +532,11 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         const scalar_t* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
+      // Gemma 2's soft-capping: score = c * tanh(score / c), each score on its own (row-invariant).
+      if (softcap > 0.0) {
+        const float cap = static_cast<float>(softcap);
+        for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+      }
       // Pass 2: softmax weights per head (max is order-free; the sum's order depends only on num_keys).
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * num_keys;
@@ -567,7 +572,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor token_seq, torch::Tensor token_pos,
-                              double scale, int64_t window) {
+                              double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_attention: dtype mismatch");
   const int64_t block_size = key_cache.size(1);
@@ -580,7 +585,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                          token_pos.contiguous(), scale, window, out);
+                          token_pos.contiguous(), scale, window, softcap, out);
   });
   return out;
 }

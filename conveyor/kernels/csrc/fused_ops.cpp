@@ -314,6 +314,37 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// gelu_tanh(gate) * up over a fused (T, 2I) gate|up (Gemma's GeGLU), torch's tanh formula in fp32, rounded
+// where torch's two ops round. Scalar per element and parallel over whole rows: torch's own gelu splits its
+// range at element counts (vector body vs scalar tail), so a row's bits could depend on the batch.
+template <typename scalar_t>
+void gelu_tanh_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), as torch rounds it
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gate_up + r * 2 * inter;
+      const scalar_t* u = g + inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float x = static_cast<float>(g[j]);
+        const float inner = kBeta * (x + kKappa * (x * x * x));
+        const scalar_t gelu = round_to<scalar_t>(0.5f * x * (1.f + std::tanh(inner)));
+        out[r * inter + j] = round_to<scalar_t>(static_cast<float>(gelu) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_mul: expects (T, 2I)");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gelu_tanh_mul", [&] {
+    gelu_tanh_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
+
 // argmax per row of fp32 logits; the first maximum wins, as torch.argmax does.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "argmax_rows: (R, V) float32 only");
@@ -378,6 +409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)", release());
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
   m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
 }

@@ -1,0 +1,62 @@
+"""Gemma 2 and Gemma 3 (text): what they change in the shared decoder (models/llama.py).
+
+(1 + w) RMSNorms (the 1 added at load), norms before and after attention and MLP ("sandwich"),
+GeGLU with tanh-GELU, embeddings scaled by sqrt(hidden), softmax scale from query_pre_attn_scalar,
+and sliding-window attention on the local layers. Gemma 3 adds per-head QK-norm and its own rope
+base on the local layers; Gemma 2 soft-caps attention scores and final logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def layer_types(raw: dict[str, Any], num_layers: int, default_pattern: int) -> tuple[str, ...]:
+    """Per layer sliding/full: `layer_types` when the config lists them, else every `pattern`-th layer is global."""
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    pattern = int(raw.get("sliding_window_pattern") or default_pattern)
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    gemma3 = raw.get("model_type") != "gemma2"
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    layers = int(raw["num_hidden_layers"])
+    fields: dict[str, Any] = dict(
+        hidden_act=_activation(raw), norm_layout="sandwich", norm_weight_offset=1.0,
+        embedding_multiplier=math.sqrt(hidden), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        attention_scale=float(raw.get("query_pre_attn_scalar") or int(raw.get("head_dim") or hidden // heads)) ** -0.5,
+        sliding_window=raw.get("sliding_window"),
+        layer_types=layer_types(raw, layers, 6 if gemma3 else 2),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+    )
+    if gemma3:
+        fields.update(qk_norm=True, **_gemma3_rope(raw))
+    return fields
+
+
+def _activation(raw: dict[str, Any]) -> str:
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma activation {act!r} (supported: gelu_pytorch_tanh)")
+    return "gelu_tanh"
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """Global layers: rope_theta (+ scaling); local layers: their own base, never scaled."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one dict per layer type
+        full = dict(params["full_attention"] or {})
+        local = dict(params.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.get("rope_theta", 10_000.0)
+    else:
+        full = dict(raw.get("rope_scaling") or {})
+        theta, local_theta = raw.get("rope_theta", 1_000_000.0), raw.get("rope_local_base_freq", 10_000.0)
+    kind = full.get("rope_type", full.get("type", "default"))
+    return dict(rope_theta=float(theta), local_rope_theta=float(local_theta),
+                rope_scaling=full if kind != "default" else None)

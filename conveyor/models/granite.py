@@ -1,0 +1,13 @@
+"""Granite (3.x dense): Llama with four multipliers: embeddings, softmax scale, residual branches, logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+                attention_scale=float(raw["attention_multiplier"]) if raw.get("attention_multiplier") else None,
+                residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+                logits_scaling=float(raw.get("logits_scaling", 1.0)),
+                attention_bias=bool(raw.get("attention_bias", False)))

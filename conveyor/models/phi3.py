@@ -1,0 +1,15 @@
+"""Phi-3 / Phi-4-mini: Llama with q|k|v and gate|up fused in the checkpoint (loaded as our fused linears
+directly) and su/longrope scaling (layers.py). Partial rotary (Phi-4-mini's 0.75) is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor {raw['partial_rotary_factor']} is not supported (rotary over "
+                         "the whole head only)")
+    # NOTE: Phi-3-mini's window (2047) is applied on every layer, as transformers does; llama.cpp ignores it.
+    return dict(sliding_window=raw.get("sliding_window") or None,
+                attention_bias=bool(raw.get("attention_bias", False)))
