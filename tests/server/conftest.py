@@ -43,7 +43,8 @@ class Served:
     def async_client(self, **kwargs) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
-    def wait_until(self, predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    def wait_until(self, predicate, timeout: float = 120.0, what: str = "condition") -> None:
+        # The deadline only ends a hang: the wait returns at the event, however busy the machine.
         deadline = time.monotonic() + timeout
         while not predicate():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -505,7 +506,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const void* dp_qk = nullptr;
 #endif
 
-  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / KVH, kvh = task % KVH;

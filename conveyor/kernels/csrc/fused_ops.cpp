@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -29,7 +30,7 @@ inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, scalar_t* sum_out,
                    int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> summed(delta != nullptr ? n : 0);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * n;
@@ -66,7 +67,7 @@ using namespace conveyor_vec;
 template <>
 void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* delta, const c10::BFloat16* w,
                                   c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* xr = x + r * n;
       if (delta != nullptr) {
@@ -103,7 +104,7 @@ using namespace conveyor_vec;
 template <>
 void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* delta, const c10::BFloat16* w,
                                   c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
     const int64_t len = n;
     const c10::BFloat16* const xs = x;
     const c10::BFloat16* const ds = delta;
@@ -158,7 +159,7 @@ void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x, const c10::BFloat16* d
 // silu(gate) * up over a fused (T, 2I) gate|up row: silu rounds to the dtype, then the product does.
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* g = gate_up + r * 2 * inter;
       const scalar_t* u = g + inter;
@@ -174,7 +175,7 @@ void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t
 #if defined(__AVX512F__)
 template <>
 void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* g = gate_up + r * 2 * inter;
       const c10::BFloat16* u = g + inter;
@@ -197,7 +198,7 @@ inline __m256 silu_times(__m256 gf, __m256 up) {  // the AVX-512 path's ops, 8 l
 
 template <>
 void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
     const int64_t len = inter;  // locals: the vector stores may alias the captures
     const c10::BFloat16* const src = gate_up;
     c10::BFloat16* const dst = out;
@@ -353,7 +354,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x + r * n;
       const float best = row_max(xr, n);  // max is order-free, so vector lanes are safe
@@ -387,7 +388,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     scalar_t* q = q_out.data_ptr<scalar_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t width = qkv.size(1);
-    at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+    conveyor_parallel::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* row = src + t * width;
         const scalar_t* ct = c + t * D;

@@ -21,6 +21,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "isa.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <array>
@@ -456,7 +457,7 @@ inline void run(const Problem& pr) {
   const int64_t row_bytes = pr.ldx * static_cast<int64_t>(sizeof(float));
   const int64_t block_rows = std::max<int64_t>(kMaxRows, kRowBlockBytes / row_bytes);
   const int64_t row_blocks = (pr.m + block_rows - 1) / block_rows;
-  at::parallel_for(0, row_blocks * pr.panels, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, row_blocks * pr.panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {
       const int64_t rb = t / pr.panels, p0 = t % pr.panels, p1 = std::min(pr.panels, p0 + (end - t));
       run_block(pr, block_start(pr.m, row_blocks, rb), block_start(pr.m, row_blocks, rb + 1), p0, p1);
@@ -478,7 +479,7 @@ inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, flo
   if (m * k < (1 << 16)) {
     rows(0, m);
   } else {
-    at::parallel_for(0, m, 16, rows);
+    conveyor_parallel::parallel_for(0, m, 16, rows);
   }
 }
 
@@ -626,7 +627,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
       std::memcpy(tail.data(), xp + full * k_pad, (m - full) * k_pad * sizeof(uint16_t));
     }
     const uint16_t* tp = full < m ? tail.data() : nullptr;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    conveyor_parallel::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       conveyor_amx::configure_tiles();
       alignas(64) float cbuf[kTileRows * kPanel];
       for (int64_t p = begin; p < end; ++p) {
@@ -649,7 +650,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t k_pairs = k / 2;
   const bool odd_k = (k % 2) != 0;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, out_features - c0);
       const uint16_t* panel = wp + p * panel_stride;

@@ -33,6 +33,7 @@
 
 #include "bf16.h"
 #include "isa.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -911,7 +912,7 @@ torch::Tensor qgemm_pack(const torch::Tensor& raw, int64_t qt, int64_t k) {
   const int64_t groups = (n + kGroup - 1) / kGroup, sbb = sb_bytes(t);
   auto packed = torch::zeros({groups, n_sb, sbb}, raw.options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     Decoded o;
     for (int64_t g = begin; g < end; ++g) {
       for (int i = 0; i < kGroup && g * kGroup + i < n; ++i) {
@@ -983,7 +984,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
       quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
                    xr.b16 + 2 * r * chunks);
   };
-  if (m * k < (1 << 15)) quant(0, m); else at::parallel_for(0, m, 4, quant);
+  if (m * k < (1 << 15)) quant(0, m); else conveyor_parallel::parallel_for(0, m, 4, quant);
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t groups = packed.size(0), n_sb = packed.size(1), group_bytes = n_sb * sb_bytes(t);
@@ -993,7 +994,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   if (use_amx) {
     const int64_t row_blocks = m_pad / kAmxRows;
     const AmxFn fn = amx_fn(static_cast<int>(qt));
-    at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+    conveyor_parallel::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
       amx_configure();
       for (int64_t item = begin; item < end; ++item) {
         const int64_t rb = item / groups, g = item % groups, c0 = g * kGroup;
@@ -1007,7 +1008,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 #endif
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   // Work items (row block, column group), row block major: a thread keeps its rows' int8 in cache.
-  at::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t rb = item / groups, g = item % groups;
       const int64_t r_begin = block_start(m, row_blocks, rb), r_end = block_start(m, row_blocks, rb + 1);
@@ -1036,7 +1037,7 @@ torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int
   for (int64_t j = 0; j < r; ++j) TORCH_CHECK(id[j] >= 0 && id[j] < n, "qgemm: row id ", id[j], " out of range");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int64_t g = id[j] / kGroup;
       const int i = static_cast<int>(id[j] % kGroup);
