@@ -4,13 +4,6 @@ import weakref
 
 import pytest
 
-# Torch's own OpenMP ops (the float32 paths, oneDNN) end each parallel region at a barrier where the
-# waiting thread spins; beside other busy processes that spin holds the core its partner needs, and a
-# float32 forward crawled past pytest-timeout (our kernels do not wait so: csrc/parallel.h). Waiting
-# threads sleep instead. libgomp reads this when torch loads it, so it is set before any torch import
-# (subprocess servers inherit it); a value already in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 # The device every engine in the suite runs on: `CONVEYOR_TEST_DEVICE=cuda make test` runs the
 # suite unchanged on a GPU (engines read CONVEYOR_DEVICE). Bitwise batch invariance is a guarantee
 # of our CPU kernels only, so tests marked batch_invariant are skipped, with the reason, elsewhere.
