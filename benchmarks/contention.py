@@ -66,6 +66,8 @@ def measure(result: Result, path: Path, args: argparse.Namespace, log: Path) -> 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}
+    if result.server == "conveyor":
+        env.update(kv.split("=", 1) for kv in args.conveyor_env)
     cmd = server_command(result.server, path, args, port)
     print(f"{result.server}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as log_file:
@@ -104,7 +106,8 @@ def table(results: list[Result], args: argparse.Namespace, path: Path) -> list[s
     loaded = max(args.hogs_list)
     lines = [f"### Serving beside {loaded} CPU hogs (`benchmarks/contention.py`, {args.tag})", "",
              f"Machine: {machine()}. File: {path.name}; `--parallel {args.parallel}`, {args.max_tokens} tokens per "
-             f"request, greedy; llama-server `-t {args.threads}`. Quiet = other processes under {args.quiet_cpu} "
+             f"request, greedy; llama-server `-t {args.threads}`"
+             f"{''.join(f'; conveyor with `{kv}`' for kv in args.conveyor_env)}. Quiet = other processes under {args.quiet_cpu} "
              f"cores before the run; target: slowdown <= 2x (the fair share of {os.cpu_count()} cores).", "",
              "| server | backend | C | quiet tok/s | with hogs tok/s | slowdown | cores used by others (hogs) |",
              "|---|---|---|---|---|---|---|"]
@@ -144,6 +147,8 @@ def parse_args() -> argparse.Namespace:
                    help="before the quiet phase, wait until other processes use fewer cores (0: no wait)")
     p.add_argument("--quiet-timeout", type=float, default=1800.0, help="give up waiting after this many seconds")
     p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--conveyor-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the conveyor server (e.g. OMP_WAIT_POLICY=PASSIVE); repeatable")
     p.add_argument("--out", help="append the markdown table to this file")
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d %H:%M"))
     args = p.parse_args()

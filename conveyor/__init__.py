@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# torch's own OpenMP ops end each parallel region at a barrier where, by default, the waiting thread
+# spins; on a shared box that spin holds the core its partner needs and every such op stalls for a
+# time slice. Sleeping waiters measured faster beside two CPU hogs and no slower alone
+# (benchmarks/results.md, issue #19). libgomp reads this when torch loads it, so it is set here,
+# before any torch import; a value already in the environment wins. Our kernels do not use
+# OpenMP's barrier (kernels/csrc/parallel.h).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["LLM", "CompletionResult", "GrammarSpec", "InvalidRequestError", "SamplingParams"]
 

@@ -67,7 +67,7 @@ class Pool {
     const int64_t chunk = std::max(grain, (n + (helpers + 1) * kChunksPerThread - 1) / ((helpers + 1) * kChunksPerThread));
     // Publish: close the ticket under the new epoch, describe the job, open it (helpers check
     // that the epoch did not move while they read the description).
-    const uint64_t epoch = (ticket_.load() >> 32) + 1;
+    const uint64_t epoch = ((ticket_.load() >> 32) + 1) & kClosed;  // 32 bits: wraps, never spills out of the word
     ticket_.store(epoch << 32 | kClosed);
     body_.store(&body);
     n_.store(n);
