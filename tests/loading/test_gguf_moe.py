@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_checkpoints import gguf_name, head_dim, permute_for_llama_cpp
+from tiny_checkpoints import gguf_name, gguf_writer, permute_for_llama_cpp
 
 from conveyor.config import kernel_settings_from_env
 from conveyor.engine.llm import LLM
@@ -51,16 +51,7 @@ def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32, fuse_gate_up: bo
     """As convert_hf_to_gguf does: experts stacked (E, N, K), router and norms F32, Mixtral q/k permuted;
     the other matrices in `qtype`; gate and up in one ffn_gate_up_exps with `fuse_gate_up`."""
     cfg, arch = model.config, GGUF_ARCH[family]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(head_dim(cfg))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     writer.add_expert_count(cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if family == "qwen3_moe":

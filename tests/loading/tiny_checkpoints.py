@@ -53,10 +53,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{inverse[rest]}.{suffix}"
 
 
-def write_gguf(path, arch: str, model: transformers.PreTrainedModel, dtype=gguf.GGMLQuantizationType.F32,
-               tokenizer=None, rope_freqs: np.ndarray | None = None) -> None:
-    """Write `model` the way llama.cpp's converter does (llama q/k permuted); `tokenizer(writer)` adds vocab."""
-    cfg = model.config
+def gguf_writer(path, arch: str, cfg, rope_theta: float) -> gguf.GGUFWriter:
+    """A GGUFWriter with the shape metadata every llama.cpp-converted decoder carries, from HF config `cfg`."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -66,7 +64,15 @@ def write_gguf(path, arch: str, model: transformers.PreTrainedModel, dtype=gguf.
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(head_dim(cfg))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope_theta)
+    return writer
+
+
+def write_gguf(path, arch: str, model: transformers.PreTrainedModel, dtype=gguf.GGMLQuantizationType.F32,
+               tokenizer=None, rope_freqs: np.ndarray | None = None) -> None:
+    """Write `model` the way llama.cpp's converter does (llama q/k permuted); `tokenizer(writer)` adds vocab."""
+    cfg = model.config
+    writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     (tokenizer or add_tiny_bpe_vocab)(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -124,17 +130,8 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
     """`model` (F32) the way convert_hf_to_gguf writes gemma2/gemma3/granite/olmo2/phi3: Gemma norms stored as
     1 + w, Granite q/k permuted (a LlamaModel subclass), Phi-3's longrope factors as tensors."""
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(head_dim(cfg))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
-    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    writer = gguf_writer(path, arch, cfg, rope.get("full_attention", rope)["rope_theta"])
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":

@@ -3,15 +3,12 @@
 import pytest
 import torch
 
-from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.engine.sampling_params import SamplingParams
+from hf_compare import float32_runner, greedy_matches_transformers
+
 from conveyor.models.config import ModelConfig
-from conveyor.models.registry import build_model
-from conveyor.runner.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
-BLOCK = 4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
 
@@ -62,37 +59,9 @@ def _longrope() -> dict:
     return {"rope_type": "longrope", "short_factor": short, "long_factor": long}
 
 
-def _runner(hf_model) -> ModelRunner:
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
-    model = build_model(config, hf_model.state_dict(), torch.float32, torch.device("cpu"), batch_invariant=False)
-    return ModelRunner(model, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"),
-                       ops=model.ops)
-
-
-def _forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
-    chunk = ScheduledChunk("r", tokens, start, table, True, SamplingParams(temperature=0))
-    inputs = runner.prepare_inputs(SchedulerOutput(chunks=[chunk]))
-    every_row = torch.arange(len(tokens))
-    return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, every_row)
-
-
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3",
                                     "gemma3", "gemma2", "olmo2", "granite", "phi3"])
 def test_logits_match_transformers(family):
     hf = _hf_model(family)
-    runner = _runner(hf)
-    prompt = torch.randint(0, 128, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    table = [5, 2, 9, 7, 11, 3, 8]  # scattered blocks on purpose
-    ours = _forward_all(runner, prompt, 0, table)
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
-    # Greedy decode steps continue from the paged cache.
-    tokens = list(prompt)
-    for _ in range(6):
-        nxt = int(ours[-1].argmax())
-        ours = _forward_all(runner, [nxt], len(tokens), table)
-        tokens.append(nxt)
-        with torch.no_grad():
-            want = hf(torch.tensor([tokens])).logits[0, -1:]
-        torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    runner = float32_runner(ModelConfig.from_hf_dict(hf.config.to_dict()), hf.state_dict())
+    greedy_matches_transformers(runner, hf)

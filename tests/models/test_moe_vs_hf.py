@@ -5,19 +5,15 @@ import json
 
 import pytest
 import torch
+from hf_compare import float32_runner, greedy_matches_transformers
 from safetensors.torch import load_file
 
-from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading.checkpoint import select_weights
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.moe import SparseMoeBlock
-from conveyor.models.registry import build_model
-from conveyor.runner.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
-BLOCK = 4
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, num_experts_per_tok=2)
 
@@ -41,20 +37,10 @@ def _hf_model(family: str):
     return model
 
 
-def _runner(hf_model, tmp_path) -> ModelRunner:
+def _runner(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)  # the Hub layout: one tensor per expert
     config = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
-    weights = select_weights(config, load_file(tmp_path / "model.safetensors"), str(tmp_path))
-    model = build_model(config, weights, torch.float32, torch.device("cpu"), batch_invariant=False)
-    return ModelRunner(model, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"),
-                       ops=model.ops)
-
-
-def _forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
-    chunk = ScheduledChunk("r", tokens, start, table, True, SamplingParams(temperature=0))
-    inputs = runner.prepare_inputs(SchedulerOutput(chunks=[chunk]))
-    every_row = torch.arange(len(tokens))
-    return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, every_row)
+    return float32_runner(config, select_weights(config, load_file(tmp_path / "model.safetensors"), str(tmp_path)))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
@@ -63,20 +49,7 @@ def test_logits_match_transformers(family, tmp_path):
     runner = _runner(hf, tmp_path)
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.layers]
     assert sparse == ([True, False] if family == "qwen3_moe" else [True, True])
-    prompt = torch.randint(0, 128, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    table = [5, 2, 9, 7, 11, 3, 8]  # scattered blocks on purpose
-    ours = _forward_all(runner, prompt, 0, table)
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
-    tokens = list(prompt)
-    for _ in range(6):  # greedy decode steps continue from the paged cache
-        nxt = int(ours[-1].argmax())
-        ours = _forward_all(runner, [nxt], len(tokens), table)
-        tokens.append(nxt)
-        with torch.no_grad():
-            want = hf(torch.tensor([tokens])).logits[0, -1:]
-        torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    prompt, tokens = greedy_matches_transformers(runner, hf)
     with torch.no_grad():  # and the greedy tokens are transformers' own
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     assert tokens[len(prompt):] == theirs
