@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quantized import (ROOT, _bench, _cpu_snapshot, _free_port, _other_cores, _wait_healthy,  # noqa: E402
+from quantized import (ROOT, _free_port, _measure, _stop, _wait_healthy,  # noqa: E402
                        machine, smollm2_path, wait_quiet)
 
 
@@ -82,24 +82,14 @@ def measure(result: Result, path: Path, args: argparse.Namespace, log: Path) -> 
                     wait_quiet(args.quiet_cpu, args.quiet_timeout)
                 with hogs(count):
                     for i, c in enumerate(args.concurrency):
-                        num = args.requests_c1 if c == 1 else max(args.requests, c)
-                        before = _cpu_snapshot(proc.pid)
-                        stats = _bench(url, c, num, warmup=args.warmup if i == 0 else 0, args=args, env=env)
                         key = (count, c)
-                        result.other_cpu[key] = _other_cores(before, _cpu_snapshot(proc.pid))
-                        result.tok_s[key], result.errors[key] = stats["output_tok_s"], stats["num_errors"]
-                        print(f"  hogs={count} C={c}: {stats['output_tok_s']:.1f} tok/s, {stats['num_errors']} errors, "
-                              f"other processes used {result.other_cpu[key]:.2f} cores", flush=True)
+                        result.tok_s[key], result.errors[key], result.other_cpu[key] = _measure(
+                            proc, url, c, i == 0, args, env, f"hogs={count} C={c}")
         except Exception as exc:  # one server failing still leaves the other's figures
             result.failure = f"{type(exc).__name__}: {exc}"
             print(f"  FAILED: {result.failure}; see {log}", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
 
 
 def table(results: list[Result], args: argparse.Namespace, path: Path) -> list[str]:

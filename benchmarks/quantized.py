@@ -382,24 +382,34 @@ def bench_server(run: Run, cmd: list[str], env: dict[str, str], args: argparse.N
                 kernels = httpx.get(f"{url}/props", timeout=10).json().get("kernels", {})
                 run.backend = f"{kernels.get('backend', '?')}/{kernels.get('arch', '?')}"
             for i, c in enumerate(args.concurrency):
-                num = args.requests_c1 if c == 1 else max(args.requests, c)
-                before = _cpu_snapshot(proc.pid)
-                stats = _bench(url, c, num, warmup=args.warmup if i == 0 else 0, args=args, env=env)
-                run.other_cpu[c] = _other_cores(before, _cpu_snapshot(proc.pid))
-                run.tok_s[c], run.errors[c] = stats["output_tok_s"], stats["num_errors"]
-                print(f"  C={c}: {stats['output_tok_s']:.1f} tok/s, {stats['num_errors']} errors, other processes "
-                      f"used {run.other_cpu[c]:.2f} cores", flush=True)
+                run.tok_s[c], run.errors[c], run.other_cpu[c] = _measure(proc, url, c, i == 0, args, env, f"C={c}")
             run.rss_peak_mb = _proc_kb(proc.pid, "VmHWM")
         except Exception as exc:  # a file a server cannot load is a result too; keep going
             run.failure = f"{type(exc).__name__}: {exc}"
             print(f"  FAILED: {run.failure}; see {log}", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
+
+
+def _measure(proc: subprocess.Popen, url: str, c: int, first: bool, args: argparse.Namespace, env,
+             label: str) -> tuple[float, int, float]:
+    """One concurrency level against a running server: (output tok/s, errors, cores other processes used)."""
+    num = args.requests_c1 if c == 1 else max(args.requests, c)
+    before = _cpu_snapshot(proc.pid)
+    stats = _bench(url, c, num, warmup=args.warmup if first else 0, args=args, env=env)
+    other = _other_cores(before, _cpu_snapshot(proc.pid))
+    print(f"  {label}: {stats['output_tok_s']:.1f} tok/s, {stats['num_errors']} errors, other processes "
+          f"used {other:.2f} cores", flush=True)
+    return stats["output_tok_s"], stats["num_errors"], other
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
