@@ -19,6 +19,8 @@ from torch import nn
 
 from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
 from conveyor.kernels.build import KERNELS, load_kernels
+from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
+                                        reference_short_conv, reference_ssm_scan)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class KernelBackend:
     attention: ModuleType | None = None
     fused: ModuleType | None = None
     qgemm: ModuleType | None = None  # GGML block-quantized linears (csrc/qgemm.cpp)
+    recurrent: ModuleType | None = None  # hybrid models' recurrent mixers (csrc/recurrent.cpp)
     errors: dict[str, str] = field(default_factory=dict)  # kernel -> why it is missing (first compiler error)
 
     @property
@@ -164,8 +167,48 @@ class KernelBackend:
                                                   meta.token_pos, scale, window, softcap)
         return reference_paged_attention(query, key_cache, value_cache, meta, scale, window, softcap=softcap)
 
+    # --- recurrent mixers (hybrid models): state slots walked token by token (recurrent.py) ---
 
-_ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm"}
+    def _runs_recurrent(self, x: torch.Tensor) -> bool:
+        return self.recurrent is not None and x.device.type == "cpu"
+
+    def short_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                   meta: StateMetadata, apply_silu: bool) -> torch.Tensor:
+        """Causal depthwise conv over each sequence's rows: x (T, C), weight (C, K) fp32, state (slots, C, K-1) fp32."""
+        if self._runs_recurrent(x):
+            return self.recurrent.short_conv(x, weight, bias, state, *meta.args(), apply_silu)
+        return reference_short_conv(x, weight, bias, state, meta, apply_silu)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                         meta: StateMetadata) -> torch.Tensor:
+        """Gated DeltaNet: q, k (T, Hk, dk), v (T, Hv, dv), raw a, b (T, Hv) -> (T, Hv, dv)."""
+        if self._runs_recurrent(q):
+            return self.recurrent.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, *meta.args())
+        return reference_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta)
+
+    def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,
+                 dt_bias: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
+                 dt_min: float = 0.0, dt_max: float = float("inf")) -> torch.Tensor:
+        """Mamba2: x (T, H, P), raw dt (T, H), B, C (T, G, N) -> (T, H, P)."""
+        if self._runs_recurrent(x):
+            return self.recurrent.ssm_scan(x, dt, B, C, A_log, dt_bias, D, state, *meta.args(), dt_min, dt_max)
+        return reference_ssm_scan(x, dt, B, C, A_log, dt_bias, D, state, meta, dt_min, dt_max)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                       norm_before_gate: bool) -> torch.Tensor:
+        if self._runs_recurrent(x):
+            return self.recurrent.gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
+        return reference_gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate), rounded where torch's two ops would (elementwise, scalar per element)."""
+        if self._runs_recurrent(x):
+            return self.recurrent.sigmoid_mul(x, gate)
+        return x * torch.sigmoid(gate)
+
+
+_ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm", "recurrent": "recurrent"}
 
 
 def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
@@ -186,7 +229,7 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
     if errors and settings.require:
         raise KernelsRequiredError("C++ kernels required (CONVEYOR_REQUIRE_KERNELS=1) but unavailable: "
                                    + "; ".join(f"{k}: {e}" for k, e in errors.items()))
-    gemm, attention, fused, qgemm = (builds[k].module for k in KERNELS)
+    gemm, attention, fused, qgemm, recurrent = (builds[k].module for k in KERNELS)
     if gemm is None and attention is None and fused is None:
         return _torch_cpu_backend(errors)
     gemm_level = gemm.backend() if gemm is not None else None
@@ -194,7 +237,7 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
     # Linears without our GEMM (no gemm module, or not bf16) run oneDNN in row tiles calibrated at load.
     invariant = batch_invariant and attention is not None
     return KernelBackend(name=name, device="cpu", arch=settings.arch, batch_invariant=invariant, gemm=gemm,
-                         attention=attention, fused=fused, qgemm=qgemm, errors=errors)
+                         attention=attention, fused=fused, qgemm=qgemm, recurrent=recurrent, errors=errors)
 
 
 def _torch_cpu_backend(errors: dict[str, str]) -> KernelBackend:

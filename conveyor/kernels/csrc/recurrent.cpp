@@ -1,0 +1,399 @@
+// Recurrent token mixers of hybrid models, over per-sequence state slots: the causal short
+// convolution (LFM2, Mamba2's and gated DeltaNet's conv1d), the gated delta rule (Qwen3.5 /
+// Qwen3-Next linear attention), the Mamba2 selective scan, and the gated norms and gates around them.
+//
+// Batch invariance: each (sequence, channel) or (sequence, head) is one task that walks its own
+// tokens one by one in a fixed order, so a row's bits never depend on its batch-mates, and a
+// prefill chunk of any size gives bitwise the state and outputs of token-by-token decoding (the
+// chunked form *is* the recurrence, run in C++). Every nonlinearity is a scalar std:: call per
+// element: torch's vectorized exp/sigmoid would round differently in a tensor's tail, whose
+// position depends on the batch. Reductions run in fp32 in index order.
+//
+// Snapshots: a task copies its state into other slots after given token counts (CSR per
+// sequence), so prefix caching and speculation can resume from a block boundary or the last
+// accepted token without recomputing.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "parallel.h"
+
+namespace {
+
+template <typename scalar_t>
+inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+// torch.nn.functional.softplus(x) with its default threshold 20.
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// The per-sequence layout of one forward, shared by every kernel here.
+struct Sequences {
+  const int64_t* starts;  // (S + 1,) first row of each sequence
+  const int64_t* slots;   // (S,) state slot of each sequence
+  const bool* reset;      // (S,) start from a zero state (the chunk begins at position 0)
+  const int64_t* snap_starts;  // (S + 1,) CSR into snap_counts / snap_slots
+  const int64_t* snap_counts;  // tokens of the chunk processed when the snapshot is taken (1..n)
+  const int64_t* snap_slots;   // destination slot of each snapshot
+  int64_t num;
+
+  Sequences(const torch::Tensor& st, const torch::Tensor& sl, const torch::Tensor& rs, const torch::Tensor& ss,
+            const torch::Tensor& sc, const torch::Tensor& sd)
+      : starts(st.data_ptr<int64_t>()), slots(sl.data_ptr<int64_t>()), reset(rs.data_ptr<bool>()),
+        snap_starts(ss.data_ptr<int64_t>()), snap_counts(sc.data_ptr<int64_t>()), snap_slots(sd.data_ptr<int64_t>()),
+        num(sl.size(0)) {}
+};
+
+void check_sequences(const torch::Tensor& starts, const torch::Tensor& slots, const torch::Tensor& reset,
+                     const torch::Tensor& snap_starts, const torch::Tensor& snap_counts,
+                     const torch::Tensor& snap_slots, int64_t rows, int64_t num_slots) {
+  TORCH_CHECK(starts.dtype() == torch::kInt64 && slots.dtype() == torch::kInt64 && reset.dtype() == torch::kBool &&
+                  snap_starts.dtype() == torch::kInt64 && snap_counts.dtype() == torch::kInt64 &&
+                  snap_slots.dtype() == torch::kInt64,
+              "recurrent: index tensors must be int64 (reset: bool)");
+  TORCH_CHECK(starts.is_contiguous() && slots.is_contiguous() && reset.is_contiguous() &&
+                  snap_starts.is_contiguous() && snap_counts.is_contiguous() && snap_slots.is_contiguous(),
+              "recurrent: index tensors must be contiguous");
+  const int64_t S = slots.size(0);
+  TORCH_CHECK(starts.size(0) == S + 1 && reset.size(0) == S && snap_starts.size(0) == S + 1,
+              "recurrent: starts/reset/snap_starts must match the sequences");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[S] == rows, "recurrent: sequence starts must cover the rows");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(st[s] <= st[s + 1], "recurrent: sequence starts must not decrease");
+    const int64_t slot = slots.data_ptr<int64_t>()[s];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "recurrent: state slot out of range");
+  }
+  const int64_t* ss = snap_starts.data_ptr<int64_t>();
+  TORCH_CHECK(ss[0] == 0 && ss[S] == snap_counts.size(0) && snap_slots.size(0) == snap_counts.size(0),
+              "recurrent: snapshot CSR is malformed");
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = ss[s]; i < ss[s + 1]; ++i) {
+      const int64_t count = snap_counts.data_ptr<int64_t>()[i], slot = snap_slots.data_ptr<int64_t>()[i];
+      TORCH_CHECK(count >= 1 && count <= st[s + 1] - st[s], "recurrent: snapshot count outside the chunk");
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "recurrent: snapshot slot out of range");
+    }
+}
+
+// ---- causal short convolution -------------------------------------------------------------------
+// out[t, c] = sum_j w[c, j] * in[t - (K-1) + j, c] (+ bias), rounded to the dtype, then SiLU if asked
+// (rounded again: torch's conv then its activation). The state holds the last K-1 inputs (fp32,
+// exact copies of the dtype's values), oldest first.
+template <typename scalar_t>
+void short_conv_impl(const scalar_t* x, const float* w, const float* bias, float* state, scalar_t* out,
+                     const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
+  const int64_t W = K - 1;
+  const int64_t slot_stride = C * W;
+  conveyor_parallel::parallel_for(0, seqs.num * C, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> window(K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / C, c = task % C;
+      float* st = state + seqs.slots[s] * slot_stride + c * W;
+      for (int64_t j = 0; j < W; ++j) window[j] = seqs.reset[s] ? 0.f : st[j];
+      const float* wc = w + c * K;
+      int64_t snap = seqs.snap_starts[s];
+      const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
+      for (int64_t t = 0; t < n; ++t) {
+        window[W] = static_cast<float>(x[(first + t) * C + c]);
+        float acc = 0.f;
+        for (int64_t j = 0; j < K; ++j) acc += wc[j] * window[j];
+        if (bias != nullptr) acc += bias[c];
+        float y = static_cast<float>(round_to<scalar_t>(acc));
+        if (apply_silu) y = silu(y);
+        out[(first + t) * C + c] = round_to<scalar_t>(y);
+        for (int64_t j = 0; j < W; ++j) window[j] = window[j + 1];
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
+          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + c * W, window.data(), W * sizeof(float));
+      }
+      std::memcpy(st, window.data(), W * sizeof(float));
+    }
+  });
+}
+
+torch::Tensor short_conv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, torch::Tensor state,
+                         torch::Tensor starts, torch::Tensor slots, torch::Tensor reset, torch::Tensor snap_starts,
+                         torch::Tensor snap_counts, torch::Tensor snap_slots, bool apply_silu) {
+  TORCH_CHECK(x.dim() == 2, "short_conv: x must be (T, C)");
+  x = x.contiguous();
+  const int64_t C = x.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.dtype() == torch::kFloat32 && weight.is_contiguous(),
+              "short_conv: weight must be contiguous float32 (C, K)");
+  const int64_t K = weight.size(1);
+  TORCH_CHECK(K >= 2, "short_conv: kernel size must be at least 2");
+  TORCH_CHECK(state.dim() == 3 && state.size(1) == C && state.size(2) == K - 1 && state.dtype() == torch::kFloat32 &&
+                  state.is_contiguous(),
+              "short_conv: state must be contiguous float32 (slots, C, K - 1)");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == C && bias->is_contiguous(),
+                "short_conv: bias must be contiguous float32 (C,)");
+    b = bias->data_ptr<float>();
+  }
+  check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, x.size(0), state.size(0));
+  auto out = torch::empty_like(x);
+  const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv", [&] {
+    short_conv_impl<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), b, state.data_ptr<float>(),
+                              out.data_ptr<scalar_t>(), seqs, C, K, apply_silu);
+  });
+  return out;
+}
+
+// ---- gated delta rule (Qwen3.5 / Qwen3-Next) ---------------------------------------------------
+// Per value head, with q/k of head h / (Hv / Hk), all in fp32:
+//   q, k <- l2norm (x * rsqrt(sum x^2 + 1e-6)); q <- q / sqrt(dk)
+//   g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b) rounded to the dtype
+//   S <- S * exp(g);  delta = (v - S^T k) * beta;  S <- S + k delta^T;  o = S^T q
+// transformers' torch_recurrent_gated_delta_rule, token by token.
+template <typename scalar_t>
+void l2norm_into(const scalar_t* x, float* out, int64_t n, float extra_scale) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<float>(x[i]) * inv;
+    if (extra_scale != 1.f) out[i] = out[i] / extra_scale;
+  }
+}
+
+template <typename scalar_t>
+void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t* v, const scalar_t* a,
+                           const scalar_t* b, const float* A_log, const float* dt_bias, float* state, scalar_t* out,
+                           const Sequences& seqs, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) {
+  const int64_t slot_stride = Hv * dk * dv;
+  const int64_t group = Hv / Hk;
+  const float q_scale = std::sqrt(static_cast<float>(dk));
+  conveyor_parallel::parallel_for(0, seqs.num * Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S(dk * dv), qf(dk), kf(dk), delta(dv), o(dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / Hv, h = task % Hv, hk = h / group;
+      float* st = state + seqs.slots[s] * slot_stride + h * dk * dv;
+      if (seqs.reset[s]) std::fill(S.begin(), S.end(), 0.f);
+      else std::memcpy(S.data(), st, dk * dv * sizeof(float));
+      const float A = -std::exp(A_log[h]);
+      int64_t snap = seqs.snap_starts[s];
+      const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t row = first + t;
+        l2norm_into(q + (row * Hk + hk) * dk, qf.data(), dk, q_scale);
+        l2norm_into(k + (row * Hk + hk) * dk, kf.data(), dk, 1.f);
+        const float decay = std::exp(A * softplus(static_cast<float>(a[row * Hv + h]) + dt_bias[h]));
+        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * Hv + h]))));
+        const scalar_t* vr = v + (row * Hv + h) * dv;
+        for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
+        for (int64_t j = 0; j < dv; ++j) delta[j] = 0.f;
+        for (int64_t i = 0; i < dk; ++i)
+          for (int64_t j = 0; j < dv; ++j) delta[j] += S[i * dv + j] * kf[i];
+        for (int64_t j = 0; j < dv; ++j) delta[j] = (static_cast<float>(vr[j]) - delta[j]) * beta;
+        for (int64_t i = 0; i < dk; ++i)
+          for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += kf[i] * delta[j];
+        for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
+        for (int64_t i = 0; i < dk; ++i)
+          for (int64_t j = 0; j < dv; ++j) o[j] += S[i * dv + j] * qf[i];
+        scalar_t* orow = out + (row * Hv + h) * dv;
+        for (int64_t j = 0; j < dv; ++j) orow[j] = round_to<scalar_t>(o[j]);
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
+          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S.data(), dk * dv * sizeof(float));
+      }
+      std::memcpy(st, S.data(), dk * dv * sizeof(float));
+    }
+  });
+}
+
+torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor a, torch::Tensor b,
+                               torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor state, torch::Tensor starts,
+                               torch::Tensor slots, torch::Tensor reset, torch::Tensor snap_starts,
+                               torch::Tensor snap_counts, torch::Tensor snap_slots) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "gated_delta_rule: q, k (T, Hk, dk) and v (T, Hv, dv)");
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); a = a.contiguous(); b = b.contiguous();
+  const int64_t T = q.size(0), Hk = q.size(1), dk = q.size(2), Hv = v.size(1), dv = v.size(2);
+  TORCH_CHECK(Hv % Hk == 0, "gated_delta_rule: value heads must be a multiple of key heads");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  a.scalar_type() == q.scalar_type() && b.scalar_type() == q.scalar_type(),
+              "gated_delta_rule: q, k, v, a, b must share a dtype");
+  TORCH_CHECK(a.dim() == 2 && a.size(0) == T && a.size(1) == Hv && b.sizes() == a.sizes(),
+              "gated_delta_rule: a and b must be (T, Hv)");
+  TORCH_CHECK(A_log.dtype() == torch::kFloat32 && dt_bias.dtype() == torch::kFloat32 && A_log.numel() == Hv &&
+                  dt_bias.numel() == Hv && A_log.is_contiguous() && dt_bias.is_contiguous(),
+              "gated_delta_rule: A_log and dt_bias must be contiguous float32 (Hv,)");
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == Hv && state.size(2) == dk && state.size(3) == dv &&
+                  state.dtype() == torch::kFloat32 && state.is_contiguous(),
+              "gated_delta_rule: state must be contiguous float32 (slots, Hv, dk, dv)");
+  check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, T, state.size(0));
+  auto out = torch::empty_like(v);
+  const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gated_delta_rule", [&] {
+    gated_delta_rule_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                    a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), A_log.data_ptr<float>(),
+                                    dt_bias.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                                    seqs, Hk, Hv, dk, dv);
+  });
+  return out;
+}
+
+// ---- Mamba2 selective scan (SSD, recurrent form) -----------------------------------------------
+// Per head h (group g = h / (H / G)), in fp32:
+//   dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_max];  dA = exp(dt * A), A = -exp(A_log)
+//   S[p, n] <- S[p, n] * dA + (dt * x[p]) * B[n];   y[p] = sum_n S[p, n] * C[n] + D * x[p]
+// transformers' Mamba2 torch path (cached single-step branch), token by token.
+template <typename scalar_t>
+void ssm_scan_impl(const scalar_t* x, const scalar_t* dt, const scalar_t* B, const scalar_t* Cm, const float* A_log,
+                   const float* dt_bias, const float* D, float* state, scalar_t* out, const Sequences& seqs,
+                   int64_t H, int64_t P, int64_t G, int64_t N, float dt_min, float dt_max) {
+  const int64_t slot_stride = H * P * N;
+  const int64_t heads_per_group = H / G;
+  conveyor_parallel::parallel_for(0, seqs.num * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S(P * N);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / H, h = task % H, g = h / heads_per_group;
+      float* st = state + seqs.slots[s] * slot_stride + h * P * N;
+      if (seqs.reset[s]) std::fill(S.begin(), S.end(), 0.f);
+      else std::memcpy(S.data(), st, P * N * sizeof(float));
+      const float A = -std::exp(A_log[h]);
+      int64_t snap = seqs.snap_starts[s];
+      const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t row = first + t;
+        float step = softplus(static_cast<float>(dt[row * H + h]) + dt_bias[h]);
+        step = std::min(std::max(step, dt_min), dt_max);
+        const float dA = std::exp(step * A);
+        const scalar_t* xr = x + (row * H + h) * P;
+        const scalar_t* Br = B + (row * G + g) * N;
+        const scalar_t* Cr = Cm + (row * G + g) * N;
+        scalar_t* yr = out + (row * H + h) * P;
+        for (int64_t p = 0; p < P; ++p) {
+          const float xdt = static_cast<float>(xr[p]) * step;
+          float* Sp = S.data() + p * N;
+          float y = 0.f;
+          for (int64_t j = 0; j < N; ++j) {
+            Sp[j] = Sp[j] * dA + xdt * static_cast<float>(Br[j]);
+            y += Sp[j] * static_cast<float>(Cr[j]);
+          }
+          yr[p] = round_to<scalar_t>(y + D[h] * static_cast<float>(xr[p]));
+        }
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
+          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * P * N, S.data(), P * N * sizeof(float));
+      }
+      std::memcpy(st, S.data(), P * N * sizeof(float));
+    }
+  });
+}
+
+torch::Tensor ssm_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor B, torch::Tensor C, torch::Tensor A_log,
+                       torch::Tensor dt_bias, torch::Tensor D, torch::Tensor state, torch::Tensor starts,
+                       torch::Tensor slots, torch::Tensor reset, torch::Tensor snap_starts, torch::Tensor snap_counts,
+                       torch::Tensor snap_slots, double dt_min, double dt_max) {
+  TORCH_CHECK(x.dim() == 3 && dt.dim() == 2 && B.dim() == 3 && C.sizes() == B.sizes(),
+              "ssm_scan: x (T, H, P), dt (T, H), B and C (T, G, N)");
+  x = x.contiguous(); dt = dt.contiguous(); B = B.contiguous(); C = C.contiguous();
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
+  TORCH_CHECK(dt.size(0) == T && dt.size(1) == H && B.size(0) == T && H % G == 0,
+              "ssm_scan: shapes disagree (heads must be a multiple of groups)");
+  TORCH_CHECK(dt.scalar_type() == x.scalar_type() && B.scalar_type() == x.scalar_type() &&
+                  C.scalar_type() == x.scalar_type(), "ssm_scan: x, dt, B, C must share a dtype");
+  for (const auto* p : {&A_log, &dt_bias, &D})
+    TORCH_CHECK(p->dtype() == torch::kFloat32 && p->numel() == H && p->is_contiguous(),
+                "ssm_scan: A_log, dt_bias and D must be contiguous float32 (H,)");
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == H && state.size(2) == P && state.size(3) == N &&
+                  state.dtype() == torch::kFloat32 && state.is_contiguous(),
+              "ssm_scan: state must be contiguous float32 (slots, H, P, N)");
+  check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, T, state.size(0));
+  auto out = torch::empty_like(x);
+  const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ssm_scan", [&] {
+    ssm_scan_impl<scalar_t>(x.data_ptr<scalar_t>(), dt.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(),
+                            C.data_ptr<scalar_t>(), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(),
+                            D.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(), seqs, H, P, G, N,
+                            static_cast<float>(dt_min), static_cast<float>(dt_max));
+  });
+  return out;
+}
+
+// ---- gated RMSNorm and the sigmoid gate -------------------------------------------------------
+// norm_before_gate (Qwen3.5 / Qwen3-Next): out = (w * round(x * rsqrt(mean x^2 + eps))) * silu(gate), rounded.
+// gate first (Mamba2):                     h = round?(x * silu(gate)) [fp32], then per group of
+//                                          `group` columns: out = w * round(h * rsqrt(mean h^2 + eps)).
+template <typename scalar_t>
+void gated_rms_norm_impl(const scalar_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
+                         int64_t n, int64_t group, float eps, bool norm_before_gate) {
+  conveyor_parallel::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * n;
+      const scalar_t* gr = gate + r * n;
+      scalar_t* o = out + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        h[j] = static_cast<float>(xr[j]);
+        if (!norm_before_gate) h[j] = h[j] * silu(static_cast<float>(gr[j]));
+      }
+      for (int64_t g0 = 0; g0 < n; g0 += group) {
+        float sum = 0.f;
+        for (int64_t j = g0; j < g0 + group; ++j) sum += h[j] * h[j];
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
+        for (int64_t j = g0; j < g0 + group; ++j) {
+          const float normed = static_cast<float>(round_to<scalar_t>(h[j] * inv));
+          const float scaled = static_cast<float>(round_to<scalar_t>(static_cast<float>(w[j]) * normed));
+          o[j] = norm_before_gate ? round_to<scalar_t>(scaled * silu(static_cast<float>(gr[j]))) : round_to<scalar_t>(scaled);
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor weight, double eps, int64_t group,
+                             bool norm_before_gate) {
+  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.numel() == x.size(1),
+              "gated_rms_norm: x and gate (R, n), weight (n,)");
+  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "gated_rms_norm: x, gate and weight must share a dtype");
+  TORCH_CHECK(group > 0 && x.size(1) % group == 0, "gated_rms_norm: group must divide the row");
+  x = x.contiguous(); gate = gate.contiguous(); weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_rms_norm", [&] {
+    gated_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                  out.data_ptr<scalar_t>(), x.size(0), x.size(1), group, static_cast<float>(eps),
+                                  norm_before_gate);
+  });
+  return out;
+}
+
+// x * sigmoid(gate), each op rounded to the dtype as torch's two ops would (Qwen3.5's gated attention).
+torch::Tensor sigmoid_mul(torch::Tensor x, torch::Tensor gate) {
+  TORCH_CHECK(x.sizes() == gate.sizes() && x.scalar_type() == gate.scalar_type(),
+              "sigmoid_mul: x and gate must match");
+  x = x.contiguous(); gate = gate.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t n = x.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "sigmoid_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float sg = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(gp[i]))));
+        op[i] = round_to<scalar_t>(static_cast<float>(xp[i]) * sg);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  m.def("short_conv", &short_conv, "causal depthwise conv1d over state slots (CPU)", release());
+  m.def("gated_delta_rule", &gated_delta_rule, "gated delta rule over state slots (CPU)", release());
+  m.def("ssm_scan", &ssm_scan, "Mamba2 selective scan over state slots (CPU)", release());
+  m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm with a SiLU gate (CPU)", release());
+  m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate) with torch's rounding (CPU)", release());
+}

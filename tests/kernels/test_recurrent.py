@@ -1,0 +1,142 @@
+"""Recurrent mixers (kernels/csrc/recurrent.cpp): against the torch references, and exact under any
+chunking, any batch-mates and through snapshots."""
+
+import pytest
+import torch
+
+from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
+                                        reference_short_conv, reference_ssm_scan)
+from tests.kernels.conftest import kernel_backend
+
+kernels = kernel_backend("recurrent").recurrent
+DTYPES = [torch.bfloat16, torch.float32]
+SLOTS = 6
+
+
+def _conv_case(dtype, T, gen, silu=True):
+    C, K = 24, 4
+    x = torch.randn(T, C, generator=gen).to(dtype)
+    w = torch.randn(C, K, generator=gen)
+    bias = torch.randn(C, generator=gen)
+    state = torch.randn(SLOTS, C, K - 1, generator=gen).to(dtype).float()
+    run = lambda x, st, meta: kernels.short_conv(x, w, bias, st, *meta.args(), silu)  # noqa: E731
+    ref = lambda x, st, meta: reference_short_conv(x, w, bias, st, meta, silu)  # noqa: E731
+    return (x,), state, run, ref
+
+
+def _delta_case(dtype, T, gen):
+    Hk, Hv, dk, dv = 2, 4, 8, 6
+    q, k = (torch.randn(T, Hk, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(T, Hv, dv, generator=gen).to(dtype)
+    a, b = (torch.randn(T, Hv, generator=gen).to(dtype) for _ in range(2))
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen)
+    state = torch.randn(SLOTS, Hv, dk, dv, generator=gen)
+    run = lambda q, k, v, a, b, st, meta: kernels.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, st, *meta.args())  # noqa: E731
+    ref = lambda q, k, v, a, b, st, meta: reference_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, st, meta)  # noqa: E731
+    return (q, k, v, a, b), state, run, ref
+
+
+def _ssm_case(dtype, T, gen):
+    H, P, G, N = 4, 6, 2, 8
+    x = torch.randn(T, H, P, generator=gen).to(dtype)
+    dt = torch.randn(T, H, generator=gen).to(dtype)
+    B, C = (torch.randn(T, G, N, generator=gen).to(dtype) for _ in range(2))
+    A_log, dt_bias, D = (torch.randn(H, generator=gen) for _ in range(3))
+    state = torch.randn(SLOTS, H, P, N, generator=gen)
+    run = lambda x, dt, B, C, st, meta: kernels.ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, *meta.args(), 0.0, 5.0)  # noqa: E731
+    ref = lambda x, dt, B, C, st, meta: reference_ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, meta, 0.0, 5.0)  # noqa: E731
+    return (x, dt, B, C), state, run, ref
+
+
+CASES = {"short_conv": _conv_case, "gated_delta_rule": _delta_case, "ssm_scan": _ssm_case}
+
+
+def _rows(inputs, start, end):
+    return tuple(t[start:end] for t in inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference(case, dtype):
+    """Three sequences (a fresh one, two resuming from their slots) against the torch walk."""
+    gen = torch.Generator().manual_seed(0)
+    inputs, state, run, ref = CASES[case](dtype, 11, gen)
+    meta = StateMetadata.build([5, 1, 5], [3, 0, 5], [True, False, False])
+    ours_state, ref_state = state.clone(), state.clone()
+    ours = run(*inputs, ours_state, meta)
+    want = ref(*inputs, ref_state, meta)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.float(), want.float(), **tol)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_chunking_batch_mates_and_snapshots_are_exact(case, dtype):
+    """One sequence run whole, in chunks of 1/3/rest beside other sequences, and token by token: every
+    output row and the final state bitwise equal; snapshots equal the state after that many tokens."""
+    gen = torch.Generator().manual_seed(1)
+    T = 9
+    inputs, state, run, _ = CASES[case](dtype, T, gen)
+    others, _, _, _ = CASES[case](dtype, 7, torch.Generator().manual_seed(2))
+
+    whole_state = state.clone()
+    whole = run(*inputs, whole_state, StateMetadata.build([T], [1], [True], [[(1, 4), (4, 5)]]))
+
+    stepped_state = state.clone()
+    stepped = []
+    for t in range(T):
+        stepped.append(run(*_rows(inputs, t, t + 1), stepped_state, StateMetadata.build([1], [1], [t == 0])))
+        if t == 0:
+            assert torch.equal(stepped_state[1], whole_state[4]), "snapshot after 1 token"
+        if t == 3:
+            assert torch.equal(stepped_state[1], whole_state[5]), "snapshot after 4 tokens"
+    assert torch.equal(torch.cat(stepped), whole)
+    assert torch.equal(stepped_state[1], whole_state[1])
+
+    chunked_state = state.clone()
+    pieces, start = [], 0
+    for size, mates in ((1, 3), (3, 4), (T - 4, 0)):
+        batch = tuple(torch.cat([o[:mates], x[start:start + size]]) for o, x in zip(others, inputs))
+        meta = StateMetadata.build([mates, size] if mates else [size], [2, 1] if mates else [1],
+                                   [True, start == 0] if mates else [start == 0])
+        pieces.append(run(*batch, chunked_state, meta)[mates:])
+        start += size
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(chunked_state[1], whole_state[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_before_gate,group", [(True, 16), (False, 8), (False, 16)])
+def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, norm_before_gate, group):
+    gen = torch.Generator().manual_seed(3)
+    x, gate = (torch.randn(7, 16, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(16, generator=gen).to(dtype)
+    ours = kernels.gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
+    want = reference_gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, want, **tol)
+    for r in (0, 6):
+        assert torch.equal(kernels.gated_rms_norm(x[r:r + 1], gate[r:r + 1], weight, 1e-6, group, norm_before_gate),
+                           ours[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_rounds_as_torch(dtype):
+    gen = torch.Generator().manual_seed(4)
+    x, gate = (torch.randn(5, 33, generator=gen).to(dtype) for _ in range(2))
+    ours = kernels.sigmoid_mul(x, gate)
+    torch.testing.assert_close(ours, x * torch.sigmoid(gate), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+    assert torch.equal(kernels.sigmoid_mul(x[2:3], gate[2:3]), ours[2:3])
+
+
+def test_bad_inputs_are_refused():
+    x = torch.randn(4, 8)
+    state = torch.zeros(2, 8, 3)
+    w = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="state slot out of range"):
+        kernels.short_conv(x, w, None, state, *StateMetadata.build([4], [2], [True]).args(), False)
+    with pytest.raises(RuntimeError, match="cover the rows"):
+        kernels.short_conv(x, w, None, state, *StateMetadata.build([3], [0], [True]).args(), False)
+    with pytest.raises(RuntimeError, match="snapshot count outside"):
+        kernels.short_conv(x, w, None, state, *StateMetadata.build([4], [0], [True], [[(5, 1)]]).args(), False)
