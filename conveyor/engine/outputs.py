@@ -34,6 +34,8 @@ class ScheduledChunk:
     # Token history for penalties, snapshots like block_table; None when unused.
     prompt_token_ids: tuple[int, ...] | None = None
     output_token_ids: tuple[int, ...] | None = None
+    # Hybrid models: the request's recurrent-state slot (engine/state_pool.py); None without recurrent layers.
+    state_slot: int | None = None
 
 
 @dataclass

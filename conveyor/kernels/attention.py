@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from conveyor.kernels.recurrent import StateMetadata
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +24,8 @@ class AttentionMetadata:
     # Host copies for the reference path (no device syncs there).
     seq_lens: list[int]  # (S,) tokens visible to the last row of each sequence
     seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
+    # Hybrid models: each sequence's state slot for the recurrent layers (None: no recurrent layers).
+    state: StateMetadata | None = None
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models.config import EXPERT_NAMES, HYBRID_ARCHITECTURES, ModelConfig
 
 
 class LoadError(Exception):
@@ -71,6 +71,10 @@ class Checkpoint:
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
     """Every parameter a model built from `config` needs, in Hugging Face naming; q|k|v and gate|up
     may come fused (Phi-3) where `available` has them so."""
+    if config.architecture in HYBRID_ARCHITECTURES:
+        from conveyor.models.hybrid_layout import weight_names
+
+        return weight_names(config, available)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

@@ -5,15 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.models import gemma, granite, mixtral, olmo2, olmoe, phi3, qwen3_moe
+from conveyor.models import gemma, granite, lfm2, mixtral, olmo2, olmoe, phi3, qwen3_5, qwen3_moe
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                           "mixtral", "qwen3_moe", "olmoe")
+                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
                  "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
-                 "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields}
+                 "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
+                 "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields}
+
+# Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
+# state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
+# Families built as token mixer + channel mixer per layer (models/hybrid.py), recurrent layers or not.
+HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text")
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -72,6 +80,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
+    # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
+    conv_kernel_size: int = 0  # the short convolution's width (LFM2's L_cache, DeltaNet's and Mamba2's conv)
+    conv_bias: bool = False
+    # Gated DeltaNet (Qwen3.5 / Qwen3-Next "linear_attention" layers)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -87,8 +105,19 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries for "
                                    f"{self.num_hidden_layers} layers")
-        if set(self.layer_types) - {"sliding_attention", "full_attention"}:
+        if set(self.layer_types) - set(ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES):
             raise ModelConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
+        if self.is_hybrid and self.conv_kernel_size < 2:
+            raise ModelConfigError(f"a recurrent layer needs a convolution width of at least 2, got "
+                                   f"{self.conv_kernel_size!r}")
+        if "linear_attention" in self.layer_types and (
+                min(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                    self.linear_value_head_dim) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads):
+            raise ModelConfigError("gated DeltaNet layers need positive linear head counts and dims, with value "
+                                   "heads a multiple of key heads")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
+                                   f"rotary width")
         if self.norm_layout not in LAYOUT_NORMS:
             raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
@@ -111,6 +140,26 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` runs a sparse mixture-of-experts MLP."""
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state instead of K/V (models/hybrid.py)."""
+        return any(kind in RECURRENT_LAYER_TYPES for kind in self.layer_types)
+
+    def layer_kind(self, layer: int) -> str:
+        """`full_attention`, `sliding_attention` or a recurrent kind (RECURRENT_LAYER_TYPES)."""
+        if self.layer_types:
+            return self.layer_types[layer]
+        return "sliding_attention" if self.is_sliding(layer) else "full_attention"
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep K/V in the block pool (all of them but a hybrid's recurrent ones)."""
+        return sum(1 for i in range(self.num_hidden_layers) if self.layer_kind(i) in ATTENTION_LAYER_TYPES)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def layer_norm_names(self) -> tuple[str, ...]:
@@ -147,6 +196,11 @@ class ModelConfig:
             # transformers >= 5 nests rope settings in rope_parameters; older files keep them top-level.
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            # Qwen3.5's multimodal rope: text positions are the same on all three axes, so its sections
+            # rotate exactly as plain rope does; only the rotary width stays.
+            partial_rotary = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+            for key in ("mrope_section", "mrope_interleaved"):
+                rope.pop(key, None)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
@@ -170,6 +224,7 @@ class ModelConfig:
                 sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                partial_rotary_factor=partial_rotary,
             )
             return cls(**{**fields, **family})
         except (KeyError, TypeError, ValueError) as exc:

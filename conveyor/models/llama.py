@@ -17,6 +17,7 @@ from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
+from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.weights import WeightLoader
@@ -34,8 +35,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotary_dim = config.rotary_dim  # the first rotary_dim dims of each head rotate (Qwen3.5: a quarter)
+        # Qwen3.5: q_proj yields each head's query and an output gate side by side.
+        self.output_gate = config.attn_output_gate
+        q_out = 2 * self.q_size if self.output_gate else self.q_size
         # q, k and v projections fused into one GEMM at load time.
-        self.qkv_proj = RowInvariantLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, ops)
+        self.qkv_proj = RowInvariantLinear(config.hidden_size, q_out + 2 * self.kv_size, config.attention_bias, ops)
         self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
         # QK-norm per head (Qwen3, Gemma 3) or over the whole q / k projection (OLMo 2, OLMoE).
         self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
@@ -49,7 +54,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.ops.fuses_rope and self.q_norm is None:  # rotary + cache write fused into one pass
+        gate = None
+        if self.output_gate:
+            query_gate, kv = qkv.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+            query_gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)  # (T, H, 2D)
+            gate = query_gate[..., self.head_dim:].reshape(num_tokens, self.q_size)
+            qkv = torch.cat([query_gate[..., :self.head_dim].reshape(num_tokens, self.q_size), kv], dim=-1)
+        elif self.ops.fuses_rope and self.q_norm is None and self.rotary_dim == self.head_dim:
+            # rotary + cache write fused into one pass
             q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
             return self._attend(q, kv_cache, meta)
@@ -62,16 +74,24 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k sit side by side in the fused output, so one rotary pass covers both.
-        qk = RotaryEmbedding.apply(qk, *rope)
+        if self.rotary_dim == self.head_dim:
+            qk = RotaryEmbedding.apply(qk, *rope)
+        else:  # partial rotary: the rest of each head passes through
+            rotated, rest = qk.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+            qk = torch.cat([RotaryEmbedding.apply(rotated, *rope), rest], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, gate)
 
-    def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
         out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
                                        self.softcap)  # (T, H, D)
-        return self.o_proj(out.reshape(q.shape[0], self.q_size))
+        out = out.reshape(q.shape[0], self.q_size)
+        if gate is not None:
+            out = self.ops.sigmoid_mul(out, gate)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -139,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
         # Gemma 3: sliding layers rotate with their own base, unscaled.
         self.local_rotary = (RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -214,6 +234,10 @@ class LlamaForCausalLM(nn.Module):
             self._load_mlp(layer.mlp, get, p, loader, fused)
             for name in layer.norm_names:
                 getattr(layer, name).weight = norm(p + name + ".weight")
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""
+        return [KVSpec(self.config.num_key_value_heads, self.config.head_dim)] * self.config.num_hidden_layers
 
     def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
                   fused: Callable[[str, str, list[str]], list[Weight]]) -> None:

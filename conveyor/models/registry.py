@@ -13,6 +13,7 @@ from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
+from conveyor.models.hybrid import HybridForCausalLM
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
@@ -33,6 +34,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MoEForCausalLM,
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
+    # Hybrids: a token mixer (attention or recurrent) and a channel mixer per layer (models/hybrid.py).
+    "lfm2": HybridForCausalLM,
+    "qwen3_5_text": HybridForCausalLM,
 }
 
 

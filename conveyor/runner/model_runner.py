@@ -10,6 +10,8 @@ from torch import nn
 
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.kernels.recurrent import StateMetadata
+from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.rejection import rejection_sample
@@ -29,24 +31,39 @@ class ForwardInputs:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K/V bytes of one block over the layers that keep K/V (a hybrid's recurrent layers keep none)."""
     element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+    return 2 * config.num_attention_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+def model_cache_specs(model: nn.Module, config: ModelConfig) -> list[CacheSpec]:
+    """What the model keeps between steps, per stateful mixer (every layer's K/V for the plain decoders)."""
+    if hasattr(model, "cache_specs"):
+        return model.cache_specs()
+    return [KVSpec(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
-                 drafter: DraftRunner | None = None) -> None:
+                 drafter: DraftRunner | None = None, num_state_slots: int = 0) -> None:
         self.model = model
         self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
         self.config = config
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
-        # a large pool then cost no RAM until used.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = []  # per stateful mixer: (K, V) block tensors or a recurrent state's tensors
+        self.cache_specs = model_cache_specs(model, config)
+        for spec in self.cache_specs:
+            if isinstance(spec, KVSpec):
+                shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
+                # a large pool then cost no RAM until used.
+                self.kv_caches.append((torch.empty(shape, dtype=dtype, device=device),
+                                       torch.empty(shape, dtype=dtype, device=device)))
+            else:  # zeros: a fresh sequence's state is reset by the kernel, but snapshots are read as kept
+                self.kv_caches.append(tuple(torch.zeros((max(num_state_slots, 1), *shape), dtype=torch.float32,
+                                                        device=device) for shape in spec.shapes))
         self.sampler = Sampler(config.vocab_size, device, ops, seed)
 
     def execute(self, plan: SchedulerOutput, masks: MaskJob | None = None) -> ModelRunnerOutput:
@@ -148,6 +165,7 @@ class ModelRunner:
             token_pos=pos_tensor.to(dev),
             seq_lens=[c.start_position + len(c.token_ids) for c in plan.chunks],
             seq_token_counts=[len(c.token_ids) for c in plan.chunks],
+            state=_state_metadata(plan, dev),
         )
         return ForwardInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
@@ -162,9 +180,21 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
+        for key_cache, value_cache in self.kv_layers():
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (K, V) block tensors of the attention layers (the block pool's bytes)."""
+        return [cache for spec, cache in zip(self.cache_specs, self.kv_caches) if isinstance(spec, KVSpec)]
+
+
+def _state_metadata(plan: SchedulerOutput, device: torch.device) -> StateMetadata | None:
+    """Each sequence's state slot; a chunk from position 0 starts from a zero state."""
+    if plan.chunks[0].state_slot is None:
+        return None
+    return StateMetadata.build([len(c.token_ids) for c in plan.chunks], [c.state_slot for c in plan.chunks],
+                               [c.start_position == 0 for c in plan.chunks], device=device)
 
 
 def _with_drafts(chunk: ScheduledChunk, proposal: Proposal | None) -> ScheduledChunk:

@@ -24,7 +24,7 @@ def float32_runner(config: ModelConfig, weights: Mapping) -> ModelRunner:
 
 def forward_all(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
     """Logits of every row of one chunk of request "r" (`tokens` from position `start`)."""
-    chunk = ScheduledChunk("r", tokens, start, table, True, SamplingParams(temperature=0))
+    chunk = ScheduledChunk("r", tokens, start, table, True, SamplingParams(temperature=0), state_slot=0)
     inputs = runner.prepare_inputs(SchedulerOutput(chunks=[chunk]))
     every_row = torch.arange(len(tokens))
     return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, every_row)

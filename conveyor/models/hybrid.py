@@ -1,0 +1,263 @@
+"""Hybrid decoders: each layer is a list of pre-norm residual steps, x + mixer(norm(x)), where a token
+mixer (attention, LFM2's short convolution, gated DeltaNet) is chosen per layer from `layer_types`
+and the channel mixer is a gated MLP. Which mixers a layer holds and their tensor names are in
+hybrid_layout.py; a new kind of layer is a new mixer here, not a branch in the forward.
+
+Attention mixers keep K/V in the block pool; recurrent mixers keep a fixed state per sequence in
+state slots (kernels/recurrent.py), named by the step's StateMetadata. Each stateful mixer owns one
+entry of the caches list the runner allocates from `cache_specs()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.loading.checkpoint import Weight
+from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
+from conveyor.models.config import ModelConfig
+from conveyor.models.hybrid_layout import Sublayer, final_norm_name, sublayers
+from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.llama import LlamaAttention, LlamaMLP, Rope
+from conveyor.models.weights import WeightLoader
+
+Getter = Callable[[str], Weight]
+
+
+@dataclass
+class LayerContext:
+    """What every mixer of a forward may read: rotary tables, every cache, the step's metadata."""
+
+    rope: Rope
+    caches: list
+    meta: AttentionMetadata
+
+
+class AttentionMixer(LlamaAttention):
+    cache_index: int = -1
+
+    def cache_spec(self) -> CacheSpec:
+        return KVSpec(self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, ctx.rope, ctx.caches[self.cache_index], ctx.meta)
+
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
+             norm: Callable[[str], nn.Parameter]) -> None:
+        bias = [get(f"{prefix}{names[p]}.bias") for p in "qkv"] if self.qkv_proj.bias is not None else None
+        loader.linear(self.qkv_proj, [get(f"{prefix}{names[p]}.weight") for p in "qkv"], bias)
+        loader.linear(self.o_proj, [get(f"{prefix}{names['o']}.weight")])
+        if self.q_norm is not None:
+            self.q_norm.weight = norm(f"{prefix}{names['q_norm']}.weight")
+            self.k_norm.weight = norm(f"{prefix}{names['k_norm']}.weight")
+
+
+class GatedMLP(LlamaMLP):
+    cache_index: int = -1
+
+    def cache_spec(self) -> CacheSpec | None:
+        return None
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
+             norm: Callable[[str], nn.Parameter]) -> None:
+        loader.linear(self.gate_up_proj, [get(f"{prefix}{names['gate']}.weight"), get(f"{prefix}{names['up']}.weight")])
+        loader.linear(self.down_proj, [get(f"{prefix}{names['down']}.weight")])
+
+
+def _conv_weight(loader: WeightLoader, tensor: Weight) -> torch.Tensor:
+    """A depthwise conv1d weight (C, 1, K) as the kernel's contiguous fp32 (C, K), rounded to the model dtype first."""
+    weight = loader.dense(tensor)
+    return weight.reshape(weight.shape[0], -1).float().contiguous()
+
+
+class ShortConvMixer(nn.Module):
+    """LFM2: B, C, x = in_proj(h); y = C * causal_conv(B * x); out_proj(y). No activation."""
+
+    cache_index: int = -1
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops, self.hidden, self.width = ops, config.hidden_size, config.conv_kernel_size
+        self.in_proj = RowInvariantLinear(config.hidden_size, 3 * config.hidden_size, config.conv_bias, ops)
+        self.out_proj = RowInvariantLinear(config.hidden_size, config.hidden_size, config.conv_bias, ops)
+        self.conv_weight: torch.Tensor | None = None  # (C, K) fp32
+        self.conv_bias: torch.Tensor | None = None
+
+    def cache_spec(self) -> CacheSpec:
+        return StateSpec(((self.hidden, self.width - 1),))
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        b, c, h = self.in_proj(x).split(self.hidden, dim=-1)  # (T, H) each
+        (state,) = ctx.caches[self.cache_index]
+        conv = self.ops.short_conv((b * h).contiguous(), self.conv_weight, self.conv_bias, state, ctx.meta.state,
+                                   apply_silu=False)
+        return self.out_proj(c * conv)
+
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
+             norm: Callable[[str], nn.Parameter]) -> None:
+        bias = self.in_proj.bias is not None
+        loader.linear(self.in_proj, [get(f"{prefix}{names['in']}.weight")],
+                      [get(f"{prefix}{names['in']}.bias")] if bias else None)
+        loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")],
+                      [get(f"{prefix}{names['out']}.bias")] if bias else None)
+        self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
+        if bias:
+            self.conv_bias = loader.dense(get(f"{prefix}{names['conv']}.bias")).float().contiguous()
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """Qwen3.5's linear attention: q|k|v through a SiLU short conv, the gated delta rule per value head
+    (l2-normed q/k, decay exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)), then RMSNorm(o) *
+    silu(z) per head and out_proj. The four input projections run as one GEMM."""
+
+    cache_index: int = -1
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_size = 2 * self.key_size + self.value_size
+        self.width = config.conv_kernel_size
+        self.eps = config.rms_norm_eps
+        # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+        self.in_proj = RowInvariantLinear(config.hidden_size, self.conv_size + self.value_size + 2 * self.num_v_heads,
+                                          False, ops)
+        self.out_proj = RowInvariantLinear(self.value_size, config.hidden_size, False, ops)
+        self.norm_weight = nn.Parameter(torch.empty(self.v_dim, device="meta"), requires_grad=False)
+        self.conv_weight: torch.Tensor | None = None
+        self.A_log: torch.Tensor | None = None  # (Hv,) fp32 of the model-dtype parameter
+        self.dt_bias: torch.Tensor | None = None
+
+    def cache_spec(self) -> CacheSpec:
+        return StateSpec(((self.conv_size, self.width - 1), (self.num_v_heads, self.k_dim, self.v_dim)))
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split([self.conv_size, self.value_size, self.num_v_heads, self.num_v_heads], -1)
+        conv_state, ssm_state = ctx.caches[self.cache_index]
+        mixed = self.ops.short_conv(qkv.contiguous(), self.conv_weight, None, conv_state, ctx.meta.state,
+                                    apply_silu=True)
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        core = self.ops.gated_delta_rule(q.reshape(T, self.num_k_heads, self.k_dim),
+                                         k.reshape(T, self.num_k_heads, self.k_dim),
+                                         v.reshape(T, self.num_v_heads, self.v_dim), a.contiguous(), b.contiguous(),
+                                         self.A_log, self.dt_bias, ssm_state, ctx.meta.state)  # (T, Hv, dv)
+        normed = self.ops.gated_rms_norm(core.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm_weight,
+                                         self.eps, self.v_dim, norm_before_gate=True)
+        return self.out_proj(normed.reshape(T, self.value_size))
+
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
+             norm: Callable[[str], nn.Parameter]) -> None:
+        loader.linear(self.in_proj, [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")])
+        loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")])
+        self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
+        self.norm_weight = loader.param(get(f"{prefix}{names['norm']}.weight"))  # plain w, no (1 + w)
+        self.A_log = loader.dense(get(f"{prefix}A_log")).float().contiguous()
+        self.dt_bias = loader.dense(get(f"{prefix}dt_bias")).float().contiguous()
+
+
+def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, sub: Sublayer) -> nn.Module:
+    if sub.kind == "attention":
+        return AttentionMixer(config, ops, layer)
+    if sub.kind == "short_conv":
+        return ShortConvMixer(config, ops)
+    if sub.kind == "gated_deltanet":
+        return GatedDeltaNetMixer(config, ops)
+    if sub.kind == "mlp":
+        return GatedMLP(config, ops)
+    raise ValueError(f"unknown mixer kind {sub.kind!r}")
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int) -> None:
+        super().__init__()
+        self.plan = sublayers(config, layer)
+        self.norms = nn.ModuleList(RMSNorm(config.hidden_size, config.rms_norm_eps, ops) for _ in self.plan)
+        self.mixers = nn.ModuleList(build_mixer(config, ops, layer, sub) for sub in self.plan)
+
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None,
+                ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous step's output, residual stream) -> (this layer's last output, residual stream);
+        each residual add is fused into the norm after it, as in models/llama.py."""
+        for norm, mixer in zip(self.norms, self.mixers):
+            if residual is None:
+                residual, h = delta, norm(delta)
+            else:
+                residual, h = norm.add_and_norm(residual, delta)
+            delta = mixer(h, ctx)
+        return delta, residual
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.config, self.ops = config, ops
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _freeze=True,
+                                                    _weight=torch.empty(config.vocab_size, config.hidden_size,
+                                                                        device="meta"))
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+        self._specs: list[CacheSpec] = []
+        for mixer in self._mixers():
+            spec = mixer.cache_spec()
+            if spec is not None:
+                mixer.cache_index = len(self._specs)
+                self._specs.append(spec)
+
+    def _mixers(self):
+        for layer in self.layers:
+            yield from layer.mixers
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One entry per stateful mixer, in order: the runner allocates the caches list from these."""
+        return list(self._specs)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        ctx = LayerContext(self.rotary.tables(positions, x.dtype), caches, meta)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
+        return self.lm_head(x).float()
+
+    def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
+        cfg = self.config
+
+        def get(name: str) -> Weight:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing tensor {name}")
+            return weights[name]
+
+        def norm(name: str) -> nn.Parameter:
+            weight = loader.param(get(name))
+            if cfg.norm_weight_offset:  # Qwen3.5's (1 + w), folded into the weight once
+                weight.data += cfg.norm_weight_offset
+            return weight
+
+        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
+        self.norm.weight = norm(final_norm_name(cfg))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
+        else:
+            loader.linear(self.lm_head, [get("lm_head.weight")])
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            for sub, layer_norm, mixer in zip(layer.plan, layer.norms, layer.mixers):
+                layer_norm.weight = norm(f"{prefix}{sub.norm}.weight")
+                mixer.load(get, prefix + sub.prefix, sub.names, loader, norm)

@@ -1,0 +1,77 @@
+"""Which mixers a hybrid model's layers hold and where its checkpoint keeps their tensors.
+
+Plain names, no modules: the loader checks a checkpoint against `weight_names` before any model is
+built, and models/hybrid.py builds and loads each mixer from the same `sublayers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.models import lfm2, qwen3_5
+from conveyor.models.config import ModelConfig
+
+# Per family: HF tensor names of each mixer kind (relative to the mixer's prefix) and of the norms.
+FAMILY_NAMES: dict[str, dict[str, Any]] = {"lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES}
+
+# layer_types value -> the token mixer that runs it
+TOKEN_MIXERS = {"full_attention": "attention", "sliding_attention": "attention", "conv": "short_conv",
+                "linear_attention": "gated_deltanet"}
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One pre-norm residual step of a layer: x + mixer(norm(x))."""
+
+    norm: str  # the norm's HF name under the layer prefix
+    kind: str  # attention | short_conv | gated_deltanet | mlp
+    names: dict[str, str]  # role -> HF name under `prefix` (FAMILY_NAMES)
+
+    @property
+    def prefix(self) -> str:
+        return self.names["prefix"]
+
+
+def sublayers(config: ModelConfig, layer: int) -> list[Sublayer]:
+    names = FAMILY_NAMES[config.architecture]
+    token = TOKEN_MIXERS[config.layer_kind(layer)]
+    token_norm, channel_norm = names["norms"]
+    return [Sublayer(token_norm, token, names[token]), Sublayer(channel_norm, "mlp", names["mlp"])]
+
+
+def final_norm_name(config: ModelConfig) -> str:
+    return FAMILY_NAMES[config.architecture]["final_norm"]
+
+
+def mixer_tensors(config: ModelConfig, sub: Sublayer) -> list[str]:
+    """The mixer's tensor names under its prefix."""
+    n = sub.names
+    if sub.kind == "attention":
+        out = [f"{n[p]}.weight" for p in ("q", "k", "v", "o")]
+        if config.qk_norm:
+            out += [f"{n['q_norm']}.weight", f"{n['k_norm']}.weight"]
+        if config.attention_bias:
+            out += [f"{n[p]}.bias" for p in ("q", "k", "v")]
+        return out
+    if sub.kind == "short_conv":
+        out = [f"{n[p]}.weight" for p in ("in", "out", "conv")]
+        return out + ([f"{n[p]}.bias" for p in ("in", "out", "conv")] if config.conv_bias else [])
+    if sub.kind == "gated_deltanet":
+        return [f"{n[p]}.weight" for p in ("qkv", "z", "b", "a", "conv", "out", "norm")] + ["A_log", "dt_bias"]
+    if sub.kind == "mlp":
+        return [f"{n[p]}.weight" for p in ("gate", "up", "down")]
+    raise ValueError(f"unknown mixer kind {sub.kind!r}")
+
+
+def weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
+    names = ["model.embed_tokens.weight", final_norm_name(config)]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for sub in sublayers(config, i):
+            names.append(f"{prefix}{sub.norm}.weight")
+            names += [f"{prefix}{sub.prefix}{t}" for t in mixer_tensors(config, sub)]
+    return names

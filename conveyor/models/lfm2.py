@@ -1,0 +1,46 @@
+"""LFM2 (Liquid): short-convolution layers beside attention (models/hybrid.py), HF config -> fields.
+
+Each layer is pre-norm: `operator_norm` before the token mixer (LFM2's gated short convolution, or
+attention with per-head QK-norm), `ffn_norm` before the SwiGLU MLP; the final norm is `embedding_norm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Where the checkpoint keeps each part, under `model.layers.N.` (see hybrid_layout.py).
+NAMES = {
+    "norms": ("operator_norm", "ffn_norm"), "final_norm": "model.embedding_norm.weight",
+    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj",
+                  "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
+    "short_conv": {"prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
+    "mlp": {"prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
+}
+
+
+def mlp_width(raw: dict[str, Any]) -> int:
+    """LFM2 shrinks the configured width to 2/3, scales it and rounds up to a multiple (as transformers does)."""
+    width = int(raw.get("intermediate_size") or raw.get("block_ff_dim"))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(multiplier * width)
+            multiple = int(raw.get("block_multiple_of", 256))
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if not types:
+        full = raw.get("full_attn_idxs")
+        full = set(range(layers) if full is None else full)
+        types = ["full_attention" if i in full else "conv" for i in range(layers)]
+    return dict(
+        intermediate_size=mlp_width(raw), rms_norm_eps=float(raw.get("norm_eps", 1e-5)), qk_norm=True,
+        layer_types=tuple(types), conv_kernel_size=int(raw.get("conv_L_cache", 3)),
+        conv_bias=bool(raw.get("conv_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True))),
+    )

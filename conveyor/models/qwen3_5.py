@@ -1,0 +1,37 @@
+"""Qwen3.5 (text): gated DeltaNet linear attention, with a full-attention layer every few layers
+(models/hybrid.py), HF config -> fields.
+
+Attention layers are Qwen3's with an output gate (q_proj yields q and a gate per head; the output is
+times sigmoid(gate)) and rotary on the first quarter of each head. Every RMSNorm scales by (1 + w)
+(the 1 added at load), but the DeltaNet's gated norm, which scales by w.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMES = {
+    "norms": ("input_layernorm", "post_attention_layernorm"), "final_norm": "model.norm.weight",
+    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                  "q_norm": "q_norm", "k_norm": "k_norm"},
+    "gated_deltanet": {"prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z", "b": "in_proj_b",
+                       "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
+    "mlp": {"prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+}
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if not types:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return dict(
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), qk_norm=True, attn_output_gate=True,
+        norm_weight_offset=1.0, layer_types=tuple(types),
+        conv_kernel_size=int(raw.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(raw["linear_num_key_heads"]), linear_num_value_heads=int(raw["linear_num_value_heads"]),
+        linear_key_head_dim=int(raw["linear_key_head_dim"]), linear_value_head_dim=int(raw["linear_value_head_dim"]),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
