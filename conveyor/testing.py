@@ -164,6 +164,70 @@ def tiny_moe_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkp
                       name=f"tiny-random-{architecture}")
 
 
+# Tiny hybrid variants of tiny_config (models/hybrid.py): recurrent layers beside one attention layer.
+TINY_HYBRID = {
+    "lfm2": dict(architecture="lfm2", num_hidden_layers=4, qk_norm=True, conv_kernel_size=3,
+                 layer_types=("conv", "full_attention", "conv", "conv")),
+    "qwen3_5_text": dict(architecture="qwen3_5_text", num_hidden_layers=4, qk_norm=True, attn_output_gate=True,
+                         partial_rotary_factor=0.25, norm_weight_offset=1.0, conv_kernel_size=4,
+                         layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16),
+}
+
+
+def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """HF-named random weights of a hybrid model, one per name hybrid_layout expects."""
+    from conveyor.models.hybrid_layout import final_norm_name, mixer_tensors, sublayers
+
+    gen = torch.Generator().manual_seed(seed)
+    h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.conv_kernel_size
+    q = config.num_attention_heads * d * (2 if config.attn_output_gate else 1)
+    kv = config.num_key_value_heads * d
+    hk, hv = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * config.linear_value_head_dim
+    shapes = {  # (mixer kind, role) -> shape; norms and A_log / dt_bias near their usual values
+        ("attention", "q"): (q, h), ("attention", "k"): (kv, h), ("attention", "v"): (kv, h),
+        ("attention", "o"): (h, config.num_attention_heads * d), ("attention", "q_norm"): (d,),
+        ("attention", "k_norm"): (d,),
+        ("short_conv", "in"): (3 * h, h), ("short_conv", "out"): (h, h), ("short_conv", "conv"): (h, 1, k),
+        ("gated_deltanet", "qkv"): (2 * hk + hv, h), ("gated_deltanet", "z"): (hv, h),
+        ("gated_deltanet", "b"): (config.linear_num_value_heads, h),
+        ("gated_deltanet", "a"): (config.linear_num_value_heads, h),
+        ("gated_deltanet", "conv"): (2 * hk + hv, 1, k), ("gated_deltanet", "out"): (h, hv),
+        ("gated_deltanet", "norm"): (config.linear_value_head_dim,),
+        ("gated_deltanet", "A_log"): (config.linear_num_value_heads,),
+        ("gated_deltanet", "dt_bias"): (config.linear_num_value_heads,),
+        ("mlp", "gate"): (i, h), ("mlp", "up"): (i, h), ("mlp", "down"): (h, i),
+    }
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    weights = {"model.embed_tokens.weight": rand(config.vocab_size, h) * 5, final_norm_name(config): 1 + rand(h)}
+    for n in range(config.num_hidden_layers):
+        prefix = f"model.layers.{n}."
+        for sub in sublayers(config, n):
+            weights[f"{prefix}{sub.norm}.weight"] = 1 + rand(h)
+            roles = {f"{name}.weight": role for role, name in sub.names.items() if role != "prefix"}
+            roles.update({"A_log": "A_log", "dt_bias": "dt_bias"})
+            for tensor in mixer_tensors(config, sub):
+                role = roles[tensor]
+                shape = shapes[(sub.kind, role)]
+                weights[f"{prefix}{sub.prefix}{tensor}"] = (1 + rand(*shape) if role.endswith("norm")
+                                                            else rand(*shape) * 5 if role in ("A_log", "dt_bias")
+                                                            else rand(*shape))
+    return weights
+
+
+def tiny_hybrid_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
+    """tiny_checkpoint as a random LFM2 / Qwen3.5 (hybrid layers, weights under that family's HF names)."""
+    tokenizer = smollm_tokenizer()
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                         **{**TINY_HYBRID[architecture], **overrides})
+    return Checkpoint(config=config, weights=random_hybrid_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name=f"tiny-random-{architecture}")
+
+
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     """The tiny random model as a Hugging Face directory, for tests that start real server processes."""
     import json
