@@ -209,6 +209,27 @@ class EngineCore:
                 "bytes": sum(self.weight_formats.values()),
                 "quantized_kernel": qgemm.backend() if qgemm is not None else None}
 
+    def layers_report(self) -> dict:
+        """What /props and /v1/models say about the layers: how many of each kind, and what a sequence's
+        recurrent state costs (hybrid models; 0 for attention-only ones)."""
+        cfg = self.model_config
+        kinds: dict[str, int] = {}
+        for i in range(cfg.num_hidden_layers):
+            kinds[cfg.layer_kind(i)] = kinds.get(cfg.layer_kind(i), 0) + 1
+        return {"layer_kinds": kinds, "attention_layers": cfg.num_attention_layers,
+                "state_bytes_per_sequence": self.states.bytes_per_slot if self.states is not None else 0}
+
+    def state_report(self) -> dict | None:
+        """/v1/cache/stats, /metrics and the web page: the recurrent-state slots (None without any)."""
+        if self.states is None:
+            return None
+        stats = self.states.stats()
+        return {"slots": stats.num_slots, "live": stats.num_live, "scratch": stats.num_scratch,
+                "snapshots": stats.num_snapshots, "max_snapshots": self.states.max_snapshots, "free": stats.num_free,
+                "bytes_per_slot": stats.bytes_per_slot, "bytes_reserved": self.states.total_bytes,
+                "bytes_in_use": (stats.num_live + stats.num_scratch + stats.num_snapshots) * stats.bytes_per_slot,
+                "snapshot_hits": stats.num_snapshot_hits, "snapshot_evictions": stats.num_snapshot_evictions}
+
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
         stats = self.scheduler.stats
