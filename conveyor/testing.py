@@ -176,8 +176,10 @@ TINY_HYBRID = {
 }
 
 
-def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
-    """HF-named random weights of a hybrid model, one per name hybrid_layout expects."""
+def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named random weights of a hybrid model, one per name hybrid_layout expects (made in `dtype`:
+    benchmarks build real shapes in bf16)."""
     from conveyor.models.hybrid_layout import final_norm_name, mixer_tensors, sublayers
 
     gen = torch.Generator().manual_seed(seed)
@@ -201,7 +203,7 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
     }
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
     weights = {"model.embed_tokens.weight": rand(config.vocab_size, h) * 5, final_norm_name(config): 1 + rand(h)}
     for n in range(config.num_hidden_layers):
