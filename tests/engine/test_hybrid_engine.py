@@ -82,3 +82,22 @@ def test_speculation_rolls_the_state_back_exactly(architecture):
     stats = spec.engine.scheduler.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # hits and misses
     _check_released(spec)
+
+
+def test_structured_output_on_a_hybrid_is_valid_and_batch_invariant():
+    """Grammar masks never look at the cache: a JSON schema holds on a hybrid, alone and beside other rows."""
+    import json
+
+    from conveyor.structured.grammar import GrammarSpec
+
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+              "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["kind", "n"],
+              "additionalProperties": False}
+    llm = LLM(checkpoint=tiny_hybrid_checkpoint("lfm2"), parallel=4)
+    params = SamplingParams(temperature=0, max_tokens=40, structured=GrammarSpec.json_schema(schema))
+    free = SamplingParams(max_tokens=20, **GREEDY)
+    alone = llm.generate([PROMPTS[0]], [params])[0]
+    beside = llm.generate(PROMPTS[:3], [params, free, free])[0]
+    assert set(json.loads(alone.text)) == {"kind", "n"}
+    assert beside.token_ids == alone.token_ids
+    _check_released(llm)
