@@ -5,23 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.models import gemma, granite, lfm2, mixtral, olmo2, olmoe, phi3, qwen3_5, qwen3_moe
+from conveyor.models import gemma, granite, lfm2, mixtral, olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text")
+                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text",
+                           "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
                  "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
-                 "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields}
+                 "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
+                 "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
+                 "lfm2_moe": lfm2.moe_hf_fields}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
 # Families built as token mixer + channel mixer per layer (models/hybrid.py), recurrent layers or not.
-HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text")
+HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text",
+                        "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+# Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
+MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -80,6 +86,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
+    moe_scoring: str = "softmax"  # router logits -> expert scores: softmax (Mixtral, Qwen) or sigmoid (LFM2-MoE)
+    moe_expert_bias: bool = False  # LFM2-MoE: a per-expert bias added to the scores only to choose the experts
+    routed_scaling_factor: float = 1.0  # LFM2-MoE: the k routing weights scaled after renormalising
+    # Qwen3-Next / Qwen3.5-MoE: an always-on expert this wide, its output times sigmoid(w . x); 0: none.
+    shared_expert_intermediate_size: int = 0
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -132,6 +143,8 @@ class ModelConfig:
                                    f"({self.num_experts})")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise ModelConfigError(f"unsupported MoE router scoring {self.moe_scoring!r} (supported: softmax, sigmoid)")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -182,6 +195,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
+        if model_type in MULTIMODAL_TEXT and "text_config" in raw:
+            return cls.from_hf_dict(_text_config(raw, MULTIMODAL_TEXT[model_type]))
         if model_type == "gemma3" and "text_config" in raw:
             raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
                                    "text-only ones (model_type 'gemma3_text') and GGUF files are")
@@ -208,7 +223,8 @@ class ModelConfig:
                 architecture=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                # Qwen3.5-MoE has no dense MLP and names no width for one: its family file sets it.
+                intermediate_size=int(raw.get("intermediate_size") or family["intermediate_size"]),
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -233,6 +249,17 @@ class ModelConfig:
             raise ModelConfigError(f"malformed model config: {exc!r}") from exc
 
 
+def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
+    """A multimodal config's text model: its text_config, with what only the wrapper says."""
+    text = {**raw["text_config"], "model_type": text_type}
+    # transformers ties the head by the wrapper's tie_word_embeddings (Qwen3.5's default: untied)
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    return text
+
+
 @dataclass(frozen=True)
 class ExpertNames:
     """Where a family's checkpoints keep the sparse MLP: `model.layers.N.{block}.gate.weight` (router) and
@@ -252,8 +279,25 @@ class ExpertNames:
         """`part`: gate, up or down."""
         return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.weight"
 
+    def stacked(self, prefix: str, part: str) -> str:
+        """All experts in one tensor (Qwen3.5-MoE on the Hub): `gate_up` (E, 2I, H) or `down` (E, H, I)."""
+        return f"{prefix}{self.block}.experts.{part}_proj"
+
+    def shared(self, prefix: str, part: str) -> str:
+        """The shared expert's `part` (gate, up or down) of Qwen3-Next / Qwen3.5-MoE."""
+        return f"{prefix}{self.block}.shared_expert.{getattr(self, part)}.weight"
+
+    def shared_gate(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.shared_expert_gate.weight"
+
+    def expert_bias(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.expert_bias"
+
 
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")}
+                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "qwen3_next": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "qwen3_5_moe_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "lfm2_moe": ExpertNames("feed_forward", "w1", "w3", "w2")}
 

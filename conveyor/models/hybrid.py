@@ -1,7 +1,8 @@
 """Hybrid decoders: each layer is a list of pre-norm residual steps, x + mixer(norm(x)), where a token
 mixer (attention, LFM2's short convolution, gated DeltaNet) is chosen per layer from `layer_types`
-and the channel mixer is a gated MLP. Which mixers a layer holds and their tensor names are in
-hybrid_layout.py; a new kind of layer is a new mixer here, not a branch in the forward.
+and the channel mixer is a gated MLP or a sparse mixture of experts (models/moe.py). Which mixers a
+layer holds and their tensor names are in hybrid_layout.py; a new kind of layer is a new mixer here,
+not a branch in the forward.
 
 Attention mixers keep K/V in the block pool; recurrent mixers keep a fixed state per sequence in
 state slots (kernels/recurrent.py), named by the step's StateMetadata. Each stateful mixer owns one
@@ -19,10 +20,11 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 from conveyor.models.hybrid_layout import Sublayer, final_norm_name, sublayers
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention, LlamaMLP, Rope
+from conveyor.models.moe import SparseMoeBlock
 from conveyor.models.weights import WeightLoader
 
 Getter = Callable[[str], Weight]
@@ -71,6 +73,26 @@ class GatedMLP(LlamaMLP):
         loader.linear(self.down_proj, [get(f"{prefix}{names['down']}.weight")])
 
 
+class MoEMixer(SparseMoeBlock):
+    """A sparse MoE channel mixer; its tensors are the family's EXPERT_NAMES under the layer's prefix."""
+
+    cache_index: int = -1
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__(config, ops)
+        self.expert_names = EXPERT_NAMES[config.architecture]
+
+    def cache_spec(self) -> CacheSpec | None:
+        return None
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,  # type: ignore[override]
+             norm: Callable[[str], nn.Parameter]) -> None:
+        super().load(get, prefix, self.expert_names, loader)
+
+
 def _conv_weight(loader: WeightLoader, tensor: Weight) -> torch.Tensor:
     """A depthwise conv1d weight (C, 1, K) as the kernel's contiguous fp32 (C, K), rounded to the model dtype first."""
     weight = loader.dense(tensor)
@@ -113,9 +135,9 @@ class ShortConvMixer(nn.Module):
 
 
 class GatedDeltaNetMixer(nn.Module):
-    """Qwen3.5's linear attention: q|k|v through a SiLU short conv, the gated delta rule per value head
-    (l2-normed q/k, decay exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)), then RMSNorm(o) *
-    silu(z) per head and out_proj. The four input projections run as one GEMM."""
+    """Qwen3.5's and Qwen3-Next's linear attention: q|k|v through a SiLU short conv, the gated delta rule
+    per value head (l2-normed q/k, decay exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)), then
+    RMSNorm(o) * silu(z) per head and out_proj. The four input projections run as one GEMM."""
 
     cache_index: int = -1
 
@@ -157,12 +179,29 @@ class GatedDeltaNetMixer(nn.Module):
 
     def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
              norm: Callable[[str], nn.Parameter]) -> None:
-        loader.linear(self.in_proj, [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")])
+        if "qkvz" in names:  # Qwen3-Next
+            parts = self._from_key_head_groups(get(f"{prefix}{names['qkvz']}.weight"),
+                                               get(f"{prefix}{names['ba']}.weight"))
+        else:
+            parts = [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")]
+        loader.linear(self.in_proj, parts)
         loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")])
         self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
         self.norm_weight = loader.param(get(f"{prefix}{names['norm']}.weight"))  # plain w, no (1 + w)
         self.A_log = loader.dense(get(f"{prefix}A_log")).float().contiguous()
         self.dt_bias = loader.dense(get(f"{prefix}dt_bias")).float().contiguous()
+
+    def _from_key_head_groups(self, qkvz: torch.Tensor, ba: torch.Tensor) -> list[torch.Tensor]:
+        """Qwen3-Next's projections, rows grouped by key head g (v_g, z_g, b_g, a_g: its value heads'),
+
+            in_proj_qkvz: | q_0 k_0 v_0 z_0 | q_1 k_1 v_1 z_1 | ...     in_proj_ba: | b_0 a_0 | b_1 a_1 | ...
+
+        as the q, k, v, z, b, a row blocks of the fused in_proj (value heads in order g * group + j)."""
+        hidden, group = qkvz.shape[1], self.num_v_heads // self.num_k_heads
+        q, k, v, z = qkvz.view(self.num_k_heads, -1, hidden).split(
+            [self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], dim=1)
+        b, a = ba.view(self.num_k_heads, 2 * group, hidden).split([group, group], dim=1)
+        return [part.reshape(-1, hidden) for part in (q, k, v, z, b, a)]
 
 
 def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, sub: Sublayer) -> nn.Module:
@@ -174,6 +213,8 @@ def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, sub: Sublay
         return GatedDeltaNetMixer(config, ops)
     if sub.kind == "mlp":
         return GatedMLP(config, ops)
+    if sub.kind == "moe":
+        return MoEMixer(config, ops)
     raise ValueError(f"unknown mixer kind {sub.kind!r}")
 
 

@@ -10,11 +10,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.models import lfm2, qwen3_5
-from conveyor.models.config import ModelConfig
+from conveyor.models import lfm2, qwen3_5, qwen3_next
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 # Per family: HF tensor names of each mixer kind (relative to the mixer's prefix) and of the norms.
-FAMILY_NAMES: dict[str, dict[str, Any]] = {"lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES}
+FAMILY_NAMES: dict[str, dict[str, Any]] = {"lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES,
+                                           "qwen3_next": qwen3_next.NAMES, "qwen3_5_moe_text": qwen3_5.NAMES,
+                                           "lfm2_moe": lfm2.NAMES}
 
 # layer_types value -> the token mixer that runs it
 TOKEN_MIXERS = {"full_attention": "attention", "sliding_attention": "attention", "conv": "short_conv",
@@ -26,7 +28,7 @@ class Sublayer:
     """One pre-norm residual step of a layer: x + mixer(norm(x))."""
 
     norm: str  # the norm's HF name under the layer prefix
-    kind: str  # attention | short_conv | gated_deltanet | mlp
+    kind: str  # attention | short_conv | gated_deltanet | mlp | moe
     names: dict[str, str]  # role -> HF name under `prefix` (FAMILY_NAMES)
 
     @property
@@ -38,7 +40,13 @@ def sublayers(config: ModelConfig, layer: int) -> list[Sublayer]:
     names = FAMILY_NAMES[config.architecture]
     token = TOKEN_MIXERS[config.layer_kind(layer)]
     token_norm, channel_norm = names["norms"]
-    return [Sublayer(token_norm, token, names[token]), Sublayer(channel_norm, "mlp", names["mlp"])]
+    return [Sublayer(token_norm, token, names[token]), _channel_mixer(config, layer, channel_norm)]
+
+
+def _channel_mixer(config: ModelConfig, layer: int, norm: str) -> Sublayer:
+    if config.is_moe_layer(layer):  # the sparse block's names are EXPERT_NAMES', under the layer's prefix
+        return Sublayer(norm, "moe", {"prefix": ""})
+    return Sublayer(norm, "mlp", FAMILY_NAMES[config.architecture]["mlp"])
 
 
 def final_norm_name(config: ModelConfig) -> str:
@@ -59,10 +67,24 @@ def mixer_tensors(config: ModelConfig, sub: Sublayer) -> list[str]:
         out = [f"{n[p]}.weight" for p in ("in", "out", "conv")]
         return out + ([f"{n[p]}.bias" for p in ("in", "out", "conv")] if config.conv_bias else [])
     if sub.kind == "gated_deltanet":
-        return [f"{n[p]}.weight" for p in ("qkv", "z", "b", "a", "conv", "out", "norm")] + ["A_log", "dt_bias"]
+        projections = ("qkvz", "ba") if "qkvz" in n else ("qkv", "z", "b", "a")  # Qwen3-Next packs them by key head
+        return [f"{n[p]}.weight" for p in (*projections, "conv", "out", "norm")] + ["A_log", "dt_bias"]
     if sub.kind == "mlp":
         return [f"{n[p]}.weight" for p in ("gate", "up", "down")]
+    if sub.kind == "moe":
+        return moe_tensors(config)
     raise ValueError(f"unknown mixer kind {sub.kind!r}")
+
+
+def moe_tensors(config: ModelConfig) -> list[str]:
+    """A sparse MoE block's tensor names under its layer's prefix."""
+    n = EXPERT_NAMES[config.architecture]
+    out = [n.router("")] + [n.expert("", e, part) for e in range(config.num_experts) for part in ("gate", "up", "down")]
+    if config.shared_expert_intermediate_size:
+        out += [n.shared("", part) for part in ("gate", "up", "down")] + [n.shared_gate("")]
+    if config.moe_expert_bias:
+        out.append(n.expert_bias(""))
+    return out
 
 
 def weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:

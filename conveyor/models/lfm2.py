@@ -1,4 +1,4 @@
-"""LFM2 (Liquid): short-convolution layers beside attention (models/hybrid.py), HF config -> fields.
+"""LFM2 and LFM2-MoE (Liquid): short-convolution layers beside attention (models/hybrid.py), HF config -> fields.
 
 Each layer is pre-norm: `operator_norm` before the token mixer (LFM2's gated short convolution, or
 attention with per-head QK-norm), `ffn_norm` before the SwiGLU MLP; the final norm is `embedding_norm`.
@@ -44,3 +44,17 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         conv_bias=bool(raw.get("conv_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True))),
     )
+
+
+def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """LFM2-MoE: sparse MLPs after the first num_dense_layers. The router scores experts by sigmoid, picks
+    the top k by score + expert_bias, renormalises the k scores (+1e-6) and scales them."""
+    layers = int(raw["num_hidden_layers"])
+    return {**hf_fields(raw),
+            "intermediate_size": int(raw["intermediate_size"]),  # the dense layers' width as configured (no 2/3)
+            "num_experts": int(raw["num_experts"]), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+            "dense_mlp_layers": tuple(range(min(int(raw.get("num_dense_layers", 2)), layers))),
+            "moe_scoring": "sigmoid", "moe_expert_bias": bool(raw.get("use_expert_bias", True)),
+            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0))}

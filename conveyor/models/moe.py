@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): top-k routing, experts run batched.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, and the hybrids Qwen3-Next, Qwen3.5-MoE,
+LFM2-MoE): top-k routing, experts run batched, plus an always-on shared expert where the family has one.
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
     assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
@@ -6,7 +7,8 @@
 
 Batch invariance: every GEMM is row-invariant at any M (RowInvariantLinear), routing is computed per
 row, and a row's k expert outputs are added in that row's own rank order, so which other rows chose
-the same expert (and how many did) never changes a row's bits.
+the same expert (and how many did) never changes a row's bits. Sigmoids (router scores, the shared
+expert's gate) run through the backend's scalar-per-element kernel for the same reason.
 """
 
 from __future__ import annotations
@@ -36,31 +38,48 @@ class ExpertMLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          sigmoid: Callable[[torch.Tensor], torch.Tensor] | None = None, bias: torch.Tensor | None = None,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> fp32 weights and expert ids (T, k), best first.
 
-    Softmax over all experts, then the top k (Mixtral, Qwen3-MoE, OLMoE); `renormalise` makes the k sum to 1.
-    Every op is per row, so a row's routing does not depend on the rows beside it.
+    Scores: softmax over all experts (Mixtral, Qwen), or with `sigmoid` (the backend's) a sigmoid per expert
+    (LFM2-MoE), whose renormalised sum gets +1e-6 as transformers has it. `bias` (LFM2-MoE's expert_bias)
+    shifts the scores only to choose the k; `renormalise` makes the k weights sum to 1, then `scale` multiplies
+    them. Every op is per row, so a row's routing does not depend on the rows beside it.
     """
-    probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
-    weights, expert_ids = probs.topk(top_k, dim=-1)  # (T, k)
+    scores = torch.softmax(logits.float(), dim=-1) if sigmoid is None else sigmoid(logits).float()  # (T, E)
+    expert_ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices  # (T, k)
+    weights = scores.gather(-1, expert_ids)
     if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, expert_ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (0.0 if sigmoid is None else 1e-6))
+    return (weights if scale == 1.0 else weights * scale), expert_ids
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        self.ops = ops
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.renormalise = config.norm_topk_prob
-        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts, bias=False, ops=ops)  # the router
+        self.sigmoid_scores = config.moe_scoring == "sigmoid"
+        self.scale = config.routed_scaling_factor
+        self.use_expert_bias = config.moe_expert_bias
+        self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
         self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = ExpertMLP(config.hidden_size, shared, ops) if shared else None
+        # The router; the shared expert's gate rides along as one more output row (one small GEMM, not two).
+        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if shared else 0), bias=False,
+                                       ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         num_tokens, k = x.shape[0], self.top_k
-        weights, expert_ids = route(self.gate(x), k, self.renormalise)  # (T, k) each
+        logits = self.gate(x)  # (T, E [+ 1])
+        weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
+                                    self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
+                                    self.scale)  # (T, k) each
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
@@ -79,14 +98,30 @@ class SparseMoeBlock(nn.Module):
         y = weighted[:, 0]
         for r in range(1, k):
             y = y + weighted[:, r]
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        if self.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE: + sigmoid(gate . x) * shared(x)
+            y = y + self.shared_expert(x) * self.ops.sigmoid(logits[:, self.num_experts:])
+        return y
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:
         """Router and experts from HF names under the layer's `prefix` (`model.layers.N.`)."""
         # The router stays in the model dtype, never quantized (not even under --weight-dtype int8): routing
         # decisions are sensitive, and llama.cpp keeps ffn_gate_inp in F32 for the same reason.
-        self.gate.load_dense(loader.dense(get(names.router(prefix))))
+        router = loader.dense(get(names.router(prefix)))
+        if self.shared_expert is not None:
+            router = torch.cat([router, loader.dense(get(names.shared_gate(prefix)))])
+            _load_expert(self.shared_expert, [get(names.shared(prefix, part)) for part in ("gate", "up", "down")],
+                         loader)
+        self.gate.load_dense(router)
         self.gate.prepack()
         for e, expert in enumerate(self.experts):
-            loader.linear(expert.gate_up_proj, [get(names.expert(prefix, e, "gate")), get(names.expert(prefix, e, "up"))])
-            loader.linear(expert.down_proj, [get(names.expert(prefix, e, "down"))])
+            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in ("gate", "up", "down")], loader)
+        if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
+            self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)
+
+
+def _load_expert(expert: ExpertMLP, parts: list[Weight], loader: WeightLoader) -> None:
+    """gate, up and down weights; gate|up fused into one GEMM."""
+    gate, up, down = parts
+    loader.linear(expert.gate_up_proj, [gate, up])
+    loader.linear(expert.down_proj, [down])

@@ -37,6 +37,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     # Hybrids: a token mixer (attention or recurrent) and a channel mixer per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
+    # ... with sparse MoE channel mixers (models/moe.py) in some or all layers.
+    "qwen3_next": HybridForCausalLM,
+    "qwen3_5_moe_text": HybridForCausalLM,
+    "lfm2_moe": HybridForCausalLM,
 }
 
 
