@@ -174,6 +174,14 @@ TINY_HYBRID = {
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                          linear_value_head_dim=16),
 }
+# Their mixture-of-experts variants (4 experts, 2 per token): Qwen3-Next (shared expert with a sigmoid gate,
+# layer 2 dense) and LFM2-MoE (sigmoid router with an expert bias, the first layer dense).
+TINY_HYBRID["qwen3_next"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen3_next", num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                 norm_topk_prob=False, dense_mlp_layers=(2,))
+TINY_HYBRID["lfm2_moe"] = dict(TINY_HYBRID["lfm2"], architecture="lfm2_moe", num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True,
+                               routed_scaling_factor=1.5, dense_mlp_layers=(0,))
 
 
 def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2,
@@ -193,6 +201,7 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
         ("attention", "k_norm"): (d,),
         ("short_conv", "in"): (3 * h, h), ("short_conv", "out"): (h, h), ("short_conv", "conv"): (h, 1, k),
         ("gated_deltanet", "qkv"): (2 * hk + hv, h), ("gated_deltanet", "z"): (hv, h),
+        ("gated_deltanet", "qkvz"): (2 * hk + 2 * hv, h), ("gated_deltanet", "ba"): (2 * config.linear_num_value_heads, h),
         ("gated_deltanet", "b"): (config.linear_num_value_heads, h),
         ("gated_deltanet", "a"): (config.linear_num_value_heads, h),
         ("gated_deltanet", "conv"): (2 * hk + hv, 1, k), ("gated_deltanet", "out"): (h, hv),
@@ -210,6 +219,9 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
         prefix = f"model.layers.{n}."
         for sub in sublayers(config, n):
             weights[f"{prefix}{sub.norm}.weight"] = 1 + rand(h)
+            if sub.kind == "moe":
+                weights.update({prefix + name: rand(*shape) for name, shape in _moe_shapes(config).items()})
+                continue
             roles = {f"{name}.weight": role for role, name in sub.names.items() if role != "prefix"}
             roles.update({"A_log": "A_log", "dt_bias": "dt_bias"})
             for tensor in mixer_tensors(config, sub):
@@ -221,8 +233,24 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
     return weights
 
 
+def _moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A sparse block's tensor shapes by name under its layer prefix (router, experts, shared expert, bias)."""
+    names, h = EXPERT_NAMES[config.architecture], config.hidden_size
+    width, shared = config.moe_intermediate_size, config.shared_expert_intermediate_size
+    shapes = {names.router(""): (config.num_experts, h)}
+    for e in range(config.num_experts):
+        shapes.update({names.expert("", e, "gate"): (width, h), names.expert("", e, "up"): (width, h),
+                       names.expert("", e, "down"): (h, width)})
+    if shared:
+        shapes.update({names.shared("", "gate"): (shared, h), names.shared("", "up"): (shared, h),
+                       names.shared("", "down"): (h, shared), names.shared_gate(""): (1, h)})
+    if config.moe_expert_bias:
+        shapes[names.expert_bias("")] = (config.num_experts,)
+    return shapes
+
+
 def tiny_hybrid_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
-    """tiny_checkpoint as a random LFM2 / Qwen3.5 (hybrid layers, weights under that family's HF names)."""
+    """tiny_checkpoint as a random hybrid of TINY_HYBRID (weights under that family's HF names)."""
     tokenizer = smollm_tokenizer()
     config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
                          **{**TINY_HYBRID[architecture], **overrides})
