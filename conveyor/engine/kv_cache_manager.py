@@ -61,28 +61,27 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = len(tokens) // self.block_size
         hit = PrefixHit()
-        parent = None
+        hashes: list[int] = []
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash((parent, block_tokens))
-            block = self.pool.lookup(parent, block_tokens)
+            hashes.append(hash((hashes[-1] if hashes else None, block_tokens)))
+            block = self.pool.lookup(hashes[-1], block_tokens)
             if block is None:
                 break
             hit.blocks.append(block)
         hit.num_matched_blocks = len(hit.blocks)
         if self.states is not None:
-            return self._hybrid_hit(tokens, hit)
+            return self._hybrid_hit(len(tokens), hashes, hit)
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
         return hit
 
-    def _hybrid_hit(self, tokens: list[int], hit: PrefixHit) -> PrefixHit:
+    def _hybrid_hit(self, num_tokens: int, hashes: list[int], hit: PrefixHit) -> PrefixHit:
         """A hybrid resumes only where a state snapshot exists: the longest matched prefix of whole blocks
-        that has one and leaves at least one token to run."""
-        hashes = chain_hashes(tokens, self.block_size, len(hit.blocks))
+        that has one and leaves at least one token to run (`hashes`: the chained hash of each block)."""
         for num_blocks in range(len(hit.blocks), 0, -1):
-            if num_blocks * self.block_size > len(tokens) - 1:
+            if num_blocks * self.block_size > num_tokens - 1:
                 continue
             slot = self.states.lookup(hashes[num_blocks - 1])
             if slot is not None:
