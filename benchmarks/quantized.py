@@ -218,17 +218,7 @@ def write_synthetic(path: Path, seed: int = 0) -> None:
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, f in donor.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        values = [f.parts[i] for i in f.data]
-        kind = f.types[-1]
-        decode = ((lambda p: bytes(p).decode("utf-8")) if kind == gguf.GGUFValueType.STRING
-                  else (lambda p: p.tolist()[0]))
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, [decode(p) for p in values], gguf.GGUFValueType.ARRAY, sub_type=kind)
-        else:
-            w.add_key_value(key, decode(values[0]), kind)
+    copy_tokenizer(w, donor)
     rng = np.random.default_rng(seed)
 
     def dense(rows: int, cols: int) -> np.ndarray:  # numpy (out, in) order; GGUF stores it reversed
@@ -251,6 +241,21 @@ def write_synthetic(path: Path, seed: int = 0) -> None:
     w.write_tensors_to_file()
     w.close()
     tmp.rename(path)
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, donor: gguf.GGUFReader) -> None:
+    """Every tokenizer.* key of `donor` (SmolLM2's file) into `writer`."""
+    for key, f in donor.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        values = [f.parts[i] for i in f.data]
+        kind = f.types[-1]
+        decode = ((lambda p: bytes(p).decode("utf-8")) if kind == gguf.GGUFValueType.STRING
+                  else (lambda p: p.tolist()[0]))
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, [decode(p) for p in values], gguf.GGUFValueType.ARRAY, sub_type=kind)
+        else:
+            writer.add_key_value(key, decode(values[0]), kind)
 
 
 def ensure_models(names: list[str], models_dir: Path, quantize: str, threads: int) -> dict[str, Path]:

@@ -154,15 +154,17 @@ class EngineCore:
         progress.finish()
 
     def _state_pool(self, config: EngineConfig, specs: list) -> StatePool | None:
-        """Hybrid models: one recurrent-state slot per sequence slot, one per speculating row (its rollback
-        point) and the prefix snapshots; none for a model without recurrent layers."""
+        """Hybrid models: one recurrent-state slot per sequence slot, one per row that may draft in a tick (its
+        rollback point) and the prefix snapshots; none for a model without recurrent layers."""
         bytes_per_slot = state_bytes_per_slot(specs)
         if not bytes_per_slot:
             return None
         if self.draft is not None and state_bytes_per_slot(model_cache_specs(self.draft.model, self.draft.config)):
             raise ModelConfigError("a hybrid (recurrent) draft model cannot roll back its state: use an "
                                    "attention-only draft model")
-        speculating = self.max_batch_size if (config.ngram_enabled or self.draft is not None) else 0
+        # A drafting row adds at least one token to the tick's speculative_max_rows, so at most half of them draft.
+        speculating = (min(self.max_batch_size, config.speculative_max_rows // 2)
+                       if (config.ngram_enabled or self.draft is not None) else 0)
         snapshots = config.state_snapshots if config.enable_prefix_caching else 0
         pool = StatePool(self.max_batch_size + speculating + snapshots, bytes_per_slot, snapshots)
         logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d prefix snapshots)",

@@ -193,7 +193,7 @@ def tiny_hf_hybrid(family: str, **overrides) -> transformers.PreTrainedModel:
 
 def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGMLQuantizationType.F32,
                       fuse_qkv: bool = False, mtp_layers: int = 0, pre: str | None = None,
-                      chat_template: str | None = None) -> None:
+                      chat_template: str | None = None, add_vocab=add_tiny_bpe_vocab) -> None:
     """`model` (LFM2 or Qwen3.5) as convert_hf_to_gguf writes `lfm2` / `qwen35`: its metadata keys, gguf-py's
     tensor names and the converter's transforms (conv squeezed; Qwen3.5: A_log -> -exp(A_log), dt_bias ->
     ssm_dt.bias, norms but the DeltaNet's stored as 1 + w, value heads grouped -> tiled). Matrices in `qtype`,
@@ -203,7 +203,7 @@ def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGML
     layers = cfg.num_hidden_layers
     writer = gguf.GGUFWriter(str(path), arch)
     _hybrid_metadata(writer, arch, cfg, layers + mtp_layers, qtype)
-    add_tiny_bpe_vocab(writer)
+    add_vocab(writer)  # benchmarks pass a real tokenizer's (benchmarks/hybrid_gguf.py)
     if pre:
         writer.add_tokenizer_pre(pre)
     if chat_template:
