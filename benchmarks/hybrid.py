@@ -1,11 +1,20 @@
-"""Hybrid models (recurrent layers beside attention) at real shapes, random bf16 weights, offline through the
-engine: decode throughput at C=1 and C=16, what a sequence keeps (recurrent state, K/V per token) against the
-same shape with attention in every layer, and decode speed at a long context, where attention-only models slow
-down and the recurrent layers do not.
+"""Hybrid models (recurrent layers beside attention): conveyor against llama-server on the same GGUF file, and
+offline through the engine.
 
-Usage:
-  PYTHONPATH=$PWD python benchmarks/hybrid.py [--shapes lfm2-350m,lfm2-1.2b,qwen3.5-0.8b] [--concurrency 1,16]
-        [--max-tokens 64] [--long-context 4096] [--out benchmarks/results.md]
+Server comparison (the default), one run per file, one server after the other:
+  PYTHONPATH=$PWD python benchmarks/hybrid.py --files /work/bench-models/qwen3.5-2b-Q4_K_M.gguf,...
+        [--llama-server /work/llama-native/bin/llama-server] [--out benchmarks/results.md]
+For each file: output tok/s at C=1 and C=16 (`conveyor bench`, greedy, 64 tokens, ~32-token prompts), TTFT of
+one 1.5k-token prompt, 16 chat requests sharing a 1k-token system prompt sent together after two warm-up
+requests with that system prompt (wall time and mean TTFT: prefix hits), RSS after start and at peak. Both
+servers get 16 slots, the same context, speculation off (conveyor --speculative-ngram 0), llama-server -t <cores>.
+Files: benchmarks/hybrid_gguf.py writes real-shaped random-weight GGUFs as llama.cpp's converter does.
+
+Offline (--offline): real shapes with random bf16 weights through the engine: C=1 and C=16 tok/s, what a
+sequence keeps (recurrent state, K/V per token) against the same shape with attention in every layer, and decode
+speed at a long context, where attention-only models slow down and the recurrent layers do not:
+  PYTHONPATH=$PWD python benchmarks/hybrid.py --offline [--shapes lfm2-350m,lfm2-1.2b,qwen3.5-0.8b]
+        [--concurrency 1,16] [--max-tokens 64] [--long-context 4096] [--out benchmarks/results.md]
 
 Shapes: LFM2-350M / 1.2B from their published configs (10 short-conv + 6 attention layers); Qwen3.5-0.8B from
 its published card (24 layers, 6 x (3 DeltaNet + 1 attention), hidden 1024, 8 heads / 2 KV of 256, FFN 3584;
@@ -16,8 +25,13 @@ for all (the head costs the same in every row).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import statistics
 import time
+from pathlib import Path
 
+import httpx
 import torch
 
 from conveyor.engine.llm import LLM
@@ -27,6 +41,7 @@ from conveyor.models.config import ModelConfig
 from conveyor.testing import random_hybrid_weights, smollm_tokenizer
 
 from offline_throughput import emit_table, machine  # noqa: E402  (benchmarks/ on sys.path when run as a script)
+import quantized  # noqa: E402
 
 _LFM2_ATTN = (2, 5, 8, 10, 12, 14)
 SHAPES: dict[str, dict] = {
@@ -80,14 +95,7 @@ def kv_bytes_per_token(config: ModelConfig, attention_layers: int) -> int:
     return 2 * attention_layers * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")])
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--long-context", type=int, default=4096, help="prompt length of the long-context decode row")
-    p.add_argument("--out", help="append the markdown table to this file")
-    args = p.parse_args()
+def offline(args: argparse.Namespace) -> None:
     tokenizer = smollm_tokenizer()
     rows = []
     for name in args.shapes.split(","):
@@ -121,6 +129,129 @@ def main() -> None:
     caption = (f"Hybrid models at real shapes, random bf16 weights, SmolLM2 vocabulary; {args.max_tokens} greedy "
                f"tokens per request (C=1/16 rows: prefill included). Machine: {machine()}.")
     emit_table(caption, header, rows, args.out)
+
+
+# ---------------------------------------------------------------- conveyor vs llama-server
+
+
+async def _stream_ttft(client: httpx.AsyncClient, path: str, body: dict) -> float:
+    """Seconds to the first streamed token of one request."""
+    start = time.perf_counter()
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ttft = time.perf_counter() - start
+                async for _ in response.aiter_lines():  # drain the rest
+                    pass
+                return ttft
+    raise RuntimeError("no token streamed")
+
+
+def long_prompt_ttft(url: str, tokens: int) -> float:
+    words = " ".join(f"w{i % 97}" for i in range(tokens // 2))  # ~2 tokens per word in SmolLM2's vocabulary
+    body = {"prompt": words, "max_tokens": 1, "temperature": 0}
+
+    async def go() -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            return await _stream_ttft(client, "/v1/completions", body)
+    return asyncio.run(go())
+
+
+def shared_prefix_run(url: str, system_tokens: int, num: int) -> tuple[float, float]:
+    """(wall s, mean TTFT s) of `num` chat requests sharing a system prompt, sent together after two warm-ups."""
+    system = "You are a careful assistant. Rules: " + " ".join(f"rule{i} applies." for i in range(system_tokens // 4))
+
+    def body(i: int) -> dict:
+        return {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"}],
+                "max_tokens": 16, "temperature": 0}
+
+    async def go() -> tuple[float, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+            for i in range(2):  # the first sees nothing cached; the second's shared prefix is then known
+                await _stream_ttft(client, "/v1/chat/completions", body(1000 + i))
+            start = time.perf_counter()
+            ttfts = await asyncio.gather(*(_stream_ttft(client, "/v1/chat/completions", body(i)) for i in range(num)))
+            return time.perf_counter() - start, statistics.mean(ttfts)
+    return asyncio.run(go())
+
+
+def compare(args: argparse.Namespace) -> None:
+    quantized.wait_quiet(args.quiet_cpu, args.quiet_timeout)
+    rows = []
+    for file in args.files.split(","):
+        path = Path(file)
+        ctx = args.ctx or quantized.context_length(path)
+        results = {}
+        for server in ("conveyor", "llama-server"):
+            port = quantized._free_port()
+            cmd = quantized.server_command(server, args.llama_server, path, args, ctx, port)
+            env = {**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}
+            url = f"http://127.0.0.1:{port}"
+            print(f"{server} {path.name}: {' '.join(cmd)}", flush=True)
+            with open(f"/tmp/hybrid-bench-{server}.log", "w") as log:
+                proc = quantized.subprocess.Popen(cmd, env=env, cwd=quantized.ROOT, stdout=log,
+                                                  stderr=quantized.subprocess.STDOUT)
+                try:
+                    quantized._wait_healthy(url, proc, args.start_timeout)
+                    r = {"rss_start": quantized._proc_kb(proc.pid, "VmRSS")}
+                    for i, c in enumerate(args.concurrency):
+                        r[c], _, _ = quantized._measure(proc, url, c, i == 0, args, env, f"C={c}")
+                    r["ttft"] = long_prompt_ttft(url, args.long_prompt)
+                    print(f"  TTFT of a {args.long_prompt}-token prompt: {r['ttft']:.2f} s", flush=True)
+                    r["shared_wall"], r["shared_ttft"] = shared_prefix_run(url, args.system_tokens, args.parallel)
+                    print(f"  {args.parallel} requests sharing a {args.system_tokens}-token system prompt: "
+                          f"{r['shared_wall']:.2f} s, mean TTFT {r['shared_ttft']:.2f} s", flush=True)
+                    r["rss_peak"] = quantized._proc_kb(proc.pid, "VmHWM")
+                    results[server] = r
+                finally:
+                    quantized._stop(proc)
+        ours, peer = results["conveyor"], results["llama-server"]
+        for server, r in results.items():
+            rows.append([server, path.name, *[f"{r[c]:.1f}" for c in args.concurrency], f"{r['ttft']:.2f}",
+                         f"{r['shared_wall']:.2f} / {r['shared_ttft']:.2f}", f"{r['rss_start']:.0f}",
+                         f"{r['rss_peak']:.0f}"])
+        rows.append(["conveyor / llama-server", path.name,
+                     *[f"{ours[c] / peer[c]:.2f}x" for c in args.concurrency],
+                     f"{peer['ttft'] / ours['ttft']:.2f}x faster",
+                     f"{peer['shared_wall'] / ours['shared_wall']:.2f}x faster",
+                     f"{ours['rss_start'] / peer['rss_start']:.2f}", f"{ours['rss_peak'] / peer['rss_peak']:.2f}"])
+    header = ["server", "file", *[f"C={c} tok/s" for c in args.concurrency], f"TTFT {args.long_prompt}-token prompt s",
+              f"{args.parallel} x shared {args.system_tokens}-token system prompt: wall s / mean TTFT s",
+              "RSS after start MiB", "peak RSS MiB"]
+    caption = (f"Hybrid GGUFs, conveyor vs llama-server ({args.llama_server}), one run each, 16 slots, speculation "
+               f"off; {args.max_tokens} greedy tokens per request at C=1/16. Machine: {quantized.machine()}.")
+    emit_table(caption, header, rows, args.out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--offline", action="store_true", help="through the engine, random bf16 weights (no server)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="--offline: shapes to build")
+    p.add_argument("--files", default="", help="GGUF files to serve with both servers (benchmarks/hybrid_gguf.py)")
+    p.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--long-context", type=int, default=4096, help="--offline: prompt of the long-context decode row")
+    p.add_argument("--long-prompt", type=int, default=1500, help="tokens of the TTFT prompt")
+    p.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
+    p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=4096, help="context per slot")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests-c1", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--llama-server", default="/work/llama-native/bin/llama-server")
+    p.add_argument("--quiet-cpu", type=float, default=0.3)
+    p.add_argument("--quiet-timeout", type=float, default=600.0)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--out", help="append the markdown table to this file")
+    args = p.parse_args()
+    if args.offline:
+        offline(args)
+    else:
+        compare(args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Real-shaped hybrid GGUFs with random weights, for benchmarks/quantized.py (conveyor vs llama-server on the
-same file): LFM2-350M (`lfm2`) and Qwen3.5-0.8B (`qwen35`, shapes as benchmarks/hybrid.py assumes them), built
+same file): Qwen3.5-2B- and LFM2-1.2B-shaped (`qwen35`, `lfm2`; also 0.8B / 350M), built
 by transformers with random weights (norms at 1, decay parameters at their init), written as llama.cpp's
 converter writes them (tests/loading/tiny_checkpoints.write_hybrid_gguf, checked byte-identical to the converter
 on tiny models) in F16 with SmolLM2's tokenizer, then quantized by llama-quantize.
 
 Usage:
-  PYTHONPATH=$PWD python benchmarks/hybrid_gguf.py [--shapes lfm2-350m,qwen3.5-0.8b] [--quants Q8_0,Q4_K_M]
+  PYTHONPATH=$PWD python benchmarks/hybrid_gguf.py [--shapes qwen3.5-2b,lfm2-1.2b] [--quants Q4_K_M]
         [--models-dir /work/bench-models] [--llama-quantize /work/llama-native/bin/llama-quantize]
 Prints the paths, one per line (pass them to quantized.py --files).
 """
@@ -29,7 +29,18 @@ from tiny_checkpoints import write_hybrid_gguf  # noqa: E402
 from quantized import copy_tokenizer, smollm2_path  # noqa: E402
 
 LFM2_ATTENTION = (2, 5, 8, 10, 12, 14)
+# Qwen3.5's small models: 6 x (3 DeltaNet + 1 gated attention) layers, 8 heads / 2 KV of 256; the 0.8B card gives
+# hidden 1024 and FFN 3584. The 2B shape (hidden 2048, FFN 6144) and both DeltaNet head counts (16 key and 16
+# value heads of 128) are assumptions.
 CONFIGS = {
+    "lfm2-1.2b": lambda vocab: transformers.Lfm2Config(
+        vocab_size=vocab, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=12288, max_position_embeddings=4096,
+        layer_types=["full_attention" if i in LFM2_ATTENTION else "conv" for i in range(16)]),
+    "qwen3.5-2b": lambda vocab: transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, intermediate_size=6144, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True),
     "lfm2-350m": lambda vocab: transformers.Lfm2Config(
         vocab_size=vocab, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
         intermediate_size=6656, max_position_embeddings=4096,
@@ -55,8 +66,8 @@ def write(shape: str, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(CONFIGS))
-    p.add_argument("--quants", default="Q8_0,Q4_K_M")
+    p.add_argument("--shapes", default="qwen3.5-2b,lfm2-1.2b")
+    p.add_argument("--quants", default="Q4_K_M")
     p.add_argument("--models-dir", type=Path, default=Path("/work/bench-models"))
     p.add_argument("--llama-quantize", default="/work/llama-native/bin/llama-quantize")
     args = p.parse_args()
