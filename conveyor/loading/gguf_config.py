@@ -15,11 +15,13 @@ from conveyor.models.config import ModelConfig, ModelConfigError
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                       "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
-                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "lfm2": "lfm2", "qwen35": "qwen3_5_text"}
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "lfm2": "lfm2", "qwen35": "qwen3_5_text",
+                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text", "lfm2moe": "lfm2_moe"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
-_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False}
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False,
+              "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True}
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -74,11 +76,13 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     q_norm = tensors.get("blk.0.attn_q_norm.weight")
     # Multi-token-prediction blocks (Qwen3.5's draft head) are counted in block_count, after the last layer.
     num_layers = int(meta("block_count")) - int(meta("nextn_predict_layers", 0))
+    expert_width = field_value(reader, f"{arch}.expert_feed_forward_length")
     fields = dict(
         architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        # Qwen3.5-MoE has no dense MLP and no feed_forward_length: the expert width stands in, as in its HF config
+        intermediate_size=int(meta("feed_forward_length", expert_width)),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=_kv_heads(meta("attention.head_count_kv", heads), source),
@@ -93,7 +97,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         qk_norm_scope="head" if q_norm is None or int(q_norm.shape[0]) == head_dim else "full",  # OLMoE: full
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(i for i in [field_value(reader, "tokenizer.ggml.eos_token_id")] if i is not None),
-        **_moe_fields(architecture, meta, tensors),
+        **_moe_fields(architecture, meta, tensors, num_layers),
     )
     fields.update(_family_fields(reader, arch, tensors, fields))
     if arch in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
@@ -159,13 +163,13 @@ def _layer_types(pattern: Any, num_layers: int, default: int) -> tuple[str, ...]
     return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
-def _moe_fields(architecture: str, meta, tensors: dict) -> dict[str, Any]:
+def _moe_fields(architecture: str, meta, tensors: dict, num_layers: int) -> dict[str, Any]:
     """Experts, from llama.cpp's metadata; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
     if architecture not in _NORM_TOPK:
         return {}
-    num_layers = int(meta("block_count"))
+    width = meta("expert_feed_forward_length", 0) or meta("feed_forward_length")
     return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
-                moe_intermediate_size=int(meta("expert_feed_forward_length", meta("feed_forward_length"))),
+                moe_intermediate_size=int(width),
                 norm_topk_prob=_NORM_TOPK[architecture],
                 dense_mlp_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors))
 

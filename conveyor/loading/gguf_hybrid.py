@@ -1,15 +1,25 @@
-"""llama.cpp's hybrid architectures (`lfm2`, `qwen35`): GGUF metadata -> ModelConfig fields, and GGUF tensors
--> the Hugging Face names and values transformers' save_pretrained writes, undoing what convert_hf_to_gguf
-did to each tensor.
+"""llama.cpp's hybrid architectures (`lfm2`, `qwen35` and their MoE variants): GGUF metadata -> ModelConfig
+fields, and GGUF tensors -> the Hugging Face names and values transformers' save_pretrained writes, undoing
+what convert_hf_to_gguf did to each tensor.
 
-lfm2    the final norm is `token_embd_norm`; shortconv.conv squeezed (C, 1, K) -> (C, K); a layer is a short
-        convolution where the per-layer attention.head_count_kv is 0.
-qwen35  ssm_a = -exp(A_log); dt_bias renamed ssm_dt.bias; conv1d squeezed; every RMSNorm but the DeltaNet's
-        stored as 1 + w (kept so: norm_weight_offset 0, exact); where key heads != value heads, value heads
-        reordered from grouped by key head to tiled in in_proj_qkv's v rows, in_proj_z, in_proj_a/b, A_log,
-        dt_bias, conv1d's v channels and out_proj's columns; MTP blocks appended after the last layer
-        (nextn_predict_layers), which we skip.
-Both may come with q|k|v fused in attn_qkv on attention layers (convert_hf_to_gguf --fuse-qkv).
+lfm2       the final norm is `token_embd_norm`; shortconv.conv squeezed (C, 1, K) -> (C, K); a layer is a short
+           convolution where the per-layer attention.head_count_kv is 0.
+lfm2moe    lfm2 with sparse MoE MLPs after leading_dense_block_count dense ones: sigmoid router
+           (expert_gating_func), expert_bias as exp_probs_b.bias; no head tensor (always tied).
+qwen35     ssm_a = -exp(A_log); dt_bias renamed ssm_dt.bias; conv1d squeezed; every RMSNorm but the DeltaNet's
+           stored as 1 + w (kept so: norm_weight_offset 0, exact); where key heads != value heads, value heads
+           reordered from grouped by key head to tiled in in_proj_qkv's v rows, in_proj_z, in_proj_a/b, A_log,
+           dt_bias, conv1d's v channels and out_proj's columns; MTP blocks appended after the last layer
+           (nextn_predict_layers), which we skip.
+qwen35moe  qwen35 with sparse MoE MLPs and a shared expert (ffn_*_shexp, its sigmoid gate ffn_gate_inp_shexp).
+qwen3next  qwen35moe's transforms without the value-head reorder; HF's in_proj_qkvz (q|k|v|z per key head) was
+           regrouped into attn_qkv (all q, all k, all v) and attn_gate (z), so the DeltaNet loads under
+           Qwen3.5's split names; in_proj_ba is ssm_ba, still b|a per key head (split here); older files keep
+           in_proj_qkvz whole as ssm_in (split here too).
+Experts (stacked ffn_*_exps) are split per expert by gguf_loader, as for the other MoE families; llama.cpp
+renormalises their top-k weights and scales them by nothing in all three (LFM2-MoE's routed_scaling_factor and
+Qwen3-Next's norm_topk_prob are not in the file). Any may come with q|k|v fused in attn_qkv on attention
+layers (convert_hf_to_gguf --fuse-qkv).
 """
 
 from __future__ import annotations
@@ -29,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 # GGUF architectures that are hybrids we do not run yet, and what they are.
 UNSUPPORTED_HYBRIDS = {
-    "qwen3next": "Qwen3-Next: gated DeltaNet and attention with a sparse MoE",
-    "qwen35moe": "Qwen3.5 MoE: gated DeltaNet and attention with a sparse MoE",
-    "lfm2moe": "LFM2 MoE: short convolutions and attention with a sparse MoE",
     "granitehybrid": "Granite 4.0 hybrid: Mamba2 and attention",
     "nemotron_h": "Nemotron-H: Mamba2, attention and MLP layers",
     "nemotron_h_moe": "Nemotron-H MoE: Mamba2, attention and MoE layers",
@@ -41,6 +48,8 @@ UNSUPPORTED_HYBRIDS = {
     "jamba": "Jamba: Mamba and attention with MoE",
 }
 
+# GGUF architecture -> the family whose names and transforms it shares.
+_FAMILY = {"lfm2": "lfm2", "lfm2moe": "lfm2", "qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen35"}
 # Global tensors: llama.cpp name -> HF module.
 _GLOBAL = {
     "lfm2": {"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm", "output": "lm_head"},
@@ -65,12 +74,18 @@ _BLOCK = {
         "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
         "ssm_conv1d": "linear_attn.conv1d", "ssm_out": "linear_attn.out_proj", "ssm_norm": "linear_attn.norm",
         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        # the MoE variants' shared expert (routed experts and router: gguf_loader's EXPERT_TENSORS)
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     },
 }
 # Bare parameters (no module, so no .weight in HF): the full llama.cpp name under blk.N.
-_PARAMETERS = {"qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}}
+_PARAMETERS = {"lfm2": {"exp_probs_b.bias": "feed_forward.expert_bias"},
+               "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}}
 
-HYBRID_GGUF_ARCHITECTURES = tuple(_GLOBAL)
+HYBRID_GGUF_ARCHITECTURES = tuple(_FAMILY)
+# expert_gating_func values (gguf.ExpertGatingFuncType) -> ModelConfig.moe_scoring
+_GATING = {1: "softmax", 2: "sigmoid"}
 
 
 def config_fields(arch: str, meta: Callable[[str], Any], tensors: dict, base: dict[str, Any],
@@ -83,11 +98,30 @@ def config_fields(arch: str, meta: Callable[[str], Any], tensors: dict, base: di
             raise LoadError(f"{source}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    fields = _lfm2_fields(meta, need, tensors, base, source) if arch == "lfm2" else _qwen35_fields(meta, need, base)
+    family = _FAMILY[arch]
+    fields = _lfm2_fields(meta, need, tensors, base, source) if family == "lfm2" else _qwen35_fields(meta, need, base)
     attention = _first_layer(fields["layer_types"], ATTENTION_LAYER_TYPES)
     fields.update(qk_norm=True, attention_bias=attention is not None and (
         f"blk.{attention}.attn_q.bias" in tensors or f"blk.{attention}.attn_qkv.bias" in tensors))
+    if base.get("num_experts"):
+        fields.update(_moe_fields(family, meta, need, tensors, base, source))
     return fields
+
+
+def _moe_fields(family: str, meta, need, tensors: dict, base: dict[str, Any], source: str) -> dict[str, Any]:
+    """Router scoring and the extras beside the routed experts, as llama.cpp's graphs run them."""
+    sparse = next((i for i in range(base["num_hidden_layers"]) if i not in base["dense_mlp_layers"]), None)
+    if family == "lfm2":  # llama.cpp's lfm2moe reads the gating function; the Qwen graphs hard-code softmax
+        gating = int(need("expert_gating_func"))
+        if gating not in _GATING:
+            raise LoadError(f"{source}: unsupported expert_gating_func {gating} (supported: softmax, sigmoid)")
+        return dict(moe_scoring=_GATING[gating],
+                    moe_expert_bias=sparse is not None and f"blk.{sparse}.exp_probs_b.bias" in tensors)
+    if sparse is None or f"blk.{sparse}.ffn_gate_inp_shexp.weight" not in tensors:
+        return {}
+    # without the key llama.cpp sizes the shared expert as the dense MLP
+    return dict(shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length")
+                                                    or base["intermediate_size"]))
 
 
 def _lfm2_fields(meta, need, tensors: dict, base: dict[str, Any], source: str) -> dict[str, Any]:
@@ -138,30 +172,41 @@ class HybridTensors:
     dequantized: list[str] = field(default_factory=list)  # quantized tensors whose blocks could not be kept
     num_skipped: int = 0  # MTP tensors
 
+    @property
+    def family(self) -> str:
+        return _FAMILY[self.arch]
+
+    def skip(self, gguf_name: str) -> bool:
+        """Whether the tensor belongs to the draft head (MTP) after the last layer, which we do not run."""
+        match = re.match(r"blk\.(\d+)\.", gguf_name)
+        if match is None or int(match.group(1)) < self.config.num_hidden_layers:
+            return False
+        self.num_skipped += 1
+        return True
+
     def hf_weights(self, gguf_name: str, weight: Weight) -> dict[str, Weight]:
-        """One GGUF tensor -> {HF name: weight}, several where llama.cpp fused them; {} for an MTP block."""
+        """One GGUF tensor -> {HF name: weight}, several where llama.cpp fused them."""
         base, _, suffix = gguf_name.rpartition(".")
-        if base in _GLOBAL[self.arch]:
-            return {f"{_GLOBAL[self.arch][base]}.{suffix}": weight}
+        if base in _GLOBAL[self.family]:
+            return {f"{_GLOBAL[self.family][base]}.{suffix}": weight}
         match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
         if match is None:
             raise LoadError(f"{self.source}: unexpected tensor {gguf_name!r} in GGUF file")
         layer, rest = int(match.group(1)), match.group(2)
-        if layer >= self.config.num_hidden_layers:  # the draft head (MTP) after the last layer: not run
-            self.num_skipped += 1
-            return {}
         prefix = f"model.layers.{layer}."
-        if rest in _PARAMETERS.get(self.arch, {}):
-            name = _PARAMETERS[self.arch][rest]
+        if rest in _PARAMETERS[self.family]:
+            name = _PARAMETERS[self.family][rest]
         else:
             base, _, suffix = rest.rpartition(".")
-            names = _BLOCK[self.arch]
+            names = _BLOCK[self.family]
             if base == "attn_qkv" and self.config.layer_kind(layer) in ATTENTION_LAYER_TYPES:
                 return self._split_qkv(prefix, suffix, weight)
+            if self.arch == "qwen3next" and base in ("ssm_ba", "ssm_in") and suffix == "weight":
+                return self._split_key_head_groups(prefix, base, weight)
             if suffix not in ("weight", "bias") or base not in names:
                 raise LoadError(f"{self.source}: unexpected tensor {gguf_name!r} in GGUF file")
             name = f"{names[base]}.{suffix}"
-        if self.arch == "qwen35":
+        if self.family == "qwen35":
             weight = self._undo_qwen35(name, weight, gguf_name)
         if name.endswith(("conv.conv.weight", "conv1d.weight")) and isinstance(weight, torch.Tensor):
             weight = weight.unsqueeze(1)  # (C, K) -> HF's depthwise (C, 1, K), a view
@@ -177,7 +222,7 @@ class HybridTensors:
 
     def _split_qkv(self, prefix: str, suffix: str, weight: Weight) -> dict[str, Weight]:
         """An attention layer's q|k|v fused by the converter (q includes Qwen3.5's per-head gate rows)."""
-        cfg, names = self.config, _BLOCK[self.arch]
+        cfg, names = self.config, _BLOCK[self.family]
         q_rows = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
         kv_rows = cfg.num_key_value_heads * cfg.head_dim
         parts, start = {}, 0
@@ -188,6 +233,28 @@ class HybridTensors:
             raise LoadError(f"{self.source}: fused attn_qkv of {prefix} has {weight.shape[0]} rows, expected {start}")
         return parts
 
+    def _split_key_head_groups(self, prefix: str, base: str, weight: Weight) -> dict[str, Weight]:
+        """Qwen3-Next's projections still packed by key head as in HF: ssm_ba (b | a per key head) and, in files
+        converted before attn_qkv / attn_gate, ssm_in (HF's in_proj_qkvz, q | k | v | z per key head) ->
+        Qwen3.5's split tensors, value heads in the same (grouped) order."""
+        cfg = self.config
+        per_group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        if base == "ssm_ba":
+            sizes, roles = [per_group, per_group], ["in_proj_b", "in_proj_a"]
+        else:
+            value_rows = per_group * cfg.linear_value_head_dim
+            sizes = [cfg.linear_key_head_dim, cfg.linear_key_head_dim, value_rows, value_rows]
+            roles = ["in_proj_qkv", "in_proj_qkv", "in_proj_qkv", "in_proj_z"]
+        if weight.shape[0] != cfg.linear_num_key_heads * sum(sizes):
+            raise LoadError(f"{self.source}: {prefix}{base} has {weight.shape[0]} rows, expected "
+                            f"{cfg.linear_num_key_heads * sum(sizes)}")
+        parts = _ungroup_rows(weight, cfg.linear_num_key_heads, sizes)
+        self.release(weight.raw if isinstance(weight, QuantizedTensor) else weight)
+        out: dict[str, list[Weight]] = {}
+        for role, part in zip(roles, parts):
+            out.setdefault(f"{prefix}linear_attn.{role}.weight", []).append(part)
+        return {name: _cat_rows(pieces) for name, pieces in out.items()}
+
     def _undo_qwen35(self, name: str, weight: Weight, gguf_name: str) -> Weight:
         cfg = self.config
         if name.endswith("A_log"):
@@ -195,7 +262,7 @@ class HybridTensors:
             self.release(weight)
             weight = a_log
         groups, per_group = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
-        if per_group == 1:  # the converter reorders value heads only when key and value heads differ
+        if per_group == 1 or self.arch == "qwen3next":  # reordered only by Qwen3.5's converter, where heads differ
             return weight
         key_size = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         width = cfg.linear_value_head_dim
@@ -243,6 +310,26 @@ def _untile(x: torch.Tensor, dim: int, groups: int, per_group: int, width: int) 
     shape = x.shape
     split = x.reshape(*shape[:dim], per_group, groups, width, *shape[dim + 1:])
     return split.transpose(dim, dim + 1).reshape(shape).contiguous()
+
+
+def _ungroup_rows(weight: Weight, groups: int, sizes: list[int]) -> list[Weight]:
+    """Rows grouped by key head g, | x_0 y_0 .. | x_1 y_1 .. | ..., with x_g `sizes[0]` rows and so on ->
+    [x_0 x_1 .., y_0 y_1 .., ...] (copies). A quantized row is a whole output feature: raw rows move the same way."""
+    rows = weight.raw if isinstance(weight, QuantizedTensor) else weight
+    parts = [p.reshape(groups * size, rows.shape[1]).contiguous()
+             for p, size in zip(rows.reshape(groups, sum(sizes), rows.shape[1]).split(sizes, dim=1), sizes)]
+    if isinstance(weight, QuantizedTensor):
+        return [QuantizedTensor(weight.qtype, (p.shape[0], weight.shape[1]), p) for p in parts]
+    return parts
+
+
+def _cat_rows(parts: list[Weight]) -> Weight:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], QuantizedTensor):
+        raw = torch.cat([p.raw for p in parts])
+        return QuantizedTensor(parts[0].qtype, (raw.shape[0], parts[0].shape[1]), raw)
+    return torch.cat(parts)
 
 
 def _rows(weight: Weight, start: int, end: int) -> Weight:

@@ -106,13 +106,13 @@ def load_gguf(path: str) -> Checkpoint:
     weights: dict[str, Weight] = {}
     hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
     for tensor in reader.tensors:
-        if tensor.name in CONFIG_TENSORS:
-            continue
-        if hybrid is not None:
-            weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
+        if tensor.name in CONFIG_TENSORS or (hybrid is not None and hybrid.skip(tensor.name)):
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
+            continue
+        if hybrid is not None:
+            weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
             continue
         name = hf_name(tensor.name, path, arch)
         weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)

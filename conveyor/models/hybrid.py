@@ -179,11 +179,13 @@ class GatedDeltaNetMixer(nn.Module):
 
     def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
              norm: Callable[[str], nn.Parameter]) -> None:
-        if "qkvz" in names:  # Qwen3-Next
-            parts = self._from_key_head_groups(get(f"{prefix}{names['qkvz']}.weight"),
-                                               get(f"{prefix}{names['ba']}.weight"))
-        else:
+        try:  # Qwen3.5, and Qwen3-Next from GGUF
             parts = [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")]
+        except KeyError:
+            if "qkvz" not in names:
+                raise
+            parts = self._from_key_head_groups(get(f"{prefix}{names['qkvz']}.weight"),  # Qwen3-Next's HF layout
+                                               get(f"{prefix}{names['ba']}.weight"))
         loader.linear(self.in_proj, parts)
         loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")])
         self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))

@@ -53,8 +53,9 @@ def final_norm_name(config: ModelConfig) -> str:
     return FAMILY_NAMES[config.architecture]["final_norm"]
 
 
-def mixer_tensors(config: ModelConfig, sub: Sublayer) -> list[str]:
-    """The mixer's tensor names under its prefix."""
+def mixer_tensors(config: ModelConfig, sub: Sublayer, available: Collection[str] = (), prefix: str = "") -> list[str]:
+    """The mixer's tensor names under its prefix; `available` (full names, the mixer's under `prefix`) picks
+    between layouts a family's checkpoints come in."""
     n = sub.names
     if sub.kind == "attention":
         out = [f"{n[p]}.weight" for p in ("q", "k", "v", "o")]
@@ -67,7 +68,9 @@ def mixer_tensors(config: ModelConfig, sub: Sublayer) -> list[str]:
         out = [f"{n[p]}.weight" for p in ("in", "out", "conv")]
         return out + ([f"{n[p]}.bias" for p in ("in", "out", "conv")] if config.conv_bias else [])
     if sub.kind == "gated_deltanet":
-        projections = ("qkvz", "ba") if "qkvz" in n else ("qkv", "z", "b", "a")  # Qwen3-Next packs them by key head
+        # Qwen3-Next's HF checkpoints pack them by key head; its GGUF files hold them split, as Qwen3.5's
+        packed = "qkvz" in n and f"{prefix}{n['qkv']}.weight" not in available
+        projections = ("qkvz", "ba") if packed else ("qkv", "z", "b", "a")
         return [f"{n[p]}.weight" for p in (*projections, "conv", "out", "norm")] + ["A_log", "dt_bias"]
     if sub.kind == "mlp":
         return [f"{n[p]}.weight" for p in ("gate", "up", "down")]
@@ -95,5 +98,5 @@ def weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[s
         prefix = f"model.layers.{i}."
         for sub in sublayers(config, i):
             names.append(f"{prefix}{sub.norm}.weight")
-            names += [f"{prefix}{sub.prefix}{t}" for t in mixer_tensors(config, sub)]
+            names += [f"{prefix}{sub.prefix}{t}" for t in mixer_tensors(config, sub, available, prefix + sub.prefix)]
     return names

@@ -4,6 +4,7 @@
 Its DeltaNet packs the input projections by key head: in_proj_qkvz holds, for each key head, q | k |
 v | z of that head and of its group of value heads; in_proj_ba holds b | a the same way. models/hybrid.py
 reorders their rows at load into Qwen3.5's q | k | v | z | b | a, so the forward runs one GEMM either way.
+GGUF files hold them split already, under Qwen3.5's names (loading/gguf_hybrid.py), which load as they are.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import Any
 from conveyor.models import qwen3_5
 
 NAMES = {**qwen3_5.NAMES,
-         "gated_deltanet": {"prefix": "linear_attn.", "qkvz": "in_proj_qkvz", "ba": "in_proj_ba", "conv": "conv1d",
-                            "out": "out_proj", "norm": "norm"}}
+         "gated_deltanet": {**qwen3_5.NAMES["gated_deltanet"], "qkvz": "in_proj_qkvz", "ba": "in_proj_ba"}}
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import tempfile
 
 import gguf
 import numpy as np
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from conveyor.loading.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS
 from conveyor.testing import add_tiny_bpe_vocab
@@ -165,41 +167,68 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
     writer.close()
 
 
-HYBRID_GGUF_ARCH = {"lfm2": "lfm2", "qwen3_5": "qwen35"}
+# HF model_type -> the GGUF architecture convert_hf_to_gguf writes
+HYBRID_GGUF_ARCH = {"lfm2": "lfm2", "qwen3_5_text": "qwen35", "lfm2_moe": "lfm2moe", "qwen3_next": "qwen3next",
+                    "qwen3_5_moe_text": "qwen35moe"}
 _HYBRID_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256)
+_DELTANET = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8)
+# Widths are multiples of 32 so Q8_0 takes every matrix (the converter falls back to F16 where it cannot).
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_SHARED_EXPERT = dict(**_EXPERTS, shared_expert_intermediate_size=64)
+
+
+def _hybrid_config(family: str, overrides: dict) -> transformers.PretrainedConfig:
+    if family == "lfm2":
+        return transformers.Lfm2Config(**{**_HYBRID_COMMON, "intermediate_size": 144,
+                                          "layer_types": ["conv", "full_attention", "conv", "conv"], **overrides})
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**{**_HYBRID_COMMON, **_DELTANET, "intermediate_size": 96, **overrides})
+    # The MoE variants as llama.cpp runs them: top-k weights renormalised and not scaled (the file says neither).
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**{**_HYBRID_COMMON, **_DELTANET, **_SHARED_EXPERT, "intermediate_size": 96,
+                                               "norm_topk_prob": True, **overrides})
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**{**_HYBRID_COMMON, **_DELTANET, **_SHARED_EXPERT, **overrides})
+    if family == "lfm2_moe":  # layer 0 dense; sigmoid router with expert bias
+        return transformers.Lfm2MoeConfig(**{**_HYBRID_COMMON, **_EXPERTS, "intermediate_size": 96,
+                                             "num_dense_layers": 1, "routed_scaling_factor": 1.0,
+                                             "layer_types": ["conv", "full_attention", "conv", "conv"], **overrides})
+    raise ValueError(family)
 
 
 def tiny_hf_hybrid(family: str, **overrides) -> transformers.PreTrainedModel:
-    """A tiny random LFM2 or Qwen3.5 (text) model, as tests/models/test_hybrid_vs_hf.py builds them: norms,
-    A_log and dt_bias randomized so a skipped or mis-transformed one shows."""
-    if family == "lfm2":
-        cfg = transformers.Lfm2Config(**{**_HYBRID_COMMON, "intermediate_size": 144,
-                                         "layer_types": ["conv", "full_attention", "conv", "conv"], **overrides})
-    else:
-        cfg = transformers.Qwen3_5TextConfig(**{**_HYBRID_COMMON, "head_dim": 16, "intermediate_size": 96,
-                                                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                                "linear_key_head_dim": 8, "linear_value_head_dim": 8, **overrides})
+    """A tiny random LFM2, Qwen3.5 (text), Qwen3-Next, Qwen3.5-MoE (text) or LFM2-MoE model, as tests/models
+    builds them: norms, A_log, dt_bias, routers, shared-expert gates and expert biases randomized so a skipped
+    or mis-transformed one shows."""
+    cfg = _hybrid_config(family, overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.normal_(0, 0.5)
+            elif name.endswith(("A_log", "dt_bias", "shared_expert_gate.weight", ".gate.weight")):
+                p.normal_(0, 0.5)  # routers spread out, so rows pick different experts
+            elif name.endswith("expert_bias"):  # sigmoid scores lie in (0, 1): a bias this size changes picks
+                p.normal_(0, 0.2)
     return model
 
 
 def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGMLQuantizationType.F32,
                       fuse_qkv: bool = False, mtp_layers: int = 0, pre: str | None = None,
-                      chat_template: str | None = None, add_vocab=add_tiny_bpe_vocab) -> None:
-    """`model` (LFM2 or Qwen3.5) as convert_hf_to_gguf writes `lfm2` / `qwen35`: its metadata keys, gguf-py's
-    tensor names and the converter's transforms (conv squeezed; Qwen3.5: A_log -> -exp(A_log), dt_bias ->
-    ssm_dt.bias, norms but the DeltaNet's stored as 1 + w, value heads grouped -> tiled). Matrices in `qtype`,
-    the rest F32 as the converter keeps it. `fuse_qkv`: --fuse-qkv; `mtp_layers`: random MTP blocks appended."""
+                      chat_template: str | None = None, legacy_ssm_in: bool = False,
+                      add_vocab=add_tiny_bpe_vocab) -> None:
+    """`model` as convert_hf_to_gguf writes it (`lfm2`, `qwen35`, `lfm2moe`, `qwen3next`, `qwen35moe`) from the
+    tensors save_pretrained writes: its metadata keys, gguf-py's tensor names and the converter's transforms
+    (conv squeezed; Qwen: A_log -> -exp(A_log), dt_bias -> ssm_dt.bias, norms but the DeltaNet's stored as
+    1 + w; Qwen3.5 and Qwen3.5-MoE: value heads grouped -> tiled; Qwen3-Next: in_proj_qkvz regrouped into
+    attn_qkv and attn_gate; MoE: experts stacked (E, N, K), LFM2-MoE's expert_bias -> exp_probs_b.bias).
+    Matrices in `qtype`, the rest F32 as the converter keeps it. `fuse_qkv`: --fuse-qkv; `mtp_layers`: random
+    MTP blocks appended; `legacy_ssm_in`: Qwen3-Next's in_proj_qkvz kept whole as ssm_in, as older converters did."""
     cfg = model.config
-    arch = HYBRID_GGUF_ARCH["lfm2" if cfg.model_type == "lfm2" else "qwen3_5"]
+    arch = HYBRID_GGUF_ARCH[cfg.model_type]
     layers = cfg.num_hidden_layers
     writer = gguf.GGUFWriter(str(path), arch)
     _hybrid_metadata(writer, arch, cfg, layers + mtp_layers, qtype)
@@ -210,14 +239,11 @@ def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGML
         writer.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers + mtp_layers)
     tensors: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if arch == "lfm2":
-            tensor = tensor.squeeze(1) if "conv.conv" in hf_name else tensor
-        else:
-            hf_name, tensor = _qwen35_tensor(cfg, hf_name, tensor)
-        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = tensor
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for hf_name, tensor in _saved_tensors(model).items():
+        for name, tensor in _converted(cfg, arch, hf_name, tensor, experts, legacy_ssm_in):
+            final = name.startswith("blk.")  # named by the converter itself, not through gguf-py's map
+            tensors[name if final else names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor
     if fuse_qkv:
         _fuse_qkv(tensors, cfg)
     for i in range(layers, layers + mtp_layers):
@@ -230,6 +256,55 @@ def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGML
     writer.close()
 
 
+def _saved_tensors(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
+    """What the converter reads: the checkpoint save_pretrained writes (one tensor per expert, no tied head)."""
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return load_file(f"{folder}/model.safetensors")
+
+
+def _converted(cfg, arch: str, name: str, tensor: torch.Tensor, experts: dict[int, dict[str, torch.Tensor]],
+               legacy_ssm_in: bool) -> list[tuple[str, torch.Tensor]]:
+    """The converter's modify_tensors on one HF tensor: (HF-style name for gguf-py's map, tensor) pairs."""
+    if ".experts." in name:
+        return _stacked_experts(cfg, arch, name, tensor, experts)
+    if arch in ("lfm2", "lfm2moe"):
+        if name.endswith(".expert_bias"):
+            return [(name + ".bias", tensor)]  # LFM2MoeModel.filter_tensors
+        return [(name, tensor.squeeze(1) if "conv.conv" in name else tensor)]
+    name, tensor = _qwen35_tensor(cfg, name, tensor, reorder_v_heads=arch != "qwen3next")
+    if name.endswith("in_proj_qkvz.weight") and not legacy_ssm_in:
+        return _regroup_qkvz(cfg, name, tensor)
+    return [(name, tensor)]
+
+
+def _stacked_experts(cfg, arch: str, name: str, tensor: torch.Tensor,
+                     experts: dict[int, dict[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Qwen2MoeModel / LFM2MoeModel: a layer's experts, once all are seen, stacked (E, N, K) per part."""
+    layer = int(name.split(".")[2])
+    cache = experts.setdefault(layer, {})
+    cache[name] = tensor
+    if len(cache) < cfg.num_experts * 3:
+        return []
+    del experts[layer]
+    if arch == "lfm2moe":  # merged as `layers.N...` (no `model.`), the name gguf-py maps
+        block, parts, merged = "feed_forward", ("w1", "w2", "w3"), f"layers.{layer}.feed_forward.experts"
+    else:
+        block, parts, merged = "mlp", ("down_proj", "gate_proj", "up_proj"), f"model.layers.{layer}.mlp.experts"
+    return [(f"{merged}.{part}.weight", torch.stack([cache[f"model.layers.{layer}.{block}.experts.{e}.{part}.weight"]
+                                                     for e in range(cfg.num_experts)])) for part in parts]
+
+
+def _regroup_qkvz(cfg, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3NextModel: in_proj_qkvz ([q, k, v, z] per key head) -> attn_qkv (all q, all k, all v) and attn_gate."""
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    v_rows = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim
+    q, k, v, z = tensor.reshape(nk, -1, tensor.shape[1]).split([dk, dk, v_rows, v_rows], dim=1)
+    flat = [part.reshape(-1, tensor.shape[1]) for part in (q, k, v, z)]
+    layer = name.split(".")[2]
+    return [(f"blk.{layer}.attn_qkv.weight", torch.cat(flat[:3])), (f"blk.{layer}.attn_gate.weight", flat[3])]
+
+
 _FILE_TYPES = {gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
                gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
                gguf.GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
@@ -237,7 +312,8 @@ _FILE_TYPES = {gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
 
 
 def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, cfg, block_count: int, qtype) -> None:
-    """The keys TextModel.set_gguf_parameters and LFM2Model / Qwen3NextModel (+ Qwen3.5's mixins) write."""
+    """The keys TextModel.set_gguf_parameters and LFM2Model / LFM2MoeModel / Qwen2MoeModel / Qwen3NextModel (+
+    Qwen3.5's mixins) write."""
     rope = cfg.rope_parameters
     writer.add_block_count(block_count)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -245,15 +321,26 @@ def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, cfg, block_count: int, 
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_file_type(_FILE_TYPES[qtype])
-    if arch == "lfm2":
-        writer.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
-        writer.add_feed_forward_length(_lfm2_mlp_width(cfg))
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch in ("lfm2", "lfm2moe"):
+        writer.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in cfg.layer_types])
+        # LFM2-MoE's dense layers keep the configured width (TextModel's intermediate_size)
+        writer.add_feed_forward_length(_lfm2_mlp_width(cfg) if arch == "lfm2" else cfg.intermediate_size)
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_shortconv_l_cache(cfg.conv_L_cache)
         writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        if arch == "lfm2moe":
+            writer.add_leading_dense_block_count(cfg.num_dense_layers)
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         return
     layers = cfg.num_hidden_layers
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):  # Qwen3.5-MoE has none
+        writer.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_key_length(cfg.head_dim)
@@ -268,7 +355,8 @@ def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, cfg, block_count: int, 
                      [t == "linear_attention" for t in cfg.layer_types] + [False] * (block_count - layers))
     writer.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
     writer.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+    if arch != "qwen3next":
+        writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
     if block_count > layers:
         writer.add_nextn_predict_layers(block_count - layers)
 
@@ -284,10 +372,11 @@ def _lfm2_mlp_width(cfg) -> int:
     return width
 
 
-def _qwen35_tensor(cfg, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """_LinearAttentionVReorderBase then Qwen3NextModel.modify_tensors, on one HF tensor."""
+def _qwen35_tensor(cfg, name: str, tensor: torch.Tensor, reorder_v_heads: bool) -> tuple[str, torch.Tensor]:
+    """_LinearAttentionVReorderBase (Qwen3.5's, with `reorder_v_heads`) then Qwen3NextModel.modify_tensors, on one
+    HF tensor (but in_proj_qkvz's split)."""
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    if nk != nv and "linear_attn." in name:
+    if reorder_v_heads and nk != nv and "linear_attn." in name:
         r, dk, dv = nv // nk, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qk = 2 * nk * dk
         if ".in_proj_qkv." in name:
@@ -330,16 +419,22 @@ def _fuse_qkv(tensors: dict[str, torch.Tensor], cfg) -> None:
 
 
 def _random_mtp_block(layer: int, cfg) -> dict[str, torch.Tensor]:
-    """Some of the tensors of a Qwen3.5 MTP block (blk.N with N = num_hidden_layers), random."""
+    """Some of the tensors of a Qwen3.5 / Qwen3-Next MTP block (blk.N with N = num_hidden_layers), random."""
     gen = torch.Generator().manual_seed(layer)
     h, q_rows = cfg.hidden_size, 2 * cfg.num_attention_heads * cfg.head_dim
     shapes = {"nextn.eh_proj.weight": (h, 2 * h), "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
-              "nextn.shared_head_norm.weight": (h,), "attn_norm.weight": (h,), "attn_q.weight": (q_rows, h),
-              "ffn_up.weight": (cfg.intermediate_size, h)}
+              "nextn.shared_head_norm.weight": (h,), "attn_norm.weight": (h,), "attn_q.weight": (q_rows, h)}
+    if getattr(cfg, "num_experts", None):  # an MoE block: stacked experts too, which must be skipped as well
+        experts, width = cfg.num_experts, cfg.moe_intermediate_size
+        shapes.update({"ffn_gate_inp.weight": (experts, h), "ffn_up_exps.weight": (experts, width, h),
+                       "ffn_gate_inp_shexp.weight": (1, h)})
+    else:
+        shapes["ffn_up.weight"] = (cfg.intermediate_size, h)
     return {f"blk.{layer}.{name}": torch.randn(shape, generator=gen) for name, shape in shapes.items()}
 
 
 def _converter_quantizes(name: str, tensor: torch.Tensor) -> bool:
-    """ModelBase.prepare_tensors: 1-D tensors, norms, conv kernels and names without .weight stay F32."""
+    """ModelBase.prepare_tensors: 1-D tensors, norms, conv kernels, routers and names without .weight stay F32."""
     return (tensor.dim() >= 2 and name.endswith(".weight") and not name.endswith("_norm.weight")
-            and not name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")))
+            and not name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight", "ffn_gate_inp.weight",
+                                   "ffn_gate_inp_shexp.weight")))
