@@ -1,7 +1,10 @@
 """Which mixers a hybrid model's layers hold and where its checkpoint keeps their tensors.
 
 Plain names, no modules: the loader checks a checkpoint against `weight_names` before any model is
-built, and models/hybrid.py builds and loads each mixer from the same `sublayers`.
+built, and models/hybrid.py builds and loads each mixer from the same `sublayers`. Each family file's
+NAMES says, per layer kind, the layer's pre-norm residual steps as (norm, mixers) and, per mixer, its
+kind and tensor names; a step with several mixers runs them side by side on the normed input and sums
+their outputs (Falcon-H1's Mamba2 and attention, Granite's experts and shared MLP).
 """
 
 from __future__ import annotations
@@ -10,68 +13,95 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.models import lfm2, qwen3_5
+from conveyor.models import falcon_h1, granite_hybrid, lfm2, mamba2, nemotron_h, qwen3_5
 from conveyor.models.config import ModelConfig
 
-# Per family: HF tensor names of each mixer kind (relative to the mixer's prefix) and of the norms.
-FAMILY_NAMES: dict[str, dict[str, Any]] = {"lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES}
-
-# layer_types value -> the token mixer that runs it
-TOKEN_MIXERS = {"full_attention": "attention", "sliding_attention": "attention", "conv": "short_conv",
-                "linear_attention": "gated_deltanet"}
+FAMILY_NAMES: dict[str, dict[str, Any]] = {
+    "lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES, "granitemoehybrid": granite_hybrid.NAMES,
+    "nemotron_h": nemotron_h.NAMES, "falcon_h1": falcon_h1.NAMES, "mamba2": mamba2.NAMES,
+}
 
 
 @dataclass(frozen=True)
-class Sublayer:
-    """One pre-norm residual step of a layer: x + mixer(norm(x))."""
-
-    norm: str  # the norm's HF name under the layer prefix
-    kind: str  # attention | short_conv | gated_deltanet | mlp
-    names: dict[str, str]  # role -> HF name under `prefix` (FAMILY_NAMES)
+class MixerSpec:
+    kind: str  # attention | short_conv | gated_deltanet | mamba2 | mlp | moe | sigmoid_moe
+    names: dict[str, str]  # role -> HF name under `prefix` (the family's NAMES entry)
 
     @property
     def prefix(self) -> str:
         return self.names["prefix"]
 
 
+@dataclass(frozen=True)
+class Sublayer:
+    """One pre-norm residual step of a layer: x + sum of its mixers(norm(x))."""
+
+    norm: str  # the norm's HF name under the layer prefix
+    mixers: tuple[MixerSpec, ...]
+
+
 def sublayers(config: ModelConfig, layer: int) -> list[Sublayer]:
     names = FAMILY_NAMES[config.architecture]
-    token = TOKEN_MIXERS[config.layer_kind(layer)]
-    token_norm, channel_norm = names["norms"]
-    return [Sublayer(token_norm, token, names[token]), Sublayer(channel_norm, "mlp", names["mlp"])]
+    steps = names["layout"][config.layer_kind(layer)]
+    return [Sublayer(norm, tuple(MixerSpec(names[m]["kind"], names[m]) for m in mixers if _present(config, names[m])))
+            for norm, mixers in steps]
+
+
+def _present(config: ModelConfig, names: dict[str, str]) -> bool:
+    """Granite's experts exist only with num_local_experts > 0 (its dense models keep just the shared MLP)."""
+    return names["kind"] not in ("moe", "sigmoid_moe") or config.num_experts > 0
+
+
+def embedding_name(config: ModelConfig) -> str:
+    return FAMILY_NAMES[config.architecture]["embed"]
 
 
 def final_norm_name(config: ModelConfig) -> str:
     return FAMILY_NAMES[config.architecture]["final_norm"]
 
 
-def mixer_tensors(config: ModelConfig, sub: Sublayer) -> list[str]:
+def layer_prefix(config: ModelConfig, layer: int) -> str:
+    return f"{FAMILY_NAMES[config.architecture]['layers']}{layer}."
+
+
+def mixer_tensors(config: ModelConfig, spec: MixerSpec) -> list[str]:
     """The mixer's tensor names under its prefix."""
-    n = sub.names
-    if sub.kind == "attention":
+    n, kind = spec.names, spec.kind
+    if kind == "attention":
         out = [f"{n[p]}.weight" for p in ("q", "k", "v", "o")]
         if config.qk_norm:
             out += [f"{n['q_norm']}.weight", f"{n['k_norm']}.weight"]
         if config.attention_bias:
             out += [f"{n[p]}.bias" for p in ("q", "k", "v")]
         return out
-    if sub.kind == "short_conv":
+    if kind == "short_conv":
         out = [f"{n[p]}.weight" for p in ("in", "out", "conv")]
         return out + ([f"{n[p]}.bias" for p in ("in", "out", "conv")] if config.conv_bias else [])
-    if sub.kind == "gated_deltanet":
+    if kind == "gated_deltanet":
         return [f"{n[p]}.weight" for p in ("qkv", "z", "b", "a", "conv", "out", "norm")] + ["A_log", "dt_bias"]
-    if sub.kind == "mlp":
-        return [f"{n[p]}.weight" for p in ("gate", "up", "down")]
-    raise ValueError(f"unknown mixer kind {sub.kind!r}")
+    if kind == "mamba2":
+        out = [f"{n[p]}.weight" for p in ("in", "conv", "out")] + ["A_log", "D", "dt_bias"]
+        out += [f"{n['norm']}.weight"] if config.mamba_rms_norm else []
+        out += [f"{n['conv']}.bias"] if config.conv_bias else []
+        return out + ([f"{n[p]}.bias" for p in ("in", "out")] if config.mamba_proj_bias else [])
+    if kind == "mlp":  # gate and up apart, fused (Granite's input_linear), or up alone (relu^2)
+        return [f"{n[p]}.weight" for p in ("gate", "gate_up", "up", "down") if p in n]
+    if kind == "moe":  # experts stacked in 3-D tensors (Granite)
+        return [f"{n[p]}.weight" for p in ("router", "gate_up", "down")]
+    if kind == "sigmoid_moe":
+        out = [f"{n['router']}.weight", f"{n['router']}.e_score_correction_bias"]
+        out += [f"{n['experts']}.{e}.{n[p]}.weight" for e in range(config.num_experts) for p in ("up", "down")]
+        return out + [f"{n['shared']}.{n[p]}.weight" for p in ("up", "down")]
+    raise ValueError(f"unknown mixer kind {kind!r}")
 
 
 def weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
-    names = ["model.embed_tokens.weight", final_norm_name(config)]
+    names = [embedding_name(config), final_norm_name(config)]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
+        prefix = layer_prefix(config, i)
         for sub in sublayers(config, i):
             names.append(f"{prefix}{sub.norm}.weight")
-            names += [f"{prefix}{sub.prefix}{t}" for t in mixer_tensors(config, sub)]
+            names += [f"{prefix}{spec.prefix}{t}" for spec in sub.mixers for t in mixer_tensors(config, spec)]
     return names

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-# Where the checkpoint keeps each part, under `model.layers.N.` (see hybrid_layout.py).
+# Where the checkpoint keeps each part (see hybrid_layout.py): per layer kind, its sublayers as
+# (norm, mixers); each mixer's kind and tensor names under `model.layers.N.`.
 NAMES = {
-    "norms": ("operator_norm", "ffn_norm"), "final_norm": "model.embedding_norm.weight",
-    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj",
-                  "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
-    "short_conv": {"prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
-    "mlp": {"prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
+    "embed": "model.embed_tokens.weight", "layers": "model.layers.", "final_norm": "model.embedding_norm.weight",
+    "layout": {"conv": (("operator_norm", ("short_conv",)), ("ffn_norm", ("mlp",))),
+               "full_attention": (("operator_norm", ("attention",)), ("ffn_norm", ("mlp",)))},
+    "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
+                  "o": "out_proj", "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
+    "short_conv": {"kind": "short_conv", "prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
+    "mlp": {"kind": "mlp", "prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
 }
 
 

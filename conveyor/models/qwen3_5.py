@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 NAMES = {
-    "norms": ("input_layernorm", "post_attention_layernorm"), "final_norm": "model.norm.weight",
-    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-                  "q_norm": "q_norm", "k_norm": "k_norm"},
-    "gated_deltanet": {"prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z", "b": "in_proj_b",
-                       "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
-    "mlp": {"prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "embed": "model.embed_tokens.weight", "layers": "model.layers.", "final_norm": "model.norm.weight",
+    "layout": {"linear_attention": (("input_layernorm", ("gated_deltanet",)), ("post_attention_layernorm", ("mlp",))),
+               "full_attention": (("input_layernorm", ("attention",)), ("post_attention_layernorm", ("mlp",)))},
+    "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
+                  "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"},
+    "gated_deltanet": {"kind": "gated_deltanet", "prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z",
+                       "b": "in_proj_b", "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
+    "mlp": {"kind": "mlp", "prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
 }
 
 
