@@ -34,6 +34,9 @@ class EngineConfig:
     kv_cache_budget: str = "auto"  # auto | none | bytes (suffixes K/M/G accepted)
     enable_prefix_caching: bool = True
     prompt_cache_budget: str = "2G"  # cold cached prefixes kept (bytes, K/M/G); none = bounded by the pool only
+    # Hybrid models: recurrent-state snapshots kept at block boundaries of cached prompts (0: a hybrid's
+    # prompts never hit the prefix cache, as its state can only resume where a snapshot was taken).
+    state_snapshots: int = 8
     parallel: int = 4  # request slots; -1 = auto (4 slots sharing one unified KV window)
     max_batch_size: int = 0  # 0 = same as parallel
     ctx_size: int = 0  # 0 = the model's context; explicit = total budget split across slots
@@ -101,6 +104,7 @@ class EngineConfig:
         _require(self.prefill_grant_interval >= 0, "prefill_grant_interval must be >= 0")
         _require(0 <= self.speculative_ngram <= 16, "speculative_ngram must be in [0, 16]")
         _require(self.speculative_max_rows >= 1, "speculative_max_rows must be at least 1")
+        _require(self.state_snapshots >= 0, "state_snapshots must be >= 0")
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
         _require(self.grammar_cache_size >= 0, "grammar_cache_size must be >= 0")
@@ -296,6 +300,8 @@ FLAGS: list[Flag] = [
     Flag(("--kv-cache-budget",), "kv_cache_budget", help="KV pool cap: auto, none, or bytes (e.g. 2G)"),
     Flag(("--no-prompt-cache",), "enable_prefix_caching", switch=True, negate=True, help="disable prefix caching"),
     Flag(("--apc-enabled",), "enable_prefix_caching", _bool, "automatic prefix caching on/off (=false: --no-prompt-cache)"),
+    Flag(("--state-snapshots",), "state_snapshots", int,
+         "hybrid models: recurrent-state snapshots kept for prefix-cache hits (each costs one sequence's state; 0 = none)"),
     Flag(("--prompt-cache-budget",), "prompt_cache_budget",
          help="bytes of cold cached prefixes kept for reuse (K/M/G), none = only the KV pool bounds them"),
     Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots (-1 auto: 4 slots, unified KV)",

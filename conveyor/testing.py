@@ -164,6 +164,114 @@ def tiny_moe_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkp
                       name=f"tiny-random-{architecture}")
 
 
+# Tiny hybrid variants of tiny_config (models/hybrid.py): recurrent layers beside one attention layer.
+TINY_HYBRID = {
+    "lfm2": dict(architecture="lfm2", num_hidden_layers=4, qk_norm=True, conv_kernel_size=3,
+                 layer_types=("conv", "full_attention", "conv", "conv")),
+    "qwen3_5_text": dict(architecture="qwen3_5_text", num_hidden_layers=4, qk_norm=True, attn_output_gate=True,
+                         partial_rotary_factor=0.25, norm_weight_offset=1.0, conv_kernel_size=4,
+                         layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16),
+}
+# Their mixture-of-experts variants (4 experts, 2 per token): Qwen3-Next (shared expert with a sigmoid gate,
+# layer 2 dense) and LFM2-MoE (sigmoid router with an expert bias, the first layer dense).
+TINY_HYBRID["qwen3_next"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen3_next", num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                 shared_expert_gate=True, norm_topk_prob=False, dense_mlp_layers=(2,))
+TINY_HYBRID["lfm2_moe"] = dict(TINY_HYBRID["lfm2"], architecture="lfm2_moe", num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True,
+                               moe_renorm_eps=1e-6, routed_scaling_factor=1.5, dense_mlp_layers=(0,))
+
+
+def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named random weights of a hybrid model, one per name hybrid_layout expects (made in `dtype`:
+    benchmarks build real shapes in bf16). Stacked experts (Granite) come per expert, as select_weights leaves them."""
+    from conveyor.models.hybrid_layout import embedding_name, final_norm_name, layer_prefix, mixer_tensors, sublayers
+
+    gen = torch.Generator().manual_seed(seed)
+    h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.conv_kernel_size
+    q = config.num_attention_heads * d * (2 if config.attn_output_gate else 1)
+    kv = config.num_key_value_heads * d
+    hk, hv = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * config.linear_value_head_dim
+    inner, mh = config.mamba_inner_size, config.mamba_num_heads
+    bc = 2 * config.mamba_num_groups * config.mamba_state_size  # Mamba2's B and C
+    shapes = {  # (mixer kind, role) -> weight shape (a bias: its first dim); norms, A_log, dt_bias, D near usual values
+        ("attention", "q"): (q, h), ("attention", "k"): (kv, h), ("attention", "v"): (kv, h),
+        ("attention", "o"): (h, config.num_attention_heads * d), ("attention", "q_norm"): (d,),
+        ("attention", "k_norm"): (d,),
+        ("short_conv", "in"): (3 * h, h), ("short_conv", "out"): (h, h), ("short_conv", "conv"): (h, 1, k),
+        ("gated_deltanet", "qkv"): (2 * hk + hv, h), ("gated_deltanet", "z"): (hv, h),
+        ("gated_deltanet", "qkvz"): (2 * hk + 2 * hv, h), ("gated_deltanet", "ba"): (2 * config.linear_num_value_heads, h),
+        ("gated_deltanet", "b"): (config.linear_num_value_heads, h),
+        ("gated_deltanet", "a"): (config.linear_num_value_heads, h),
+        ("gated_deltanet", "conv"): (2 * hk + hv, 1, k), ("gated_deltanet", "out"): (h, hv),
+        ("gated_deltanet", "norm"): (config.linear_value_head_dim,),
+        ("gated_deltanet", "A_log"): (config.linear_num_value_heads,),
+        ("gated_deltanet", "dt_bias"): (config.linear_num_value_heads,),
+        ("mamba2", "in"): (2 * inner + bc + mh, h), ("mamba2", "conv"): (inner + bc, 1, k),
+        ("mamba2", "out"): (h, inner),
+        ("mamba2", "norm"): (inner,), ("mamba2", "A_log"): (mh,), ("mamba2", "dt_bias"): (mh,), ("mamba2", "D"): (mh,),
+        ("mlp", "gate"): (i, h), ("mlp", "up"): (i, h), ("mlp", "down"): (h, i), ("mlp", "gate_up"): (2 * i, h),
+    }
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    weights = {embedding_name(config): rand(config.vocab_size, h) * 5, final_norm_name(config): 1 + rand(h)}
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = rand(config.vocab_size, h)
+    for n in range(config.num_hidden_layers):
+        prefix = layer_prefix(config, n)
+        for sub in sublayers(config, n):
+            weights[f"{prefix}{sub.norm}.weight"] = 1 + rand(h)
+            for spec in sub.mixers:
+                if spec.kind == "moe":
+                    weights.update({prefix + name: rand(*shape) for name, shape in _moe_shapes(config).items()})
+                    continue
+                roles = {"A_log": ("A_log", False), "dt_bias": ("dt_bias", False), "D": ("D", False)}
+                for role, name in spec.names.items():
+                    if role not in ("kind", "prefix"):
+                        roles.update({f"{name}.weight": (role, False), f"{name}.bias": (role, True)})
+                for tensor in mixer_tensors(config, spec):
+                    role, is_bias = roles[tensor]
+                    shape = shapes[(spec.kind, role)][:1] if is_bias else shapes[(spec.kind, role)]
+                    weights[f"{prefix}{spec.prefix}{tensor}"] = (
+                        rand(*shape) if is_bias else 1 + rand(*shape) if role.endswith("norm") or role == "D"
+                        else rand(*shape) * 5 if role in ("A_log", "dt_bias") else rand(*shape))
+    return weights
+
+
+def _moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A sparse block's tensor shapes by name under its layer prefix (router, experts, shared expert, bias)."""
+    names, h = EXPERT_NAMES[config.architecture], config.hidden_size
+    parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")  # relu^2 experts: no gate
+
+    def expert(width: int, name) -> dict[str, tuple[int, ...]]:  # name(part) -> that part's tensor name
+        return {name(part): (h, width) if part == "down" else (width, h) for part in parts}
+
+    shapes = {names.router(""): (config.num_experts, h)}
+    for e in range(config.num_experts):
+        shapes.update(expert(config.moe_intermediate_size, lambda part: names.expert("", e, part)))
+    if config.shared_expert_intermediate_size:
+        shapes.update(expert(config.shared_expert_intermediate_size, lambda part: names.shared("", part)))
+        if config.shared_expert_gate:
+            shapes[names.shared_gate("")] = (1, h)
+    if config.moe_expert_bias:
+        shapes[names.expert_bias("")] = (config.num_experts,)
+    return shapes
+
+
+def tiny_hybrid_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
+    """tiny_checkpoint as a random hybrid of TINY_HYBRID (weights under that family's HF names)."""
+    tokenizer = smollm_tokenizer()
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                         **{**TINY_HYBRID[architecture], **overrides})
+    return Checkpoint(config=config, weights=random_hybrid_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name=f"tiny-random-{architecture}")
+
+
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     """The tiny random model as a Hugging Face directory, for tests that start real server processes."""
     import json

@@ -9,7 +9,7 @@
 # SKIP_CROSS=1 skips the aarch64 check where its compiler cannot be installed (never in CI).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py
+LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py tests/engine/test_hybrid_engine.py
              tests/engine/test_kv_pressure_and_prefix.py)
 
 if [ "$(uname -m)" != x86_64 ]; then

@@ -74,6 +74,7 @@ class KVPayload(msgspec.Struct, forbid_unknown_fields=True):
     head_dim: int
     dtype: str
     data: bytes
+    state: bytes = b""  # hybrid models: the recurrent state after those tokens (KVBlob.state)
 
 
 class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):

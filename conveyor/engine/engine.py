@@ -23,13 +23,16 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.scheduling_policy import SchedulerConfig
 from conveyor.engine.spec_policy import SpecPolicy, machine_id
+from conveyor.engine.state_pool import StatePool
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
+from conveyor.models.config import ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
-from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block
+from conveyor.models.cache_specs import state_bytes_per_slot
+from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block, model_cache_specs
 from conveyor.structured.compiler import GrammarCompiler
 from conveyor.structured.masks import GrammarMasker, MaskJob
 
@@ -50,7 +53,7 @@ def resolve_device(name: str) -> torch.device:
 def prompt_cache_blocks(budget: str, bytes_per_block: int) -> int | None:
     """--prompt-cache-budget in blocks: how many cold cached prefix blocks the pool keeps (None = no own cap)."""
     value = parse_kv_budget(budget)
-    if value is None or value == -1:
+    if value is None or value == -1 or not bytes_per_block:
         return None
     return max(value // bytes_per_block, 0)
 
@@ -107,15 +110,17 @@ class EngineCore:
         if self.draft is not None:
             bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.dtype)
         self.max_batch_size = config.effective_max_batch_size
+        self.states = self._state_pool(config, model_cache_specs(model, checkpoint.config))
         self.pool_plan: KVPoolPlan = plan_kv_pool(
             model_max_len=checkpoint.config.max_position_embeddings, ctx_size=config.ctx_size,
             num_slots=self.max_batch_size, kv_unified=config.effective_kv_unified, block_size=config.block_size,
             bytes_per_block=bytes_per_block, budget=parse_kv_budget(config.kv_cache_budget),
-            weight_bytes=weight_bytes, max_kv_tokens=config.max_kv_size)
+            weight_bytes=weight_bytes, max_kv_tokens=config.max_kv_size,
+            state_bytes=self.states.total_bytes if self.states is not None else 0)
         self.max_model_len = self.pool_plan.max_model_len
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching,
                               max_cached_free=prompt_cache_blocks(config.prompt_cache_budget, bytes_per_block))
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.states)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
@@ -133,7 +138,8 @@ class EngineCore:
         if self.spec_policy is not None:
             self.scheduler.draft_gate = self.spec_policy.allows
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
-                                  self.device, self.backend, seed=config.seed, drafter=self._drafter(config))
+                                  self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
+                                  num_state_slots=self.states.num_slots if self.states is not None else 0)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -146,6 +152,22 @@ class EngineCore:
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
         progress.finish()
+
+    def _state_pool(self, config: EngineConfig, specs: list) -> StatePool | None:
+        """Hybrid models: one recurrent-state slot per sequence slot, one per speculating row (its rollback
+        point) and the prefix snapshots; none for a model without recurrent layers."""
+        bytes_per_slot = state_bytes_per_slot(specs)
+        if not bytes_per_slot:
+            return None
+        if self.draft is not None and state_bytes_per_slot(model_cache_specs(self.draft.model, self.draft.config)):
+            raise ModelConfigError("a hybrid (recurrent) draft model cannot roll back its state: use an "
+                                   "attention-only draft model")
+        speculating = self.max_batch_size if (config.ngram_enabled or self.draft is not None) else 0
+        snapshots = config.state_snapshots if config.enable_prefix_caching else 0
+        pool = StatePool(self.max_batch_size + speculating + snapshots, bytes_per_slot, snapshots)
+        logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d prefix snapshots)",
+                    pool.num_slots, bytes_per_slot / 2**20, self.max_batch_size, speculating, snapshots)
+        return pool
 
     def _drafter(self, config: EngineConfig) -> DraftRunner | None:
         if self.draft is None:
@@ -186,6 +208,27 @@ class EngineCore:
         return {"weight_dtype": self.config.weight_dtype, "formats": dict(self.weight_formats),
                 "bytes": sum(self.weight_formats.values()),
                 "quantized_kernel": qgemm.backend() if qgemm is not None else None}
+
+    def layers_report(self) -> dict:
+        """What /props and /v1/models say about the layers: how many of each kind, and what a sequence's
+        recurrent state costs (hybrid models; 0 for attention-only ones)."""
+        cfg = self.model_config
+        kinds: dict[str, int] = {}
+        for i in range(cfg.num_hidden_layers):
+            kinds[cfg.layer_kind(i)] = kinds.get(cfg.layer_kind(i), 0) + 1
+        return {"layer_kinds": kinds, "attention_layers": cfg.num_attention_layers,
+                "state_bytes_per_sequence": self.states.bytes_per_slot if self.states is not None else 0}
+
+    def state_report(self) -> dict | None:
+        """/v1/cache/stats, /metrics and the web page: the recurrent-state slots (None without any)."""
+        if self.states is None:
+            return None
+        stats = self.states.stats()
+        return {"slots": stats.num_slots, "live": stats.num_live, "scratch": stats.num_scratch,
+                "snapshots": stats.num_snapshots, "max_snapshots": self.states.max_snapshots, "free": stats.num_free,
+                "bytes_per_slot": stats.bytes_per_slot, "bytes_reserved": self.states.total_bytes,
+                "bytes_in_use": (stats.num_live + stats.num_scratch + stats.num_snapshots) * stats.bytes_per_slot,
+                "snapshot_hits": stats.num_snapshot_hits, "snapshot_evictions": stats.num_snapshot_evictions}
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
@@ -275,6 +318,8 @@ class EngineCore:
             result = self.runner.execute(plan, masks) if masks is not None else self.runner.execute(plan)
         except Exception as exc:  # a failed forward ends only the requests that were in it
             logger.exception("model step failed")
+            if self.states is not None:
+                self.kv.release_step(plan)
             self.counters.num_failed_steps += 1
             self.counters.consecutive_failures += 1
             failed = self.scheduler.finish_all([c.request_id for c in plan.chunks], RequestStatus.FINISHED_ERROR,
@@ -293,7 +338,9 @@ class EngineCore:
         if self.kv_transfer.handoff_ids:
             self.kv_transfer.after_step(outputs)
         if not self.scheduler.has_work():
-            self.pool.check_integrity()  # cheap when idle; proves nothing leaked
+            self.kv.check_integrity()  # cheap when idle; proves nothing leaked
+            if self.states is not None:
+                assert self.states.all_free(), "a recurrent-state slot outlived its request"
         return outputs
 
     def _stop_string_ends(self, request: Request, token_id: int) -> bool:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.outputs import SchedulerOutput
 from conveyor.engine.request import Request
+from conveyor.engine.state_pool import StatePool
 
 
 def chain_hashes(token_ids: list[int], block_size: int, num_full_blocks: int,
@@ -22,6 +24,8 @@ def chain_hashes(token_ids: list[int], block_size: int, num_full_blocks: int,
 class PrefixHit:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    state_source: int | None = None  # hybrid models: the snapshot slot holding the state after num_tokens
+    num_matched_blocks: int = 0  # blocks the K/V cache matched (a hybrid's hit may stop short, at a snapshot)
 
 
 @dataclass
@@ -31,13 +35,20 @@ class CacheCounters:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    """Attention K/V in blocks, and (hybrid models) each sequence's recurrent state in a slot of `states`."""
+
+    def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.states = states
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
+        self.req_slots: dict[str, int] = {}  # request -> its state slot (hybrid models)
+        # Prefix lengths (whole blocks) whose state a request snapshots as its prefill passes them.
+        self._snapshot_targets: dict[str, tuple[int, ...]] = {}
         self.counters = CacheCounters()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
+        self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) state slots, likewise
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -50,18 +61,32 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = len(tokens) // self.block_size
         hit = PrefixHit()
-        parent = None
+        hashes: list[int] = []
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash((parent, block_tokens))
-            block = self.pool.lookup(parent, block_tokens)
+            hashes.append(hash((hashes[-1] if hashes else None, block_tokens)))
+            block = self.pool.lookup(hashes[-1], block_tokens)
             if block is None:
                 break
             hit.blocks.append(block)
+        hit.num_matched_blocks = len(hit.blocks)
+        if self.states is not None:
+            return self._hybrid_hit(len(tokens), hashes, hit)
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
         return hit
+
+    def _hybrid_hit(self, num_tokens: int, hashes: list[int], hit: PrefixHit) -> PrefixHit:
+        """A hybrid resumes only where a state snapshot exists: the longest matched prefix of whole blocks
+        that has one and leaves at least one token to run (`hashes`: the chained hash of each block)."""
+        for num_blocks in range(len(hit.blocks), 0, -1):
+            if num_blocks * self.block_size > num_tokens - 1:
+                continue
+            slot = self.states.lookup(hashes[num_blocks - 1])
+            if slot is not None:
+                return PrefixHit(hit.blocks[:num_blocks], num_blocks * self.block_size, slot, hit.num_matched_blocks)
+        return PrefixHit(num_matched_blocks=hit.num_matched_blocks)
 
     def num_blocks_to_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> int:
         """Fresh blocks an admission needs: the adopted prefix is already paid for, unless it sits free-cached."""
@@ -71,8 +96,10 @@ class KVCacheManager:
         return max(need, 0) + revived + copy
 
     def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
-        """All-or-nothing: adopt the prefix and allocate room for num_new_tokens more."""
+        """All-or-nothing: adopt the prefix and allocate room for num_new_tokens more (and a state slot)."""
         if self.num_blocks_to_admit(request, hit, num_new_tokens) > self.pool.num_free_blocks:
+            return False
+        if self.states is not None and not self._take_state_slot(request, hit):
             return False
         self.pool.share(hit.blocks)
         self.req_blocks[request.request_id] = list(hit.blocks)
@@ -89,10 +116,64 @@ class KVCacheManager:
         self.counters.miss_tokens += request.num_tokens - hit.num_tokens
         return True
 
-    def assign(self, request: Request, blocks: list[int]) -> None:
-        """Hand freshly allocated blocks to a request whose KV arrives from elsewhere (a KV import)."""
+    def _take_state_slot(self, request: Request, hit: PrefixHit) -> bool:
+        slot = self.states.allocate()
+        if slot is None:
+            return False
+        self.req_slots[request.request_id] = slot
+        if hit.state_source is not None:  # resume from the prefix's snapshot
+            self.pending_state_copies.append((hit.state_source, slot))
+            self.states.num_snapshot_hits += 1
+        if self.states.max_snapshots and request.cache_prompt and self.pool.enable_caching:
+            # Snapshot where this prompt's last whole block ends (the next turn of a chat extends it), and
+            # where the K/V cache matched it (a prefix others share, such as a system prompt).
+            prompt_end = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            matched = hit.num_matched_blocks * self.block_size
+            self._snapshot_targets[request.request_id] = tuple(sorted(
+                {b for b in (prompt_end, matched) if hit.num_tokens < b <= request.num_tokens - 1}))
+        return True
+
+    def plan_snapshots(self, request: Request, start: int, num_tokens: int) -> tuple[list[tuple[int, int]],
+                                                                                  list[tuple[int, int]]]:
+        """Snapshots a chunk [start, start + num_tokens) takes: ([(tokens in, slot)], [(prefix hash, slot)])."""
+        targets = [b for b in self._snapshot_targets.get(request.request_id, ()) if start < b <= start + num_tokens]
+        at, pending = [], []
+        for boundary in targets:
+            prefix_hash = chain_hashes(request.all_token_ids, self.block_size, boundary // self.block_size)[-1]
+            if self.states.has_snapshot(prefix_hash):
+                continue
+            slot = self.states.reserve_snapshot()
+            if slot is None:
+                break
+            at.append((boundary - start, slot))
+            pending.append((prefix_hash, slot))
+        return at, pending
+
+    def commit_snapshots(self, pending: list[tuple[int, int]]) -> None:
+        for prefix_hash, slot in pending:
+            self.states.commit_snapshot(prefix_hash, slot)
+
+    def abandon_snapshots(self, pending: list[tuple[int, int]]) -> None:
+        """The forward that would have written them failed: the slots go back unwritten."""
+        for _, slot in pending:
+            self.states.free(slot)
+
+    def release_step(self, plan: SchedulerOutput) -> None:
+        """A forward failed: its snapshot and rollback slots go back unwritten (update() never ran)."""
+        self.abandon_snapshots(plan.pending_snapshots)
+        for chunk in plan.chunks:
+            if chunk.rollback_slot is not None:
+                self.states.free(chunk.rollback_slot)
+
+    def state_slot(self, request_id: str) -> int | None:
+        return self.req_slots.get(request_id)
+
+    def assign(self, request: Request, blocks: list[int], state_slot: int | None = None) -> None:
+        """Hand freshly allocated blocks (and state slot) to a request whose KV arrives from elsewhere."""
         self.req_blocks[request.request_id] = list(blocks)
         self._req_hashes[request.request_id] = []
+        if state_slot is not None:
+            self.req_slots[request.request_id] = state_slot
 
     # -- growth ------------------------------------------------------------------------------
     def grow(self, request: Request, total_tokens: int) -> bool:
@@ -142,8 +223,18 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._req_hashes.pop(request.request_id, None)
+        self._snapshot_targets.pop(request.request_id, None)
         if blocks:
             self.pool.free(blocks)
+        slot = self.req_slots.pop(request.request_id, None)
+        if slot is not None:
+            self.states.free(slot)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()
+            assert len(set(self.req_slots.values())) == len(self.req_slots), "two requests share a state slot"
 
     def block_table(self, request_id: str) -> list[int]:
         return self.req_blocks[request_id]

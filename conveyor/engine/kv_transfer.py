@@ -38,6 +38,9 @@ class KVBlob:
     head_dim: int
     dtype: str
     data: bytes
+    # Hybrid models: the sequence's recurrent state after those tokens, every recurrent layer's fp32 tensors
+    # flattened in order (empty for attention-only models).
+    state: bytes = b""
 
     @property
     def expected_bytes(self) -> int:
@@ -95,14 +98,19 @@ class KVTransfer:
     def _export(self, request: Request) -> KVHandoff:
         core = self.core
         slots = self._slots(core.kv.block_table(request.request_id), request.num_computed_tokens)
-        first = core.runner.kv_caches[0][0]
-        heads, dim = first.shape[2], first.shape[3]
-        kv = torch.empty(len(core.runner.kv_caches), 2, len(slots), heads, dim, dtype=first.dtype)  # (L, 2, T, H, D)
-        for layer, caches in enumerate(core.runner.kv_caches):
+        layers = core.runner.kv_layers()
+        heads, dim = core.model_config.num_key_value_heads, core.model_config.head_dim
+        kv = torch.empty(len(layers), 2, len(slots), heads, dim, dtype=core.dtype)  # (L, 2, T, H, D)
+        for layer, caches in enumerate(layers):
             for i, cache in enumerate(caches):  # index_select: one contiguous copy per layer, no temporaries
                 kv[layer, i] = torch.index_select(cache.view(-1, heads, dim), 0, slots).cpu()
+        state = b""
+        slot = core.kv.state_slot(request.request_id)
+        if slot is not None:
+            parts = [tensor[slot].reshape(-1).cpu() for layer in core.runner.state_layers() for tensor in layer]
+            state = torch.cat(parts).view(torch.uint8).numpy().tobytes()
         blob = KVBlob(num_layers=kv.shape[0], num_tokens=kv.shape[2], num_kv_heads=kv.shape[3], head_dim=kv.shape[4],
-                      dtype=_DTYPE_NAMES[kv.dtype], data=kv.view(torch.uint8).numpy().tobytes())
+                      dtype=_DTYPE_NAMES[kv.dtype], data=kv.view(torch.uint8).numpy().tobytes(), state=state)
         self.stats.num_exported += 1
         self.stats.exported_bytes += len(blob.data)
         return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id))
@@ -112,12 +120,16 @@ class KVTransfer:
         """ValueError unless the blob fits this engine's KV cache exactly (any thread)."""
         core = self.core
         cfg = core.model_config
-        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, _DTYPE_NAMES.get(core.dtype))
+        want = (cfg.num_attention_layers, cfg.num_key_value_heads, cfg.head_dim, _DTYPE_NAMES.get(core.dtype))
         got = (blob.num_layers, blob.num_kv_heads, blob.head_dim, blob.dtype)
         if want != got:
             raise ValueError(f"KV layout (layers, kv_heads, head_dim, dtype) {got} does not match this node's {want}")
         if blob.num_tokens < 1 or len(blob.data) != blob.expected_bytes:
             raise ValueError(f"KV payload has {len(blob.data)} bytes, expected {blob.expected_bytes}")
+        state_bytes = core.states.bytes_per_slot if core.states is not None else 0
+        if len(blob.state) != state_bytes:
+            raise ValueError(f"recurrent state payload has {len(blob.state)} bytes, this node's model keeps "
+                             f"{state_bytes} per sequence")
 
     def stage_import(self, request: Request, blob: KVBlob, rng_state: bytes | None = None) -> None:
         """Call before submitting `request` (prompt + first token): add_request will import the KV."""
@@ -150,20 +162,38 @@ class KVTransfer:
 
     def _scatter(self, request: Request, blob: KVBlob) -> bool:
         core = self.core
+        slot = core.states.allocate() if core.states is not None else None
+        if core.states is not None and slot is None:
+            return False
         blocks = core.pool.allocate(core.kv.blocks_needed(blob.num_tokens + 1))  # + the first token's own KV
         if blocks is None:
+            if slot is not None:
+                core.states.free(slot)
             return False
-        core.kv.assign(request, blocks)
+        core.kv.assign(request, blocks, slot)
+        if slot is not None:
+            self._write_state(slot, blob.state)
         with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only read (copied into the pool)
             warnings.simplefilter("ignore", UserWarning)
             kv = torch.frombuffer(blob.data, dtype=torch.uint8).view(_DTYPES[blob.dtype])
         kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
         slots = self._slots(blocks, blob.num_tokens)
-        for layer, caches in enumerate(core.runner.kv_caches):
+        for layer, caches in enumerate(core.runner.kv_layers()):
             for i, cache in enumerate(caches):
                 heads, dim = cache.shape[2], cache.shape[3]
                 cache.view(-1, heads, dim).index_copy_(0, slots, kv[layer, i].to(cache.device))
         return True
+
+    def _write_state(self, slot: int, data: bytes) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8).view(torch.float32)
+        offset = 0
+        for layer in self.core.runner.state_layers():
+            for tensor in layer:
+                size = tensor[slot].numel()
+                tensor[slot] = flat[offset:offset + size].view(tensor.shape[1:]).to(tensor.device)
+                offset += size
 
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
         block_size = self.core.kv.block_size

@@ -50,9 +50,10 @@ def per_slot_window(model_max_len: int, ctx_size: int, num_slots: int, kv_unifie
 
 def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unified: bool, block_size: int,
                  bytes_per_block: int, budget: int | None, weight_bytes: int,
-                 free_bytes: int | None = None, max_kv_tokens: int = 0) -> KVPoolPlan:
+                 free_bytes: int | None = None, max_kv_tokens: int = 0, state_bytes: int = 0) -> KVPoolPlan:
     """budget: -1 = auto, None = unbounded, else bytes. max_kv_tokens (--max-kv-size) caps the pool
-    and each slot's window in tokens; 0 = no cap."""
+    and each slot's window in tokens; 0 = no cap. state_bytes (hybrid models' recurrent-state slots) come
+    out of the budget first."""
     window = per_slot_window(model_max_len, ctx_size, num_slots, kv_unified)
     if max_kv_tokens:
         if max_kv_tokens < MIN_TOKENS_PER_SLOT:
@@ -70,10 +71,13 @@ def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unifie
         free = available_memory_bytes() if free_bytes is None else free_bytes
         budget = max(int((free - weight_bytes) * AUTO_BUDGET_FRACTION) - ACTIVATION_HEADROOM_BYTES, 0)
         source = "auto"
-    num_blocks = min(wanted, budget // bytes_per_block)
+    if not bytes_per_block:  # no attention layer (a pure Mamba2 model): blocks only count positions
+        return KVPoolPlan(window, wanted, 0, budget, source)
+    num_blocks = min(wanted, max(budget - state_bytes, 0) // bytes_per_block)
     if num_blocks < blocks_per_slot:
         if source == "explicit":
-            raise ValueError(f"--kv-cache-budget {budget} bytes holds {budget // bytes_per_block} blocks, "
+            state = f" after {state_bytes} bytes of recurrent state" if state_bytes else ""
+            raise ValueError(f"--kv-cache-budget {budget} bytes holds {num_blocks} blocks{state}, "
                              f"fewer than one slot's window needs ({blocks_per_slot})")
         num_blocks = blocks_per_slot  # auto never makes one request impossible
     return KVPoolPlan(window, num_blocks, bytes_per_block, budget, source)

@@ -36,6 +36,9 @@ class ScheduledChunk:
     output_token_ids: tuple[int, ...] | None = None
     # Hybrid models: the request's recurrent-state slot (engine/state_pool.py); None without recurrent layers.
     state_slot: int | None = None
+    # (tokens of this chunk processed, slot): copy the state there at that point (prefix snapshots, rollback)
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    rollback_slot: int | None = None  # speculation: the state after the real token, restored if a draft misses
 
 
 @dataclass
@@ -43,6 +46,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their sampling state
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots, before the forward
+    # Prefix snapshots this forward writes: (prefix hash, slot), committed to the pool once it ran.
+    pending_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -106,10 +106,31 @@ class Scheduler:
             self._schedule_alternate(out, decode_rows, parked, chunk)
         if self.config.speculative_ngram or self.config.draft_model_tokens:
             self._add_drafts(out)
+        if self.kv.states is not None:
+            self._plan_states(out)
         self._count_step(out)
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
         return out
+
+    def _plan_states(self, out: SchedulerOutput) -> None:
+        """Hybrid models: each chunk's state slot, the prefix snapshots it takes, and for a chunk with drafts
+        the slot that keeps the state after its real token (restored in update() if a draft misses)."""
+        for chunk in out.chunks:
+            request = self.requests[chunk.request_id]
+            chunk.state_slot = self.kv.state_slot(chunk.request_id)
+            real_tokens = len(chunk.token_ids) - chunk.num_draft_tokens
+            if chunk.num_draft_tokens or chunk.draft is not None:
+                chunk.rollback_slot = self.kv.states.allocate_scratch()
+                if chunk.rollback_slot is None:  # no room to roll back: no drafts this tick
+                    chunk.token_ids, chunk.num_draft_tokens, chunk.draft = chunk.token_ids[:real_tokens], 0, None
+                else:
+                    chunk.state_snapshots.append((1, chunk.rollback_slot))
+            at, pending = self.kv.plan_snapshots(request, chunk.start_position, real_tokens)
+            chunk.state_snapshots += at
+            out.pending_snapshots += pending
+        out.state_copies = self.kv.pending_state_copies
+        self.kv.pending_state_copies = []
 
     def _schedule_alternate(self, out: SchedulerOutput, decode_rows: list[Request], parked: list[Request],
                             chunk: int) -> None:
@@ -290,9 +311,13 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
         """Apply a forward's results; returns each request that received tokens this tick, with how many."""
         advanced = []
+        if plan.pending_snapshots:
+            self.kv.commit_snapshots(plan.pending_snapshots)
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
+                if chunk.rollback_slot is not None:
+                    self.kv.states.free(chunk.rollback_slot)
                 continue  # aborted while the forward ran
             token = result.sampled_token_ids.get(chunk.request_id)
             new_tokens = [token] if chunk.sample and token is not None else []
@@ -303,7 +328,15 @@ class Scheduler:
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
                 request.spec_skip_ticks = 2 ** request.spec_rejections - 1
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
-            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens + accepted
+            computed = len(chunk.token_ids) - chunk.num_draft_tokens + accepted
+            if chunk.rollback_slot is not None:
+                if accepted < len(drafts):
+                    # A recurrent state cannot step back: restore it after the real token and recompute the
+                    # accepted drafts next tick (their K/V is rewritten with the same bits).
+                    computed -= accepted
+                    self.kv.pending_state_copies.append((chunk.rollback_slot, chunk.state_slot))
+                self.kv.states.free(chunk.rollback_slot)
+            request.num_computed_tokens += computed
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
             count, status = self._append_tokens(request, new_tokens)
@@ -396,5 +429,6 @@ def _verify(drafts: list[int], verified: list[int]) -> tuple[list[int], int]:
 
 
 def _is_decode_row(request: Request) -> bool:
-    """One token left to compute: the row samples on its next forward."""
-    return request.num_tokens - request.num_computed_tokens == 1
+    """The row samples on its next forward: one token left to compute, or a hybrid's few accepted drafts
+    recomputed after a state rollback (DECODING with more than one left), which ride with the decode rows."""
+    return request.num_tokens - request.num_computed_tokens == 1 or request.status == RequestStatus.DECODING

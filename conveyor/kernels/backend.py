@@ -214,6 +214,12 @@ class KernelBackend:
             return self.recurrent.sigmoid_mul(x, gate)
         return x * torch.sigmoid(gate)
 
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x) rounded to x's dtype, a scalar call per element (MoE router scores and shared-expert gates)."""
+        if self._runs_recurrent(x):
+            return self.recurrent.sigmoid(x)
+        return torch.sigmoid(x)
+
 
 _ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm", "recurrent": "recurrent"}
 

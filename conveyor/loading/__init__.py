@@ -4,6 +4,7 @@ loader.py         load_checkpoint(path): picks the loader from the path
 checkpoint.py     Checkpoint, LoadError, the expected HF weight names
 hf_loader.py      config.json + *.safetensors + tokenizer.json/tokenizer_config.json
 gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF, undo llama.cpp's q/k row permutation
+gguf_hybrid.py    hybrid GGUFs (lfm2, qwen35): their config fields, HF names, and the converter's transforms undone
 gguf_config.py    GGUF metadata -> ModelConfig (incl. rope scaling)
 gguf_tokenizer.py GGUF vocabulary -> `tokenizers` BPE (byte-level or SentencePiece-style)
 tokenizer.py      Tokenizer: encode/decode, eos ids, chat template

@@ -101,8 +101,29 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
     return names
 
 
+def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
+    """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub, Granite 4.0-H: gate|up (E, 2I, H),
+    down (E, H, I)) as the per-expert tensors the models load: views, no copy."""
+    names = EXPERT_NAMES.get(config.architecture)
+    if names is None or not any(name.endswith("." + names.stacked("", "down")) for name in weights):
+        return weights
+    out = dict(weights)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for part, pieces in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            stacked = out.pop(names.stacked(prefix, part), None)
+            if stacked is None:
+                continue
+            if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 or len(stacked) != config.num_experts:
+                raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
+            for piece, tensors in zip(pieces, stacked.chunk(len(pieces), dim=1)):
+                out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})
+    return out
+
+
 def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
     """Keep exactly the expected parameters; extras (a tied lm_head, rotary buffers) are dropped."""
+    weights = unstack_experts(config, weights, source)
     names = expected_weight_names(config, weights.keys())
     missing = [name for name in names if name not in weights]
     if missing:

@@ -8,13 +8,14 @@ from typing import Any
 import gguf
 import numpy as np
 
+from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
 from conveyor.models.config import ModelConfig, ModelConfigError
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                       "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
-                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "lfm2": "lfm2", "qwen35": "qwen3_5_text"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
@@ -43,6 +44,9 @@ def _scalar(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
 
 def config_from_gguf(reader: gguf.GGUFReader, source: str) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
+    if arch in gguf_hybrid.UNSUPPORTED_HYBRIDS:
+        raise LoadError(f"{source}: GGUF architecture {arch!r} ({gguf_hybrid.UNSUPPORTED_HYBRIDS[arch]}) is not "
+                        f"supported yet; hybrids that load: {', '.join(gguf_hybrid.HYBRID_GGUF_ARCHITECTURES)}")
     if arch not in GGUF_ARCHITECTURES:
         raise LoadError(f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
@@ -68,14 +72,16 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     if architecture == "llama" and int(meta("expert_count", 0)):
         architecture = "mixtral"  # convert_hf_to_gguf writes Mixtral as llama with experts
     q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    # Multi-token-prediction blocks (Qwen3.5's draft head) are counted in block_count, after the last layer.
+    num_layers = int(meta("block_count")) - int(meta("nextn_predict_layers", 0))
     fields = dict(
         architecture=architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        num_key_value_heads=_kv_heads(meta("attention.head_count_kv", heads), source),
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -90,7 +96,20 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         **_moe_fields(architecture, meta, tensors),
     )
     fields.update(_family_fields(reader, arch, tensors, fields))
+    if arch in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
+        fields.update(gguf_hybrid.config_fields(arch, lambda key: field_value(reader, f"{arch}.{key}"), tensors,
+                                                fields, source))
     return ModelConfig(**fields)
+
+
+def _kv_heads(value: Any, source: str) -> int:
+    """K/V heads: one number, or one per layer where recurrent layers have 0 (LFM2 and the Mamba hybrids)."""
+    if not isinstance(value, list):
+        return int(value)
+    counts = {int(n) for n in value} - {0}
+    if len(counts) != 1:
+        raise LoadError(f"{source}: per-layer K/V head counts {sorted(counts)} are not supported")
+    return counts.pop()
 
 
 def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict[str, Any]) -> dict[str, Any]:

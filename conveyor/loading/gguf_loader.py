@@ -25,6 +25,7 @@ import torch
 from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf, field_value
+from conveyor.loading.gguf_hybrid import HYBRID_GGUF_ARCHITECTURES, HybridTensors
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
@@ -103,14 +104,20 @@ def load_gguf(path: str) -> Checkpoint:
     arch = field_value(reader, "general.architecture")
     mapping = _FileMapping(reader)
     weights: dict[str, Weight] = {}
+    hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
+            continue
+        if hybrid is not None:
+            weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
             continue
         name = hf_name(tensor.name, path, arch)
         weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
+    if hybrid is not None:
+        hybrid.report()
     _warn_dequantized(reader)
     tokenizer = tokenizer_from_gguf(reader, path)
     if tokenizer.eos_token_ids:

@@ -22,11 +22,16 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's split with combining marks (\p{M}) kept inside words.
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # `tokenizer.ggml.pre` names whose split differs from GPT-2's; the rest use ByteLevel's built-in GPT-2 regex.
 PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "lfm2": _LLAMA3_SPLIT, "qwen35": _QWEN35_SPLIT,
 }
+# `tokenizer.ggml.pre` names for which llama.cpp adds BOS when the file does not say (besides SentencePiece).
+ADD_BOS_PRE = ("lfm2",)
 
 
 def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
@@ -51,8 +56,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     special = {"bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
                "pad_token": token("padding")}
     extra_eos = [field_value(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
-    # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
-    add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    # llama.cpp adds BOS for SentencePiece vocabularies (and a few pre-tokenizers) unless the file says otherwise.
+    default_bos = kind == "llama" or field_value(reader, "tokenizer.ggml.pre") in ADD_BOS_PRE
+    add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", default_bos))
     add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
     template = field_value(reader, "tokenizer.chat_template")
     arch = field_value(reader, "general.architecture")

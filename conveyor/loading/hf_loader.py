@@ -25,7 +25,7 @@ def load_hf_dir(path: str) -> Checkpoint:
         config = ModelConfig.from_hf_dict(read_json(config_path))
     except ModelConfigError as exc:
         raise LoadError(f"{config_path}: {exc}") from exc
-    weights = _read_safetensors(path)
+    weights = text_model_weights(_read_safetensors(path))
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
@@ -72,6 +72,14 @@ def read_json(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise LoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model under text-only names (model.language_model.* -> model.*);
+    select_weights then drops the rest (the vision tower model.visual.*, the MTP head mtp.*)."""
+    prefix = "model.language_model."
+    return {"model." + name[len(prefix):] if name.startswith(prefix) else name: tensor
+            for name, tensor in weights.items()}
 
 
 def _optional_json(path: str) -> dict[str, Any]:

@@ -7,17 +7,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from conveyor.models import (falcon_h1, gemma, granite, granite_hybrid, lfm2, mamba2, mixtral, nemotron_h, olmo2, olmoe,
-                             phi3, qwen3_5, qwen3_moe)
+                             phi3, qwen3_5, qwen3_moe, qwen3_next)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text", "granitemoehybrid", "nemotron_h",
+                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text",
+                           "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
                  "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
+                 "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
+                 "lfm2_moe": lfm2.moe_hf_fields,
                  "granitemoehybrid": granite_hybrid.hf_fields, "nemotron_h": nemotron_h.hf_fields,
                  "falcon_h1": falcon_h1.hf_fields, "mamba2": mamba2.hf_fields}
 
@@ -30,7 +33,10 @@ PARALLEL_LAYER_TYPES = ("hybrid",)
 # Nemotron-H: layers with a channel mixer only (an MLP or experts), keeping nothing between steps.
 CHANNEL_LAYER_TYPES = ("mlp", "moe")
 # Families built from pre-norm residual steps per layer (models/hybrid.py), recurrent layers or not.
-HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")
+HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
+                        "nemotron_h", "falcon_h1", "mamba2")
+# Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
+MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -89,14 +95,23 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    # "softmax" top-k, or "sigmoid" (Nemotron-H: sigmoid scores plus a correction bias pick the experts,
-    # within the best moe_topk_groups of moe_num_groups groups; weights scaled by routed_scaling_factor)
-    moe_router: str = "softmax"
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
+    # Routing (models/moe.py `route`), one path for every family. Router logits -> expert scores: softmax
+    # (Mixtral, Qwen) or sigmoid (LFM2-MoE, Nemotron-H).
+    moe_scoring: str = "softmax"
+    # A per-expert bias added to the scores only to choose the experts (LFM2-MoE's expert_bias, Nemotron-H's
+    # e_score_correction_bias); the weights stay the unbiased scores.
+    moe_expert_bias: bool = False
+    # Group-limited choice (Nemotron-H, as DeepSeek-V3): experts in moe_num_groups groups, only the
+    # moe_topk_groups groups whose two best biased scores sum highest are eligible. 1 group: plain top-k.
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    shared_expert_intermediate_size: int = 0  # Nemotron-H: the width of the always-on expert beside the routed ones
-    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
+    moe_renorm_eps: float = 0.0  # added to the k weights' sum when renormalising (LFM2-MoE 1e-6, Nemotron-H 1e-20)
+    routed_scaling_factor: float = 1.0  # the k routing weights scaled after renormalising (LFM2-MoE, Nemotron-H)
+    # An always-on expert this wide beside the routed ones (0: none), of the experts' shape; its output times
+    # sigmoid(w . x) where shared_expert_gate (Qwen3-Next / Qwen3.5-MoE), plain where not (Nemotron-H).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -174,14 +189,13 @@ class ModelConfig:
                                    f"({self.num_experts})")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
-        if self.moe_router not in ("softmax", "sigmoid"):
-            raise ModelConfigError(f"unknown moe_router {self.moe_router!r} (softmax or sigmoid)")
-        if self.num_experts and self.moe_router == "sigmoid" and (
-                self.num_experts % self.moe_num_groups or not 0 < self.moe_topk_groups <= self.moe_num_groups
-                or self.num_experts // self.moe_num_groups < 2 or self.shared_expert_intermediate_size <= 0):
-            raise ModelConfigError(f"sigmoid-routed experts: {self.num_experts} experts in {self.moe_num_groups} "
-                                   f"groups (at least 2 each), top {self.moe_topk_groups} groups, and a shared "
-                                   f"expert width ({self.shared_expert_intermediate_size}) are inconsistent")
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise ModelConfigError(f"unsupported MoE router scoring {self.moe_scoring!r} (supported: softmax, sigmoid)")
+        if self.num_experts and (self.num_experts % self.moe_num_groups
+                                 or not 0 < self.moe_topk_groups <= self.moe_num_groups
+                                 or (self.moe_num_groups > 1 and self.num_experts // self.moe_num_groups < 2)):
+            raise ModelConfigError(f"group-limited routing: {self.num_experts} experts in {self.moe_num_groups} "
+                                   f"groups (at least 2 each when grouped), top {self.moe_topk_groups} groups")
 
     def _check_mamba(self) -> None:
         if not {"mamba", "hybrid"} & set(self.layer_types):
@@ -253,6 +267,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
+        if model_type in MULTIMODAL_TEXT and "text_config" in raw:
+            return cls.from_hf_dict(_text_config(raw, MULTIMODAL_TEXT[model_type]))
         if model_type == "gemma3" and "text_config" in raw:
             raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
                                    "text-only ones (model_type 'gemma3_text') and GGUF files are")
@@ -316,29 +332,66 @@ def _decode_floats(value: Any) -> Any:
     if isinstance(value, list):
         return [_decode_floats(v) for v in value]
     return value
+def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
+    """A multimodal config's text model: its text_config, with what only the wrapper says."""
+    text = {**raw["text_config"], "model_type": text_type}
+    # transformers ties the head by the wrapper's tie_word_embeddings (Qwen3.5's default: untied)
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    return text
 
 
 @dataclass(frozen=True)
 class ExpertNames:
     """Where a family's checkpoints keep the sparse MLP: `model.layers.N.{block}.gate.weight` (router) and
-    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too).
+    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too),
+    unless the fields after `down` say otherwise.
 
     `prefix` is the layer's, with its dot: `model.layers.N.`."""
 
     block: str
-    gate: str
+    gate: str  # "" where the experts have no gate (Nemotron-H's relu^2 experts)
     up: str
     down: str
+    router_name: str = "gate"  # Granite 4.0-H: router.layer
+    bias: str = "expert_bias"  # the choice-only expert bias (Nemotron-H: gate.e_score_correction_bias)
+    shared_block: str = "shared_expert"  # Nemotron-H: shared_experts
+    # All experts in one tensor per part, gate|up (E, 2I, H) and down (E, H, I): Qwen3.5-MoE on the Hub, Granite 4.0-H
+    stacked_parts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
 
     def router(self, prefix: str) -> str:
-        return f"{prefix}{self.block}.gate.weight"
+        return f"{prefix}{self.block}.{self.router_name}.weight"
 
     def expert(self, prefix: str, expert: int, part: str) -> str:
         """`part`: gate, up or down."""
         return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.weight"
 
+    def stacked(self, prefix: str, part: str) -> str:
+        """`part`: `gate_up` or `down` (checkpoint.unstack_experts splits them into the per-expert names)."""
+        return f"{prefix}{self.block}.{self.stacked_parts[part == 'down']}"
+
+    def shared(self, prefix: str, part: str) -> str:
+        """The shared expert's `part` (gate, up or down) of Qwen3-Next / Qwen3.5-MoE / Nemotron-H."""
+        return f"{prefix}{self.block}.{self.shared_block}.{getattr(self, part)}.weight"
+
+    def shared_gate(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.shared_expert_gate.weight"
+
+    def expert_bias(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.{self.bias}"
+
 
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")}
-
+                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "qwen3_next": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "qwen3_5_moe_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+                "lfm2_moe": ExpertNames("feed_forward", "w1", "w3", "w2"),
+                # Granite's experts come stacked only; the per-expert names are unstack_experts' own
+                "granitemoehybrid": ExpertNames("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
+                                                router_name="router.layer",
+                                                stacked_parts=("input_linear.weight", "output_linear.weight")),
+                "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
+                                          shared_block="shared_experts")}

@@ -25,9 +25,9 @@ NAMES = {
     "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
                   "o": "o_proj"},
     "mlp": {"kind": "mlp", "prefix": "shared_mlp.", "gate_up": "input_linear", "down": "output_linear"},
-    # every expert's gate|up and down stacked in one 3-D tensor each, as the Hub has them
-    "experts": {"kind": "moe", "prefix": "block_sparse_moe.", "router": "router.layer", "gate_up": "input_linear",
-                "down": "output_linear"},
+    # EXPERT_NAMES["granitemoehybrid"]: block_sparse_moe.router.layer, and every expert's gate|up and down
+    # stacked in one 3-D tensor each (input_linear, output_linear), as the Hub has them
+    "experts": {"kind": "moe", "prefix": ""},
 }
 
 # transformers' legacy layer names (its configuration_utils remaps them so too)

@@ -1,9 +1,9 @@
 """Hybrid decoders: each layer is a list of pre-norm residual steps, x + mixer(norm(x)), with the mixers
 chosen per layer from `layer_types`: attention, LFM2's short convolution, gated DeltaNet, Mamba2
-(mamba2_mixer.py), MLPs and experts (hybrid_mlp.py). A step may run several mixers side by side on
-its normed input and add their outputs (Falcon-H1's Mamba2 beside attention, Granite's experts beside
-its shared MLP). Which mixers a layer holds and their tensor names are in hybrid_layout.py; a new kind
-of layer is a new mixer, not a branch in the forward.
+(mamba2_mixer.py), MLPs and sparse mixtures of experts (hybrid_mlp.py, models/moe.py). A step may run
+several mixers side by side on its normed input and add their outputs (Falcon-H1's Mamba2 beside
+attention, Granite's experts beside its shared MLP). Which mixers a layer holds and their tensor names
+are in hybrid_layout.py; a new kind of layer is a new mixer, not a branch in the forward.
 
 Attention mixers keep K/V in the block pool; recurrent mixers keep a fixed state per sequence in
 state slots (kernels/recurrent.py), named by the step's StateMetadata. Each stateful mixer owns one
@@ -23,7 +23,7 @@ from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, conv_weight, fp32_param, scaled
 from conveyor.models.hybrid_layout import MixerSpec, embedding_name, final_norm_name, layer_prefix, sublayers
-from conveyor.models.hybrid_mlp import GatedMLP, SigmoidExpertsMixer, SquaredReluMixer, StackedExpertsMixer
+from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention
 from conveyor.models.mamba2_mixer import Mamba2Mixer
@@ -94,9 +94,9 @@ class ShortConvMixer(nn.Module):
 
 
 class GatedDeltaNetMixer(nn.Module):
-    """Qwen3.5's linear attention: q|k|v through a SiLU short conv, the gated delta rule per value head
-    (l2-normed q/k, decay exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)), then RMSNorm(o) *
-    silu(z) per head and out_proj. The four input projections run as one GEMM."""
+    """Qwen3.5's and Qwen3-Next's linear attention: q|k|v through a SiLU short conv, the gated delta rule
+    per value head (l2-normed q/k, decay exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b)), then
+    RMSNorm(o) * silu(z) per head and out_proj. The four input projections run as one GEMM."""
 
     cache_index: int = -1
 
@@ -137,16 +137,33 @@ class GatedDeltaNetMixer(nn.Module):
         return self.out_proj(normed.reshape(T, self.value_size))
 
     def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader, norm: NormGetter) -> None:
-        loader.linear(self.in_proj, [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")])
+        if "qkvz" in names:  # Qwen3-Next
+            parts = self._from_key_head_groups(get(f"{prefix}{names['qkvz']}.weight"),
+                                               get(f"{prefix}{names['ba']}.weight"))
+        else:
+            parts = [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")]
+        loader.linear(self.in_proj, parts)
         loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")])
         self.conv_weight = conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
         self.norm_weight = loader.param(get(f"{prefix}{names['norm']}.weight"))  # plain w, no (1 + w)
         self.A_log = fp32_param(loader, get(f"{prefix}A_log"))
         self.dt_bias = fp32_param(loader, get(f"{prefix}dt_bias"))
 
+    def _from_key_head_groups(self, qkvz: torch.Tensor, ba: torch.Tensor) -> list[torch.Tensor]:
+        """Qwen3-Next's projections, rows grouped by key head g (v_g, z_g, b_g, a_g: its value heads'),
+
+            in_proj_qkvz: | q_0 k_0 v_0 z_0 | q_1 k_1 v_1 z_1 | ...     in_proj_ba: | b_0 a_0 | b_1 a_1 | ...
+
+        as the q, k, v, z, b, a row blocks of the fused in_proj (value heads in order g * group + j)."""
+        hidden, group = qkvz.shape[1], self.num_v_heads // self.num_k_heads
+        q, k, v, z = qkvz.view(self.num_k_heads, -1, hidden).split(
+            [self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], dim=1)
+        b, a = ba.view(self.num_k_heads, 2 * group, hidden).split([group, group], dim=1)
+        return [part.reshape(-1, hidden) for part in (q, k, v, z, b, a)]
+
 
 MIXERS = {"attention": AttentionMixer, "short_conv": ShortConvMixer, "gated_deltanet": GatedDeltaNetMixer,
-          "mamba2": Mamba2Mixer, "moe": StackedExpertsMixer, "sigmoid_moe": SigmoidExpertsMixer}
+          "mamba2": Mamba2Mixer, "moe": MoEMixer}
 
 
 def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, spec: MixerSpec) -> nn.Module:
@@ -164,22 +181,23 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         self.plan = sublayers(config, layer)
         self.norms = nn.ModuleList(RMSNorm(config.hidden_size, config.rms_norm_eps, ops) for _ in self.plan)
-        self.mixers = nn.ModuleList(nn.ModuleList(build_mixer(config, ops, layer, spec) for spec in sub.mixers)
-                                    for sub in self.plan)
+        # every step's mixers in order (the last is the layer's channel mixer); plan[s].mixers says how many per step
+        self.mixers = nn.ModuleList(build_mixer(config, ops, layer, spec) for sub in self.plan for spec in sub.mixers)
         self.residual_multiplier = config.residual_multiplier  # Granite: every branch scaled before its add
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None,
                 ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous step's output, residual stream) -> (this layer's last output, residual stream);
         each residual add is fused into the norm after it, as in models/llama.py."""
-        for norm, mixers in zip(self.norms, self.mixers):
+        mixers = iter(self.mixers)
+        for norm, sub in zip(self.norms, self.plan):
             if residual is None:
                 residual, h = delta, norm(delta)
             else:
                 residual, h = norm.add_and_norm(residual, delta)
-            delta = mixers[0](h, ctx)
-            for mixer in mixers[1:]:  # side by side on the same input, added in the layout's order
-                delta = delta + mixer(h, ctx)
+            delta = next(mixers)(h, ctx)
+            for _ in sub.mixers[1:]:  # side by side on the same input, added in the layout's order
+                delta = delta + next(mixers)(h, ctx)
             if self.residual_multiplier != 1.0:
                 delta = delta * self.residual_multiplier
         return delta, residual
@@ -206,8 +224,7 @@ class HybridForCausalLM(nn.Module):
 
     def _mixers(self) -> Iterator[nn.Module]:
         for layer in self.layers:
-            for mixers in layer.mixers:
-                yield from mixers
+            yield from layer.mixers
 
     def cache_specs(self) -> list[CacheSpec]:
         """One entry per stateful mixer, in order: the runner allocates the caches list from these."""
@@ -254,7 +271,8 @@ class HybridForCausalLM(nn.Module):
             loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):
             prefix = layer_prefix(cfg, i)
-            for sub, layer_norm, mixers in zip(layer.plan, layer.norms, layer.mixers):
+            for sub, layer_norm in zip(layer.plan, layer.norms):
                 layer_norm.weight = norm(f"{prefix}{sub.norm}.weight")
-                for spec, mixer in zip(sub.mixers, mixers):
-                    mixer.load(get, prefix + spec.prefix, spec.names, loader, norm)
+            specs = [spec for sub in layer.plan for spec in sub.mixers]
+            for spec, mixer in zip(specs, layer.mixers, strict=True):
+                mixer.load(get, prefix + spec.prefix, spec.names, loader, norm)

@@ -4,7 +4,12 @@ Plain names, no modules: the loader checks a checkpoint against `weight_names` b
 built, and models/hybrid.py builds and loads each mixer from the same `sublayers`. Each family file's
 NAMES says, per layer kind, the layer's pre-norm residual steps as (norm, mixers) and, per mixer, its
 kind and tensor names; a step with several mixers runs them side by side on the normed input and sums
-their outputs (Falcon-H1's Mamba2 and attention, Granite's experts and shared MLP).
+their outputs (Falcon-H1's Mamba2 and attention, Granite's experts and shared MLP). An entry of a step's
+mixers may be a tuple of alternatives, of which the first present one runs (LFM2-MoE, Qwen3-Next:
+`("experts", "mlp")`, the experts in MoE layers and the MLP in the dense ones).
+
+Mixers of kind "moe" (models/moe.py's sparse block) are present only in the layers `config.is_moe_layer`
+names; their tensor names are the family's EXPERT_NAMES (models/config.py) under the layer's prefix.
 """
 
 from __future__ import annotations
@@ -13,18 +18,19 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.models import falcon_h1, granite_hybrid, lfm2, mamba2, nemotron_h, qwen3_5
-from conveyor.models.config import ModelConfig
+from conveyor.models import falcon_h1, granite_hybrid, lfm2, mamba2, nemotron_h, qwen3_5, qwen3_next
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 FAMILY_NAMES: dict[str, dict[str, Any]] = {
-    "lfm2": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES, "granitemoehybrid": granite_hybrid.NAMES,
-    "nemotron_h": nemotron_h.NAMES, "falcon_h1": falcon_h1.NAMES, "mamba2": mamba2.NAMES,
+    "lfm2": lfm2.NAMES, "lfm2_moe": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES, "qwen3_5_moe_text": qwen3_5.NAMES,
+    "qwen3_next": qwen3_next.NAMES, "granitemoehybrid": granite_hybrid.NAMES, "nemotron_h": nemotron_h.NAMES,
+    "falcon_h1": falcon_h1.NAMES, "mamba2": mamba2.NAMES,
 }
 
 
 @dataclass(frozen=True)
 class MixerSpec:
-    kind: str  # attention | short_conv | gated_deltanet | mamba2 | mlp | moe | sigmoid_moe
+    kind: str  # attention | short_conv | gated_deltanet | mamba2 | mlp | moe
     names: dict[str, str]  # role -> HF name under `prefix` (the family's NAMES entry)
 
     @property
@@ -42,14 +48,23 @@ class Sublayer:
 
 def sublayers(config: ModelConfig, layer: int) -> list[Sublayer]:
     names = FAMILY_NAMES[config.architecture]
-    steps = names["layout"][config.layer_kind(layer)]
-    return [Sublayer(norm, tuple(MixerSpec(names[m]["kind"], names[m]) for m in mixers if _present(config, names[m])))
-            for norm, mixers in steps]
+    steps = []
+    for norm, entries in names["layout"][config.layer_kind(layer)]:
+        mixers = []
+        for entry in entries:
+            present = [m for m in ((entry,) if isinstance(entry, str) else entry) if _present(config, layer, names[m])]
+            if present:
+                mixers.append(MixerSpec(names[present[0]]["kind"], names[present[0]]))
+        if not mixers:
+            raise ValueError(f"{config.architecture} layer {layer}: the step after {norm} has no mixer")
+        steps.append(Sublayer(norm, tuple(mixers)))
+    return steps
 
 
-def _present(config: ModelConfig, names: dict[str, str]) -> bool:
-    """Granite's experts exist only with num_local_experts > 0 (its dense models keep just the shared MLP)."""
-    return names["kind"] not in ("moe", "sigmoid_moe") or config.num_experts > 0
+def _present(config: ModelConfig, layer: int, names: dict[str, str]) -> bool:
+    """Experts run only in MoE layers (Granite's dense models keep just the shared MLP; LFM2-MoE and Qwen3-Next
+    keep dense MLPs in some layers)."""
+    return names["kind"] != "moe" or config.is_moe_layer(layer)
 
 
 def embedding_name(config: ModelConfig) -> str:
@@ -78,7 +93,8 @@ def mixer_tensors(config: ModelConfig, spec: MixerSpec) -> list[str]:
         out = [f"{n[p]}.weight" for p in ("in", "out", "conv")]
         return out + ([f"{n[p]}.bias" for p in ("in", "out", "conv")] if config.conv_bias else [])
     if kind == "gated_deltanet":
-        return [f"{n[p]}.weight" for p in ("qkv", "z", "b", "a", "conv", "out", "norm")] + ["A_log", "dt_bias"]
+        projections = ("qkvz", "ba") if "qkvz" in n else ("qkv", "z", "b", "a")  # Qwen3-Next packs them by key head
+        return [f"{n[p]}.weight" for p in (*projections, "conv", "out", "norm")] + ["A_log", "dt_bias"]
     if kind == "mamba2":
         out = [f"{n[p]}.weight" for p in ("in", "conv", "out")] + ["A_log", "D", "dt_bias"]
         out += [f"{n['norm']}.weight"] if config.mamba_rms_norm else []
@@ -86,13 +102,23 @@ def mixer_tensors(config: ModelConfig, spec: MixerSpec) -> list[str]:
         return out + ([f"{n[p]}.bias" for p in ("in", "out")] if config.mamba_proj_bias else [])
     if kind == "mlp":  # gate and up apart, fused (Granite's input_linear), or up alone (relu^2)
         return [f"{n[p]}.weight" for p in ("gate", "gate_up", "up", "down") if p in n]
-    if kind == "moe":  # experts stacked in 3-D tensors (Granite)
-        return [f"{n[p]}.weight" for p in ("router", "gate_up", "down")]
-    if kind == "sigmoid_moe":
-        out = [f"{n['router']}.weight", f"{n['router']}.e_score_correction_bias"]
-        out += [f"{n['experts']}.{e}.{n[p]}.weight" for e in range(config.num_experts) for p in ("up", "down")]
-        return out + [f"{n['shared']}.{n[p]}.weight" for p in ("up", "down")]
+    if kind == "moe":
+        return moe_tensors(config)
     raise ValueError(f"unknown mixer kind {kind!r}")
+
+
+def moe_tensors(config: ModelConfig) -> list[str]:
+    """A sparse MoE block's tensor names under its layer's prefix (checkpoint.unstack_experts has split stacked
+    experts into these per-expert names by then)."""
+    n = EXPERT_NAMES[config.architecture]
+    parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
+    out = [n.router("")] + [n.expert("", e, part) for e in range(config.num_experts) for part in parts]
+    if config.shared_expert_intermediate_size:
+        out += [n.shared("", part) for part in parts]
+        out += [n.shared_gate("")] if config.shared_expert_gate else []
+    if config.moe_expert_bias:
+        out.append(n.expert_bias(""))
+    return out
 
 
 def weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:

@@ -7,10 +7,10 @@ import torch
 
 from conveyor.kernels import KernelBackend
 from conveyor.models.cache_specs import CacheSpec
-from conveyor.models.config import ModelConfig
-from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, fp32_param, scaled
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, scaled
 from conveyor.models.llama import LlamaMLP
-from conveyor.models.moe import SigmoidMoeBlock, SparseMoeBlock, SquaredReluMLP
+from conveyor.models.moe import SparseMoeBlock, SquaredReluMLP
 from conveyor.models.weights import WeightLoader
 
 
@@ -55,36 +55,17 @@ class SquaredReluMixer(_Stateless, SquaredReluMLP):
         loader.linear(self.down_proj, [get(f"{prefix}{names['down']}.weight")])
 
 
-class StackedExpertsMixer(_Stateless, SparseMoeBlock):
-    """Granite 4.0-H's experts: softmax top-k, SwiGLU experts whose weights come stacked, (E, 2I, H) gate|up
-    and (E, H, I) down."""
+class MoEMixer(_Stateless, SparseMoeBlock):
+    """A sparse MoE channel mixer (models/moe.py): its tensors are the family's EXPERT_NAMES under the layer's
+    prefix (Granite's stacked experts split per expert at load: checkpoint.unstack_experts)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__(config, ops)
+        self.expert_names = EXPERT_NAMES[config.architecture]
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)
 
     def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,  # type: ignore[override]
              norm: NormGetter) -> None:
-        self.load_router(get(f"{prefix}{names['router']}.weight"), loader)
-        gate_up, down = get(f"{prefix}{names['gate_up']}.weight"), get(f"{prefix}{names['down']}.weight")
-        for e, expert in enumerate(self.experts):
-            loader.linear(expert.gate_up_proj, [gate_up[e]])
-            loader.linear(expert.down_proj, [down[e]])
-
-
-class SigmoidExpertsMixer(_Stateless, SigmoidMoeBlock):
-    """Nemotron-H's MoE layers: routed relu^2 experts, their correction bias, and the shared expert."""
-
-    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)
-
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,  # type: ignore[override]
-             norm: NormGetter) -> None:
-        router = f"{prefix}{names['router']}"
-        self.load_router(get(f"{router}.weight"), loader)
-        self.correction_bias = fp32_param(loader, get(f"{router}.e_score_correction_bias"))
-        experts, shared = f"{prefix}{names['experts']}", f"{prefix}{names['shared']}"
-        for e, expert in enumerate(self.experts):
-            loader.linear(expert.up_proj, [get(f"{experts}.{e}.{names['up']}.weight")])
-            loader.linear(expert.down_proj, [get(f"{experts}.{e}.{names['down']}.weight")])
-        loader.linear(self.shared_expert.up_proj, [get(f"{shared}.{names['up']}.weight")])
-        loader.linear(self.shared_expert.down_proj, [get(f"{shared}.{names['down']}.weight")])
+        super().load(get, prefix, self.expert_names, loader)

@@ -1,5 +1,7 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Granite 4.0-H, Nemotron-H): top-k routing,
-experts run batched.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, and the hybrids Qwen3-Next, Qwen3.5-MoE,
+LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared expert
+where the family has one. One block and one routing path for all of them; the config says how it scores,
+biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, or relu^2 without a gate).
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
     assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
@@ -7,7 +9,8 @@ experts run batched.
 
 Batch invariance: every GEMM is row-invariant at any M (RowInvariantLinear), routing is computed per
 row, and a row's k expert outputs are added in that row's own rank order, so which other rows chose
-the same expert (and how many did) never changes a row's bits.
+the same expert (and how many did) never changes a row's bits. Sigmoids (router scores, the shared
+expert's gate) run through the backend's scalar-per-element kernel for the same reason.
 """
 
 from __future__ import annotations
@@ -50,58 +53,65 @@ class SquaredReluMLP(nn.Module):
         return self.down_proj(h * h)  # an exactly rounded product: the same bits in any batch
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          sigmoid: Callable[[torch.Tensor], torch.Tensor] | None = None, bias: torch.Tensor | None = None,
+          scale: float = 1.0, groups: tuple[int, int] = (1, 1), eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> fp32 weights and expert ids (T, k), best first.
 
-    Softmax over all experts, then the top k (Mixtral, Qwen3-MoE, OLMoE); `renormalise` makes the k sum to 1.
-    Every op is per row, so a row's routing does not depend on the rows beside it.
+    Scores, fp32: softmax over all experts (Mixtral, Qwen, Granite), or with `sigmoid` (the backend's) a sigmoid
+    per expert (LFM2-MoE, Nemotron-H). `bias` (LFM2-MoE's expert_bias, Nemotron-H's correction bias) shifts the
+    scores only to choose the k. `groups` = (n, m): only experts of the m groups (of n) whose two best biased
+    scores sum highest are eligible (Nemotron-H, DeepSeek-V3's router). The k weights are the unbiased scores;
+    `renormalise` divides them by their sum + `eps` (LFM2-MoE 1e-6, Nemotron-H 1e-20, as transformers has
+    them), then `scale` multiplies them. Every op is per row, so a row's routing does not depend on the rows
+    beside it.
     """
-    probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
-    weights, expert_ids = probs.topk(top_k, dim=-1)  # (T, k)
-    if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, expert_ids
-
-
-def route_sigmoid(scores: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
-                  renormalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, E) fp32 sigmoid scores -> fp32 weights and expert ids (T, k), as transformers' Nemotron-H router
-    (DeepSeek-V3's): scores + bias choose the experts, within the `topk_groups` groups whose two best
-    biased scores sum highest; the weights are the unbiased scores, renormalised, times `scale`."""
-    choice = scores + bias
-    num_tokens, num_experts = scores.shape
+    scores = torch.softmax(logits.float(), dim=-1) if sigmoid is None else sigmoid(logits.float())  # (T, E)
+    choice = scores if bias is None else scores + bias
+    num_groups, topk_groups = groups
     if num_groups > 1:
-        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
-        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1).indices  # (T, topk_groups)
+        num_tokens, num_experts = scores.shape
+        per_group = num_experts // num_groups
+        best = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1)
         keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
-        keep.scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(num_experts // num_groups, dim=1), float("-inf"))
-    expert_ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, expert_ids)
+        keep.scatter_(1, best.indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    expert_ids = choice.topk(top_k, dim=-1).indices  # (T, k)
+    weights = scores.gather(-1, expert_ids)
     if renormalise:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scale, expert_ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return (weights if scale == 1.0 else weights * scale), expert_ids
 
 
 class SparseMoeBlock(nn.Module):
-    """Softmax top-k routing over SwiGLU experts, unless a subclass routes (`route`) or builds (`expert`) otherwise."""
-
-    def __init__(self, config: ModelConfig, ops: KernelBackend,
-                 expert: Callable[[], nn.Module] | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.renormalise = config.norm_topk_prob
-        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts, bias=False, ops=ops)  # the router
-        expert = expert or (lambda: ExpertMLP(config.hidden_size, config.moe_intermediate_size, ops))
-        self.experts = nn.ModuleList(expert() for _ in range(config.num_experts))
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, H) -> fp32 weights and expert ids (T, k), best first."""
-        return route(self.gate(x), self.top_k, self.renormalise)
+        self.ops = ops
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.renormalise, self.renorm_eps = config.norm_topk_prob, config.moe_renorm_eps
+        self.sigmoid_scores = config.moe_scoring == "sigmoid"
+        self.groups = (config.moe_num_groups, config.moe_topk_groups)
+        self.scale = config.routed_scaling_factor
+        self.use_expert_bias = config.moe_expert_bias
+        self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
+        # SwiGLU experts, or Nemotron-H's relu^2 ones (no gate); a shared expert has the same shape
+        self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
+        expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
+        self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
+                                     for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = expert(config.hidden_size, shared, ops) if shared else None
+        self.shared_gate = bool(shared) and config.shared_expert_gate
+        # The router; a shared expert's gate rides along as one more output row (one small GEMM, not two).
+        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
+                                       bias=False, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         num_tokens, k = x.shape[0], self.top_k
-        weights, expert_ids = self.route(x)  # (T, k) each
+        logits = self.gate(x)  # (T, E [+ 1])
+        weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
+                                    self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
+                                    self.scale, self.groups, self.renorm_eps)  # (T, k) each
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
@@ -120,38 +130,31 @@ class SparseMoeBlock(nn.Module):
         y = weighted[:, 0]
         for r in range(1, k):
             y = y + weighted[:, r]
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        if self.shared_expert is not None:  # + shared(x), times sigmoid(gate . x) where gated (Qwen3-Next, Qwen3.5-MoE)
+            shared = self.shared_expert(x)
+            y = y + (shared * self.ops.sigmoid(logits[:, self.num_experts:]) if self.shared_gate else shared)
+        return y
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:
         """Router and experts from HF names under the layer's `prefix` (`model.layers.N.`)."""
-        self.load_router(get(names.router(prefix)), loader)
-        for e, expert in enumerate(self.experts):
-            loader.linear(expert.gate_up_proj, [get(names.expert(prefix, e, "gate")), get(names.expert(prefix, e, "up"))])
-            loader.linear(expert.down_proj, [get(names.expert(prefix, e, "down"))])
-
-    def load_router(self, weight: Weight, loader: WeightLoader) -> None:
         # The router stays in the model dtype, never quantized (not even under --weight-dtype int8): routing
         # decisions are sensitive, and llama.cpp keeps ffn_gate_inp in F32 for the same reason.
-        self.gate.load_dense(loader.dense(weight))
+        router = loader.dense(get(names.router(prefix)))
+        if self.shared_gate:
+            router = torch.cat([router, loader.dense(get(names.shared_gate(prefix)))])
+        if self.shared_expert is not None:
+            _load_expert(self.shared_expert, [get(names.shared(prefix, part)) for part in self.parts], loader)
+        self.gate.load_dense(router)
         self.gate.prepack()
+        for e, expert in enumerate(self.experts):
+            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader)
+        if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
+            self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)
 
 
-class SigmoidMoeBlock(SparseMoeBlock):
-    """Nemotron-H's experts: relu^2 experts routed by `route_sigmoid`, plus one shared expert every row runs."""
-
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
-        super().__init__(config, ops, lambda: SquaredReluMLP(config.hidden_size, config.moe_intermediate_size, ops))
-        self.ops = ops
-        self.shared_expert = SquaredReluMLP(config.hidden_size, config.shared_expert_intermediate_size, ops)
-        self.correction_bias: torch.Tensor | None = None  # (E,) fp32
-        self.groups = (config.moe_num_groups, config.moe_topk_groups)
-        self.scale = config.routed_scaling_factor
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(x).float()  # (T, E)
-        # sigmoid as one scalar call per element (kernels' sigmoid_mul), so a row's scores never depend on the batch
-        scores = self.ops.sigmoid_mul(torch.ones_like(logits), logits)
-        return route_sigmoid(scores, self.correction_bias, self.top_k, *self.groups, self.renormalise, self.scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        return super().forward(x) + self.shared_expert(x)
+def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader) -> None:
+    """(gate,) up and down weights; gate|up fused into one GEMM (SwiGLU), up alone (relu^2)."""
+    *inputs, down = parts
+    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs)
+    loader.linear(expert.down_proj, [down])

@@ -23,8 +23,9 @@ NAMES = {
     "attention": {"kind": "attention", "prefix": "mixer.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
                   "o": "o_proj"},
     "mlp": {"kind": "mlp", "prefix": "mixer.", "up": "up_proj", "down": "down_proj"},
-    "experts": {"kind": "sigmoid_moe", "prefix": "mixer.", "router": "gate", "experts": "experts", "up": "up_proj",
-                "down": "down_proj", "shared": "shared_experts"},
+    # EXPERT_NAMES["nemotron_h"]: mixer.gate (its e_score_correction_bias beside), mixer.experts.N.up_proj,
+    # mixer.shared_experts.up_proj ...
+    "experts": {"kind": "moe", "prefix": ""},
 }
 
 _PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -76,8 +77,8 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)) if moe else 0,
         moe_intermediate_size=int(raw.get("moe_intermediate_size", 7688)) if moe else 0,
         shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 7688)) if moe else 0,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)), moe_router="sigmoid",
-        moe_num_groups=int(raw.get("n_group", 1)), moe_topk_groups=int(raw.get("topk_group", 1)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)), moe_scoring="sigmoid", moe_expert_bias=moe,
+        moe_renorm_eps=1e-20, moe_num_groups=int(raw.get("n_group", 1)), moe_topk_groups=int(raw.get("topk_group", 1)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )

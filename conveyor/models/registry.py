@@ -37,6 +37,11 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
+    # ... with sparse MoE channel mixers (models/moe.py) in some or all layers.
+    "qwen3_next": HybridForCausalLM,
+    "qwen3_5_moe_text": HybridForCausalLM,
+    "lfm2_moe": HybridForCausalLM,
+    # Mamba2 hybrids (models/mamba2_mixer.py), and Mamba2 alone.
     "granitemoehybrid": HybridForCausalLM,
     "nemotron_h": HybridForCausalLM,
     "falcon_h1": HybridForCausalLM,

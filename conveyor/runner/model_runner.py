@@ -11,7 +11,7 @@ from torch import nn
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.recurrent import StateMetadata
-from conveyor.models.cache_specs import CacheSpec, KVSpec
+from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
 from conveyor.models.config import ModelConfig
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.rejection import rejection_sample
@@ -72,6 +72,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.forget(plan.finished_request_ids)
         self.copy_blocks(plan.block_copies)
+        self.copy_states(plan.state_copies)
         if plan.is_empty:
             return ModelRunnerOutput()
         out = ModelRunnerOutput()
@@ -184,6 +185,18 @@ class ModelRunner:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Recurrent state slot to slot, in order (a prefix snapshot into a new sequence, a rollback)."""
+        for src, dst in copies:
+            for spec, cache in zip(self.cache_specs, self.kv_caches):
+                if isinstance(spec, StateSpec):
+                    for tensor in cache:
+                        tensor[dst] = tensor[src]
+
+    def state_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """The state tensors of the recurrent mixers, (slots, ...) each."""
+        return [cache for spec, cache in zip(self.cache_specs, self.kv_caches) if isinstance(spec, StateSpec)]
+
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (K, V) block tensors of the attention layers (the block pool's bytes)."""
         return [cache for spec, cache in zip(self.cache_specs, self.kv_caches) if isinstance(spec, KVSpec)]
@@ -194,7 +207,8 @@ def _state_metadata(plan: SchedulerOutput, device: torch.device) -> StateMetadat
     if plan.chunks[0].state_slot is None:
         return None
     return StateMetadata.build([len(c.token_ids) for c in plan.chunks], [c.state_slot for c in plan.chunks],
-                               [c.start_position == 0 for c in plan.chunks], device=device)
+                               [c.start_position == 0 for c in plan.chunks],
+                               [sorted(c.state_snapshots) for c in plan.chunks], device=device)
 
 
 def _with_drafts(chunk: ScheduledChunk, proposal: Proposal | None) -> ScheduledChunk:

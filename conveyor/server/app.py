@@ -165,7 +165,8 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor",
                 "root": core.model_name, "max_model_len": core.max_model_len,
                 "meta": {"n_params": core.num_params, "n_vocab": cfg.vocab_size, "n_embd": cfg.hidden_size,
-                         "n_ctx_train": cfg.max_position_embeddings, "architecture": cfg.architecture}}
+                         "n_ctx_train": cfg.max_position_embeddings, "architecture": cfg.architecture,
+                         **core.layers_report()}}
 
     add_openai_routes(router, serving, limits, model_card)
     add_tokenizer_routes(router, serving.token_text, core.model_config.vocab_size, limits)

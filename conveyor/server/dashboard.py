@@ -42,6 +42,7 @@ def engine_snapshot(engine: AsyncEngine, metrics: ServerMetrics, model_id: str) 
         "kv": {"total": cache["allocated"], "used": cache["live"], "cached_free": cache["cached_free"],
                "free": cache["free"] - cache["cached_free"], "block_size": cache["block_size"]},
         "prefix_cache": cache["prefix_cache"],
+        "state": cache["recurrent_state"],
         "speculation": {"draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
                         "acceptance": (round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
                                        if stats.num_draft_tokens else None)},

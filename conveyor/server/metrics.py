@@ -82,6 +82,14 @@ class EngineCollector(Collector):
         yield _gauge("conveyor_kv_blocks_free", "KV blocks free (including evictable cached prefixes)", pool.num_free)
         yield _gauge("conveyor_kv_blocks_cached", "KV blocks holding a reusable prefix", pool.num_cached)
         yield _gauge("conveyor_kv_blocks_shared", "KV blocks referenced by more than one sequence", pool.num_shared)
+        state = core.state_report() or {"slots": 0, "live": 0, "snapshots": 0, "snapshot_hits": 0}
+        yield _gauge("conveyor_state_slots_total", "Recurrent-state slots of a hybrid model (0 for others)",
+                     state["slots"])
+        yield _gauge("conveyor_state_slots_used", "Recurrent-state slots held by running sequences", state["live"])
+        yield _gauge("conveyor_state_snapshots", "Recurrent-state snapshots kept for prefix-cache hits",
+                     state["snapshots"])
+        yield _counter("conveyor_state_snapshot_hits", "Admissions that resumed from a recurrent-state snapshot",
+                       state["snapshot_hits"])
         yield _batch_size_histogram(dict(core.counters.batch_size_counts))
         kernels = core.kernel_report()
         info = GaugeMetricFamily("conveyor_kernel_backend_info", "The compute backend (always 1; see labels)",

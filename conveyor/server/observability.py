@@ -37,8 +37,12 @@ def slots(engine: AsyncEngine) -> list[dict]:
     """llama-server style per-slot state. Slot ids are positions in the running batch."""
     core = engine.core
     running: list[Request] = list(core.scheduler.running)
-    return [_slot(i, running[i] if i < len(running) else None, core.max_model_len)
-            for i in range(core.max_batch_size)]
+    out = [_slot(i, running[i] if i < len(running) else None, core.max_model_len)
+           for i in range(core.max_batch_size)]
+    if core.states is not None:  # hybrid models: where each sequence's recurrent state lives
+        for slot in out:
+            slot["state_slot"] = core.kv.state_slot(slot["id_task"]) if slot["id_task"] else None
+    return out
 
 
 def _slot(slot_id: int, request: Request | None, n_ctx: int) -> dict:
@@ -69,6 +73,7 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "model_name": core.model_name,
         "architecture": core.model_config.architecture,
         "sliding_window": core.model_config.sliding_window,
+        "layers": core.layers_report(),
         "model_path": core.config.model or "bundled SmolLM2-135M-Instruct",
         "chat_template": core.tokenizer.chat_template or "",
         "bos_token": _piece(engine, core.tokenizer.bos_token_id),
@@ -134,4 +139,5 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "budget_source": plan.budget_source,
         "prefix_cache": {"enabled": core.config.enable_prefix_caching, "hit_tokens": hits, "miss_tokens": misses,
                          "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0},
+        "recurrent_state": core.state_report(),  # hybrid models' per-sequence state slots, else null
     }

@@ -9,6 +9,7 @@ from conveyor.engine.engine import EngineCore
 from conveyor.engine.kv_transfer import KVBlob
 from conveyor.engine.request import RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.testing import tiny_hybrid_checkpoint
 
 pytestmark = pytest.mark.batch_invariant
 
@@ -123,3 +124,23 @@ def test_layout_mismatch_is_refused(cores):
     short = KVBlob(cfg.num_hidden_layers, 4, cfg.num_key_value_heads, cfg.head_dim, "bfloat16", b"\0" * 10)
     with pytest.raises(ValueError, match="bytes"):
         decode.kv_transfer.check_layout(short)
+
+
+def test_hybrid_handoff_carries_the_recurrent_state():
+    """A hybrid's state travels beside its K/V: the decode engine continues bitwise, and a payload
+    without the state is refused."""
+    checkpoint = tiny_hybrid_checkpoint("qwen3_5_text")
+    single, prefill, decode = (EngineCore(EngineConfig(parallel=4), checkpoint=checkpoint) for _ in range(3))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ids = prompts(single)
+    reference = run_all(single, [single.make_request(p, params, f"h-ref{i}") for i, p in enumerate(ids)])
+    handed = [hand_over(prefill, decode, p, params, f"h{i}") for i, p in enumerate(ids)]
+    assert all(len(first.kv_handoff.kv.state) == decode.states.bytes_per_slot for first, _ in handed)
+    outs = run_all(decode, [moved for _, moved in handed])
+    for i, (first, _) in enumerate(handed):
+        got = first.new_token_ids + [t for o in outs[f"h{i}"] for t in o.new_token_ids]
+        assert got == [t for o in reference[f"h-ref{i}"] for t in o.new_token_ids]
+    assert decode.states.all_free()
+    stateless = handed[0][0].kv_handoff.kv
+    with pytest.raises(ValueError, match="recurrent state"):
+        decode.kv_transfer.check_layout(KVBlob(**{**vars(stateless), "state": b""}))

@@ -150,6 +150,16 @@ def test_sigmoid_mul_rounds_as_torch(dtype):
     assert torch.equal(kernels.sigmoid_mul(x[2:3], gate[2:3]), ours[2:3])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_rounds_as_torch_and_rows_are_independent(dtype):
+    x = torch.randn(37, 9, generator=torch.Generator().manual_seed(5)).to(dtype) * 4
+    ours = kernels.sigmoid(x)
+    torch.testing.assert_close(ours, torch.sigmoid(x), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+    for start, rows in ((0, 1), (3, 7), (36, 1)):  # a row's bits whatever its place in the tensor
+        assert torch.equal(kernels.sigmoid(x[start:start + rows]), ours[start:start + rows])
+    assert torch.equal(kernels.sigmoid(x[:, :1]), ours[:, :1])  # a (T, 1) gate column, as MoE blocks pass it
+
+
 def test_bad_inputs_are_refused():
     x = torch.randn(4, 8)
     state = torch.zeros(2, 8, 3)

@@ -163,3 +163,183 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+HYBRID_GGUF_ARCH = {"lfm2": "lfm2", "qwen3_5": "qwen35"}
+_HYBRID_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_hf_hybrid(family: str, **overrides) -> transformers.PreTrainedModel:
+    """A tiny random LFM2 or Qwen3.5 (text) model, as tests/models/test_hybrid_vs_hf.py builds them: norms,
+    A_log and dt_bias randomized so a skipped or mis-transformed one shows."""
+    if family == "lfm2":
+        cfg = transformers.Lfm2Config(**{**_HYBRID_COMMON, "intermediate_size": 144,
+                                         "layer_types": ["conv", "full_attention", "conv", "conv"], **overrides})
+    else:
+        cfg = transformers.Qwen3_5TextConfig(**{**_HYBRID_COMMON, "head_dim": 16, "intermediate_size": 96,
+                                                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                                "linear_key_head_dim": 8, "linear_value_head_dim": 8, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.normal_(0, 0.5)
+    return model
+
+
+def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGMLQuantizationType.F32,
+                      fuse_qkv: bool = False, mtp_layers: int = 0, pre: str | None = None,
+                      chat_template: str | None = None) -> None:
+    """`model` (LFM2 or Qwen3.5) as convert_hf_to_gguf writes `lfm2` / `qwen35`: its metadata keys, gguf-py's
+    tensor names and the converter's transforms (conv squeezed; Qwen3.5: A_log -> -exp(A_log), dt_bias ->
+    ssm_dt.bias, norms but the DeltaNet's stored as 1 + w, value heads grouped -> tiled). Matrices in `qtype`,
+    the rest F32 as the converter keeps it. `fuse_qkv`: --fuse-qkv; `mtp_layers`: random MTP blocks appended."""
+    cfg = model.config
+    arch = HYBRID_GGUF_ARCH["lfm2" if cfg.model_type == "lfm2" else "qwen3_5"]
+    layers = cfg.num_hidden_layers
+    writer = gguf.GGUFWriter(str(path), arch)
+    _hybrid_metadata(writer, arch, cfg, layers + mtp_layers, qtype)
+    add_tiny_bpe_vocab(writer)
+    if pre:
+        writer.add_tokenizer_pre(pre)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers + mtp_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "lfm2":
+            tensor = tensor.squeeze(1) if "conv.conv" in hf_name else tensor
+        else:
+            hf_name, tensor = _qwen35_tensor(cfg, hf_name, tensor)
+        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = tensor
+    if fuse_qkv:
+        _fuse_qkv(tensors, cfg)
+    for i in range(layers, layers + mtp_layers):
+        tensors.update(_random_mtp_block(i, cfg))
+    for name, tensor in tensors.items():
+        _add_tensor(writer, name, tensor.float().numpy(), qtype if _converter_quantizes(name, tensor) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+_FILE_TYPES = {gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
+               gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
+               gguf.GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
+               gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+
+
+def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, cfg, block_count: int, qtype) -> None:
+    """The keys TextModel.set_gguf_parameters and LFM2Model / Qwen3NextModel (+ Qwen3.5's mixins) write."""
+    rope = cfg.rope_parameters
+    writer.add_block_count(block_count)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_file_type(_FILE_TYPES[qtype])
+    if arch == "lfm2":
+        writer.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+        writer.add_feed_forward_length(_lfm2_mlp_width(cfg))
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_shortconv_l_cache(cfg.conv_L_cache)
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        return
+    layers = cfg.num_hidden_layers
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # GGUFWriter.add_recurrent_layers, which gguf-py 0.19 does not have yet
+    writer.add_array(f"{arch}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in cfg.layer_types] + [False] * (block_count - layers))
+    writer.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+    writer.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+    if block_count > layers:
+        writer.add_nextn_predict_layers(block_count - layers)
+
+
+def _lfm2_mlp_width(cfg) -> int:
+    """LFM2Model._add_feed_forward_length: the MLP width after LFM2's 2/3 and rounding."""
+    width = cfg.intermediate_size
+    if cfg.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            width = int(cfg.block_ffn_dim_multiplier * width)
+        width = cfg.block_multiple_of * ((width + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return width
+
+
+def _qwen35_tensor(cfg, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """_LinearAttentionVReorderBase then Qwen3NextModel.modify_tensors, on one HF tensor."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if nk != nv and "linear_attn." in name:
+        r, dk, dv = nv // nk, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qk = 2 * nk * dk
+        if ".in_proj_qkv." in name:
+            tensor = torch.cat([tensor[:qk], _tile(tensor[qk:], 0, nk, r, dv)])
+        elif ".in_proj_z." in name:
+            tensor = _tile(tensor, 0, nk, r, dv)
+        elif ".in_proj_b." in name or ".in_proj_a." in name:
+            tensor = _tile(tensor, 0, nk, r, 1)
+        elif name.endswith((".A_log", ".dt_bias")):
+            tensor = _tile(tensor.unsqueeze(-1), 0, nk, r, 1).squeeze(-1)
+        elif ".conv1d" in name:
+            tensor = tensor.squeeze()
+            tensor = torch.cat([tensor[:qk], _tile(tensor[qk:], 0, nk, r, dv)])
+        elif ".out_proj." in name:
+            tensor = _tile(tensor, 1, nk, r, dv)
+    if name.endswith(".A_log"):
+        tensor = -torch.exp(tensor)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        tensor = tensor.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        tensor = tensor + 1
+    return name, tensor
+
+
+def _tile(tensor: torch.Tensor, dim: int, num_k_heads: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head -> tiled."""
+    shape = list(tensor.shape)
+    split = tensor.reshape(*shape[:dim], num_k_heads, per_k, head_dim, *shape[dim + 1:])
+    return split.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _fuse_qkv(tensors: dict[str, torch.Tensor], cfg) -> None:
+    """--fuse-qkv: every layer with attn_q, attn_k and attn_v gets one attn_qkv (rows q | k | v)."""
+    for i in range(cfg.num_hidden_layers):
+        parts = [f"blk.{i}.attn_{p}.weight" for p in "qkv"]
+        if all(p in tensors for p in parts):
+            tensors[f"blk.{i}.attn_qkv.weight"] = torch.cat([tensors.pop(p) for p in parts])
+
+
+def _random_mtp_block(layer: int, cfg) -> dict[str, torch.Tensor]:
+    """Some of the tensors of a Qwen3.5 MTP block (blk.N with N = num_hidden_layers), random."""
+    gen = torch.Generator().manual_seed(layer)
+    h, q_rows = cfg.hidden_size, 2 * cfg.num_attention_heads * cfg.head_dim
+    shapes = {"nextn.eh_proj.weight": (h, 2 * h), "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
+              "nextn.shared_head_norm.weight": (h,), "attn_norm.weight": (h,), "attn_q.weight": (q_rows, h),
+              "ffn_up.weight": (cfg.intermediate_size, h)}
+    return {f"blk.{layer}.{name}": torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _converter_quantizes(name: str, tensor: torch.Tensor) -> bool:
+    """ModelBase.prepare_tensors: 1-D tensors, norms, conv kernels and names without .weight stay F32."""
+    return (tensor.dim() >= 2 and name.endswith(".weight") and not name.endswith("_norm.weight")
+            and not name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")))

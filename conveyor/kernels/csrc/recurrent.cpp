@@ -434,6 +434,22 @@ torch::Tensor sigmoid_mul(torch::Tensor x, torch::Tensor gate) {
   return out;
 }
 
+// sigmoid(x) per element, rounded to the dtype as torch.sigmoid would: MoE routers' sigmoid scores
+// (LFM2-MoE) and shared experts' gates (Qwen3-Next), whose rows torch would round by batch position.
+torch::Tensor sigmoid_tensor(torch::Tensor x) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t n = x.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "sigmoid", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = round_to<scalar_t>(sigmoid(static_cast<float>(xp[i])));
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -445,4 +461,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm with a SiLU gate (CPU)", release());
   m.def("silu_gate", &silu_gate, "x * silu(gate) with torch's rounding (CPU)", release());
   m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate) with torch's rounding (CPU)", release());
+  m.def("sigmoid", &sigmoid_tensor, "sigmoid(x) with torch's rounding (CPU)", release());
 }

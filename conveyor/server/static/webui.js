@@ -304,6 +304,13 @@ function renderNode(s) {
   bar.querySelector(".free").style.width = share(kv.free);
   $("kv-text").textContent = `${kv.used} used · ${kv.cached_free} cached · ${kv.free} free of ${kv.total} (${kv.block_size} tokens each)`;
   bar.dataset.used = kv.used;
+  // Hybrid models: each running sequence also holds a fixed-size recurrent-state slot.
+  $("state-line").hidden = !s.state;
+  if (s.state) {
+    const mib = (b) => (b / 2 ** 20).toFixed(1);
+    $("state-text").textContent = `${s.state.live} live · ${s.state.snapshots} snapshots · ${s.state.free} free of ` +
+      `${s.state.slots} slots (${mib(s.state.bytes_per_slot)} MiB each, ${s.state.snapshot_hits} snapshot hits)`;
+  }
   renderSlots(s);
 }
 
