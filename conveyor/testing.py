@@ -182,6 +182,31 @@ TINY_HYBRID["qwen3_next"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen
 TINY_HYBRID["lfm2_moe"] = dict(TINY_HYBRID["lfm2"], architecture="lfm2_moe", num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True,
                                moe_renorm_eps=1e-6, routed_scaling_factor=1.5, dense_mlp_layers=(0,))
+# The Mamba2 families (models/mamba2_mixer.py): 4 heads of 32 (inner width 128), 2 groups of B/C with state 16.
+_MAMBA2 = dict(conv_kernel_size=4, conv_bias=True, mamba_num_heads=4, mamba_head_dim=32, mamba_state_size=16,
+               mamba_num_groups=2)
+# Granite 4.0-H (dense): Mamba2 layers and one NoPE attention layer, each followed by the shared SwiGLU MLP;
+# Granite's multipliers on the embeddings, attention scores, residual branches and logits.
+TINY_HYBRID["granitemoehybrid"] = dict(_MAMBA2, architecture="granitemoehybrid", num_hidden_layers=4, use_rope=False,
+                                       layer_types=("mamba", "full_attention", "mamba", "mamba"),
+                                       embedding_multiplier=2.0, attention_scale=0.2, residual_multiplier=0.7,
+                                       logits_scaling=0.8)
+# Nemotron-H: one mixer per layer (M - * E); relu^2 MLP and experts, sigmoid-routed in 2 groups with a correction
+# bias, scaled, and an ungated shared expert.
+TINY_HYBRID["nemotron_h"] = dict(_MAMBA2, architecture="nemotron_h", num_hidden_layers=5, use_rope=False,
+                                 hidden_act="relu2", layer_types=("mamba", "mlp", "full_attention", "mamba", "moe"),
+                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, moe_scoring="sigmoid", moe_expert_bias=True,
+                                 moe_num_groups=2, moe_topk_groups=1, moe_renorm_eps=1e-20, routed_scaling_factor=2.5)
+# Falcon-H1: Mamba2 and (rotary) attention side by side in every layer, Mamba2 without its gated norm; µP multipliers.
+TINY_HYBRID["falcon_h1"] = dict(_MAMBA2, architecture="falcon_h1", num_hidden_layers=3, layer_types=("hybrid",) * 3,
+                                mamba_rms_norm=False, embedding_multiplier=2.0, logits_scaling=2.0,
+                                mamba_in_multiplier=1.3, mamba_section_multipliers=(0.9, 1.1, 0.8, 1.2, 0.7),
+                                mamba_out_multiplier=0.6, attention_in_multiplier=1.2, attention_key_multiplier=0.8,
+                                attention_out_multiplier=0.9, mlp_gate_multiplier=1.4, mlp_down_multiplier=0.75)
+# Mamba2 alone: no attention layer, so no K/V at all (the block pool only counts positions).
+TINY_HYBRID["mamba2"] = dict(_MAMBA2, architecture="mamba2", num_hidden_layers=3, use_rope=False,
+                             layer_types=("mamba",) * 3, mamba_num_heads=8, mamba_head_dim=16)
 
 
 def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2,
