@@ -178,24 +178,51 @@ TINY_HYBRID = {
 # layer 2 dense) and LFM2-MoE (sigmoid router with an expert bias, the first layer dense).
 TINY_HYBRID["qwen3_next"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen3_next", num_experts=4,
                                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                 norm_topk_prob=False, dense_mlp_layers=(2,))
+                                 shared_expert_gate=True, norm_topk_prob=False, dense_mlp_layers=(2,))
 TINY_HYBRID["lfm2_moe"] = dict(TINY_HYBRID["lfm2"], architecture="lfm2_moe", num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True,
-                               routed_scaling_factor=1.5, dense_mlp_layers=(0,))
+                               moe_renorm_eps=1e-6, routed_scaling_factor=1.5, dense_mlp_layers=(0,))
+# The Mamba2 families (models/mamba2_mixer.py): 4 heads of 32 (inner width 128), 2 groups of B/C with state 16.
+_MAMBA2 = dict(conv_kernel_size=4, conv_bias=True, mamba_num_heads=4, mamba_head_dim=32, mamba_state_size=16,
+               mamba_num_groups=2)
+# Granite 4.0-H (dense): Mamba2 layers and one NoPE attention layer, each followed by the shared SwiGLU MLP;
+# Granite's multipliers on the embeddings, attention scores, residual branches and logits.
+TINY_HYBRID["granitemoehybrid"] = dict(_MAMBA2, architecture="granitemoehybrid", num_hidden_layers=4, use_rope=False,
+                                       layer_types=("mamba", "full_attention", "mamba", "mamba"),
+                                       embedding_multiplier=2.0, attention_scale=0.2, residual_multiplier=0.7,
+                                       logits_scaling=0.8)
+# Nemotron-H: one mixer per layer (M - * E); relu^2 MLP and experts, sigmoid-routed in 2 groups with a correction
+# bias, scaled, and an ungated shared expert.
+TINY_HYBRID["nemotron_h"] = dict(_MAMBA2, architecture="nemotron_h", num_hidden_layers=5, use_rope=False,
+                                 hidden_act="relu2", layer_types=("mamba", "mlp", "full_attention", "mamba", "moe"),
+                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, moe_scoring="sigmoid", moe_expert_bias=True,
+                                 moe_num_groups=2, moe_topk_groups=1, moe_renorm_eps=1e-20, routed_scaling_factor=2.5)
+# Falcon-H1: Mamba2 and (rotary) attention side by side in every layer, Mamba2 without its gated norm; µP multipliers.
+TINY_HYBRID["falcon_h1"] = dict(_MAMBA2, architecture="falcon_h1", num_hidden_layers=3, layer_types=("hybrid",) * 3,
+                                mamba_rms_norm=False, embedding_multiplier=2.0, logits_scaling=2.0,
+                                mamba_in_multiplier=1.3, mamba_section_multipliers=(0.9, 1.1, 0.8, 1.2, 0.7),
+                                mamba_out_multiplier=0.6, attention_in_multiplier=1.2, attention_key_multiplier=0.8,
+                                attention_out_multiplier=0.9, mlp_gate_multiplier=1.4, mlp_down_multiplier=0.75)
+# Mamba2 alone: no attention layer, so no K/V at all (the block pool only counts positions).
+TINY_HYBRID["mamba2"] = dict(_MAMBA2, architecture="mamba2", num_hidden_layers=3, use_rope=False,
+                             layer_types=("mamba",) * 3, mamba_num_heads=8, mamba_head_dim=16)
 
 
 def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2,
                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """HF-named random weights of a hybrid model, one per name hybrid_layout expects (made in `dtype`:
-    benchmarks build real shapes in bf16)."""
-    from conveyor.models.hybrid_layout import final_norm_name, mixer_tensors, sublayers
+    benchmarks build real shapes in bf16). Stacked experts (Granite) come per expert, as select_weights leaves them."""
+    from conveyor.models.hybrid_layout import embedding_name, final_norm_name, layer_prefix, mixer_tensors, sublayers
 
     gen = torch.Generator().manual_seed(seed)
     h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.conv_kernel_size
     q = config.num_attention_heads * d * (2 if config.attn_output_gate else 1)
     kv = config.num_key_value_heads * d
     hk, hv = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads * config.linear_value_head_dim
-    shapes = {  # (mixer kind, role) -> shape; norms and A_log / dt_bias near their usual values
+    inner, mh = config.mamba_inner_size, config.mamba_num_heads
+    bc = 2 * config.mamba_num_groups * config.mamba_state_size  # Mamba2's B and C
+    shapes = {  # (mixer kind, role) -> weight shape (a bias: its first dim); norms, A_log, dt_bias, D near usual values
         ("attention", "q"): (q, h), ("attention", "k"): (kv, h), ("attention", "v"): (kv, h),
         ("attention", "o"): (h, config.num_attention_heads * d), ("attention", "q_norm"): (d,),
         ("attention", "k_norm"): (d,),
@@ -208,42 +235,54 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
         ("gated_deltanet", "norm"): (config.linear_value_head_dim,),
         ("gated_deltanet", "A_log"): (config.linear_num_value_heads,),
         ("gated_deltanet", "dt_bias"): (config.linear_num_value_heads,),
-        ("mlp", "gate"): (i, h), ("mlp", "up"): (i, h), ("mlp", "down"): (h, i),
+        ("mamba2", "in"): (2 * inner + bc + mh, h), ("mamba2", "conv"): (inner + bc, 1, k),
+        ("mamba2", "out"): (h, inner),
+        ("mamba2", "norm"): (inner,), ("mamba2", "A_log"): (mh,), ("mamba2", "dt_bias"): (mh,), ("mamba2", "D"): (mh,),
+        ("mlp", "gate"): (i, h), ("mlp", "up"): (i, h), ("mlp", "down"): (h, i), ("mlp", "gate_up"): (2 * i, h),
     }
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    weights = {"model.embed_tokens.weight": rand(config.vocab_size, h) * 5, final_norm_name(config): 1 + rand(h)}
+    weights = {embedding_name(config): rand(config.vocab_size, h) * 5, final_norm_name(config): 1 + rand(h)}
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = rand(config.vocab_size, h)
     for n in range(config.num_hidden_layers):
-        prefix = f"model.layers.{n}."
+        prefix = layer_prefix(config, n)
         for sub in sublayers(config, n):
             weights[f"{prefix}{sub.norm}.weight"] = 1 + rand(h)
-            if sub.kind == "moe":
-                weights.update({prefix + name: rand(*shape) for name, shape in _moe_shapes(config).items()})
-                continue
-            roles = {f"{name}.weight": role for role, name in sub.names.items() if role != "prefix"}
-            roles.update({"A_log": "A_log", "dt_bias": "dt_bias"})
-            for tensor in mixer_tensors(config, sub):
-                role = roles[tensor]
-                shape = shapes[(sub.kind, role)]
-                weights[f"{prefix}{sub.prefix}{tensor}"] = (1 + rand(*shape) if role.endswith("norm")
-                                                            else rand(*shape) * 5 if role in ("A_log", "dt_bias")
-                                                            else rand(*shape))
+            for spec in sub.mixers:
+                if spec.kind == "moe":
+                    weights.update({prefix + name: rand(*shape) for name, shape in _moe_shapes(config).items()})
+                    continue
+                roles = {"A_log": ("A_log", False), "dt_bias": ("dt_bias", False), "D": ("D", False)}
+                for role, name in spec.names.items():
+                    if role not in ("kind", "prefix"):
+                        roles.update({f"{name}.weight": (role, False), f"{name}.bias": (role, True)})
+                for tensor in mixer_tensors(config, spec):
+                    role, is_bias = roles[tensor]
+                    shape = shapes[(spec.kind, role)][:1] if is_bias else shapes[(spec.kind, role)]
+                    weights[f"{prefix}{spec.prefix}{tensor}"] = (
+                        rand(*shape) if is_bias else 1 + rand(*shape) if role.endswith("norm") or role == "D"
+                        else rand(*shape) * 5 if role in ("A_log", "dt_bias") else rand(*shape))
     return weights
 
 
 def _moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A sparse block's tensor shapes by name under its layer prefix (router, experts, shared expert, bias)."""
     names, h = EXPERT_NAMES[config.architecture], config.hidden_size
-    width, shared = config.moe_intermediate_size, config.shared_expert_intermediate_size
+    parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")  # relu^2 experts: no gate
+
+    def expert(width: int, name) -> dict[str, tuple[int, ...]]:  # name(part) -> that part's tensor name
+        return {name(part): (h, width) if part == "down" else (width, h) for part in parts}
+
     shapes = {names.router(""): (config.num_experts, h)}
     for e in range(config.num_experts):
-        shapes.update({names.expert("", e, "gate"): (width, h), names.expert("", e, "up"): (width, h),
-                       names.expert("", e, "down"): (h, width)})
-    if shared:
-        shapes.update({names.shared("", "gate"): (shared, h), names.shared("", "up"): (shared, h),
-                       names.shared("", "down"): (h, shared), names.shared_gate(""): (1, h)})
+        shapes.update(expert(config.moe_intermediate_size, lambda part: names.expert("", e, part)))
+    if config.shared_expert_intermediate_size:
+        shapes.update(expert(config.shared_expert_intermediate_size, lambda part: names.shared("", part)))
+        if config.shared_expert_gate:
+            shapes[names.shared_gate("")] = (1, h)
     if config.moe_expert_bias:
         shapes[names.expert_bias("")] = (config.num_experts,)
     return shapes

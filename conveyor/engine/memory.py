@@ -72,6 +72,9 @@ def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unifie
         budget = max(int((free - weight_bytes) * AUTO_BUDGET_FRACTION) - ACTIVATION_HEADROOM_BYTES, 0)
         source = "auto"
     if not bytes_per_block:  # no attention layer (a pure Mamba2 model): blocks only count positions
+        if source == "explicit" and budget < state_bytes:
+            raise ValueError(f"--kv-cache-budget {budget} bytes is less than the recurrent state needs "
+                             f"({state_bytes} bytes)")
         return KVPoolPlan(window, wanted, 0, budget, source)
     num_blocks = min(wanted, max(budget - state_bytes, 0) // bytes_per_block)
     if num_blocks < blocks_per_slot:

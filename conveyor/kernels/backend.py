@@ -20,7 +20,7 @@ from torch import nn
 from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
 from conveyor.kernels.build import KERNELS, load_kernels
 from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
-                                        reference_short_conv, reference_ssm_scan)
+                                        reference_short_conv, reference_silu_gate, reference_ssm_scan)
 
 logger = logging.getLogger(__name__)
 
@@ -190,16 +190,23 @@ class KernelBackend:
     def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,
                  dt_bias: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
                  dt_min: float = 0.0, dt_max: float = float("inf")) -> torch.Tensor:
-        """Mamba2: x (T, H, P), raw dt (T, H), B, C (T, G, N) -> (T, H, P)."""
+        """Mamba2: x (T, H, P), raw dt (T, H), B, C (T, G, N) -> fp32 (T, H, P) (its gated norm rounds it)."""
         if self._runs_recurrent(x):
             return self.recurrent.ssm_scan(x, dt, B, C, A_log, dt_bias, D, state, *meta.args(), dt_min, dt_max)
         return reference_ssm_scan(x, dt, B, C, A_log, dt_bias, D, state, meta, dt_min, dt_max)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
                        norm_before_gate: bool) -> torch.Tensor:
+        """x (R, n) in gate's dtype or fp32 -> gate's dtype; RMSNorm over groups of `group` columns with a SiLU gate."""
         if self._runs_recurrent(x):
             return self.recurrent.gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
         return reference_gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
+
+    def silu_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x (gate's dtype or fp32) * silu(gate) -> gate's dtype, rounded where torch's two ops would."""
+        if self._runs_recurrent(x):
+            return self.recurrent.silu_gate(x, gate)
+        return reference_silu_gate(x, gate)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x * sigmoid(gate), rounded where torch's two ops would (elementwise, scalar per element)."""

@@ -107,10 +107,13 @@ def reference_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def reference_ssm_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,
                        dt_bias: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
                        dt_min: float, dt_max: float) -> torch.Tensor:
-    """x (T, H, P), dt (T, H), B, C (T, G, N) -> (T, H, P); state (slots, H, P, N) fp32."""
+    """x (T, H, P), dt (T, H), B, C (T, G, N) -> fp32 (T, H, P); state (slots, H, P, N) fp32.
+
+    As transformers' chunked scan: dt's steps in the model dtype, the rest in fp32, y left in fp32."""
     group = x.shape[1] // B.shape[1]
-    out = torch.empty_like(x)
-    step = nn.functional.softplus(dt.float() + dt_bias).clamp(dt_min, dt_max)  # (T, H)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    step = (dt.float() + dt_bias).to(dt.dtype)
+    step = nn.functional.softplus(step.float()).to(dt.dtype).clamp(dt_min, dt_max).float()  # (T, H)
     dA = torch.exp(step * -A_log.exp())
     Bf = B.float().repeat_interleave(group, dim=1)  # (T, H, N)
     Cf = C.float().repeat_interleave(group, dim=1)
@@ -119,8 +122,7 @@ def reference_ssm_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: to
         for t in range(first, first + n):
             xdt = x[t].float() * step[t][:, None]  # (H, P)
             S = S * dA[t][:, None, None] + xdt[:, :, None] * Bf[t][:, None, :]
-            y = (S * Cf[t][:, None, :]).sum(-1) + D[:, None] * x[t].float()
-            out[t] = y.to(x.dtype)
+            out[t] = (S * Cf[t][:, None, :]).sum(-1) + D[:, None] * x[t].float()
             for count, dst in snaps:
                 if count == t - first + 1:
                     state[dst] = S
@@ -130,14 +132,20 @@ def reference_ssm_scan(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: to
 
 def reference_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
                              norm_before_gate: bool) -> torch.Tensor:
-    """x, gate (R, n): Qwen3.5's norm-then-gate, or Mamba2's gate-then-norm over groups of `group` columns."""
+    """x (model dtype or fp32), gate (R, n) -> gate's dtype: Qwen3.5's norm-then-gate, or Mamba2's
+    gate-then-norm over groups of `group` columns; steps round to x's dtype, the output to gate's."""
     dtype = x.dtype
     h = x.float()
     if not norm_before_gate:
         h = h * nn.functional.silu(gate.float())
     shaped = h.view(h.shape[0], -1, group)
     normed = (shaped * torch.rsqrt(shaped.pow(2).mean(-1, keepdim=True) + eps)).view_as(h)
-    out = weight * normed.to(dtype)
+    out = (weight * normed.to(dtype)).to(dtype)
     if norm_before_gate:
         out = out * nn.functional.silu(gate.float())
-    return out.to(dtype)
+    return out.to(gate.dtype)
+
+
+def reference_silu_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x (model dtype or fp32) * silu(gate) -> gate's dtype, rounded as torch's two ops round."""
+    return (x * nn.functional.silu(gate)).to(gate.dtype)

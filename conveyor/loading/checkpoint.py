@@ -69,8 +69,8 @@ class Checkpoint:
 
 
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
-    """Every parameter a model built from `config` needs, in Hugging Face naming; q|k|v and gate|up
-    may come fused (Phi-3) where `available` has them so."""
+    """Every parameter a model built from `config` needs, in Hugging Face naming, the token embeddings first;
+    q|k|v and gate|up may come fused (Phi-3) where `available` has them so."""
     if config.architecture in HYBRID_ARCHITECTURES:
         from conveyor.models.hybrid_layout import weight_names
 
@@ -102,10 +102,10 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
 
 
 def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
-    """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub: gate|up (E, 2I, H), down (E, H, I))
-    as the per-expert tensors the models load: views, no copy."""
+    """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub, Granite 4.0-H: gate|up (E, 2I, H),
+    down (E, H, I)) as the per-expert tensors the models load: views, no copy."""
     names = EXPERT_NAMES.get(config.architecture)
-    if names is None or not any(name.endswith(".experts.down_proj") for name in weights):
+    if names is None or not any(name.endswith("." + names.stacked("", "down")) for name in weights):
         return weights
     out = dict(weights)
     for i in range(config.num_hidden_layers):
@@ -129,7 +129,7 @@ def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise LoadError(f"{source}: missing weights {', '.join(missing[:3])}{more}")
-    embed = weights["model.embed_tokens.weight"]
+    embed = weights[names[0]]
     if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
         raise LoadError(
             f"{source}: embedding shape {tuple(embed.shape)} does not match the config "

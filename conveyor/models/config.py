@@ -2,30 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from conveyor.models import gemma, granite, lfm2, mixtral, olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next
+from conveyor.models import (falcon_h1, gemma, granite, granite_hybrid, lfm2, mamba2, mixtral, nemotron_h, olmo2, olmoe,
+                             phi3, qwen3_5, qwen3_moe, qwen3_next)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text",
-                           "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+                           "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
+                           "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
                  "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
                  "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
-                 "lfm2_moe": lfm2.moe_hf_fields}
+                 "lfm2_moe": lfm2.moe_hf_fields,
+                 "granitemoehybrid": granite_hybrid.hf_fields, "nemotron_h": nemotron_h.hf_fields,
+                 "falcon_h1": falcon_h1.hf_fields, "mamba2": mamba2.hf_fields}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
-# Families built as token mixer + channel mixer per layer (models/hybrid.py), recurrent layers or not.
-HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text",
-                        "qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+# Falcon-H1: attention and Mamba2 side by side in one layer, so it keeps both K/V and a state.
+PARALLEL_LAYER_TYPES = ("hybrid",)
+# Nemotron-H: layers with a channel mixer only (an MLP or experts), keeping nothing between steps.
+CHANNEL_LAYER_TYPES = ("mlp", "moe")
+# Families built from pre-norm residual steps per layer (models/hybrid.py), recurrent layers or not.
+HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
+                        "nemotron_h", "falcon_h1", "mamba2")
 # Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
 MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -65,7 +74,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # --- what the other dense families change (defaults: Llama) -------------------------------
-    hidden_act: str = "silu"  # MLP gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or "relu2" (Nemotron-H: down(relu(up(x))^2), no gate)
+    hidden_act: str = "silu"
     # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
     # "post" (OLMo 2: after attention and MLP only).
     norm_layout: str = "pre"
@@ -86,11 +96,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
-    moe_scoring: str = "softmax"  # router logits -> expert scores: softmax (Mixtral, Qwen) or sigmoid (LFM2-MoE)
-    moe_expert_bias: bool = False  # LFM2-MoE: a per-expert bias added to the scores only to choose the experts
-    routed_scaling_factor: float = 1.0  # LFM2-MoE: the k routing weights scaled after renormalising
-    # Qwen3-Next / Qwen3.5-MoE: an always-on expert this wide, its output times sigmoid(w . x); 0: none.
+    # Routing (models/moe.py `route`), one path for every family. Router logits -> expert scores: softmax
+    # (Mixtral, Qwen) or sigmoid (LFM2-MoE, Nemotron-H).
+    moe_scoring: str = "softmax"
+    # A per-expert bias added to the scores only to choose the experts (LFM2-MoE's expert_bias, Nemotron-H's
+    # e_score_correction_bias); the weights stay the unbiased scores.
+    moe_expert_bias: bool = False
+    # Group-limited choice (Nemotron-H, as DeepSeek-V3): experts in moe_num_groups groups, only the
+    # moe_topk_groups groups whose two best biased scores sum highest are eligible. 1 group: plain top-k.
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_renorm_eps: float = 0.0  # added to the k weights' sum when renormalising (LFM2-MoE 1e-6, Nemotron-H 1e-20)
+    routed_scaling_factor: float = 1.0  # the k routing weights scaled after renormalising (LFM2-MoE, Nemotron-H)
+    # An always-on expert this wide beside the routed ones (0: none), of the experts' shape; its output times
+    # sigmoid(w . x) where shared_expert_gate (Qwen3-Next / Qwen3.5-MoE), plain where not (Nemotron-H).
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -101,6 +122,27 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Mamba2 (models/mamba2_mixer.py): "mamba" layers, and Falcon-H1's "hybrid" ones; its conv is conv_kernel_size
+    # wide with conv_bias. Heads of a group share B and C; the gated norm runs per group.
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0  # N: the state of one head is (mamba_head_dim, N)
+    mamba_num_groups: int = 0
+    mamba_proj_bias: bool = False  # in_proj and out_proj biases
+    mamba_dt_min: float = 0.0  # dt clamped to [min, max] (transformers' time_step_limit)
+    mamba_dt_max: float = math.inf
+    mamba_rms_norm: bool = True  # False (a Falcon-H1 option): y * silu(z) without the gated norm
+    mamba_norm_before_gate: bool = False  # Falcon-H1's option; Mamba2's norm gates first
+    use_rope: bool = True  # False: attention without rotary (NoPE: Granite 4.0-H, Nemotron-H, Mamba2)
+    # Falcon-H1's µP multipliers, folded at load into the weights they scale (models/hybrid.py)
+    mamba_in_multiplier: float = 1.0  # on the Mamba2 input (in_proj's weight, not its bias)
+    mamba_section_multipliers: tuple[float, ...] = ()  # on in_proj's z, x, B, C and dt outputs; empty: all 1
+    mamba_out_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0  # on the attention input (q, k, v weights)
+    attention_key_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -116,7 +158,8 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries for "
                                    f"{self.num_hidden_layers} layers")
-        if set(self.layer_types) - set(ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES):
+        if set(self.layer_types) - set(ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES + PARALLEL_LAYER_TYPES
+                                       + CHANNEL_LAYER_TYPES):
             raise ModelConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
         if self.is_hybrid and self.conv_kernel_size < 2:
             raise ModelConfigError(f"a recurrent layer needs a convolution width of at least 2, got "
@@ -126,13 +169,16 @@ class ModelConfig:
                     self.linear_value_head_dim) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads):
             raise ModelConfigError("gated DeltaNet layers need positive linear head counts and dims, with value "
                                    "heads a multiple of key heads")
+        self._check_mamba()
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                                    f"rotary width")
         if self.norm_layout not in LAYOUT_NORMS:
             raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "relu2") or (
+                self.hidden_act == "relu2" and self.architecture not in HYBRID_ARCHITECTURES):
+            raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh; "
+                                   f"relu2 in hybrid models)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -145,6 +191,24 @@ class ModelConfig:
             raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
         if self.moe_scoring not in ("softmax", "sigmoid"):
             raise ModelConfigError(f"unsupported MoE router scoring {self.moe_scoring!r} (supported: softmax, sigmoid)")
+        if self.num_experts and (self.num_experts % self.moe_num_groups
+                                 or not 0 < self.moe_topk_groups <= self.moe_num_groups
+                                 or (self.moe_num_groups > 1 and self.num_experts // self.moe_num_groups < 2)):
+            raise ModelConfigError(f"group-limited routing: {self.num_experts} experts in {self.moe_num_groups} "
+                                   f"groups (at least 2 each when grouped), top {self.moe_topk_groups} groups")
+
+    def _check_mamba(self) -> None:
+        if not {"mamba", "hybrid"} & set(self.layer_types):
+            return
+        sizes = (self.mamba_num_heads, self.mamba_head_dim, self.mamba_state_size, self.mamba_num_groups)
+        if min(sizes) <= 0 or self.mamba_num_heads % self.mamba_num_groups:
+            raise ModelConfigError(f"Mamba2 layers need positive heads, head dim, state size and groups, with heads a "
+                                   f"multiple of groups; got {sizes}")
+        if not 0.0 <= self.mamba_dt_min <= self.mamba_dt_max:
+            raise ModelConfigError(f"Mamba2 dt limits ({self.mamba_dt_min}, {self.mamba_dt_max}) are out of order")
+        if self.mamba_section_multipliers and len(self.mamba_section_multipliers) != 5:
+            raise ModelConfigError(f"mamba_section_multipliers needs 5 entries (z, x, B, C, dt), got "
+                                   f"{len(self.mamba_section_multipliers)}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -156,23 +220,31 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether some layers keep a recurrent state instead of K/V (models/hybrid.py)."""
-        return any(kind in RECURRENT_LAYER_TYPES for kind in self.layer_types)
+        """Whether some layers keep a recurrent state (instead of or beside K/V: models/hybrid.py)."""
+        return any(kind in RECURRENT_LAYER_TYPES + PARALLEL_LAYER_TYPES for kind in self.layer_types)
 
     def layer_kind(self, layer: int) -> str:
-        """`full_attention`, `sliding_attention` or a recurrent kind (RECURRENT_LAYER_TYPES)."""
+        """`full_attention`, `sliding_attention`, a recurrent kind (RECURRENT_LAYER_TYPES), Falcon-H1's
+        `hybrid` or a channel-only kind (CHANNEL_LAYER_TYPES)."""
         if self.layer_types:
             return self.layer_types[layer]
         return "sliding_attention" if self.is_sliding(layer) else "full_attention"
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that keep K/V in the block pool (all of them but a hybrid's recurrent ones)."""
-        return sum(1 for i in range(self.num_hidden_layers) if self.layer_kind(i) in ATTENTION_LAYER_TYPES)
+        """Layers that keep K/V in the block pool (all of them but a hybrid's recurrent and channel-only ones)."""
+        return sum(1 for i in range(self.num_hidden_layers)
+                   if self.layer_kind(i) in ATTENTION_LAYER_TYPES + PARALLEL_LAYER_TYPES)
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Rotated dims of each attention head (0: no rotary, `use_rope` off)."""
+        return int(self.head_dim * self.partial_rotary_factor) if self.use_rope else 0
+
+    @property
+    def mamba_inner_size(self) -> int:
+        """Mamba2's width between in_proj and out_proj: heads x head dim (transformers' intermediate_size)."""
+        return self.mamba_num_heads * self.mamba_head_dim
 
     @property
     def layer_norm_names(self) -> tuple[str, ...]:
@@ -205,9 +277,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} (architectures={archs}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        raw = _decode_floats(raw)
         try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
             # transformers >= 5 nests rope settings in rope_parameters; older files keep them top-level.
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -218,37 +289,49 @@ class ModelConfig:
                 rope.pop(key, None)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
-            fields = dict(
-                architecture=model_type,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                # Qwen3.5-MoE has no dense MLP and names no width for one: its family file sets it.
-                intermediate_size=int(raw.get("intermediate_size") or family["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type == "qwen3",
+            try:
+                family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
+            except NotImplementedError as exc:  # a family file names what it cannot run
+                raise ModelConfigError(f"{model_type}: {exc} is not supported") from exc
+            # Llama's reading of each field, run only where the family does not set it (Mamba2 has no heads).
+            base: dict[str, Callable[[], Any]] = dict(
+                architecture=lambda: model_type,
+                vocab_size=lambda: int(raw["vocab_size"]),
+                hidden_size=lambda: int(raw["hidden_size"]),
+                intermediate_size=lambda: int(raw["intermediate_size"]),
+                num_hidden_layers=lambda: int(raw["num_hidden_layers"]),
+                num_attention_heads=lambda: int(raw["num_attention_heads"]),
+                num_key_value_heads=lambda: int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                head_dim=lambda: int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])),
+                rms_norm_eps=lambda: float(raw.get("rms_norm_eps", 1e-5)),
+                rope_theta=lambda: rope_theta,
+                rope_scaling=lambda: rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+                max_position_embeddings=lambda: int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=lambda: bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=lambda: bool(raw.get("attention_bias", model_type == "qwen2")),
+                qk_norm=lambda: model_type == "qwen3",
                 # Qwen2's per-layer windows (use_sliding_window) are not supported; it runs full attention.
-                sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                partial_rotary_factor=partial_rotary,
+                sliding_window=lambda: raw.get("sliding_window") if model_type == "mistral" else None,
+                bos_token_id=lambda: raw.get("bos_token_id"),
+                eos_token_ids=lambda: eos_ids,
+                partial_rotary_factor=lambda: partial_rotary,
             )
-            return cls(**{**fields, **family})
+            return cls(**{**{name: read() for name, read in base.items() if name not in family}, **family})
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"malformed model config: {exc!r}") from exc
 
 
+def _decode_floats(value: Any) -> Any:
+    """transformers 5 writes non-finite floats in config.json as {"__float__": "Infinity"} (Mamba2's dt limit)."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {key: _decode_floats(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
 def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
     """A multimodal config's text model: its text_config, with what only the wrapper says."""
     text = {**raw["text_config"], "model_type": text_type}
@@ -263,35 +346,41 @@ def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ExpertNames:
     """Where a family's checkpoints keep the sparse MLP: `model.layers.N.{block}.gate.weight` (router) and
-    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too).
+    `model.layers.N.{block}.experts.{e}.{gate|up|down}.weight`, as on the Hub (transformers 5 saves them so too),
+    unless the fields after `down` say otherwise.
 
     `prefix` is the layer's, with its dot: `model.layers.N.`."""
 
     block: str
-    gate: str
+    gate: str  # "" where the experts have no gate (Nemotron-H's relu^2 experts)
     up: str
     down: str
+    router_name: str = "gate"  # Granite 4.0-H: router.layer
+    bias: str = "expert_bias"  # the choice-only expert bias (Nemotron-H: gate.e_score_correction_bias)
+    shared_block: str = "shared_expert"  # Nemotron-H: shared_experts
+    # All experts in one tensor per part, gate|up (E, 2I, H) and down (E, H, I): Qwen3.5-MoE on the Hub, Granite 4.0-H
+    stacked_parts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
 
     def router(self, prefix: str) -> str:
-        return f"{prefix}{self.block}.gate.weight"
+        return f"{prefix}{self.block}.{self.router_name}.weight"
 
     def expert(self, prefix: str, expert: int, part: str) -> str:
         """`part`: gate, up or down."""
         return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.weight"
 
     def stacked(self, prefix: str, part: str) -> str:
-        """All experts in one tensor (Qwen3.5-MoE on the Hub): `gate_up` (E, 2I, H) or `down` (E, H, I)."""
-        return f"{prefix}{self.block}.experts.{part}_proj"
+        """`part`: `gate_up` or `down` (checkpoint.unstack_experts splits them into the per-expert names)."""
+        return f"{prefix}{self.block}.{self.stacked_parts[part == 'down']}"
 
     def shared(self, prefix: str, part: str) -> str:
-        """The shared expert's `part` (gate, up or down) of Qwen3-Next / Qwen3.5-MoE."""
-        return f"{prefix}{self.block}.shared_expert.{getattr(self, part)}.weight"
+        """The shared expert's `part` (gate, up or down) of Qwen3-Next / Qwen3.5-MoE / Nemotron-H."""
+        return f"{prefix}{self.block}.{self.shared_block}.{getattr(self, part)}.weight"
 
     def shared_gate(self, prefix: str) -> str:
         return f"{prefix}{self.block}.shared_expert_gate.weight"
 
     def expert_bias(self, prefix: str) -> str:
-        return f"{prefix}{self.block}.expert_bias"
+        return f"{prefix}{self.block}.{self.bias}"
 
 
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
@@ -299,5 +388,10 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
                 "qwen3_next": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
                 "qwen3_5_moe_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "lfm2_moe": ExpertNames("feed_forward", "w1", "w3", "w2")}
-
+                "lfm2_moe": ExpertNames("feed_forward", "w1", "w3", "w2"),
+                # Granite's experts come stacked only; the per-expert names are unstack_experts' own
+                "granitemoehybrid": ExpertNames("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
+                                                router_name="router.layer",
+                                                stacked_parts=("input_linear.weight", "output_linear.weight")),
+                "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
+                                          shared_block="shared_experts")}

@@ -1,8 +1,9 @@
-"""Hybrid decoders: each layer is a list of pre-norm residual steps, x + mixer(norm(x)), where a token
-mixer (attention, LFM2's short convolution, gated DeltaNet) is chosen per layer from `layer_types`
-and the channel mixer is a gated MLP or a sparse mixture of experts (models/moe.py). Which mixers a
-layer holds and their tensor names are in hybrid_layout.py; a new kind of layer is a new mixer here,
-not a branch in the forward.
+"""Hybrid decoders: each layer is a list of pre-norm residual steps, x + mixer(norm(x)), with the mixers
+chosen per layer from `layer_types`: attention, LFM2's short convolution, gated DeltaNet, Mamba2
+(mamba2_mixer.py), MLPs and sparse mixtures of experts (hybrid_mlp.py, models/moe.py). A step may run
+several mixers side by side on its normed input and add their outputs (Falcon-H1's Mamba2 beside
+attention, Granite's experts beside its shared MLP). Which mixers a layer holds and their tensor names
+are in hybrid_layout.py; a new kind of layer is a new mixer, not a branch in the forward.
 
 Attention mixers keep K/V in the block pool; recurrent mixers keep a fixed state per sequence in
 state slots (kernels/recurrent.py), named by the step's StateMetadata. Each stateful mixer owns one
@@ -11,8 +12,7 @@ entry of the caches list the runner allocates from `cache_specs()`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -20,27 +20,24 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
-from conveyor.models.hybrid_layout import Sublayer, final_norm_name, sublayers
+from conveyor.models.config import ModelConfig
+from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, conv_weight, fp32_param, scaled
+from conveyor.models.hybrid_layout import MixerSpec, embedding_name, final_norm_name, layer_prefix, sublayers
+from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
-from conveyor.models.llama import LlamaAttention, LlamaMLP, Rope
-from conveyor.models.moe import SparseMoeBlock
+from conveyor.models.llama import LlamaAttention
+from conveyor.models.mamba2_mixer import Mamba2Mixer
 from conveyor.models.weights import WeightLoader
-
-Getter = Callable[[str], Weight]
-
-
-@dataclass
-class LayerContext:
-    """What every mixer of a forward may read: rotary tables, every cache, the step's metadata."""
-
-    rope: Rope
-    caches: list
-    meta: AttentionMetadata
 
 
 class AttentionMixer(LlamaAttention):
     cache_index: int = -1
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int) -> None:
+        super().__init__(config, ops, layer)
+        # Falcon-H1: q, k, v of (m_in * x), keys times m_key, output times m_out; all folded into the weights
+        self.in_scale, self.key_scale = config.attention_in_multiplier, config.attention_key_multiplier
+        self.out_scale = config.attention_out_multiplier
 
     def cache_spec(self) -> CacheSpec:
         return KVSpec(self.num_kv_heads, self.head_dim)
@@ -48,55 +45,18 @@ class AttentionMixer(LlamaAttention):
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x, ctx.rope, ctx.caches[self.cache_index], ctx.meta)
 
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
-             norm: Callable[[str], nn.Parameter]) -> None:
-        bias = [get(f"{prefix}{names[p]}.bias") for p in "qkv"] if self.qkv_proj.bias is not None else None
-        loader.linear(self.qkv_proj, [get(f"{prefix}{names[p]}.weight") for p in "qkv"], bias)
-        loader.linear(self.o_proj, [get(f"{prefix}{names['o']}.weight")])
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader, norm: NormGetter) -> None:
+        q, k, v = (get(f"{prefix}{names[p]}.weight") for p in "qkv")
+        weights = [scaled(q, self.in_scale), scaled(k, self.in_scale * self.key_scale), scaled(v, self.in_scale)]
+        bias = None
+        if self.qkv_proj.bias is not None:
+            q_b, k_b, v_b = (get(f"{prefix}{names[p]}.bias") for p in "qkv")
+            bias = [q_b, scaled(k_b, self.key_scale), v_b]
+        loader.linear(self.qkv_proj, weights, bias)
+        loader.linear(self.o_proj, [scaled(get(f"{prefix}{names['o']}.weight"), self.out_scale)])
         if self.q_norm is not None:
             self.q_norm.weight = norm(f"{prefix}{names['q_norm']}.weight")
             self.k_norm.weight = norm(f"{prefix}{names['k_norm']}.weight")
-
-
-class GatedMLP(LlamaMLP):
-    cache_index: int = -1
-
-    def cache_spec(self) -> CacheSpec | None:
-        return None
-
-    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)
-
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
-             norm: Callable[[str], nn.Parameter]) -> None:
-        loader.linear(self.gate_up_proj, [get(f"{prefix}{names['gate']}.weight"), get(f"{prefix}{names['up']}.weight")])
-        loader.linear(self.down_proj, [get(f"{prefix}{names['down']}.weight")])
-
-
-class MoEMixer(SparseMoeBlock):
-    """A sparse MoE channel mixer; its tensors are the family's EXPERT_NAMES under the layer's prefix."""
-
-    cache_index: int = -1
-
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
-        super().__init__(config, ops)
-        self.expert_names = EXPERT_NAMES[config.architecture]
-
-    def cache_spec(self) -> CacheSpec | None:
-        return None
-
-    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)
-
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,  # type: ignore[override]
-             norm: Callable[[str], nn.Parameter]) -> None:
-        super().load(get, prefix, self.expert_names, loader)
-
-
-def _conv_weight(loader: WeightLoader, tensor: Weight) -> torch.Tensor:
-    """A depthwise conv1d weight (C, 1, K) as the kernel's contiguous fp32 (C, K), rounded to the model dtype first."""
-    weight = loader.dense(tensor)
-    return weight.reshape(weight.shape[0], -1).float().contiguous()
 
 
 class ShortConvMixer(nn.Module):
@@ -122,16 +82,15 @@ class ShortConvMixer(nn.Module):
                                    apply_silu=False)
         return self.out_proj(c * conv)
 
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
-             norm: Callable[[str], nn.Parameter]) -> None:
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader, norm: NormGetter) -> None:
         bias = self.in_proj.bias is not None
         loader.linear(self.in_proj, [get(f"{prefix}{names['in']}.weight")],
                       [get(f"{prefix}{names['in']}.bias")] if bias else None)
         loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")],
                       [get(f"{prefix}{names['out']}.bias")] if bias else None)
-        self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
+        self.conv_weight = conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
         if bias:
-            self.conv_bias = loader.dense(get(f"{prefix}{names['conv']}.bias")).float().contiguous()
+            self.conv_bias = fp32_param(loader, get(f"{prefix}{names['conv']}.bias"))
 
 
 class GatedDeltaNetMixer(nn.Module):
@@ -177,8 +136,7 @@ class GatedDeltaNetMixer(nn.Module):
                                          self.eps, self.v_dim, norm_before_gate=True)
         return self.out_proj(normed.reshape(T, self.value_size))
 
-    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader,
-             norm: Callable[[str], nn.Parameter]) -> None:
+    def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader, norm: NormGetter) -> None:
         try:  # Qwen3.5, and Qwen3-Next from GGUF
             parts = [get(f"{prefix}{names[p]}.weight") for p in ("qkv", "z", "b", "a")]
         except KeyError:
@@ -188,10 +146,10 @@ class GatedDeltaNetMixer(nn.Module):
                                                get(f"{prefix}{names['ba']}.weight"))
         loader.linear(self.in_proj, parts)
         loader.linear(self.out_proj, [get(f"{prefix}{names['out']}.weight")])
-        self.conv_weight = _conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
+        self.conv_weight = conv_weight(loader, get(f"{prefix}{names['conv']}.weight"))
         self.norm_weight = loader.param(get(f"{prefix}{names['norm']}.weight"))  # plain w, no (1 + w)
-        self.A_log = loader.dense(get(f"{prefix}A_log")).float().contiguous()
-        self.dt_bias = loader.dense(get(f"{prefix}dt_bias")).float().contiguous()
+        self.A_log = fp32_param(loader, get(f"{prefix}A_log"))
+        self.dt_bias = fp32_param(loader, get(f"{prefix}dt_bias"))
 
     def _from_key_head_groups(self, qkvz: torch.Tensor, ba: torch.Tensor) -> list[torch.Tensor]:
         """Qwen3-Next's projections, rows grouped by key head g (v_g, z_g, b_g, a_g: its value heads'),
@@ -206,18 +164,18 @@ class GatedDeltaNetMixer(nn.Module):
         return [part.reshape(-1, hidden) for part in (q, k, v, z, b, a)]
 
 
-def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, sub: Sublayer) -> nn.Module:
-    if sub.kind == "attention":
+MIXERS = {"attention": AttentionMixer, "short_conv": ShortConvMixer, "gated_deltanet": GatedDeltaNetMixer,
+          "mamba2": Mamba2Mixer, "moe": MoEMixer}
+
+
+def build_mixer(config: ModelConfig, ops: KernelBackend, layer: int, spec: MixerSpec) -> nn.Module:
+    if spec.kind == "attention":
         return AttentionMixer(config, ops, layer)
-    if sub.kind == "short_conv":
-        return ShortConvMixer(config, ops)
-    if sub.kind == "gated_deltanet":
-        return GatedDeltaNetMixer(config, ops)
-    if sub.kind == "mlp":
-        return GatedMLP(config, ops)
-    if sub.kind == "moe":
-        return MoEMixer(config, ops)
-    raise ValueError(f"unknown mixer kind {sub.kind!r}")
+    if spec.kind == "mlp":  # the MLP's shape follows the activation: gated, or relu^2 without a gate
+        return SquaredReluMixer(config, ops) if config.hidden_act == "relu2" else GatedMLP(config, ops)
+    if spec.kind not in MIXERS:
+        raise ValueError(f"unknown mixer kind {spec.kind!r}")
+    return MIXERS[spec.kind](config, ops)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -225,18 +183,25 @@ class HybridDecoderLayer(nn.Module):
         super().__init__()
         self.plan = sublayers(config, layer)
         self.norms = nn.ModuleList(RMSNorm(config.hidden_size, config.rms_norm_eps, ops) for _ in self.plan)
-        self.mixers = nn.ModuleList(build_mixer(config, ops, layer, sub) for sub in self.plan)
+        # every step's mixers in order (the last is the layer's channel mixer); plan[s].mixers says how many per step
+        self.mixers = nn.ModuleList(build_mixer(config, ops, layer, spec) for sub in self.plan for spec in sub.mixers)
+        self.residual_multiplier = config.residual_multiplier  # Granite: every branch scaled before its add
 
     def forward(self, delta: torch.Tensor, residual: torch.Tensor | None,
                 ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(previous step's output, residual stream) -> (this layer's last output, residual stream);
         each residual add is fused into the norm after it, as in models/llama.py."""
-        for norm, mixer in zip(self.norms, self.mixers):
+        mixers = iter(self.mixers)
+        for norm, sub in zip(self.norms, self.plan):
             if residual is None:
                 residual, h = delta, norm(delta)
             else:
                 residual, h = norm.add_and_norm(residual, delta)
-            delta = mixer(h, ctx)
+            delta = next(mixers)(h, ctx)
+            for _ in sub.mixers[1:]:  # side by side on the same input, added in the layout's order
+                delta = delta + next(mixers)(h, ctx)
+            if self.residual_multiplier != 1.0:
+                delta = delta * self.residual_multiplier
         return delta, residual
 
 
@@ -250,8 +215,8 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = RowInvariantLinear(config.hidden_size, config.vocab_size, bias=False, ops=ops)
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                       config.rope_scaling) if config.rotary_dim else None)
         self._specs: list[CacheSpec] = []
         for mixer in self._mixers():
             spec = mixer.cache_spec()
@@ -259,7 +224,7 @@ class HybridForCausalLM(nn.Module):
                 mixer.cache_index = len(self._specs)
                 self._specs.append(spec)
 
-    def _mixers(self):
+    def _mixers(self) -> Iterator[nn.Module]:
         for layer in self.layers:
             yield from layer.mixers
 
@@ -271,13 +236,20 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        ctx = LayerContext(self.rotary.tables(positions, x.dtype), caches, meta)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * cfg.embedding_multiplier  # a Python float, as transformers' Granite and Falcon-H1 scale
+        rope = self.rotary.tables(positions, x.dtype) if self.rotary is not None else None
+        ctx = LayerContext(rope, caches, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if cfg.logits_scaling != 1.0:  # Granite divides; Falcon-H1's lm_head_multiplier m is 1 / m here
+            logits = logits / cfg.logits_scaling
+        return logits
 
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         cfg = self.config
@@ -293,14 +265,16 @@ class HybridForCausalLM(nn.Module):
                 weight.data += cfg.norm_weight_offset
             return weight
 
-        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
+        self.embed_tokens = loader.embedding(get(embedding_name(cfg)))
         self.norm.weight = norm(final_norm_name(cfg))
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
             self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
         else:
             loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            for sub, layer_norm, mixer in zip(layer.plan, layer.norms, layer.mixers):
+            prefix = layer_prefix(cfg, i)
+            for sub, layer_norm in zip(layer.plan, layer.norms):
                 layer_norm.weight = norm(f"{prefix}{sub.norm}.weight")
-                mixer.load(get, prefix + sub.prefix, sub.names, loader, norm)
+            specs = [spec for sub in layer.plan for spec in sub.mixers]
+            for spec, mixer in zip(specs, layer.mixers, strict=True):
+                mixer.load(get, prefix + spec.prefix, spec.names, loader, norm)

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-# Where the checkpoint keeps each part, under `model.layers.N.` (see hybrid_layout.py).
+# The channel step: LFM2-MoE's experts in its MoE layers, the SwiGLU MLP in the others (and in all of LFM2's).
+_CHANNEL = ("ffn_norm", (("experts", "mlp"),))
+
+# Where the checkpoint keeps each part (see hybrid_layout.py): per layer kind, its sublayers as
+# (norm, mixers); each mixer's kind and tensor names under `model.layers.N.`.
 NAMES = {
-    "norms": ("operator_norm", "ffn_norm"), "final_norm": "model.embedding_norm.weight",
-    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj",
-                  "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
-    "short_conv": {"prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
-    "mlp": {"prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
+    "embed": "model.embed_tokens.weight", "layers": "model.layers.", "final_norm": "model.embedding_norm.weight",
+    "layout": {"conv": (("operator_norm", ("short_conv",)), _CHANNEL),
+               "full_attention": (("operator_norm", ("attention",)), _CHANNEL)},
+    "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
+                  "o": "out_proj", "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
+    "short_conv": {"kind": "short_conv", "prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
+    "mlp": {"kind": "mlp", "prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
+    "experts": {"kind": "moe", "prefix": ""},  # EXPERT_NAMES["lfm2_moe"]: feed_forward.experts.N.w1 ...
 }
 
 
@@ -56,5 +63,5 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "moe_intermediate_size": int(raw["moe_intermediate_size"]),
             "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
             "dense_mlp_layers": tuple(range(min(int(raw.get("num_dense_layers", 2)), layers))),
-            "moe_scoring": "sigmoid", "moe_expert_bias": bool(raw.get("use_expert_bias", True)),
+            "moe_scoring": "sigmoid", "moe_expert_bias": bool(raw.get("use_expert_bias", True)), "moe_renorm_eps": 1e-6,
             "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0))}

@@ -35,7 +35,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotary_dim = config.rotary_dim  # the first rotary_dim dims of each head rotate (Qwen3.5: a quarter)
+        # the first rotary_dim dims of each head rotate (Qwen3.5: a quarter; 0: none, NoPE)
+        self.rotary_dim = config.rotary_dim
         # Qwen3.5: q_proj yields each head's query and an output gate side by side.
         self.output_gate = config.attn_output_gate
         q_out = 2 * self.q_size if self.output_gate else self.q_size
@@ -51,7 +52,7 @@ class LlamaAttention(nn.Module):
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         gate = None
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
         # q and k sit side by side in the fused output, so one rotary pass covers both.
         if self.rotary_dim == self.head_dim:
             qk = RotaryEmbedding.apply(qk, *rope)
-        else:  # partial rotary: the rest of each head passes through
+        elif self.rotary_dim:  # partial rotary: the rest of each head passes through
             rotated, rest = qk.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
             qk = torch.cat([RotaryEmbedding.apply(rotated, *rope), rest], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

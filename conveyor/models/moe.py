@@ -1,5 +1,7 @@
 """Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, and the hybrids Qwen3-Next, Qwen3.5-MoE,
-LFM2-MoE): top-k routing, experts run batched, plus an always-on shared expert where the family has one.
+LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared expert
+where the family has one. One block and one routing path for all of them; the config says how it scores,
+biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, or relu^2 without a gate).
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
     assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
@@ -38,21 +40,46 @@ class ExpertMLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
+class SquaredReluMLP(nn.Module):
+    """Nemotron-H's MLP and experts: down(relu(up(x))^2), no gate."""
+
+    def __init__(self, hidden_size: int, width: int, ops: KernelBackend) -> None:
+        super().__init__()
+        self.up_proj = RowInvariantLinear(hidden_size, width, bias=False, ops=ops)
+        self.down_proj = RowInvariantLinear(width, hidden_size, bias=False, ops=ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
+        h = torch.relu(self.up_proj(x))
+        return self.down_proj(h * h)  # an exactly rounded product: the same bits in any batch
+
+
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
           sigmoid: Callable[[torch.Tensor], torch.Tensor] | None = None, bias: torch.Tensor | None = None,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, groups: tuple[int, int] = (1, 1), eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> fp32 weights and expert ids (T, k), best first.
 
-    Scores: softmax over all experts (Mixtral, Qwen), or with `sigmoid` (the backend's) a sigmoid per expert
-    (LFM2-MoE), whose renormalised sum gets +1e-6 as transformers has it. `bias` (LFM2-MoE's expert_bias)
-    shifts the scores only to choose the k; `renormalise` makes the k weights sum to 1, then `scale` multiplies
-    them. Every op is per row, so a row's routing does not depend on the rows beside it.
+    Scores, fp32: softmax over all experts (Mixtral, Qwen, Granite), or with `sigmoid` (the backend's) a sigmoid
+    per expert (LFM2-MoE, Nemotron-H). `bias` (LFM2-MoE's expert_bias, Nemotron-H's correction bias) shifts the
+    scores only to choose the k. `groups` = (n, m): only experts of the m groups (of n) whose two best biased
+    scores sum highest are eligible (Nemotron-H, DeepSeek-V3's router). The k weights are the unbiased scores;
+    `renormalise` divides them by their sum + `eps` (LFM2-MoE 1e-6, Nemotron-H 1e-20, as transformers has
+    them), then `scale` multiplies them. Every op is per row, so a row's routing does not depend on the rows
+    beside it.
     """
-    scores = torch.softmax(logits.float(), dim=-1) if sigmoid is None else sigmoid(logits).float()  # (T, E)
-    expert_ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices  # (T, k)
+    scores = torch.softmax(logits.float(), dim=-1) if sigmoid is None else sigmoid(logits.float())  # (T, E)
+    choice = scores if bias is None else scores + bias
+    num_groups, topk_groups = groups
+    if num_groups > 1:
+        num_tokens, num_experts = scores.shape
+        per_group = num_experts // num_groups
+        best = choice.view(num_tokens, num_groups, per_group).topk(2, dim=-1).values.sum(-1).topk(topk_groups, dim=-1)
+        keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, best.indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    expert_ids = choice.topk(top_k, dim=-1).indices  # (T, k)
     weights = scores.gather(-1, expert_ids)
     if renormalise:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (0.0 if sigmoid is None else 1e-6))
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     return (weights if scale == 1.0 else weights * scale), expert_ids
 
 
@@ -61,25 +88,30 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.ops = ops
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
-        self.renormalise = config.norm_topk_prob
+        self.renormalise, self.renorm_eps = config.norm_topk_prob, config.moe_renorm_eps
         self.sigmoid_scores = config.moe_scoring == "sigmoid"
+        self.groups = (config.moe_num_groups, config.moe_topk_groups)
         self.scale = config.routed_scaling_factor
         self.use_expert_bias = config.moe_expert_bias
         self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
-        self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size, ops)
+        # SwiGLU experts, or Nemotron-H's relu^2 ones (no gate); a shared expert has the same shape
+        self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
+        expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
+        self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
-        self.shared_expert = ExpertMLP(config.hidden_size, shared, ops) if shared else None
-        # The router; the shared expert's gate rides along as one more output row (one small GEMM, not two).
-        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if shared else 0), bias=False,
-                                       ops=ops)
+        self.shared_expert = expert(config.hidden_size, shared, ops) if shared else None
+        self.shared_gate = bool(shared) and config.shared_expert_gate
+        # The router; a shared expert's gate rides along as one more output row (one small GEMM, not two).
+        self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
+                                       bias=False, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         num_tokens, k = x.shape[0], self.top_k
         logits = self.gate(x)  # (T, E [+ 1])
         weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
                                     self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
-                                    self.scale)  # (T, k) each
+                                    self.scale, self.groups, self.renorm_eps)  # (T, k) each
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
@@ -99,8 +131,9 @@ class SparseMoeBlock(nn.Module):
         for r in range(1, k):
             y = y + weighted[:, r]
         y = y.to(x.dtype)
-        if self.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE: + sigmoid(gate . x) * shared(x)
-            y = y + self.shared_expert(x) * self.ops.sigmoid(logits[:, self.num_experts:])
+        if self.shared_expert is not None:  # + shared(x), times sigmoid(gate . x) where gated (Qwen3-Next, Qwen3.5-MoE)
+            shared = self.shared_expert(x)
+            y = y + (shared * self.ops.sigmoid(logits[:, self.num_experts:]) if self.shared_gate else shared)
         return y
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:
@@ -108,20 +141,20 @@ class SparseMoeBlock(nn.Module):
         # The router stays in the model dtype, never quantized (not even under --weight-dtype int8): routing
         # decisions are sensitive, and llama.cpp keeps ffn_gate_inp in F32 for the same reason.
         router = loader.dense(get(names.router(prefix)))
-        if self.shared_expert is not None:
+        if self.shared_gate:
             router = torch.cat([router, loader.dense(get(names.shared_gate(prefix)))])
-            _load_expert(self.shared_expert, [get(names.shared(prefix, part)) for part in ("gate", "up", "down")],
-                         loader)
+        if self.shared_expert is not None:
+            _load_expert(self.shared_expert, [get(names.shared(prefix, part)) for part in self.parts], loader)
         self.gate.load_dense(router)
         self.gate.prepack()
         for e, expert in enumerate(self.experts):
-            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in ("gate", "up", "down")], loader)
+            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader)
         if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
             self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)
 
 
-def _load_expert(expert: ExpertMLP, parts: list[Weight], loader: WeightLoader) -> None:
-    """gate, up and down weights; gate|up fused into one GEMM."""
-    gate, up, down = parts
-    loader.linear(expert.gate_up_proj, [gate, up])
+def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader) -> None:
+    """(gate,) up and down weights; gate|up fused into one GEMM (SwiGLU), up alone (relu^2)."""
+    *inputs, down = parts
+    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs)
     loader.linear(expert.down_proj, [down])

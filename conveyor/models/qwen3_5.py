@@ -10,13 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# The channel step: the sparse MoE block in MoE layers (Qwen3.5-MoE, Qwen3-Next), the SwiGLU MLP elsewhere.
+_CHANNEL = ("post_attention_layernorm", (("experts", "mlp"),))
+
 NAMES = {
-    "norms": ("input_layernorm", "post_attention_layernorm"), "final_norm": "model.norm.weight",
-    "attention": {"prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-                  "q_norm": "q_norm", "k_norm": "k_norm"},
-    "gated_deltanet": {"prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z", "b": "in_proj_b",
-                       "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
-    "mlp": {"prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "embed": "model.embed_tokens.weight", "layers": "model.layers.", "final_norm": "model.norm.weight",
+    "layout": {"linear_attention": (("input_layernorm", ("gated_deltanet",)), _CHANNEL),
+               "full_attention": (("input_layernorm", ("attention",)), _CHANNEL)},
+    "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
+                  "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"},
+    "gated_deltanet": {"kind": "gated_deltanet", "prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z",
+                       "b": "in_proj_b", "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
+    "mlp": {"kind": "mlp", "prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "experts": {"kind": "moe", "prefix": ""},  # EXPERT_NAMES: mlp.gate, mlp.experts.N.gate_proj, mlp.shared_expert ...
 }
 
 
@@ -43,7 +49,8 @@ def shared_expert_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
     num_experts = raw.get("num_experts", raw.get("num_local_experts"))
     return dict(num_experts=int(num_experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
+                shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                shared_expert_gate=True)
 
 
 def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:

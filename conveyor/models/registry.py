@@ -34,13 +34,18 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MoEForCausalLM,
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
-    # Hybrids: a token mixer (attention or recurrent) and a channel mixer per layer (models/hybrid.py).
+    # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
     # ... with sparse MoE channel mixers (models/moe.py) in some or all layers.
     "qwen3_next": HybridForCausalLM,
     "qwen3_5_moe_text": HybridForCausalLM,
     "lfm2_moe": HybridForCausalLM,
+    # Mamba2 hybrids (models/mamba2_mixer.py), and Mamba2 alone.
+    "granitemoehybrid": HybridForCausalLM,
+    "nemotron_h": HybridForCausalLM,
+    "falcon_h1": HybridForCausalLM,
+    "mamba2": HybridForCausalLM,
 }
 
 

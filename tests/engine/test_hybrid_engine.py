@@ -1,7 +1,7 @@
-"""Hybrid models (LFM2, Qwen3.5: recurrent layers beside attention) on the engine, bf16 on the CPU kernels:
-concurrent greedy equals one at a time, and chunked prefill, prefix-cache hits through state snapshots,
-preemption and speculative decoding (state rolled back on a miss) leave the tokens exactly as plain
-decoding makes them; every state slot comes back."""
+"""Hybrid models (LFM2, Qwen3.5, the Mamba2 families: recurrent layers beside attention, or alone) on the
+engine, bf16 on the CPU kernels: concurrent greedy equals one at a time, and chunked prefill, prefix-cache
+hits through state snapshots, preemption and speculative decoding (state rolled back on a miss) leave the
+tokens exactly as plain decoding makes them; every state slot comes back."""
 
 import pytest
 
@@ -15,7 +15,10 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 PROMPTS = [f"Echo {i}: " + "alpha beta gamma delta " * (2 + i % 4) for i in range(8)]  # 20-40 tokens
 
 
-DENSE_HYBRIDS = ["lfm2", "qwen3_5_text"]  # the MoE variants are covered below; their block is the same
+DENSE_HYBRIDS = ["lfm2", "qwen3_5_text", "granitemoehybrid"]  # the MoE variants are covered below
+# The other Mamba2 families: Nemotron-H (relu^2 MLP, sigmoid-routed experts in groups), Falcon-H1 (Mamba2 and
+# attention side by side), Mamba2 alone (no attention layer: no K/V at all).
+MAMBA2_HYBRIDS = ["nemotron_h", "falcon_h1", "mamba2"]
 
 
 @pytest.fixture(scope="module", params=DENSE_HYBRIDS)
@@ -28,8 +31,9 @@ def _check_released(llm: LLM) -> None:
     assert llm.engine.states.all_free()
 
 
-def test_concurrent_greedy_equals_one_at_a_time(hybrid):
-    llm = LLM(checkpoint=hybrid, parallel=8, prefill_chunk_size=16, speculative_ngram=0)
+@pytest.mark.parametrize("architecture", DENSE_HYBRIDS + MAMBA2_HYBRIDS)
+def test_concurrent_greedy_equals_one_at_a_time(architecture):
+    llm = LLM(checkpoint=tiny_hybrid_checkpoint(architecture), parallel=8, prefill_chunk_size=16, speculative_ngram=0)
     params = [SamplingParams(max_tokens=6 + 3 * (i % 3), **GREEDY) for i in range(8)]
     batched = llm.generate(PROMPTS, params)
     assert len({tuple(b.token_ids) for b in batched}) > 1  # the model is not degenerate
@@ -67,15 +71,30 @@ def test_chunking_prefix_hits_preemption_and_speculation_stay_exact(hybrid):
         _check_released(llm)
 
 
+def test_attention_free_mamba2_keeps_no_kv():
+    """Mamba2 alone: blocks only count positions (zero bytes), the runner allocates no K/V, the states do it all."""
+    checkpoint = tiny_hybrid_checkpoint("mamba2")
+    llm = LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=str(2**20))
+    assert llm.engine.pool_plan.bytes_per_block == 0 and llm.engine.runner.kv_layers() == []
+    assert len(llm.engine.runner.state_layers()) == 3
+    with pytest.raises(ValueError, match="recurrent state"):  # an explicit budget still has to hold the states
+        LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=str(llm.engine.states.total_bytes - 1))
+    params = [SamplingParams(max_tokens=8, **GREEDY) for _ in range(4)]
+    batched = llm.generate(PROMPTS[:4], params)
+    assert [g.token_ids for g in llm.generate(PROMPTS[:4], params)] == [b.token_ids for b in batched]
+    _check_released(llm)
+
+
 # Mixer outputs scaled down so the tiny model half repeats itself: prompt-lookup drafts then both hit and miss.
-REPEATING = {"lfm2": 0.3, "qwen3_5_text": 0.15}
+# (Granite's residual multiplier already does it.)
+REPEATING = {"lfm2": 0.3, "qwen3_5_text": 0.15, "granitemoehybrid": 1.0}
 
 
 @pytest.mark.parametrize("architecture", DENSE_HYBRIDS)
 def test_speculation_rolls_the_state_back_exactly(architecture):
     checkpoint = tiny_hybrid_checkpoint(architecture)
     for name, weight in checkpoint.weights.items():
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "w2.weight")):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "w2.weight", "output_linear.weight")):
             weight.mul_(REPEATING[architecture])
     params = [SamplingParams(max_tokens=40, **GREEDY) for _ in range(8)]
     plain = LLM(checkpoint=checkpoint, parallel=8, speculative_ngram=0)
@@ -106,10 +125,15 @@ def test_structured_output_on_a_hybrid_is_valid_and_batch_invariant():
     _check_released(llm)
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_next", "lfm2_moe"])
-def test_moe_hybrids_16_concurrent_equal_one_at_a_time(architecture):
+# Granite 4.0-H with experts beside its shared MLP (the tiny one is dense); Nemotron-H's tiny has an MoE layer.
+MOE_HYBRIDS = [("qwen3_next", {}), ("lfm2_moe", {}), ("nemotron_h", {}),
+               ("granitemoehybrid", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))]
+
+
+@pytest.mark.parametrize(("architecture", "overrides"), MOE_HYBRIDS, ids=[a for a, _ in MOE_HYBRIDS])
+def test_moe_hybrids_16_concurrent_equal_one_at_a_time(architecture, overrides):
     """Sparse MLPs beside recurrent layers: 16 greedy requests in one batch, each equal to its run alone."""
-    llm = LLM(checkpoint=tiny_hybrid_checkpoint(architecture), parallel=16, prefill_chunk_size=16)
+    llm = LLM(checkpoint=tiny_hybrid_checkpoint(architecture, **overrides), parallel=16, prefill_chunk_size=16)
     prompts = [PROMPTS[i % 8] + f" {i}" for i in range(16)]
     params = [SamplingParams(max_tokens=5 + i % 4, **GREEDY) for i in range(16)]
     batched = llm.generate(prompts, params)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
-                                        reference_short_conv, reference_ssm_scan)
+                                        reference_short_conv, reference_silu_gate, reference_ssm_scan)
 from tests.kernels.conftest import kernel_backend
 
 kernels = kernel_backend("recurrent").recurrent
@@ -43,8 +43,9 @@ def _ssm_case(dtype, T, gen):
     B, C = (torch.randn(T, G, N, generator=gen).to(dtype) for _ in range(2))
     A_log, dt_bias, D = (torch.randn(H, generator=gen) for _ in range(3))
     state = torch.randn(SLOTS, H, P, N, generator=gen)
-    run = lambda x, dt, B, C, st, meta: kernels.ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, *meta.args(), 0.0, 5.0)  # noqa: E731
-    ref = lambda x, dt, B, C, st, meta: reference_ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, meta, 0.0, 5.0)  # noqa: E731
+    # dt limits that both bind for some of these rows (softplus of N(0, 2) spans ~0.05..4)
+    run = lambda x, dt, B, C, st, meta: kernels.ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, *meta.args(), 0.3, 2.0)  # noqa: E731
+    ref = lambda x, dt, B, C, st, meta: reference_ssm_scan(x, dt, B, C, A_log, dt_bias, D, st, meta, 0.3, 2.0)  # noqa: E731
     return (x, dt, B, C), state, run, ref
 
 
@@ -107,18 +108,37 @@ def test_chunking_batch_mates_and_snapshots_are_exact(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_fp32", [False, True])
 @pytest.mark.parametrize("norm_before_gate,group", [(True, 16), (False, 8), (False, 16)])
-def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, norm_before_gate, group):
+def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, x_fp32, norm_before_gate, group):
+    """x in the model dtype (Qwen3.5) or fp32 (a Mamba2 scan's output); gate, weight and output in the model dtype."""
     gen = torch.Generator().manual_seed(3)
     x, gate = (torch.randn(7, 16, generator=gen).to(dtype) for _ in range(2))
+    if x_fp32:
+        x = torch.randn(7, 16, generator=gen)
     weight = torch.randn(16, generator=gen).to(dtype)
     ours = kernels.gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
     want = reference_gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
+    assert ours.dtype == dtype == want.dtype
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, want, **tol)
     for r in (0, 6):
         assert torch.equal(kernels.gated_rms_norm(x[r:r + 1], gate[r:r + 1], weight, 1e-6, group, norm_before_gate),
                            ours[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_fp32", [False, True])
+def test_silu_gate_rounds_as_torch(dtype, x_fp32):
+    gen = torch.Generator().manual_seed(5)
+    x, gate = (torch.randn(5, 33, generator=gen).to(dtype) for _ in range(2))
+    if x_fp32:
+        x = torch.randn(5, 33, generator=gen)
+    ours = kernels.silu_gate(x, gate)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, reference_silu_gate(x, gate), atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               rtol=0)
+    assert torch.equal(kernels.silu_gate(x[2:3], gate[2:3]), ours[2:3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,3 +170,35 @@ def test_bad_inputs_are_refused():
         kernels.short_conv(x, w, None, state, *StateMetadata.build([3], [0], [True]).args(), False)
     with pytest.raises(RuntimeError, match="snapshot count outside"):
         kernels.short_conv(x, w, None, state, *StateMetadata.build([4], [0], [True], [[(5, 1)]]).args(), False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssm_scan_and_gated_norm_match_transformers_mamba2(dtype):
+    """The scan and gated norm against transformers' own Mamba2 torch path (chunked scan from an initial
+    state, several chunks; then MambaRMSNormGated): dt's steps rounded in the model dtype, y kept in fp32."""
+    mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    gen = torch.Generator().manual_seed(6)
+    T, H, P, G, N = 11, 4, 6, 2, 8
+    x = torch.randn(T, H, P, generator=gen).to(dtype)
+    dt = torch.randn(T, H, generator=gen).to(dtype)
+    B, C = (torch.randn(T, G, N, generator=gen).to(dtype) for _ in range(2))
+    A_log, dt_bias, D = (torch.randn(H, generator=gen).to(dtype) for _ in range(3))
+    initial = torch.randn(H, P, N, generator=gen)
+    state = torch.zeros(SLOTS, H, P, N)
+    state[2] = initial
+    ours = kernels.ssm_scan(x, dt, B, C, A_log.float(), dt_bias.float(), D.float(), state,
+                            *StateMetadata.build([T], [2], [False]).args(), 0.3, float("inf"))
+    want, final = mamba2.mamba2_chunk_scan(x[None], dt[None], -torch.exp(A_log.float()), B[None], C[None],
+                                           chunk_size=4, D=D, dt_bias=dt_bias, initial_states=initial[None],
+                                           dt_softplus=True, dt_limit=(0.3, float("inf")), return_final_states=True)
+    assert ours.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(ours, want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[2], final[0], atol=1e-4, rtol=1e-4)
+
+    gate = torch.randn(T, H * P, generator=gen).to(dtype)
+    norm = mamba2.MambaRMSNormGated(H * P, group_size=H * P // G, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(H * P, generator=gen))
+        want = norm(ours.reshape(T, H * P), gate).to(dtype)  # transformers rounds at out_proj's input
+    got = kernels.gated_rms_norm(ours.reshape(T, H * P), gate, norm.weight.detach(), 1e-5, H * P // G, False)
+    torch.testing.assert_close(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-5)

@@ -25,6 +25,9 @@ namespace {
 
 template <typename scalar_t>
 inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
+// x rounded to the dtype and back: the value a torch op in that dtype would hand on.
+template <typename scalar_t>
+inline float round_f(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
@@ -240,13 +243,17 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 // ---- Mamba2 selective scan (SSD, recurrent form) -----------------------------------------------
-// Per head h (group g = h / (H / G)), in fp32:
-//   dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_max];  dA = exp(dt * A), A = -exp(A_log)
+// Per head h (group g = h / (H / G)):
+//   dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max), each step rounded to the dtype;
+//   dA = exp(dt * A), A = -exp(A_log);  in fp32:
 //   S[p, n] <- S[p, n] * dA + (dt * x[p]) * B[n];   y[p] = sum_n S[p, n] * C[n] + D * x[p]
-// transformers' Mamba2 torch path (cached single-step branch), token by token.
+// transformers' chunked torch path (mamba2_chunk_scan), token by token: dt is computed in the model
+// dtype, everything after in fp32, and y stays fp32 (the gated norm after it rounds once). Its
+// single-token decode branch skips the dt clamp and rounds y; the chunked form is the one every
+// chunking can agree with.
 template <typename scalar_t>
 void ssm_scan_impl(const scalar_t* x, const scalar_t* dt, const scalar_t* B, const scalar_t* Cm, const float* A_log,
-                   const float* dt_bias, const float* D, float* state, scalar_t* out, const Sequences& seqs,
+                   const float* dt_bias, const float* D, float* state, float* out, const Sequences& seqs,
                    int64_t H, int64_t P, int64_t G, int64_t N, float dt_min, float dt_max) {
   const int64_t slot_stride = H * P * N;
   const int64_t heads_per_group = H / G;
@@ -262,13 +269,14 @@ void ssm_scan_impl(const scalar_t* x, const scalar_t* dt, const scalar_t* B, con
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t row = first + t;
-        float step = softplus(static_cast<float>(dt[row * H + h]) + dt_bias[h]);
-        step = std::min(std::max(step, dt_min), dt_max);
+        float step = round_f<scalar_t>(static_cast<float>(dt[row * H + h]) + dt_bias[h]);
+        step = round_f<scalar_t>(softplus(step));
+        step = round_f<scalar_t>(std::min(std::max(step, dt_min), dt_max));
         const float dA = std::exp(step * A);
         const scalar_t* xr = x + (row * H + h) * P;
         const scalar_t* Br = B + (row * G + g) * N;
         const scalar_t* Cr = Cm + (row * G + g) * N;
-        scalar_t* yr = out + (row * H + h) * P;
+        float* yr = out + (row * H + h) * P;
         for (int64_t p = 0; p < P; ++p) {
           const float xdt = static_cast<float>(xr[p]) * step;
           float* Sp = S.data() + p * N;
@@ -277,7 +285,7 @@ void ssm_scan_impl(const scalar_t* x, const scalar_t* dt, const scalar_t* B, con
             Sp[j] = Sp[j] * dA + xdt * static_cast<float>(Br[j]);
             y += Sp[j] * static_cast<float>(Cr[j]);
           }
-          yr[p] = round_to<scalar_t>(y + D[h] * static_cast<float>(xr[p]));
+          yr[p] = y + D[h] * static_cast<float>(xr[p]);
         }
         for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
           std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * P * N, S.data(), P * N * sizeof(float));
@@ -306,28 +314,31 @@ torch::Tensor ssm_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor B, torch
                   state.dtype() == torch::kFloat32 && state.is_contiguous(),
               "ssm_scan: state must be contiguous float32 (slots, H, P, N)");
   check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, T, state.size(0));
-  auto out = torch::empty_like(x);
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kFloat32));
   const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ssm_scan", [&] {
     ssm_scan_impl<scalar_t>(x.data_ptr<scalar_t>(), dt.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(),
                             C.data_ptr<scalar_t>(), A_log.data_ptr<float>(), dt_bias.data_ptr<float>(),
-                            D.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(), seqs, H, P, G, N,
+                            D.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<float>(), seqs, H, P, G, N,
                             static_cast<float>(dt_min), static_cast<float>(dt_max));
   });
   return out;
 }
 
-// ---- gated RMSNorm and the sigmoid gate -------------------------------------------------------
-// norm_before_gate (Qwen3.5 / Qwen3-Next): out = (w * round(x * rsqrt(mean x^2 + eps))) * silu(gate), rounded.
-// gate first (Mamba2):                     h = round?(x * silu(gate)) [fp32], then per group of
-//                                          `group` columns: out = w * round(h * rsqrt(mean h^2 + eps)).
-template <typename scalar_t>
-void gated_rms_norm_impl(const scalar_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
+// ---- gated RMSNorm and the SiLU / sigmoid gates -------------------------------------------------
+// x comes in the model dtype (Qwen3.5's delta rule) or fp32 (Mamba2's scan, which transformers keeps in
+// fp32 up to the norm); gate and weight are in the model dtype, and so is the output. Steps round to
+// x's dtype, as torch's would with x as the norm's input; only the output rounds to the model dtype.
+// norm_before_gate (Qwen3.5, Falcon-H1's option): out = (w * round(x * rsqrt(mean x^2 + eps))) * silu(gate).
+// gate first (Mamba2):                          h = x * silu(gate) [fp32], then per group of `group`
+//                                               columns: out = w * round(h * rsqrt(mean h^2 + eps)).
+template <typename x_t, typename scalar_t>
+void gated_rms_norm_impl(const x_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
                          int64_t n, int64_t group, float eps, bool norm_before_gate) {
   conveyor_parallel::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(n);
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * n;
+      const x_t* xr = x + r * n;
       const scalar_t* gr = gate + r * n;
       scalar_t* o = out + r * n;
       for (int64_t j = 0; j < n; ++j) {
@@ -339,8 +350,8 @@ void gated_rms_norm_impl(const scalar_t* x, const scalar_t* gate, const scalar_t
         for (int64_t j = g0; j < g0 + group; ++j) sum += h[j] * h[j];
         const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
         for (int64_t j = g0; j < g0 + group; ++j) {
-          const float normed = static_cast<float>(round_to<scalar_t>(h[j] * inv));
-          const float scaled = static_cast<float>(round_to<scalar_t>(static_cast<float>(w[j]) * normed));
+          const float normed = round_f<x_t>(h[j] * inv);
+          const float scaled = round_f<x_t>(static_cast<float>(w[j]) * normed);
           o[j] = norm_before_gate ? round_to<scalar_t>(scaled * silu(static_cast<float>(gr[j]))) : round_to<scalar_t>(scaled);
         }
       }
@@ -352,15 +363,52 @@ torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor 
                              bool norm_before_gate) {
   TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.numel() == x.size(1),
               "gated_rms_norm: x and gate (R, n), weight (n,)");
-  TORCH_CHECK(gate.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
-              "gated_rms_norm: x, gate and weight must share a dtype");
+  TORCH_CHECK(weight.scalar_type() == gate.scalar_type() &&
+                  (x.scalar_type() == gate.scalar_type() || x.scalar_type() == torch::kFloat32),
+              "gated_rms_norm: gate and weight must share a dtype, x that one or float32");
   TORCH_CHECK(group > 0 && x.size(1) % group == 0, "gated_rms_norm: group must divide the row");
   x = x.contiguous(); gate = gate.contiguous(); weight = weight.contiguous();
-  auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_rms_norm", [&] {
-    gated_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                  out.data_ptr<scalar_t>(), x.size(0), x.size(1), group, static_cast<float>(eps),
-                                  norm_before_gate);
+  auto out = torch::empty_like(gate);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_rms_norm", [&] {
+    const scalar_t* g = gate.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const float e = static_cast<float>(eps);
+    if (x.scalar_type() == torch::kFloat32)
+      gated_rms_norm_impl<float, scalar_t>(x.data_ptr<float>(), g, w, o, x.size(0), x.size(1), group, e,
+                                           norm_before_gate);
+    else
+      gated_rms_norm_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), g, w, o, x.size(0), x.size(1), group, e,
+                                              norm_before_gate);
+  });
+  return out;
+}
+
+// x * silu(gate) as torch rounds `x * silu(gate)`: silu in the gate's dtype, the product in x's
+// (fp32 or the gate's), the output in the gate's (Falcon-H1's Mamba2 output without its norm).
+template <typename x_t, typename scalar_t>
+void silu_gate_impl(const x_t* x, const scalar_t* gate, scalar_t* out, int64_t n) {
+  conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float sg = round_f<scalar_t>(silu(static_cast<float>(gate[i])));
+      out[i] = round_to<scalar_t>(round_f<x_t>(static_cast<float>(x[i]) * sg));
+    }
+  });
+}
+
+torch::Tensor silu_gate(torch::Tensor x, torch::Tensor gate) {
+  TORCH_CHECK(x.sizes() == gate.sizes() &&
+                  (x.scalar_type() == gate.scalar_type() || x.scalar_type() == torch::kFloat32),
+              "silu_gate: x and gate must match in shape; x in the gate's dtype or float32");
+  x = x.contiguous(); gate = gate.contiguous();
+  auto out = torch::empty_like(gate);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_gate", [&] {
+    if (x.scalar_type() == torch::kFloat32)
+      silu_gate_impl<float, scalar_t>(x.data_ptr<float>(), gate.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                      x.numel());
+    else
+      silu_gate_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                         x.numel());
   });
   return out;
 }
@@ -411,6 +459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_rule", &gated_delta_rule, "gated delta rule over state slots (CPU)", release());
   m.def("ssm_scan", &ssm_scan, "Mamba2 selective scan over state slots (CPU)", release());
   m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm with a SiLU gate (CPU)", release());
+  m.def("silu_gate", &silu_gate, "x * silu(gate) with torch's rounding (CPU)", release());
   m.def("sigmoid_mul", &sigmoid_mul, "x * sigmoid(gate) with torch's rounding (CPU)", release());
   m.def("sigmoid", &sigmoid_tensor, "sigmoid(x) with torch's rounding (CPU)", release());
 }
