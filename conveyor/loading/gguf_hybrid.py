@@ -115,13 +115,14 @@ def _moe_fields(family: str, meta, need, tensors: dict, base: dict[str, Any], so
         gating = int(need("expert_gating_func"))
         if gating not in _GATING:
             raise LoadError(f"{source}: unsupported expert_gating_func {gating} (supported: softmax, sigmoid)")
-        return dict(moe_scoring=_GATING[gating],
+        # the renormalisation's epsilon is transformers' (the file does not say; 1e-6 is below bf16's resolution)
+        return dict(moe_scoring=_GATING[gating], moe_renorm_eps=1e-6,
                     moe_expert_bias=sparse is not None and f"blk.{sparse}.exp_probs_b.bias" in tensors)
     if sparse is None or f"blk.{sparse}.ffn_gate_inp_shexp.weight" not in tensors:
         return {}
     # without the key llama.cpp sizes the shared expert as the dense MLP
     return dict(shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length")
-                                                    or base["intermediate_size"]))
+                                                    or base["intermediate_size"]), shared_expert_gate=True)
 
 
 def _lfm2_fields(meta, need, tensors: dict, base: dict[str, Any], source: str) -> dict[str, Any]:
