@@ -136,16 +136,15 @@ def offline(args: argparse.Namespace) -> None:
 
 async def _stream_ttft(client: httpx.AsyncClient, path: str, body: dict) -> float:
     """Seconds to the first streamed token of one request."""
-    start = time.perf_counter()
+    start, ttft = time.perf_counter(), None
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        async for line in response.aiter_lines():  # read to the end, so the slot is free for the next request
+            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
                 ttft = time.perf_counter() - start
-                async for _ in response.aiter_lines():  # drain the rest
-                    pass
-                return ttft
-    raise RuntimeError("no token streamed")
+    if ttft is None:
+        raise RuntimeError("no token streamed")
+    return ttft
 
 
 def long_prompt_ttft(url: str, tokens: int) -> float:
