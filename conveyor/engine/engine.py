@@ -109,9 +109,11 @@ class EngineCore:
         specs = model_cache_specs(model, checkpoint.config)
         # Sliding layers keep their K/V in a group of their own, given back behind the window (0: one group).
         self.sliding_window = kv_window(specs)
-        bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
-        if not self.sliding_window:
-            bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype)
+        if self.sliding_window:
+            bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
+        else:
+            bytes_per_block, window_bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size,
+                                                                         self.dtype), 0
         # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes; it follows
         # the full group's table, every layer of it.
         if self.draft is not None:

@@ -87,6 +87,9 @@ def test_sequences_hold_only_their_window_and_logits_match_one_block_table(gemma
     assert [got[r.request_id] for r in requests] == traces
     assert len({tuple(t) for t in traces}) == len(PROMPTS)  # not degenerate
     assert core.kv.window.pool.all_free() and core.pool.all_free()
+    report = core.window_report()  # /v1/cache/stats' "sliding_window_group"
+    assert (report["window"], report["allocated"], report["live"]) == (8, core.pool_plan.window_blocks, 0)
+    assert report["bytes_reserved"] == core.pool_plan.window_pool_bytes
     for i in (0, 5):
         assert _one_group_greedy(core, PROMPTS[i], 24) == traces[i]
 
@@ -182,3 +185,12 @@ def test_a_hybrid_whose_attention_slides():
     assert warm[0].num_cached_tokens > 0
     assert [_trace(w.logprobs) for w in warm] == want_hybrid
     cached.engine.kv.check_integrity()
+
+
+def test_the_torch_reference_path_reads_zeros_where_blocks_were_given_back(gemma3):
+    """The gather-and-mask attention (no C++ kernel; CUDA's path) gathers the NULL block's zeros for given-back
+    positions and masks them: the same bits as one block table, in the same batch shapes (it is not row-invariant)."""
+    llm = LLM(checkpoint=gemma3, parallel=1, prefill_chunk_size=0, disable_kernel=True, dtype="float32")
+    assert llm.engine.backend.name == "torch" and llm.engine.kv.window is not None
+    got = llm.generate(PROMPTS[5:], _params(logprobs=0)[5:])
+    assert _trace(got[0].logprobs) == _one_group_greedy(llm.engine, PROMPTS[5], 24)
