@@ -16,14 +16,15 @@ from conveyor.engine.draft_setup import load_draft_model
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
-from conveyor.engine.memory import KVPoolPlan, plan_kv_pool
+from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
-from conveyor.engine.scheduling_policy import SchedulerConfig
+from conveyor.engine.scheduling_policy import SchedulerConfig, prefill_tokens_per_tick
 from conveyor.engine.spec_policy import SpecPolicy, machine_id
 from conveyor.engine.state_pool import StatePool
+from conveyor.engine.window_blocks import WindowBlocks
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
@@ -31,8 +32,8 @@ from conveyor.models.config import ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
-from conveyor.models.cache_specs import state_bytes_per_slot
-from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block, model_cache_specs
+from conveyor.models.cache_specs import kv_window, state_bytes_per_slot
+from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_group_bytes_per_block, model_cache_specs
 from conveyor.structured.compiler import GrammarCompiler
 from conveyor.structured.masks import GrammarMasker, MaskJob
 
@@ -105,22 +106,37 @@ class EngineCore:
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
         progress.set_stage("draft model and KV cache")
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
-        # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes.
-        bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size, self.dtype)
+        specs = model_cache_specs(model, checkpoint.config)
+        # Sliding layers keep their K/V in a group of their own, given back behind the window (0: one group).
+        self.sliding_window = kv_window(specs)
+        if self.sliding_window:
+            bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
+        else:
+            bytes_per_block, window_bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size,
+                                                                         self.dtype), 0
+        # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes; it follows
+        # the full group's table, every layer of it.
         if self.draft is not None:
             bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.dtype)
         self.max_batch_size = config.effective_max_batch_size
-        self.states = self._state_pool(config, model_cache_specs(model, checkpoint.config))
+        self.states = self._state_pool(config, specs)
         self.pool_plan: KVPoolPlan = plan_kv_pool(
             model_max_len=checkpoint.config.max_position_embeddings, ctx_size=config.ctx_size,
             num_slots=self.max_batch_size, kv_unified=config.effective_kv_unified, block_size=config.block_size,
             bytes_per_block=bytes_per_block, budget=parse_kv_budget(config.kv_cache_budget),
             weight_bytes=weight_bytes, max_kv_tokens=config.max_kv_size,
-            state_bytes=self.states.total_bytes if self.states is not None else 0)
+            state_bytes=self.states.total_bytes if self.states is not None else 0,
+            window_group=self._window_need(config, window_bytes_per_block))
         self.max_model_len = self.pool_plan.max_model_len
+        # The prompt-cache budget keeps as many cold blocks in each group as one block of both costs.
+        cached_cap = prompt_cache_blocks(config.prompt_cache_budget, bytes_per_block + window_bytes_per_block)
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching,
-                              max_cached_free=prompt_cache_blocks(config.prompt_cache_budget, bytes_per_block))
-        self.kv = KVCacheManager(self.pool, config.block_size, self.states)
+                              max_cached_free=cached_cap)
+        window = None
+        if self.sliding_window:
+            window = WindowBlocks(BlockPool(self.pool_plan.window_blocks, enable_caching=config.enable_prefix_caching,
+                                            max_cached_free=cached_cap), config.block_size, self.sliding_window)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.states, window)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,
@@ -139,7 +155,8 @@ class EngineCore:
             self.scheduler.draft_gate = self.spec_policy.allows
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
-                                  num_state_slots=self.states.num_slots if self.states is not None else 0)
+                                  num_state_slots=self.states.num_slots if self.states is not None else 0,
+                                  num_window_blocks=self.pool_plan.window_blocks)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -151,6 +168,9 @@ class EngineCore:
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
                     self.pool_plan.budget_source, self.max_model_len)
+        if self.sliding_window:
+            logger.info("sliding layers (window %d): %d blocks of their own (%.1f MiB), given back behind the window",
+                        self.sliding_window, self.pool_plan.window_blocks, self.pool_plan.window_pool_bytes / 2**20)
         progress.finish()
 
     def _state_pool(self, config: EngineConfig, specs: list) -> StatePool | None:
@@ -170,6 +190,15 @@ class EngineCore:
         logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d prefix snapshots)",
                     pool.num_slots, bytes_per_slot / 2**20, self.max_batch_size, speculating, snapshots)
         return pool
+
+    def _window_need(self, config: EngineConfig, bytes_per_block: int) -> WindowGroupNeed | None:
+        """What the sliding group needs: each sequence's window plus the most tokens one tick prefills
+        (the longest chunk, or a batched prefill's token cap; see Scheduler._admit)."""
+        if not self.sliding_window:
+            return None
+        rows = 1 if config.no_batch else config.max_batch_prefill
+        tick = prefill_tokens_per_tick(config.prefill_chunk_size, rows, config.max_batch_prefill_tokens)
+        return WindowGroupNeed(self.sliding_window, bytes_per_block, tick, rows)
 
     def _drafter(self, config: EngineConfig) -> DraftRunner | None:
         if self.draft is None:
@@ -231,6 +260,17 @@ class EngineCore:
                 "bytes_per_slot": stats.bytes_per_slot, "bytes_reserved": self.states.total_bytes,
                 "bytes_in_use": (stats.num_live + stats.num_scratch + stats.num_snapshots) * stats.bytes_per_slot,
                 "snapshot_hits": stats.num_snapshot_hits, "snapshot_evictions": stats.num_snapshot_evictions}
+
+    def window_report(self) -> dict | None:
+        """/v1/cache/stats: the sliding layers' own block group (None for a model with one group)."""
+        if self.kv.window is None:
+            return None
+        stats = self.kv.window.pool.stats()
+        per_block = self.pool_plan.window_bytes_per_block
+        return {"window": self.sliding_window, "allocated": stats.num_blocks, "live": stats.num_used,
+                "free": stats.num_free, "cached": stats.num_cached, "cached_free": stats.num_cached_free,
+                "shared": stats.num_shared, "evictions": stats.num_evictions, "bytes_per_block": per_block,
+                "bytes_reserved": stats.num_blocks * per_block, "bytes_in_use": stats.num_used * per_block}
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
@@ -311,7 +351,7 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.block_copies and not plan.finished_request_ids:
+        if plan.is_empty and not plan.block_copies and not plan.window_block_copies and not plan.finished_request_ids:
             return []
         started = time.perf_counter()
         masks = self._start_masks(plan)

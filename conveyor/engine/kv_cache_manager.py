@@ -1,4 +1,8 @@
-"""Per-request block tables on top of the BlockPool: prefix adoption, growth, copy-on-write, release."""
+"""Per-request block tables on top of the BlockPool: prefix adoption, growth, copy-on-write, release.
+
+Models whose sliding layers keep their K/V apart (engine/window_blocks.py) have a second group with its
+own pool and tables; every verb here covers both, all-or-nothing, and a prefix hit is the longest prefix
+both can serve. Without one, `window` is None and nothing else changes."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.outputs import SchedulerOutput
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
+from conveyor.engine.window_blocks import WindowBlocks
 
 
 def chain_hashes(token_ids: list[int], block_size: int, num_full_blocks: int,
@@ -26,6 +31,7 @@ class PrefixHit:
     num_tokens: int = 0
     state_source: int | None = None  # hybrid models: the snapshot slot holding the state after num_tokens
     num_matched_blocks: int = 0  # blocks the K/V cache matched (a hybrid's hit may stop short, at a snapshot)
+    window_blocks: list[int] = field(default_factory=list)  # the sliding group's table for the hit (NULL head)
 
 
 @dataclass
@@ -37,10 +43,12 @@ class CacheCounters:
 class KVCacheManager:
     """Attention K/V in blocks, and (hybrid models) each sequence's recurrent state in a slot of `states`."""
 
-    def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None) -> None:
-        self.pool = pool
+    def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None,
+                 window: WindowBlocks | None = None) -> None:
+        self.pool = pool  # the full-attention group (every attention layer when there is no sliding group)
         self.block_size = block_size
         self.states = states
+        self.window = window
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
         self.req_slots: dict[str, int] = {}  # request -> its state slot (hybrid models)
@@ -49,6 +57,7 @@ class KVCacheManager:
         self.counters = CacheCounters()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
         self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) state slots, likewise
+        self.pending_window_copies: list[tuple[int, int]] = []  # (src, dst) blocks of the sliding group
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -61,31 +70,45 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = len(tokens) // self.block_size
         hit = PrefixHit()
-        hashes: list[int] = []
+        hashes, chunks = [], []  # of the matched blocks, for the other parts of the cache to look up
+        parent = None
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(hash((hashes[-1] if hashes else None, block_tokens)))
-            block = self.pool.lookup(hashes[-1], block_tokens)
+            parent = hash((parent, block_tokens))
+            block = self.pool.lookup(parent, block_tokens)
             if block is None:
                 break
             hit.blocks.append(block)
+            hashes.append(parent)
+            chunks.append(block_tokens)
         hit.num_matched_blocks = len(hit.blocks)
-        if self.states is not None:
-            return self._hybrid_hit(len(tokens), hashes, hit)
+        if self.states is not None or self.window is not None:
+            return self._limited_hit(tokens, hit, hashes, chunks)
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
         return hit
 
-    def _hybrid_hit(self, num_tokens: int, hashes: list[int], hit: PrefixHit) -> PrefixHit:
-        """A hybrid resumes only where a state snapshot exists: the longest matched prefix of whole blocks
-        that has one and leaves at least one token to run (`hashes`: the chained hash of each block)."""
+    def _limited_hit(self, tokens: list[int], hit: PrefixHit, hashes: list[int],
+                     chunks: list[tuple[int, ...]]) -> PrefixHit:
+        """The longest matched prefix of whole blocks the rest of the cache can resume from too: the sliding
+        group must hold every block its next query reads, and a hybrid resumes only where a state snapshot
+        exists (leaving at least one token to run)."""
+        runs = self.window.cached_runs(hashes, chunks) if self.window is not None else []
         for num_blocks in range(len(hit.blocks), 0, -1):
-            if num_blocks * self.block_size > num_tokens - 1:
+            num_tokens = min(num_blocks * self.block_size, len(tokens) - 1)
+            if self.states is not None and num_blocks * self.block_size > len(tokens) - 1:
                 continue
-            slot = self.states.lookup(hashes[num_blocks - 1])
-            if slot is not None:
-                return PrefixHit(hit.blocks[:num_blocks], num_blocks * self.block_size, slot, hit.num_matched_blocks)
+            if self.window is not None and not self.window.serves(runs, num_blocks, num_tokens):
+                continue
+            slot = None
+            if self.states is not None:
+                slot = self.states.lookup(hashes[num_blocks - 1])
+                if slot is None:
+                    continue
+            window_blocks = [] if self.window is None else self.window.hit_blocks(hashes, chunks, num_blocks,
+                                                                                  num_tokens)
+            return PrefixHit(hit.blocks[:num_blocks], num_tokens, slot, hit.num_matched_blocks, window_blocks)
         return PrefixHit(num_matched_blocks=hit.num_matched_blocks)
 
     def num_blocks_to_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> int:
@@ -95,15 +118,28 @@ class KVCacheManager:
         copy = 1 if hit.num_tokens % self.block_size else 0
         return max(need, 0) + revived + copy
 
+    def can_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int, reserve: float = 0.0) -> bool:
+        """Room in every group for an admission while keeping `reserve` (a share of each pool) free."""
+        pool = self.pool
+        if self.num_blocks_to_admit(request, hit, num_new_tokens) + int(reserve * pool.num_blocks) \
+                > pool.num_free_blocks:
+            return False
+        if self.window is None:
+            return True
+        need = self.window.blocks_to_admit(hit.window_blocks, hit.num_tokens, hit.num_tokens + num_new_tokens)
+        return need + int(reserve * self.window.pool.num_blocks) <= self.window.pool.num_free_blocks
+
     def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
         """All-or-nothing: adopt the prefix and allocate room for num_new_tokens more (and a state slot)."""
-        if self.num_blocks_to_admit(request, hit, num_new_tokens) > self.pool.num_free_blocks:
+        if not self.can_admit(request, hit, num_new_tokens):
             return False
         if self.states is not None and not self._take_state_slot(request, hit):
             return False
         self.pool.share(hit.blocks)
         self.req_blocks[request.request_id] = list(hit.blocks)
         self._req_hashes[request.request_id] = []
+        if self.window is not None:
+            self.window.adopt(request.request_id, hit.window_blocks)
         if not self.grow(request, hit.num_tokens + num_new_tokens):
             self.free(request)  # unreachable when the count above is right; keeps the grant atomic anyway
             return False
@@ -112,6 +148,10 @@ class KVCacheManager:
         copy = self.copy_on_write(request)
         if copy is not None:
             self.pending_copies.append(copy)
+        if self.window is not None:
+            copy = self.window.copy_on_write(request.request_id, hit.num_tokens)
+            if copy is not None:
+                self.pending_window_copies.append(copy)
         self.counters.hit_tokens += hit.num_tokens
         self.counters.miss_tokens += request.num_tokens - hit.num_tokens
         return True
@@ -168,24 +208,49 @@ class KVCacheManager:
     def state_slot(self, request_id: str) -> int | None:
         return self.req_slots.get(request_id)
 
-    def assign(self, request: Request, blocks: list[int], state_slot: int | None = None) -> None:
-        """Hand freshly allocated blocks (and state slot) to a request whose KV arrives from elsewhere."""
-        self.req_blocks[request.request_id] = list(blocks)
+    def allocate_imported(self, request: Request, num_computed: int, state_slot: int | None = None) -> bool:
+        """All-or-nothing: blocks for a request whose KV of [0, num_computed) arrives from elsewhere, plus its
+        next token's (and the state slot it was given); the sliding group only from its window on."""
+        total = num_computed + 1
+        if self.window is not None and not self.window.allocate_table(request.request_id, num_computed, total):
+            return False
+        blocks = self.pool.allocate(self.blocks_needed(total))
+        if blocks is None:
+            if self.window is not None:
+                self.window.free(request.request_id)
+            return False
+        self.req_blocks[request.request_id] = blocks
         self._req_hashes[request.request_id] = []
         if state_slot is not None:
             self.req_slots[request.request_id] = state_slot
+        return True
 
     # -- growth ------------------------------------------------------------------------------
     def grow(self, request: Request, total_tokens: int) -> bool:
         """Make room for total_tokens; all-or-nothing."""
         blocks = self.req_blocks[request.request_id]
         need = self.blocks_needed(total_tokens) - len(blocks)
+        if self.window is not None:
+            return self._grow_both(request, blocks, need, total_tokens)
         if need <= 0:
             return True
         new = self.pool.allocate(need)
         if new is None:
             return False
         blocks.extend(new)
+        return True
+
+    def _grow_both(self, request: Request, blocks: list[int], need: int, total_tokens: int) -> bool:
+        """grow() with a sliding group: it first gives back what the next query cannot read any more."""
+        window = self.window
+        window.release(request.request_id, request.num_computed_tokens)
+        window_need = window.num_new_blocks(request.request_id, total_tokens)
+        if need > self.pool.num_free_blocks or window_need > window.pool.num_free_blocks:
+            return False
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        if window_need:
+            window.extend(request.request_id, window.pool.allocate(window_need))
         return True
 
     def copy_on_write(self, request: Request) -> tuple[int, int] | None:
@@ -216,7 +281,10 @@ class KVCacheManager:
         new = chain_hashes(tokens, self.block_size, num_full, start=len(hashes), parent=hashes[-1] if hashes else None)
         blocks = self.req_blocks[request.request_id]
         for i, block_hash in enumerate(new, start=len(hashes)):
-            self.pool.cache_block(blocks[i], block_hash, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            self.pool.cache_block(blocks[i], block_hash, block_tokens)
+            if self.window is not None:
+                self.window.cache_block(request.request_id, i, block_hash, block_tokens)
         hashes.extend(new)
 
     # -- release -----------------------------------------------------------------------------
@@ -226,12 +294,22 @@ class KVCacheManager:
         self._snapshot_targets.pop(request.request_id, None)
         if blocks:
             self.pool.free(blocks)
+        if self.window is not None:
+            self.window.free(request.request_id)
         slot = self.req_slots.pop(request.request_id, None)
         if slot is not None:
             self.states.free(slot)
 
     def check_integrity(self) -> None:
+        """Each pool's invariants, and every block's reference count is the number of tables holding it."""
         self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.req_blocks.values():
+            for block in blocks:
+                refs[block] += 1
+        assert refs == self.pool.ref_counts, "block tables and block reference counts disagree"
+        if self.window is not None:
+            self.window.check_integrity()
         if self.states is not None:
             self.states.check_integrity()
             assert len(set(self.req_slots.values())) == len(self.req_slots), "two requests share a state slot"
@@ -241,3 +319,10 @@ class KVCacheManager:
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))
+
+    def window_table(self, request_id: str) -> list[int]:
+        """The sliding group's table (NULL where nothing is held any more); empty without one."""
+        return self.window.table(request_id) if self.window is not None else []
+
+    def num_window_blocks_held(self, request_id: str) -> int:
+        return self.window.num_blocks_held(request_id) if self.window is not None else 0

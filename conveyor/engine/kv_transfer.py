@@ -11,6 +11,11 @@ queued it allocates blocks, gets the KV written into them and joins the running 
 decode row, bitwise the state a single engine would have. With no free slot or block it is
 queued instead and re-prefilled here (the same bits, as after a preemption).
 
+Sliding layers kept in their own block group (engine/window_blocks.py) hold only their window: the
+blob still carries positions [0, n) of every attention layer, and a sliding layer's positions its sender
+gave back are zeros (read from the NULL block). The receiver never reads them: it writes a sliding
+layer's positions only from its own window on, which the sender still held.
+
 Both run on the engine thread (inside EngineCore.step / add_request).
 """
 
@@ -97,13 +102,16 @@ class KVTransfer:
 
     def _export(self, request: Request) -> KVHandoff:
         core = self.core
-        slots = self._slots(core.kv.block_table(request.request_id), request.num_computed_tokens)
+        num_tokens = request.num_computed_tokens
+        slots = self._slots(core.kv.block_table(request.request_id), num_tokens)
+        window_slots = self._slots(core.kv.window_table(request.request_id), num_tokens) if core.kv.window else None
         layers = core.runner.kv_layers()
         heads, dim = core.model_config.num_key_value_heads, core.model_config.head_dim
         kv = torch.empty(len(layers), 2, len(slots), heads, dim, dtype=core.dtype)  # (L, 2, T, H, D)
-        for layer, caches in enumerate(layers):
+        for layer, (caches, windowed) in enumerate(zip(layers, core.runner.kv_layer_windowed())):
+            layer_slots = window_slots if windowed else slots
             for i, cache in enumerate(caches):  # index_select: one contiguous copy per layer, no temporaries
-                kv[layer, i] = torch.index_select(cache.view(-1, heads, dim), 0, slots).cpu()
+                kv[layer, i] = torch.index_select(cache.view(-1, heads, dim), 0, layer_slots).cpu()
         state = b""
         slot = core.kv.state_slot(request.request_id)
         if slot is not None:
@@ -165,23 +173,26 @@ class KVTransfer:
         slot = core.states.allocate() if core.states is not None else None
         if core.states is not None and slot is None:
             return False
-        blocks = core.pool.allocate(core.kv.blocks_needed(blob.num_tokens + 1))  # + the first token's own KV
-        if blocks is None:
+        if not core.kv.allocate_imported(request, blob.num_tokens, slot):  # + the first token's own KV
             if slot is not None:
                 core.states.free(slot)
             return False
-        core.kv.assign(request, blocks, slot)
         if slot is not None:
             self._write_state(slot, blob.state)
         with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only read (copied into the pool)
             warnings.simplefilter("ignore", UserWarning)
             kv = torch.frombuffer(blob.data, dtype=torch.uint8).view(_DTYPES[blob.dtype])
         kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
-        slots = self._slots(blocks, blob.num_tokens)
-        for layer, caches in enumerate(core.runner.kv_layers()):
+        slots = self._slots(core.kv.block_table(request.request_id), blob.num_tokens)
+        # Sliding layers: only the positions this side holds, from the first block its next query reads.
+        start = core.kv.window.first_live(blob.num_tokens) * core.kv.block_size if core.kv.window else 0
+        window_slots = self._slots(core.kv.window_table(request.request_id), blob.num_tokens)[start:] \
+            if core.kv.window else None
+        for layer, (caches, windowed) in enumerate(zip(core.runner.kv_layers(), core.runner.kv_layer_windowed())):
+            layer_slots, first = (window_slots, start) if windowed else (slots, 0)
             for i, cache in enumerate(caches):
                 heads, dim = cache.shape[2], cache.shape[3]
-                cache.view(-1, heads, dim).index_copy_(0, slots, kv[layer, i].to(cache.device))
+                cache.view(-1, heads, dim).index_copy_(0, layer_slots, kv[layer, i, first:].to(cache.device))
         return True
 
     def _write_state(self, slot: int, data: bytes) -> None:

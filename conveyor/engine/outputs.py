@@ -39,12 +39,15 @@ class ScheduledChunk:
     # (tokens of this chunk processed, slot): copy the state there at that point (prefix snapshots, rollback)
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
     rollback_slot: int | None = None  # speculation: the state after the real token, restored if a draft misses
+    # Models with a sliding K/V group: the sliding layers' table (a snapshot too); empty without one.
+    window_block_table: tuple[int, ...] = ()
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
+    window_block_copies: list[tuple[int, int]] = field(default_factory=list)  # the sliding group's, likewise
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their sampling state
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots, before the forward
     # Prefix snapshots this forward writes: (prefix hash, slot), committed to the pool once it ran.

@@ -111,6 +111,9 @@ class Scheduler:
         self._count_step(out)
         out.block_copies = self.kv.pending_copies
         self.kv.pending_copies = []
+        if self.kv.pending_window_copies:
+            out.window_block_copies = self.kv.pending_window_copies
+            self.kv.pending_window_copies = []
         return out
 
     def _plan_states(self, out: SchedulerOutput) -> None:
@@ -210,11 +213,10 @@ class Scheduler:
     def _fits(self, request: Request, hit, num_new: int, decoding: bool, out: SchedulerOutput) -> bool:
         """Room for an admission, keeping the watermark free while rows decode; with preemption on,
         strictly lower-priority rows give way first."""
-        pool = self.kv.pool
-        reserve = 0
+        reserve = 0.0
         if decoding and self.config.watermark_applies:
-            reserve = int(self.config.kv_admission_watermark * pool.num_blocks)
-        while self.kv.num_blocks_to_admit(request, hit, num_new) + reserve > pool.num_free_blocks:
+            reserve = self.config.kv_admission_watermark
+        while not self.kv.can_admit(request, hit, num_new, reserve):
             if not self._evict_for(request, out):
                 return False
         return True
@@ -248,6 +250,7 @@ class Scheduler:
         return ScheduledChunk(
             request_id=request.request_id, token_ids=tokens, start_position=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
+            window_block_table=tuple(self.kv.window_table(request.request_id)),
             sample=start + num_new == request.num_tokens, sampling_params=params,
             prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
             output_token_ids=tuple(request.output_token_ids) if needs_history else None,
@@ -285,16 +288,20 @@ class Scheduler:
                 # A guess never preempts anyone: no free block, no draft.
                 if draft and self.kv.grow(request, request.num_computed_tokens + 1 + len(draft)):
                     chunk.token_ids = chunk.token_ids + draft
-                    chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
+                    self._refresh_tables(chunk)  # grown for the drafts
                     chunk.num_draft_tokens = len(draft)
                     self.stats.num_draft_tokens += len(draft)
                     budget -= len(draft)
                     continue
             num_tokens = min(room, self.config.draft_model_tokens) if use_model else 0
             if num_tokens > 0 and self.kv.grow(request, request.num_computed_tokens + 1 + num_tokens):
-                chunk.block_table = tuple(self.kv.block_table(request.request_id))  # grown for the drafts
+                self._refresh_tables(chunk)  # grown for the drafts
                 chunk.draft = DraftRequest(num_tokens, tuple(request.all_token_ids), request.num_preemptions)
                 budget -= num_tokens
+
+    def _refresh_tables(self, chunk: ScheduledChunk) -> None:
+        chunk.block_table = tuple(self.kv.block_table(chunk.request_id))
+        chunk.window_block_table = tuple(self.kv.window_table(chunk.request_id))
 
     def _count_step(self, out: SchedulerOutput) -> None:
         if not out.chunks:

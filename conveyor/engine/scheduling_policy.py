@@ -74,6 +74,19 @@ class SchedulerConfig:
         return 2 * self.max_batch_prefill * min(chunk, ADAPTIVE_CHUNK_DECODING)
 
 
+def prefill_tokens_per_tick(prefill_chunk_size: int, max_batch_prefill: int,
+                            max_batch_prefill_tokens: int) -> int | None:
+    """The most prompt tokens one tick prefills, as SchedulerConfig's chunk_size and batch_prefill_token_cap
+    allow (the head of a batched prefill always goes); None when whole prompts go in one tick."""
+    if prefill_chunk_size == 0:
+        return None
+    chunk = ADAPTIVE_CHUNK_IDLE if prefill_chunk_size < 0 else prefill_chunk_size
+    cap = max_batch_prefill_tokens
+    if cap < 0:
+        cap = 2 * max_batch_prefill * min(chunk, ADAPTIVE_CHUNK_DECODING)
+    return max(chunk, cap) if cap else max_batch_prefill * chunk
+
+
 def priority_key(request: Request, aging_s: float = 0.0) -> tuple[float, float]:
     """Waiting-queue order: highest effective priority first, then arrival (a preempted request keeps
     its place). With aging, effective priority = priority + seconds waited / aging_s.

@@ -26,6 +26,13 @@ class AttentionMetadata:
     seq_token_counts: list[int]  # (S,) rows of each sequence in this forward, in order
     # Hybrid models: each sequence's state slot for the recurrent layers (None: no recurrent layers).
     state: StateMetadata | None = None
+    # Models whose sliding layers keep K/V in their own block group: those layers' slot_mapping and
+    # block_tables (every other field is the same); None when all layers share one table.
+    window_view: AttentionMetadata | None = None
+
+    def for_window(self, window: int) -> AttentionMetadata:
+        """The metadata a layer with this window (0: full attention) reads and writes its K/V through."""
+        return self.window_view if window and self.window_view is not None else self
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Attention: K and V per token, in the block pool (one block table for every such layer)."""
+    """Attention: K and V per token, in the block pool. `window` > 0: a sliding layer that reads only the last
+    `window` positions, so its K/V may live in the sliding group's own blocks (see kv_window)."""
 
     num_kv_heads: int
     head_dim: int
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -36,3 +38,18 @@ def state_bytes_per_slot(specs: list[CacheSpec]) -> int:
 
 def kv_layers(specs: list[CacheSpec]) -> list[KVSpec]:
     return [spec for spec in specs if isinstance(spec, KVSpec)]
+
+
+def kv_window(specs: list[CacheSpec]) -> int:
+    """The window of the sliding K/V group: 0 when every attention layer shares one block table (no sliding
+    layer, or only sliding ones, which keep today's layout), else the largest window of the sliding layers
+    (a layer with a shorter one reads a subset of what that group keeps)."""
+    windows = {spec.window for spec in kv_layers(specs)}
+    if 0 not in windows or len(windows) < 2:
+        return 0
+    return max(windows)
+
+
+def in_window_group(spec: CacheSpec, window: int) -> bool:
+    """Whether this attention layer's K/V lives in the sliding group (window: kv_window of the model)."""
+    return window > 0 and isinstance(spec, KVSpec) and spec.window > 0

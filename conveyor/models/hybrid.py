@@ -40,7 +40,7 @@ class AttentionMixer(LlamaAttention):
         self.out_scale = config.attention_out_multiplier
 
     def cache_spec(self) -> CacheSpec:
-        return KVSpec(self.num_kv_heads, self.head_dim)
+        return KVSpec(self.num_kv_heads, self.head_dim, self.window)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x, ctx.rope, ctx.caches[self.cache_index], ctx.meta)

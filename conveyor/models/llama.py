@@ -53,6 +53,7 @@ class LlamaAttention(nn.Module):
         self.softcap = config.attn_logit_softcapping or 0.0
 
     def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.for_window(self.window)  # a sliding layer's K/V may sit in the sliding group's blocks
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         gate = None
@@ -238,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
 
     def cache_specs(self) -> list[CacheSpec]:
         """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""
-        return [KVSpec(self.config.num_key_value_heads, self.config.head_dim)] * self.config.num_hidden_layers
+        cfg = self.config
+        return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.window(i)) for i in range(cfg.num_hidden_layers)]
 
     def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
                   fused: Callable[[str, str, list[str]], list[Weight]]) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.recurrent import StateMetadata
-from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
+from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_group, kv_window
 from conveyor.models.config import ModelConfig
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.rejection import rejection_sample
@@ -36,6 +36,21 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_attention_layers * block_size * config.num_key_value_heads * config.head_dim * element
 
 
+def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """K/V bytes of one block in (the full group, the sliding group) over the layers each holds (see kv_window)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    window = kv_window(specs)
+    full = sliding = 0
+    for spec in specs:
+        if isinstance(spec, KVSpec):
+            size = 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+            if in_window_group(spec, window):
+                sliding += size
+            else:
+                full += size
+    return full, sliding
+
+
 def model_cache_specs(model: nn.Module, config: ModelConfig) -> list[CacheSpec]:
     """What the model keeps between steps, per stateful mixer (every layer's K/V for the plain decoders)."""
     if hasattr(model, "cache_specs"):
@@ -46,7 +61,7 @@ def model_cache_specs(model: nn.Module, config: ModelConfig) -> list[CacheSpec]:
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
-                 drafter: DraftRunner | None = None, num_state_slots: int = 0) -> None:
+                 drafter: DraftRunner | None = None, num_state_slots: int = 0, num_window_blocks: int = 0) -> None:
         self.model = model
         self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
         self.config = config
@@ -54,13 +69,14 @@ class ModelRunner:
         self.device = device
         self.kv_caches = []  # per stateful mixer: (K, V) block tensors or a recurrent state's tensors
         self.cache_specs = model_cache_specs(model, config)
-        for spec in self.cache_specs:
+        # Sliding layers keep K/V in their own blocks when the engine gives them some (else one group).
+        window = kv_window(self.cache_specs) if num_window_blocks else 0
+        self.in_window_group = [in_window_group(spec, window) for spec in self.cache_specs]
+        self.has_window_group = any(self.in_window_group)
+        for spec, windowed in zip(self.cache_specs, self.in_window_group):
             if isinstance(spec, KVSpec):
-                shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-                # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
-                # a large pool then cost no RAM until used.
-                self.kv_caches.append((torch.empty(shape, dtype=dtype, device=device),
-                                       torch.empty(shape, dtype=dtype, device=device)))
+                self.kv_caches.append(_kv_tensors(num_window_blocks if windowed else num_blocks, block_size, spec,
+                                                  dtype, device, windowed))
             else:  # zeros: a fresh sequence's state is reset by the kernel, but snapshots are read as kept
                 self.kv_caches.append(tuple(torch.zeros((max(num_state_slots, 1), *shape), dtype=torch.float32,
                                                         device=device) for shape in spec.shapes))
@@ -71,7 +87,7 @@ class ModelRunner:
         self.sampler.forget(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.forget(plan.finished_request_ids)
-        self.copy_blocks(plan.block_copies)
+        self.copy_blocks(plan.block_copies, plan.window_block_copies)
         self.copy_states(plan.state_copies)
         if plan.is_empty:
             return ModelRunnerOutput()
@@ -145,6 +161,9 @@ class ModelRunner:
         sample_chunks: list[int] = []
         max_blocks = max(len(c.block_table) for c in plan.chunks)
         tables = torch.zeros(len(plan.chunks), max_blocks, dtype=torch.int32)
+        windowed = self.has_window_group
+        window_slots: list[int] = []
+        window_tables = [] if windowed else None
         for i, chunk in enumerate(plan.chunks):
             n = len(chunk.token_ids)
             pos = range(chunk.start_position, chunk.start_position + n)
@@ -152,6 +171,10 @@ class ModelRunner:
             input_ids += chunk.token_ids
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
+            if windowed:
+                window_table = chunk.window_block_table
+                window_slots += [window_table[p // bs] * bs + p % bs for p in pos]
+                window_tables.append(window_table)
             token_seq += [i] * n
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
             if chunk.sample:  # the last known token's row, plus one row per draft token after it
@@ -168,22 +191,28 @@ class ModelRunner:
             seq_token_counts=[len(c.token_ids) for c in plan.chunks],
             state=_state_metadata(plan, dev),
         )
+        if windowed:
+            meta.window_view = replace(meta, slot_mapping=torch.tensor(window_slots, dtype=torch.long, device=dev),
+                                       block_tables=_table_tensor(window_tables).to(dev))
         return ForwardInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
             meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_chunk_indices=sample_chunks,
         )
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
+        """Copy-on-write: (src, dst) blocks of the full group, then of the sliding group (its own block ids)."""
         if self.drafter is not None:
-            self.drafter.copy_blocks(copies)
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for key_cache, value_cache in self.kv_layers():
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
+            self.drafter.copy_blocks(copies)  # the draft model's K/V follows the full group's table
+        for windowed, pairs in ((False, copies), (True, window_copies)):
+            if not pairs:
+                continue
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            for (key_cache, value_cache), in_group in zip(self.kv_layers(), self.kv_layer_windowed()):
+                if in_group == windowed:
+                    key_cache[dst] = key_cache[src]
+                    value_cache[dst] = value_cache[src]
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Recurrent state slot to slot, in order (a prefix snapshot into a new sequence, a rollback)."""
@@ -200,6 +229,32 @@ class ModelRunner:
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (K, V) block tensors of the attention layers (the block pool's bytes)."""
         return [cache for spec, cache in zip(self.cache_specs, self.kv_caches) if isinstance(spec, KVSpec)]
+
+    def kv_layer_windowed(self) -> list[bool]:
+        """For each of kv_layers(): whether its blocks are the sliding group's (its own ids and table)."""
+        return [w for spec, w in zip(self.cache_specs, self.in_window_group) if isinstance(spec, KVSpec)]
+
+
+def _kv_tensors(num_blocks: int, block_size: int, spec: KVSpec, dtype: torch.dtype, device: torch.device,
+                windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V block tensors. The sliding group's have one more block, its NULL: zeros, never written,
+    standing where a table's blocks were given back (the kernel never reads there; gathers see zeros)."""
+    shape = (num_blocks + windowed, block_size, spec.num_kv_heads, spec.head_dim)
+    # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
+    # a large pool then cost no RAM until used.
+    caches = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    if windowed:
+        for cache in caches:
+            cache[num_blocks].zero_()
+    return caches
+
+
+def _table_tensor(tables: list[tuple[int, ...]]) -> torch.Tensor:
+    """(S, max_blocks) int32, each table zero-padded on the right."""
+    out = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        out[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    return out
 
 
 def _state_metadata(plan: SchedulerOutput, device: torch.device) -> StateMetadata | None:

@@ -140,4 +140,6 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "prefix_cache": {"enabled": core.config.enable_prefix_caching, "hit_tokens": hits, "miss_tokens": misses,
                          "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0},
         "recurrent_state": core.state_report(),  # hybrid models' per-sequence state slots, else null
+        # Sliding layers' own block group (the figures above are then the full-attention layers'), else null.
+        "sliding_window_group": core.window_report(),
     }

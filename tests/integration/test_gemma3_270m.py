@@ -125,3 +125,33 @@ def test_concurrent_bf16_requests_equal_one_at_a_time(checkpoint):
     for prompt, p, got in zip(prompts, params, batched):
         assert llm.generate([prompt], [p])[0].token_ids == got.token_ids
     llm.engine.pool.check_integrity()
+
+
+def test_sliding_layers_hold_their_window_and_match_one_block_table(checkpoint):
+    """15 of 18 layers slide over 512 tokens: past the window they keep ~33 blocks of their own while the
+    3 global layers keep every block, and the logits are bitwise those of one table for every layer."""
+    llm = LLM(checkpoint=checkpoint, parallel=2, ctx_size=2 * 1024, speculative_ngram=0)
+    core = llm.engine
+    assert core.sliding_window == 512 and core.kv.window is not None
+    ids = core.tokenizer.encode("Once upon a time, in a land of rivers and stone bridges, " * 80)[:900]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    request = core.make_request(ids, params)
+    core.add_request(request)
+    got, held = [], []
+    while core.has_work():
+        for out in core.step():
+            got += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+        if core.scheduler.running:
+            held.append((core.kv.num_blocks_held(request.request_id), core.kv.num_window_blocks_held(request.request_id)))
+    assert len(ids) > 800 and held[-1][1] <= 34 < 50 < held[-1][0]  # the window's 33 blocks (+1) of 16 tokens
+    runner = ModelRunner(core.runner.model, core.model_config, 64, 16, core.dtype, core.device, core.backend)
+    tokens, want, start = list(ids), [], 0
+    while len(want) < 8:
+        chunk = ScheduledChunk("r", tokens[start:], start, tuple(range(64)), True, SamplingParams(temperature=0,
+                                                                                                    logprobs=0))
+        result = runner.execute(SchedulerOutput(chunks=[chunk]))
+        start = len(tokens)
+        tokens.append(result.sampled_token_ids["r"])
+        want.append((result.sampled_token_ids["r"], result.logprobs["r"].logprob))
+    assert got == want
+    core.kv.check_integrity()

@@ -99,6 +99,7 @@ def test_cache_stats(served):
     assert stats["bytes_in_use"] == stats["live"] * plan.bytes_per_block
     assert stats["budget_bytes"] == plan.budget_bytes
     assert set(stats["prefix_cache"]) == {"enabled", "hit_tokens", "miss_tokens", "hit_rate"}
+    assert stats["sliding_window_group"] is None  # no sliding layers: one group, the figures above
 
 
 def test_loads_in_sglang_schema(served):
