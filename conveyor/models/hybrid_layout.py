@@ -49,7 +49,10 @@ class Sublayer:
 def sublayers(config: ModelConfig, layer: int) -> list[Sublayer]:
     names = FAMILY_NAMES[config.architecture]
     steps = []
-    for norm, entries in names["layout"][config.layer_kind(layer)]:
+    kind = config.layer_kind(layer)
+    if kind == "sliding_attention" and kind not in names["layout"]:
+        kind = "full_attention"  # the window is the attention's own setting; the layer's steps are the same
+    for norm, entries in names["layout"][kind]:
         mixers = []
         for entry in entries:
             present = [m for m in ((entry,) if isinstance(entry, str) else entry) if _present(config, layer, names[m])]
