@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import time
@@ -134,13 +135,22 @@ def offline(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- conveyor vs llama-server
 
 
+def _has_token(line: str) -> bool:
+    """An SSE line carrying generated text (not the role-only first chunk of a chat stream)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False
+    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content"))
+
+
 async def _stream_ttft(client: httpx.AsyncClient, path: str, body: dict) -> float:
     """Seconds to the first streamed token of one request."""
     start, ttft = time.perf_counter(), None
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():  # read to the end, so the slot is free for the next request
-            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+            if ttft is None and _has_token(line):
                 ttft = time.perf_counter() - start
     if ttft is None:
         raise RuntimeError("no token streamed")
