@@ -188,6 +188,8 @@ def shared_prefix_run(url: str, system_tokens: int, num: int) -> tuple[float, fl
 
 def compare(args: argparse.Namespace) -> None:
     quantized.wait_quiet(args.quiet_cpu, args.quiet_timeout)
+    bandwidth = args.bandwidth_gbs or quantized.measure_bandwidth(args.threads, 2.0, 5)
+    print(f"read bandwidth {bandwidth:.1f} GB/s", flush=True)
     rows = []
     for file in args.files.split(","):
         path = Path(file)
@@ -217,8 +219,11 @@ def compare(args: argparse.Namespace) -> None:
                 finally:
                     quantized._stop(proc)
         ours, peer = results["conveyor"], results["llama-server"]
+        limit = bandwidth * 1e9 / quantized.weight_bytes_per_token(path)  # decode tok/s if weights streamed at bandwidth
         for server, r in results.items():
-            rows.append([server, path.name, *[f"{r[c]:.1f}" for c in args.concurrency], f"{r['ttft']:.2f}",
+            share = f" ({100 * r[1] / limit:.0f}% of {limit:.1f})" if 1 in r else ""
+            rows.append([server, path.name, *[f"{r[c]:.1f}" + (share if c == 1 else "") for c in args.concurrency],
+                         f"{r['ttft']:.2f}",
                          f"{r['shared_wall']:.2f} / {r['shared_ttft']:.2f}", f"{r['rss_start']:.0f}",
                          f"{r['rss_peak']:.0f}"])
         rows.append(["conveyor / llama-server", path.name,
@@ -230,7 +235,8 @@ def compare(args: argparse.Namespace) -> None:
               f"{args.parallel} x shared {args.system_tokens}-token system prompt: wall s / mean TTFT s",
               "RSS after start MiB", "peak RSS MiB"]
     caption = (f"Hybrid GGUFs, conveyor vs llama-server ({args.llama_server}), one run each, 16 slots, speculation "
-               f"off; {args.max_tokens} greedy tokens per request at C=1/16. Machine: {quantized.machine()}.")
+               f"off; {args.max_tokens} greedy tokens per request at C=1/16; C=1 also as a share of the bandwidth "
+               f"limit ({bandwidth:.1f} GB/s read / the weight bytes one step reads). Machine: {quantized.machine()}.")
     emit_table(caption, header, rows, args.out)
 
 
@@ -252,6 +258,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--llama-server", default="/work/llama-native/bin/llama-server")
+    p.add_argument("--bandwidth-gbs", type=float, help="skip the measurement and use this read bandwidth")
     p.add_argument("--quiet-cpu", type=float, default=0.3)
     p.add_argument("--quiet-timeout", type=float, default=600.0)
     p.add_argument("--start-timeout", type=float, default=900.0)
