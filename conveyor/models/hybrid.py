@@ -27,7 +27,7 @@ from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention
 from conveyor.models.mamba2_mixer import Mamba2Mixer
-from conveyor.models.weights import WeightLoader
+from conveyor.models.weights import WeightLoader, tensor_getters
 
 
 class AttentionMixer(LlamaAttention):
@@ -254,16 +254,7 @@ class HybridForCausalLM(nn.Module):
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         cfg = self.config
 
-        def get(name: str) -> Weight:
-            if name not in weights:
-                raise KeyError(f"checkpoint is missing tensor {name}")
-            return weights[name]
-
-        def norm(name: str) -> nn.Parameter:
-            weight = loader.param(get(name))
-            if cfg.norm_weight_offset:  # Qwen3.5's (1 + w), folded into the weight once
-                weight.data += cfg.norm_weight_offset
-            return weight
+        get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
 
         self.embed_tokens = loader.embedding(get(embedding_name(cfg)))
         self.norm.weight = norm(final_norm_name(cfg))

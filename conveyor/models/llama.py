@@ -20,7 +20,7 @@ from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
-from conveyor.models.weights import WeightLoader
+from conveyor.models.weights import WeightLoader, tensor_getters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 Rope = tuple[torch.Tensor, torch.Tensor]  # (T, 1, D) cos and signed sin
@@ -200,16 +200,7 @@ class LlamaForCausalLM(nn.Module):
         """
         cfg = self.config
 
-        def get(name: str) -> Weight:
-            if name not in weights:
-                raise KeyError(f"checkpoint is missing tensor {name}")
-            return weights[name]
-
-        def norm(name: str) -> nn.Parameter:
-            weight = loader.param(get(name))
-            if cfg.norm_weight_offset:  # Gemma's (1 + w), folded into the weight once
-                weight.data += cfg.norm_weight_offset
-            return weight
+        get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
 
         def fused(prefix: str, fused_name: str, names: list[str]) -> list[Weight]:
             # Phi-3 ships q|k|v and gate|up already fused, in the order our linears use.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -164,3 +164,22 @@ def count_params(model: nn.Module, tied: bool) -> int:
         else:
             total += sum(p.numel() for p in module.parameters(recurse=False))
     return total
+
+
+def tensor_getters(weights: Mapping[str, Weight], loader: WeightLoader,
+                   norm_weight_offset: float) -> tuple[Callable[[str], Weight], Callable[[str], nn.Parameter]]:
+    """(get, norm) for a model's load_weights: a tensor by HF name (a KeyError naming it when missing), and an
+    RMSNorm weight with the family's (1 + w) offset folded in once (Gemma, Qwen3.5)."""
+
+    def get(name: str) -> Weight:
+        if name not in weights:
+            raise KeyError(f"checkpoint is missing tensor {name}")
+        return weights[name]
+
+    def norm(name: str) -> nn.Parameter:
+        weight = loader.param(get(name))
+        if norm_weight_offset:
+            weight.data += norm_weight_offset
+        return weight
+
+    return get, norm
