@@ -175,10 +175,14 @@ TINY_HYBRID = {
                          linear_value_head_dim=16),
 }
 # Their mixture-of-experts variants (4 experts, 2 per token): Qwen3-Next (shared expert with a sigmoid gate,
-# layer 2 dense) and LFM2-MoE (sigmoid router with an expert bias, the first layer dense).
+# layer 2 dense), Qwen3.5-MoE (every layer sparse, gated shared expert) and LFM2-MoE (sigmoid router with an
+# expert bias, the first layer dense).
 TINY_HYBRID["qwen3_next"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen3_next", num_experts=4,
                                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                  shared_expert_gate=True, norm_topk_prob=False, dense_mlp_layers=(2,))
+TINY_HYBRID["qwen3_5_moe_text"] = dict(TINY_HYBRID["qwen3_5_text"], architecture="qwen3_5_moe_text", num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, shared_expert_gate=True)
 TINY_HYBRID["lfm2_moe"] = dict(TINY_HYBRID["lfm2"], architecture="lfm2_moe", num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True,
                                moe_renorm_eps=1e-6, routed_scaling_factor=1.5, dense_mlp_layers=(0,))

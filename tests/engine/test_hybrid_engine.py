@@ -21,7 +21,11 @@ DENSE_HYBRIDS = ["lfm2", "qwen3_5_text", "granitemoehybrid"]  # the MoE variants
 MAMBA2_HYBRIDS = ["nemotron_h", "falcon_h1", "mamba2"]
 
 
-@pytest.fixture(scope="module", params=DENSE_HYBRIDS)
+# Every family of the list (#24) through chunking, prefix hits, preemption and speculation.
+EVERY_HYBRID = DENSE_HYBRIDS + MAMBA2_HYBRIDS + ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe"]
+
+
+@pytest.fixture(scope="module", params=EVERY_HYBRID)
 def hybrid(request):
     return tiny_hybrid_checkpoint(request.param)
 
@@ -62,6 +66,10 @@ def test_chunking_prefix_hits_preemption_and_speculation_stay_exact(hybrid):
     assert all(w.num_cached_tokens >= 32 for w in warm)
     assert [w.token_ids for w in warm] == cold
     assert cached.engine.states.num_snapshot_hits >= 4
+    if not plain.engine.pool_plan.bytes_per_block:  # Mamba2 alone: blocks cost nothing, no budget preempts
+        for llm in (chunked, cached):
+            _check_released(llm)
+        return
     # Preemption: 33 blocks for 8 requests growing to ~5 blocks each; victims re-prefill from a zero state.
     tight = LLM(checkpoint=hybrid, parallel=8, ctx_size=8 * 512, enable_prefix_caching=False, speculative_ngram=0,
                 kv_cache_budget=str(33 * plain.engine.pool_plan.bytes_per_block + plain.engine.states.total_bytes))
@@ -90,19 +98,21 @@ def test_attention_free_mamba2_keeps_no_kv():
 REPEATING = {"lfm2": 0.3, "qwen3_5_text": 0.15, "granitemoehybrid": 1.0}
 
 
-@pytest.mark.parametrize("architecture", DENSE_HYBRIDS)
+@pytest.mark.parametrize("architecture", EVERY_HYBRID)
 def test_speculation_rolls_the_state_back_exactly(architecture):
     checkpoint = tiny_hybrid_checkpoint(architecture)
     for name, weight in checkpoint.weights.items():
         if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "w2.weight", "output_linear.weight")):
-            weight.mul_(REPEATING[architecture])
+            weight.mul_(REPEATING.get(architecture, 1.0))
     params = [SamplingParams(max_tokens=40, **GREEDY) for _ in range(8)]
     plain = LLM(checkpoint=checkpoint, parallel=8, speculative_ngram=0)
     want = [w.token_ids for w in plain.generate(PROMPTS, params)]
     spec = LLM(checkpoint=checkpoint, parallel=8, speculative_ngram=4, speculative_max_rows=40)
     assert [g.token_ids for g in spec.generate(PROMPTS, params)] == want
     stats = spec.engine.scheduler.stats
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # hits and misses
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # drafts missed: the state was rolled back
+    if architecture in REPEATING:  # tuned to repeat itself: drafts hit too
+        assert stats.num_accepted_tokens > 0
     _check_released(spec)
 
 
@@ -126,7 +136,7 @@ def test_structured_output_on_a_hybrid_is_valid_and_batch_invariant():
 
 
 # Granite 4.0-H with experts beside its shared MLP (the tiny one is dense); Nemotron-H's tiny has an MoE layer.
-MOE_HYBRIDS = [("qwen3_next", {}), ("lfm2_moe", {}), ("nemotron_h", {}),
+MOE_HYBRIDS = [("qwen3_next", {}), ("qwen3_5_moe_text", {}), ("lfm2_moe", {}), ("nemotron_h", {}),
                ("granitemoehybrid", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))]
 
 
