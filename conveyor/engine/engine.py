@@ -33,7 +33,7 @@ from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
 from conveyor.models.cache_specs import kv_window, state_bytes_per_slot
-from conveyor.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_group_bytes_per_block, model_cache_specs
+from conveyor.runner.model_runner import ModelRunner, kv_group_bytes_per_block
 from conveyor.structured.compiler import GrammarCompiler
 from conveyor.structured.masks import GrammarMasker, MaskJob
 
@@ -106,18 +106,15 @@ class EngineCore:
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
         progress.set_stage("draft model and KV cache")
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
-        specs = model_cache_specs(model, checkpoint.config)
+        specs = model.cache_specs()
         # Sliding layers keep their K/V in a group of their own, given back behind the window (0: one group).
         self.sliding_window = kv_window(specs)
-        if self.sliding_window:
-            bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
-        else:
-            bytes_per_block, window_bytes_per_block = kv_bytes_per_block(checkpoint.config, config.block_size,
-                                                                         self.dtype), 0
+        bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
         # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes; it follows
         # the full group's table, every layer of it.
         if self.draft is not None:
-            bytes_per_block += kv_bytes_per_block(self.draft.config, config.block_size, self.dtype)
+            bytes_per_block += sum(kv_group_bytes_per_block(self.draft.model.cache_specs(), config.block_size,
+                                                            self.dtype))
         self.max_batch_size = config.effective_max_batch_size
         self.states = self._state_pool(config, specs)
         self.pool_plan: KVPoolPlan = plan_kv_pool(
@@ -179,7 +176,7 @@ class EngineCore:
         bytes_per_slot = state_bytes_per_slot(specs)
         if not bytes_per_slot:
             return None
-        if self.draft is not None and state_bytes_per_slot(model_cache_specs(self.draft.model, self.draft.config)):
+        if self.draft is not None and state_bytes_per_slot(self.draft.model.cache_specs()):
             raise ModelConfigError("a hybrid (recurrent) draft model cannot roll back its state: use an "
                                    "attention-only draft model")
         # A drafting row adds at least one token to the tick's speculative_max_rows, so at most half of them draft.

@@ -30,12 +30,6 @@ class ForwardInputs:
     sample_chunk_indices: list[int]  # chunk index of each sampled row (a chunk with drafts has several)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K/V bytes of one block over the layers that keep K/V (a hybrid's recurrent layers keep none)."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_attention_layers * block_size * config.num_key_value_heads * config.head_dim * element
-
-
 def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """K/V bytes of one block in (the full group, the sliding group) over the layers each holds (see kv_window)."""
     element = torch.empty(0, dtype=dtype).element_size()
@@ -51,13 +45,6 @@ def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: tor
     return full, sliding
 
 
-def model_cache_specs(model: nn.Module, config: ModelConfig) -> list[CacheSpec]:
-    """What the model keeps between steps, per stateful mixer (every layer's K/V for the plain decoders)."""
-    if hasattr(model, "cache_specs"):
-        return model.cache_specs()
-    return [KVSpec(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
-
-
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
@@ -68,7 +55,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = []  # per stateful mixer: (K, V) block tensors or a recurrent state's tensors
-        self.cache_specs = model_cache_specs(model, config)
+        self.cache_specs = model.cache_specs()  # per stateful mixer: what the runner allocates
         # Sliding layers keep K/V in their own blocks when the engine gives them some (else one group).
         window = kv_window(self.cache_specs) if num_window_blocks else 0
         self.in_window_group = [in_window_group(spec, window) for spec in self.cache_specs]
