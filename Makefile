@@ -25,7 +25,14 @@ $(VENV)/.installed: pyproject.toml
 		|| echo "chromium could not be installed (try: apt-get install chromium): the browser test will be skipped"
 	touch $@
 
-setup: $(VENV)/.installed
+# The C++ kernels for this CPU, into the cache every checkout and venv with this torch shares
+# (conveyor/kernels/build.py), so the first `conveyor serve` starts in seconds. Not fatal: without a
+# compiler the server runs on torch's paths (`make test` requires the kernels and says why).
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard conveyor/kernels/csrc/*) conveyor/kernels/build.py
+	$(PY) -m conveyor.kernels --build && touch $@ \
+		|| echo "the C++ kernels did not build (see above): conveyor will run on torch's slower paths"
+
+setup: $(VENV)/.kernels
 
 serve: setup
 	$(VENV)/bin/conveyor serve $(ARGS)
@@ -33,11 +40,11 @@ serve: setup
 generate: setup
 	$(VENV)/bin/conveyor generate -p "$(or $(PROMPT),Tell me a short story about a robot.)" $(ARGS)
 
-# The whole suite with the native kernels required (a kernel that does not build fails, never
-# skips), then the kernels at the other ISA levels this machine can build (scripts/kernel-levels.sh).
-test: setup
-	CONVEYOR_REQUIRE_KERNELS=1 $(PY) -m pytest -q -x $(ARGS)
-	PY=$(PY) scripts/kernel-levels.sh
+# Setup, the whole suite with the native kernels required (a kernel that does not build fails, never
+# skips), then the kernels at the other ISA levels this machine can build (scripts/kernel-levels.sh),
+# and each stage's time (scripts/test-all.sh). ARGS go to the main pytest run.
+test:
+	MAKE="$(MAKE)" VENV=$(VENV) scripts/test-all.sh $(ARGS)
 
 test-levels: setup
 	PY=$(PY) scripts/kernel-levels.sh

@@ -2,25 +2,61 @@
 # The C++ kernels at every ISA level this one machine can reach (part of `make test`):
 #   - built and tested for real: x86-64-v3 (AVX2+FMA, with torch and oneDNN capped at AVX2 too, as on
 #     an AVX2 laptop) and x86-64 (baseline, the portable path), plus skylake-avx512 (AVX-512 without
-#     BF16) where this CPU runs it: the kernel, invariance and speculation tests, kernels required;
+#     BF16) where this CPU runs it: the kernel, invariance and speculation tests, kernels required.
+#     A level whose kernel build is native's (every predefined macro the kernels branch on agrees, and
+#     torch runs at that capability natively: x86-64-v3 on an AVX2-only CPU) is skipped, as the main
+#     run already tested exactly that code; FORCE_LEVELS=1 runs it anyway;
 #   - alderlake (AVX2 + AVX-VNNI) for the quantized GEMM where this CPU has AVX-VNNI, else compile-only;
 #   - compile-only: AMX (sapphirerapids) and aarch64 (Debian's cross compiler), so a misplaced #if
-#     fails CI on whatever machine CI lands on.
+#     fails CI on whatever machine CI lands on. One pool compiles them all; each success is cached
+#     by a hash of (sources + headers, flags, compiler, arch, torch), so an unchanged tree skips them.
+# `--prepare` only builds what the levels need (their kernels, the compile checks, the cross compiler)
+# into the caches, without tests: scripts/test-all.sh runs it beside the main pytest run.
 # SKIP_CROSS=1 skips the aarch64 check where its compiler cannot be installed (never in CI).
+# STAGES=file appends "stage<TAB>seconds<TAB>status" per stage to it (scripts/test-all.sh's table).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py tests/engine/test_hybrid_engine.py
-             tests/engine/test_kv_pressure_and_prefix.py)
+STAGES=${STAGES:-}
+PREPARE=0
+if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi  # one line for all of it
+# The kernel tests and the engine tests whose assertions go through the kernels' arithmetic
+# (batch/chunk invariance, prefix hits, preemption, speculation, quantized and hybrid models).
+LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py
+             tests/engine/test_hybrid_engine.py tests/engine/test_kv_pressure_and_prefix.py)
 
 if [ "$(uname -m)" != x86_64 ]; then
   echo "kernel levels: $(uname -m) host, only the native level (tested by the main run)"
   exit 0
 fi
 
+record() {  # stage, seconds, status
+  echo "   ($1: $2 s, $3)"
+  if [ -n "$STAGES" ]; then printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$STAGES"; fi
+}
+
+timed() {  # stage, command...: runs it, records its time; fails the script when it fails
+  local name=$1 start=$SECONDS status=ok
+  shift
+  "$@" || status=FAILED
+  record "$name" $((SECONDS - start)) "$status"
+  [ "$status" = ok ]
+}
+
+same_as_native() {  # arch, torch capability
+  [ "${FORCE_LEVELS:-0}" != 1 ] && "$PY" -m conveyor.kernels --same-as-native "$1" --torch-capability "$2"
+}
+
+level_archs=()
 run_level() {  # arch, torch capability, oneDNN cap
+  if same_as_native "$1" "$2"; then
+    echo "== kernel level $1: skipped: same kernel build as native (the main run tested it) =="
+    [ $PREPARE = 1 ] || record "level $1" 0 "skipped: same kernel build as native"
+    return
+  fi
+  if [ $PREPARE = 1 ]; then level_archs+=("$1"); return; fi
   echo "== kernel level $1 (torch $2, oneDNN $3) =="
-  CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH="$1" ATEN_CPU_CAPABILITY="$2" ONEDNN_MAX_CPU_ISA="$3" \
-    "$PY" -m pytest -q -x -p no:cacheprovider "${LEVEL_TESTS[@]}"
+  timed "level $1" env CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH="$1" ATEN_CPU_CAPABILITY="$2" \
+    ONEDNN_MAX_CPU_ISA="$3" "$PY" -m pytest -q -x -p no:cacheprovider "${LEVEL_TESTS[@]}"
 }
 
 run_level x86-64-v3 avx2 AVX2
@@ -28,9 +64,13 @@ run_level x86-64 default SSE41
 # The quantized GEMM has its own AVX-VNNI path (AVX2 + vpdpbusd, Alder Lake / Zen 5 laptops):
 # tested where this CPU has AVX-VNNI, else compile-checked below.
 if grep -qw avx_vnni /proc/cpuinfo; then
-  echo "== kernel level alderlake (AVX-VNNI, quantized GEMM only) =="
-  CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH=alderlake ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-    "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_qgemm.py
+  if [ $PREPARE = 1 ]; then
+    level_archs+=(alderlake)
+  else
+    echo "== kernel level alderlake (AVX-VNNI, quantized GEMM only) =="
+    timed "level alderlake (qgemm)" env CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH=alderlake \
+      ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_qgemm.py
+  fi
   vnni_compile=()
 else
   vnni_compile=(--arch alderlake)
@@ -42,19 +82,36 @@ else
   compile_only=(--arch skylake-avx512 --arch sapphirerapids "${vnni_compile[@]}")
 fi
 
-echo "== compile-only: ${compile_only[*]} =="
-"$PY" -m conveyor.kernels "${compile_only[@]}"
-
 if [ "${SKIP_CROSS:-0}" = 1 ]; then
   echo "== compile-only aarch64: SKIPPED (SKIP_CROSS=1) =="
+  [ $PREPARE = 1 ] || record "compile-only aarch64" 0 "skipped (SKIP_CROSS=1)"
+else
+  if ! command -v aarch64-linux-gnu-g++ >/dev/null; then
+    echo "== installing Debian's aarch64 cross compiler (g++-aarch64-linux-gnu) =="
+    SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+    install_cross() {
+      $SUDO apt-get install -y -q g++-aarch64-linux-gnu >/dev/null \
+        || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q g++-aarch64-linux-gnu >/dev/null; } \
+        || { echo "cannot install g++-aarch64-linux-gnu: install it, or run with SKIP_CROSS=1" >&2; return 1; }
+    }
+    timed "install aarch64 cross compiler" install_cross
+  fi
+  compile_only+=(--target aarch64-linux-gnu-g++:armv8-a)
+fi
+
+if [ $PREPARE = 1 ]; then
+  # One compiler at a time: the main pytest run has the other core (and this runs under nice).
+  for arch in "${level_archs[@]}"; do
+    echo "== prepare: kernels for $arch =="
+    "$PY" -m conveyor.kernels --build --jobs 1 --arch "$arch" || true  # the level's own run reports a failure
+  done
+  echo "== prepare: compile-only ${compile_only[*]} =="
+  "$PY" -m conveyor.kernels --jobs 1 "${compile_only[@]}" || true
+  if [ -n "$PREPARE_STAGES" ]; then
+    printf '%s\t%s\t%s\n' "levels prepared (beside pytest)" "$SECONDS" done >> "$PREPARE_STAGES"
+  fi
   exit 0
 fi
-if ! command -v aarch64-linux-gnu-g++ >/dev/null; then
-  echo "== installing Debian's aarch64 cross compiler (g++-aarch64-linux-gnu) =="
-  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-  $SUDO apt-get install -y -q g++-aarch64-linux-gnu >/dev/null \
-    || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q g++-aarch64-linux-gnu >/dev/null; } \
-    || { echo "cannot install g++-aarch64-linux-gnu: install it, or run with SKIP_CROSS=1" >&2; exit 1; }
-fi
-echo "== compile-only: aarch64 =="
-"$PY" -m conveyor.kernels --cxx aarch64-linux-gnu-g++ --arch armv8-a
+
+echo "== compile-only: ${compile_only[*]} =="
+timed "compile-only checks" "$PY" -m conveyor.kernels "${compile_only[@]}"

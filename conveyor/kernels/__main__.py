@@ -1,7 +1,7 @@
-"""`python -m conveyor.kernels --arch LEVEL [--cxx COMPILER]`: compile-check the kernels (CI)."""
+"""`python -m conveyor.kernels`: see conveyor/kernels/cli.py."""
 
 import sys
 
-from conveyor.kernels.build import main
+from conveyor.kernels.cli import main
 
 sys.exit(main())

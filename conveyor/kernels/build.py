@@ -3,15 +3,19 @@
 Each kernel (gemm, attention, fused_ops, qgemm, recurrent) is its own module, so a compiler problem in one
 costs only that one (and is reported), never the others. `arch` is the `-march` value
 (CONVEYOR_KERNEL_ARCH, default native): one machine can build, test and compile-check every
-level. Builds are cached (torch.utils.cpp_extension, ~/.cache/torch_extensions) under a name
-keyed by the arch and this CPU's feature flags, so a home directory shared between machines
-never hands a CPU a library it cannot run; a level the CPU lacks is refused before loading.
+level. Builds are cached under torch.utils.cpp_extension's root (~/.cache/torch_extensions/py3X_cpu
+or $TORCH_EXTENSIONS_DIR) by a name keyed by the sources, flags, torch and this CPU's feature flags,
+never by a checkout's or a virtualenv's path: every checkout and venv with the same torch on this
+CPU shares one build (`make setup` makes it, `python -m conveyor.kernels --build`). A home directory
+shared between machines never hands a CPU a library it cannot run; a level the CPU lacks is refused
+before loading. Compile-only checks of other levels live in checks.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
@@ -19,6 +23,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -32,9 +37,11 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("gemm", "attention", "fused_ops", "qgemm", "recurrent")
 CSRC = Path(__file__).parent / "csrc"
+BUILT_MARKER = "conveyor-built.json"  # written into a build directory once its library is complete
+CACHE_NAME = "conveyor-cache"  # beside the builds: measured build times, compile-check results
 
 # Compiler macro -> the CPU flag (/proc/cpuinfo spelling) a binary built with it needs.
-_X86_FEATURE_MACROS = {
+X86_FEATURE_MACROS = {
     "__SSE4_2__": "sse4_2", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
     "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
     "__AVX512DQ__": "avx512dq", "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16",
@@ -49,6 +56,7 @@ class KernelBuild:
     kernel: str
     module: ModuleType | None
     error: str | None = None
+    compiled: bool = False  # compiled by this call (False: imported from the cache, or failed)
 
 
 def is_x86() -> bool:
@@ -96,29 +104,76 @@ def arch_flags(arch: str) -> list[str]:
 def compile_flags(arch: str) -> list[str]:
     # -ffp-contract=off: the compiler never fuses a*b+c on its own, so every scalar expression keeps
     # one rounding sequence in every loop it is inlined into; FMAs are explicit intrinsics.
-    flags = ["-O3", *arch_flags(arch), "-ffp-contract=off", f"-DCONVEYOR_HEADERS={_headers_digest()}"]
+    flags = ["-O3", *arch_flags(arch), "-ffp-contract=off"]
     if sys.platform != "darwin":  # at::parallel_for is inline OpenMP on Linux builds of torch
         flags.append("-fopenmp")
     return flags
 
 
-def _headers_digest() -> str:
-    # torch re-builds when a source or a flag changes, but not a header: fold them into a flag.
-    return hashlib.sha1(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:12]
+def kernel_sources(kernel: str) -> list[Path]:
+    """What one kernel's build reads from csrc: its .cpp and every header (any of them may be included)."""
+    return [CSRC / f"{kernel}.cpp", *sorted(CSRC.glob("*.h"))]
+
+
+def sources_digest(paths: list[Path]) -> str:
+    """The files' names and contents, never their location."""
+    digest = hashlib.sha1()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def torch_build_id() -> str:
+    """The torch a library links against and compiles with the headers of (version, commit)."""
+    import torch
+
+    return f"{torch.__version__} {getattr(torch.version, 'git_version', '')}"
 
 
 def extension_name(kernel: str, arch: str) -> str:
-    """One build directory per (kernel, arch, CPU, sources, checkout).
+    """One build per (kernel, arch, CPU flags, sources + headers, flags, torch, Python ABI).
 
-    The checkout's path is in the key because torch's build file names the source by path: two
-    checkouts sharing one directory would rebuild it on every alternate start (and block on its lock).
+    No path is in the key, so every checkout and virtualenv with the same torch shares the build:
+    it compiles a copy of the sources kept in its own directory, and a finished build is imported
+    directly (BUILT_MARKER), never re-checked by torch, whose build file names one venv's headers.
     """
     slug = re.sub(r"[^A-Za-z0-9]+", "_", arch).strip("_") or "default"
-    key = hashlib.sha1(" ".join(sorted(cpu_features())).encode())
-    key.update(str(CSRC.resolve()).encode())
-    key.update((CSRC / f"{kernel}.cpp").read_bytes())
-    key.update(" ".join(compile_flags(arch)).encode())
+    key = hashlib.sha1()
+    for part in (" ".join(sorted(cpu_features())), torch_build_id(), sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 " ".join(compile_flags(arch)), sources_digest(kernel_sources(kernel))):
+        key.update(part.encode() + b"\0")
     return f"conveyor_{kernel}_{slug}_{key.hexdigest()[:10]}"
+
+
+def cache_directory(name: str) -> Path:
+    """`name`'s directory (created) under torch's extension root: $TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/py3X_cpu."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except (ImportError, AttributeError):  # the private torch helper moved: its documented default
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                      "torch_extensions")
+        path = Path(root) / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@lru_cache(maxsize=32)
+def predefined_macros(arch: str, cxx: str = "c++") -> dict[str, str]:
+    """The compiler's predefined macros for `arch` (name -> value), as `cxx -dM -E` lists them."""
+    out = subprocess.run([cxx, *arch_flags(arch), "-dM", "-E", "-x", "c++", "/dev/null"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(first_error(out.stderr) or f"{cxx} rejected -march={arch}")
+    macros = {}
+    for line in out.stdout.splitlines():
+        parts = line.split(maxsplit=2)
+        if len(parts) >= 2 and parts[0] == "#define":
+            macros[parts[1]] = parts[2] if len(parts) == 3 else ""
+    return macros
 
 
 @lru_cache(maxsize=16)
@@ -126,12 +181,8 @@ def required_features(arch: str, cxx: str = "c++") -> frozenset[str]:
     """CPU flags a binary built for `arch` may use (x86 only; from the compiler's predefined macros)."""
     if not is_x86():
         return frozenset()
-    out = subprocess.run([cxx, *arch_flags(arch), "-dM", "-E", "-x", "c++", "/dev/null"],
-                         capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError(first_error(out.stderr) or f"{cxx} rejected -march={arch}")
-    defined = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("#define ")}
-    return frozenset(flag for macro, flag in _X86_FEATURE_MACROS.items() if macro in defined)
+    defined = predefined_macros(arch, cxx)
+    return frozenset(flag for macro, flag in X86_FEATURE_MACROS.items() if macro in defined)
 
 
 def missing_features(arch: str) -> frozenset[str]:
@@ -163,14 +214,10 @@ def _build_lock(name: str) -> Iterator[None]:
     """
     try:
         import fcntl
-
-        from torch.utils.cpp_extension import _get_build_directory
-
-        build_dir = Path(_get_build_directory(name, verbose=False))
-    except Exception:  # no fcntl (Windows) or a private torch helper moved: torch's lock alone
+    except ImportError:  # Windows: torch's lock alone
         yield
         return
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = cache_directory(name)
     with open(build_dir / "conveyor.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -184,7 +231,7 @@ def _build_lock(name: str) -> Iterator[None]:
 
 
 def load_kernel(kernel: str, arch: str) -> KernelBuild:
-    """Build (or reuse) and import one kernel module for `arch`; never raises."""
+    """Import one kernel module for `arch` from the cache, building it there first if needed; never raises."""
     try:
         missing = missing_features(arch)
     except Exception as exc:  # no compiler at all
@@ -192,20 +239,64 @@ def load_kernel(kernel: str, arch: str) -> KernelBuild:
     if missing:
         return KernelBuild(kernel, None, f"-march={arch} needs CPU features this CPU lacks: "
                                          f"{', '.join(sorted(missing))}")
-    name = extension_name(kernel, arch)
     try:
-        from torch.utils.cpp_extension import load
-
+        name = extension_name(kernel, arch)
+        directory = cache_directory(name)
+        module = _import_built(name, directory)
+        if module is not None:
+            return KernelBuild(kernel, module)
         with _build_lock(name):
-            module = load(name=name, sources=[str(CSRC / f"{kernel}.cpp")], extra_cflags=compile_flags(arch),
-                          extra_include_paths=[str(CSRC)],
-                          extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"], verbose=False)
-        return KernelBuild(kernel, module)
+            module = _import_built(name, directory)  # another process may have built it meanwhile
+            if module is not None:
+                return KernelBuild(kernel, module)
+            return KernelBuild(kernel, _compile(kernel, arch, name, directory), compiled=True)
     except Exception as exc:  # compiler or ninja missing, or a compile error: the torch paths still work
         return KernelBuild(kernel, None, first_error(str(exc)) or type(exc).__name__)
 
 
-# Compiler CPU seconds for all five kernels (README: about 3 min), for the first start's estimate.
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    """A finished build's module, imported without a compiler or torch's build file; None if unbuilt."""
+    if name in sys.modules:
+        return sys.modules[name]
+    library = directory / f"{name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+    if not ((directory / BUILT_MARKER).exists() and library.exists()):
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _compile(kernel: str, arch: str, name: str, directory: Path) -> ModuleType:
+    """Build `kernel` in `directory` from a copy of its sources kept there (no checkout path in the build)."""
+    from torch.utils.cpp_extension import load
+
+    src = directory / "src"
+    src.mkdir(exist_ok=True)
+    for path in kernel_sources(kernel):
+        data, copy = path.read_bytes(), src / path.name
+        if not copy.exists() or copy.read_bytes() != data:  # the name fixes the content: only a killed copy differs
+            write_atomically(copy, data)
+    started = time.perf_counter()
+    module = load(name=name, sources=[str(src / f"{kernel}.cpp")], extra_cflags=compile_flags(arch),
+                  extra_include_paths=[str(src)], build_directory=str(directory),
+                  extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"], verbose=False)
+    record = {"kernel": kernel, "arch": arch, "torch": torch_build_id(), "wall_s": round(time.perf_counter() - started, 1)}
+    write_atomically(directory / BUILT_MARKER, json.dumps(record).encode())
+    sys.modules[name] = module
+    return module
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+# Compiler CPU seconds for all five kernels (README: about 3 min), for the first start's estimate
+# until a build on this machine has been measured (build_times()).
 ESTIMATED_BUILD_CPU_S = 180.0
 
 
@@ -220,13 +311,44 @@ def isa_level(features: frozenset[str]) -> str:
     return "avx2" if {"avx2", "fma"} <= features else "generic"
 
 
-def _build_directory(name: str) -> Path | None:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
+def _build_times_path() -> Path:
+    return cache_directory(CACHE_NAME) / "build-times.json"
 
-        return Path(_get_build_directory(name, verbose=False))
-    except Exception:  # a private torch helper moved: no estimate, the build itself is unaffected
+
+def build_times() -> dict[str, dict]:
+    """Kernel builds measured on this machine, per arch: compiler CPU seconds per kernel, wall seconds."""
+    try:
+        return json.loads(_build_times_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_build_time(arch: str, kernels: int, cpu_s: float, wall_s: float) -> None:
+    times = build_times()
+    times[arch] = {"cpu_s_per_kernel": round(cpu_s / kernels, 1), "kernels": kernels, "wall_s": round(wall_s, 1),
+                   "cpus": os.cpu_count(), "cpu": cpu_model()}
+    try:
+        write_atomically(_build_times_path(), json.dumps(times, indent=1).encode())
+    except OSError as exc:  # a read-only cache still builds; the next estimate is the constant's
+        logger.info("could not record the kernel build time: %s", exc)
+
+
+def _children_cpu_s() -> float | None:
+    """CPU seconds of this process's finished children (the compilers, under ninja)."""
+    try:
+        import resource
+    except ImportError:  # Windows: nothing measured, the estimate stays the constant's
         return None
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def estimated_cpu_s_per_kernel(arch: str) -> tuple[float, str]:
+    """Compiler CPU seconds per kernel: the last build of `arch` measured on this CPU, else the constant's share."""
+    recorded = build_times().get(arch, {})
+    if recorded.get("cpu") == cpu_model() and recorded.get("cpu_s_per_kernel", 0) > 0:
+        return float(recorded["cpu_s_per_kernel"]), "measured here"
+    return ESTIMATED_BUILD_CPU_S / len(KERNELS), "estimated"
 
 
 def _announce_build(arch: str) -> set[str]:
@@ -234,8 +356,8 @@ def _announce_build(arch: str) -> set[str]:
     returns the kernels not built yet."""
     pending = set()
     for kernel in KERNELS:
-        directory = _build_directory(extension_name(kernel, arch))
-        if directory is not None and not (directory / f"{extension_name(kernel, arch)}.so").exists():
+        name = extension_name(kernel, arch)
+        if name not in sys.modules and not (cache_directory(name) / BUILT_MARKER).exists():
             pending.add(kernel)
     if pending:
         try:
@@ -243,19 +365,20 @@ def _announce_build(arch: str) -> set[str]:
         except Exception:  # no compiler: load_kernel reports it
             return pending
         cpus = max(1, min(len(pending), os.cpu_count() or 1))
-        seconds = ESTIMATED_BUILD_CPU_S * len(pending) / len(KERNELS) / cpus
-        cache = _build_directory(extension_name(next(iter(pending)), arch))
+        per_kernel, source = estimated_cpu_s_per_kernel(arch)
+        cache = cache_directory(extension_name(next(iter(pending)), arch)).parent
         # NOTE: a warning so that every entry point shows it: a silent multi-minute start looks hung.
-        logger.warning("compiling %d C++ kernel(s) for %s (-march=%s), about %.0f s on %d CPU(s), once: "
-                       "cached in %s", len(pending), level, arch, seconds, cpus, cache.parent if cache else "?")
+        logger.warning("compiling %d C++ kernel(s) for %s (-march=%s), about %.0f s on %d CPU(s) (%s), once: "
+                       "cached in %s", len(pending), level, arch, per_kernel * len(pending) / cpus, cpus, source,
+                       cache)
     return pending
 
 
 @lru_cache(maxsize=8)
 def load_kernels(arch: str = "native") -> dict[str, KernelBuild]:
-    """Every kernel for `arch`, compiled concurrently (each build is one compiler process)."""
+    """Every kernel for `arch`, compiled concurrently where not cached (each build is one compiler process)."""
     pending = _announce_build(arch)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), _children_cpu_s()
     with ThreadPoolExecutor(max_workers=len(KERNELS)) as pool:
         futures = {pool.submit(load_kernel, k, arch): k for k in KERNELS}
         for done, future in enumerate(as_completed(futures), 1):
@@ -263,50 +386,11 @@ def load_kernels(arch: str = "native") -> dict[str, KernelBuild]:
                 logger.info("kernel %s ready after %.0f s (%d/%d)", futures[future], time.perf_counter() - started,
                             done, len(KERNELS))
         builds = [future.result() for future in futures]
+    compiled, cpu_now = [b for b in builds if b.compiled], _children_cpu_s()
+    # NOTE: recorded only when every pending kernel was compiled here: one another process built adds no CPU.
+    if compiled and len(compiled) == len(pending) and cpu_started is not None and cpu_now is not None:
+        _record_build_time(arch, len(compiled), cpu_now - cpu_started, time.perf_counter() - started)
     for build in builds:
         if build.module is None:
             logger.warning("C++ kernel %r unavailable for -march=%s: %s", build.kernel, arch, build.error)
     return {b.kernel: b for b in builds}
-
-
-def compile_check(arch: str, cxx: str = "c++", kernels: tuple[str, ...] = KERNELS) -> dict[str, str | None]:
-    """Compile (no link, no load) every kernel for `arch` with `cxx`: the first error per kernel or None.
-
-    Runs on any machine for any level the compiler targets (AMX on an AMD CPU, aarch64 with
-    Debian's cross compiler), so a misplaced #if fails CI wherever CI lands.
-    """
-    from torch.utils.cpp_extension import include_paths
-
-    includes = [*include_paths(), sysconfig.get_paths()["include"], str(CSRC)]
-    flags = [f for f in compile_flags(arch) if f != "-O3"] + ["-O0", "-std=c++17", "-fPIC", "-w",
-                                                              "-DTORCH_EXTENSION_NAME=conveyor_check"]
-
-    def one(kernel: str) -> str | None:
-        cmd = [cxx, *flags, *(f"-I{p}" for p in includes), "-c", str(CSRC / f"{kernel}.cpp"), "-o", "/dev/null"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        return None if out.returncode == 0 else (first_error(out.stderr) or f"{cxx} exited {out.returncode}")
-
-    with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
-        return dict(zip(kernels, pool.map(one, kernels)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.kernels.build",
-                                     description="Compile-check the C++ kernels for other ISA levels / targets.")
-    parser.add_argument("--arch", action="append", required=True, help="-march value (repeatable)")
-    parser.add_argument("--cxx", default="c++", help="compiler (e.g. aarch64-linux-gnu-g++)")
-    args = parser.parse_args(argv)
-    failed = False
-    for arch in args.arch:
-        started = time.perf_counter()
-        errors = compile_check(arch, args.cxx)
-        for kernel, error in errors.items():
-            status = "ok" if error is None else f"FAILED: {error}"
-            print(f"{args.cxx} -march={arch} {kernel}: {status}")
-            failed |= error is not None
-        print(f"  ({time.perf_counter() - started:.0f} s)")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -59,20 +59,22 @@ def test_extension_names_are_keyed_by_arch_and_cpu():
     assert build.extension_name("gemm", "x86-64-v3").startswith("conveyor_gemm_x86_64_v3_")
 
 
-def test_extension_names_are_keyed_by_checkout_and_source(tmp_path, monkeypatch):
-    # Two checkouts (or an edited source) must not share one build directory: torch would rebuild it
-    # on every alternate start.
+def test_extension_names_are_keyed_by_source_not_by_checkout(tmp_path, monkeypatch):
+    # Every checkout (and venv) with the same sources and torch shares one build; an edit gets its own.
     here = build.extension_name("gemm", "native")
-    other = tmp_path / "csrc"
-    other.mkdir()
+    other = tmp_path / "elsewhere" / "csrc"
+    other.mkdir(parents=True)
     for f in build.CSRC.iterdir():
         if f.suffix in (".cpp", ".h"):
             (other / f.name).write_bytes(f.read_bytes())
     monkeypatch.setattr(build, "CSRC", other)
-    elsewhere = build.extension_name("gemm", "native")
-    assert elsewhere != here
+    assert build.extension_name("gemm", "native") == here
     (other / "gemm.cpp").write_text((other / "gemm.cpp").read_text() + "\n// edited\n")
-    assert build.extension_name("gemm", "native") not in (here, elsewhere)
+    edited = build.extension_name("gemm", "native")
+    assert edited != here
+    (other / "vec_math.h").write_text((other / "vec_math.h").read_text() + "\n// edited\n")  # a header, too
+    assert build.extension_name("gemm", "native") not in (here, edited)
+    assert build.extension_name("attention", "native") != build.extension_name("gemm", "native")
 
 
 def test_first_error_picks_the_compiler_error():
