@@ -357,7 +357,7 @@ def _announce_build(arch: str) -> set[str]:
     pending = set()
     for kernel in KERNELS:
         name = extension_name(kernel, arch)
-        if name not in sys.modules and not (cache_directory(name) / BUILT_MARKER).exists():
+        if not (cache_directory(name) / BUILT_MARKER).exists():
             pending.add(kernel)
     if pending:
         try:
