@@ -1,13 +1,16 @@
 """SmolLM2-135M-Instruct end to end: agreement with transformers, and batch invariance in bf16."""
 
+import functools
 import os
 
+import gguf
 import pytest
 import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading import default_model_path, load_checkpoint
+from conveyor.loading.gguf_loader import _Reader
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +28,16 @@ def _chat_ids(tokenizer, question):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_greedy_matches_transformers_float32(checkpoint):
+@pytest.fixture
+def fast_gguf_parse(monkeypatch):
+    """transformers' own GGUF loading, minus two costs that are gguf-py's, not transformers' logic (75 s -> 32 s
+    measured): the file's fields parsed by our faster reader (same values), and the tensor-name map
+    built once instead of once per module (transformers asks get_tensor_name_map 397 times)."""
+    monkeypatch.setattr(gguf, "GGUFReader", _Reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+
+
+def test_greedy_matches_transformers_float32(checkpoint, fast_gguf_parse):
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
