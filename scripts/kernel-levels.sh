@@ -21,8 +21,10 @@ PREPARE=0
 if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi  # one line for all of it
 # The kernel tests and the engine tests whose assertions go through the kernels' arithmetic
 # (batch/chunk invariance, prefix hits, preemption, speculation, quantized and hybrid models).
+# Not the build machinery's own tests (locks, caches, level decisions): the same at every level.
 LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py
-             tests/engine/test_hybrid_engine.py tests/engine/test_kv_pressure_and_prefix.py)
+             tests/engine/test_hybrid_engine.py tests/engine/test_kv_pressure_and_prefix.py
+             --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
 
 if [ "$(uname -m)" != x86_64 ]; then
   echo "kernel levels: $(uname -m) host, only the native level (tested by the main run)"
