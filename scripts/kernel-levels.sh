@@ -13,7 +13,9 @@
 # `--prepare` only builds what the levels need (their kernels, the compile checks, the cross compiler)
 # into the caches, without tests: scripts/test-all.sh runs it beside the main pytest run.
 # SKIP_CROSS=1 skips the aarch64 check where its compiler cannot be installed (never in CI).
-# STAGES=file appends "stage<TAB>seconds<TAB>status" per stage to it (scripts/test-all.sh's table).
+# STAGES=file appends "stage<TAB>seconds<TAB>status" per stage to it (scripts/test-all.sh's table);
+# PREPARE_PID=pid waits for that --prepare run to end before the compile-only checks (the levels'
+# tests run meanwhile; a kernel it is still building is waited for by the build lock).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 STAGES=${STAGES:-}
@@ -84,6 +86,11 @@ else
   compile_only=(--arch skylake-avx512 --arch sapphirerapids "${vnni_compile[@]}")
 fi
 
+if [ $PREPARE = 0 ] && [ -n "${PREPARE_PID:-}" ]; then
+  # scripts/test-all.sh: its --prepare run may still be installing the cross compiler or compiling
+  echo "== waiting for the compile checks started beside pytest (pid $PREPARE_PID) =="
+  while kill -0 "$PREPARE_PID" 2>/dev/null; do sleep 1; done
+fi
 if [ "${SKIP_CROSS:-0}" = 1 ]; then
   echo "== compile-only aarch64: SKIPPED (SKIP_CROSS=1) =="
   [ $PREPARE = 1 ] || record "compile-only aarch64" 0 "skipped (SKIP_CROSS=1)"

@@ -46,8 +46,8 @@ prepare_pid=$!
 
 stage pytest env CONVEYOR_REQUIRE_KERNELS=1 "$PY" -m pytest -q -x "$@"
 
-echo "== waiting for the levels' builds and compile checks (started beside pytest) =="
+# The levels' tests start now, beside whatever --prepare has left (it finishes its compile checks).
+PY=$PY PREPARE_PID=$prepare_pid scripts/kernel-levels.sh
 wait "$prepare_pid" || true
 prepare_pid=
 sed 's/^/   prepare: /' "$PREPARE_LOG" | grep -v ': cached$' || true
-PY=$PY scripts/kernel-levels.sh
