@@ -109,13 +109,14 @@ else
 fi
 
 if [ $PREPARE = 1 ]; then
-  # One compiler at a time: the main pytest run has the other core (and this runs under nice).
+  # Kernel builds one compiler at a time (each ~1.6 GB at -O3); checks one per CPU: under nice they take
+  # only what pytest leaves idle, and once it ends they have both cores (measured: one job left one idle).
   for arch in "${level_archs[@]}"; do
     echo "== prepare: kernels for $arch =="
     "$PY" -m conveyor.kernels --build --jobs 1 --arch "$arch" || true  # the level's own run reports a failure
   done
   echo "== prepare: compile-only ${compile_only[*]} =="
-  "$PY" -m conveyor.kernels --jobs 1 "${compile_only[@]}" || true
+  "$PY" -m conveyor.kernels "${compile_only[@]}" || true
   if [ -n "$PREPARE_STAGES" ]; then
     printf '%s\t%s\t%s\n' "levels prepared (beside pytest)" "$SECONDS" done >> "$PREPARE_STAGES"
   fi

@@ -2,8 +2,9 @@
 # `make test`: setup, the whole suite with the native kernels required, then every other kernel level
 # (scripts/kernel-levels.sh), and a table of each stage's time at the end, passed or not.
 # While the main pytest run goes (one Python process, often on one core), `kernel-levels.sh --prepare`
-# builds the other levels' kernels and runs the compile-only checks beside it under nice, one compiler
-# at a time, into their caches; the levels stage then only runs tests. Arguments go to the main pytest.
+# builds the other levels' kernels and runs the compile-only checks beside it under nice (it takes only
+# what pytest leaves idle), into their caches; the levels' tests then start beside what it has left.
+# Arguments go to the main pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
