@@ -177,6 +177,8 @@ def build_disk_tier(config, checkpoint, kv_tensors: list[torch.Tensor], one_grou
         logger.warning("prompt cache disk tier and slot persistence need the prefix cache (--no-prompt-cache given)")
         return None
     tier_on = config.prompt_cache_dir is not None
+    if config.slot_save_path is not None:
+        os.makedirs(config.slot_save_path, exist_ok=True)
     directory = config.prompt_cache_dir if tier_on else os.path.join(config.slot_save_path, "blocks")
     budget = parse_kv_budget(config.prompt_cache_disk_budget)
     tag = kv_tag(checkpoint.name, checkpoint.config.architecture,
