@@ -112,7 +112,7 @@ def restore(core, slot_id: int, directory: str, filename: object) -> dict:
 def erase(core, slot_id: int) -> dict:
     """Forget the slot's content and drop its blocks from the RAM prefix cache where no request holds them."""
     tokens = slot_token_ids(core, slot_id)
-    if any(i == slot_id for i, _ in enumerate(core.scheduler.running)):
+    if slot_id < len(core.scheduler.running):
         raise SlotError(400, "slot is processing a request")
     size = core.kv.block_size
     keys = chain_hashes(tokens, size, len(tokens) // size)

@@ -107,3 +107,15 @@ def test_slot_save_path_alone_keeps_blocks_under_it(serve_tiny, tmp_path):
         assert r.status_code == 200 and r.json()["n_saved"] > 0
         assert os.listdir(tmp_path / "blocks")
         assert _cache(served.url)["tiers"]["disk"]["consult"] is False
+
+
+def test_a_server_restart_serves_the_prompt_from_disk(serve_tiny, tmp_path):
+    config = EngineConfig(parallel=2, prompt_cache_dir=str(tmp_path))
+    with serve_tiny(config, ServerConfig()) as served:
+        cold = _completion(served.url)
+    # The server's exit (lifespan -> engine thread) wrote the cached blocks.
+    assert any(name.endswith(".kvb") for name in os.listdir(tmp_path))
+    with serve_tiny(config, ServerConfig()) as served:
+        assert _completion(served.url) == cold
+        disk = _cache(served.url)["tiers"]["disk"]
+        assert disk["hits"] >= 4 and disk["corrupt"] == disk["rejected"] == 0
