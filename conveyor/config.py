@@ -34,6 +34,11 @@ class EngineConfig:
     kv_cache_budget: str = "auto"  # auto | none | bytes (suffixes K/M/G accepted)
     enable_prefix_caching: bool = True
     prompt_cache_budget: str = "2G"  # cold cached prefixes kept (bytes, K/M/G); none = bounded by the pool only
+    # The prefix cache's disk tier (engine/prefix_disk.py): evicted and shutdown blocks spill there, RAM misses
+    # read back, and it survives restarts. None = RAM only.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_budget: str = "8G"  # bytes of block files kept (K/M/G); none = unbounded
+    slot_save_path: str | None = None  # llama-server's slot persistence: where POST /slots/{id}?action=save writes
     # Hybrid models: recurrent-state snapshots kept at block boundaries of cached prompts (0: a hybrid's
     # prompts never hit the prefix cache, as its state can only resume where a snapshot was taken).
     state_snapshots: int = 8
@@ -82,6 +87,7 @@ class EngineConfig:
         _require(self.max_kv_size >= 0, "max_kv_size must be >= 0")
         _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
         parse_kv_budget(self.prompt_cache_budget)
+        _require(parse_kv_budget(self.prompt_cache_disk_budget) != -1, "prompt_cache_disk_budget cannot be auto")
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
         _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
                  f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
@@ -304,6 +310,13 @@ FLAGS: list[Flag] = [
          "hybrid models: recurrent-state snapshots kept for prefix-cache hits (each costs one sequence's state; 0 = none)"),
     Flag(("--prompt-cache-budget",), "prompt_cache_budget",
          help="bytes of cold cached prefixes kept for reuse (K/M/G), none = only the KV pool bounds them"),
+    Flag(("--prompt-cache-dir",), "prompt_cache_dir",
+         help="directory of the prefix cache's disk tier: evicted and shutdown blocks are written there and read "
+              "back on a RAM miss, also after a restart (attention-only models; none = RAM only)"),
+    Flag(("--prompt-cache-disk-budget",), "prompt_cache_disk_budget",
+         help="bytes of block files the disk tier keeps (K/M/G), least recently used out first; none = no cap"),
+    Flag(("--slot-save-path",), "slot_save_path",
+         help="llama-server's slot persistence: POST /slots/{id}?action=save|restore|erase keep slot files here"),
     Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots (-1 auto: 4 slots, unified KV)",
          extra_env=("LLAMA_ARG_N_PARALLEL",)),
     Flag(("--max-batch-size",), "max_batch_size", int, "max sequences decoded together (0 = --parallel)"),

@@ -18,6 +18,7 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
@@ -154,6 +155,17 @@ class EngineCore:
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
                                   num_window_blocks=self.pool_plan.window_blocks)
+        # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
+        kv_tensors = [t for layer in self.runner.kv_layers() for t in layer]
+        self.disk: DiskTier | None = build_disk_tier(config, checkpoint, kv_tensors,
+                                                     one_group=self.states is None and window is None)
+        if self.disk is not None:
+            self.kv.disk = self.disk
+            if self.disk.writer is not None:
+                self.pool.on_evict = self.disk.on_evict
+        # Slot id -> the request that last ran there, or the tokens a slot restore put there (llama-server's
+        # slots keep their last prompt; engine/slot_store.py).
+        self.slot_contents: dict[int, Request | list[int]] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -269,6 +281,26 @@ class EngineCore:
                 "shared": stats.num_shared, "evictions": stats.num_evictions, "bytes_per_block": per_block,
                 "bytes_reserved": stats.num_blocks * per_block, "bytes_in_use": stats.num_used * per_block}
 
+    def disk_report(self) -> dict | None:
+        """/v1/cache/stats, /metrics and the web page: the prefix cache's disk tier (None without one)."""
+        if self.disk is None:
+            return None
+        return {**self.disk.report(), "hit_tokens": self.kv.counters.disk_hit_tokens}
+
+    def ram_report(self) -> dict:
+        """The prefix cache's RAM tier, in the disk tier's terms."""
+        stats = self.pool.stats()
+        per_block = self.pool_plan.bytes_per_block
+        cap = self.pool.max_cached_free
+        return {"entries": stats.num_cached, "bytes": stats.num_cached * per_block,
+                "budget_bytes": cap * per_block if cap is not None else None,
+                "hit_tokens": self.kv.counters.hit_tokens, "evictions": stats.num_evictions}
+
+    def close(self) -> None:
+        """Shutdown: the RAM prefix cache goes to the disk tier, and the writer finishes (engine thread)."""
+        if self.disk is not None:
+            self.disk.close(self.pool if self.disk.writer is not None else None)
+
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
         stats = self.scheduler.stats
@@ -348,6 +380,8 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for slot, request in enumerate(self.scheduler.running):
+            self.slot_contents[slot] = request
         if plan.is_empty and not plan.block_copies and not plan.window_block_copies and not plan.finished_request_ids:
             return []
         started = time.perf_counter()

@@ -142,4 +142,6 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "recurrent_state": core.state_report(),  # hybrid models' per-sequence state slots, else null
         # Sliding layers' own block group (the figures above are then the full-attention layers'), else null.
         "sliding_window_group": core.window_report(),
+        # The prefix cache's two tiers: RAM (the cached blocks above) and disk (--prompt-cache-dir, else null).
+        "tiers": {"ram": core.ram_report(), "disk": core.disk_report()},
     }
