@@ -134,6 +134,15 @@ class KernelBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
+    def xielu(self, x: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
+        """Apertus' xIELU (alpha_p, alpha_n after their softplus), elementwise, rounding where torch's ops would."""
+        if self.fused is not None and x.device.type == "cpu":
+            return self.fused.xielu(x, alpha_p, alpha_n, beta, eps)
+        # NOTE: torch splits its range into a vector body and a scalar tail, so off our kernels rows may differ
+        # in the last bit by batch position (transformers' expression, op for op).
+        ap, an, b, e = (torch.tensor(v, dtype=x.dtype, device=x.device) for v in (alpha_p, alpha_n, beta, eps))
+        return torch.where(x > 0, ap * x * x + b * x, (torch.expm1(torch.min(x, e)) - x) * an + b * x)
+
     @staticmethod
     def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(x / cap), transformers' order (Gemma 2's final logits); elementwise."""

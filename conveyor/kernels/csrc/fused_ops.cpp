@@ -346,6 +346,34 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Apertus' xIELU, with its four per-layer scalars already as transformers computes them (alpha_p and alpha_n
+// after their softplus): x > 0: alpha_p * x * x + beta * x; else (expm1(min(x, eps)) - x) * alpha_n + beta * x,
+// rounding to the dtype after each op as torch's chain of ops does. Scalar per element (torch's expm1 splits
+// its range into a vector body and a scalar tail, so a row's bits could depend on the batch).
+template <typename scalar_t>
+void xielu_elements(const scalar_t* x, scalar_t* out, int64_t n, float alpha_p, float alpha_n, float beta, float eps) {
+  auto r = [](float v) { return static_cast<float>(round_to<scalar_t>(v)); };
+  conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = static_cast<float>(x[i]);
+      const float linear = r(beta * v);
+      const float y = v > 0.f ? r(r(alpha_p * v) * v) + linear
+                              : r(r(r(std::expm1(std::min(v, eps))) - v) * alpha_n) + linear;
+      out[i] = round_to<scalar_t>(y);
+    }
+  });
+}
+
+torch::Tensor xielu(torch::Tensor x, double alpha_p, double alpha_n, double beta, double eps) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "xielu", [&] {
+    xielu_elements<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel(), static_cast<float>(alpha_p),
+                             static_cast<float>(alpha_n), static_cast<float>(beta), static_cast<float>(eps));
+  });
+  return out;
+}
+
 // argmax per row of fp32 logits; the first maximum wins, as torch.argmax does.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "argmax_rows: (R, V) float32 only");
@@ -411,6 +439,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
+  m.def("xielu", &xielu, "Apertus' xIELU activation with torch's rounding, per element (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
   m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
 }
