@@ -14,10 +14,10 @@ backend = kernel_backend("attention", "fused_ops")
 BLOCK_SIZE = 16
 
 
-def _rows(n, kv_heads, head_dim, seed, dtype=torch.bfloat16):
+def _rows(n, kv_heads, head_dim, seed, dtype=torch.bfloat16, spread=0.5):
     gen = torch.Generator().manual_seed(seed)
-    # Per-row scales spread over orders of magnitude, as real K/V rows are (some fp16 scales go subnormal).
-    scale = torch.exp(torch.randn(n, kv_heads, 1, generator=gen) * 2)
+    # Rows of different magnitudes (spread 2: orders of magnitude, some fp16 scales subnormal).
+    scale = torch.exp(torch.randn(n, kv_heads, 1, generator=gen) * spread)
     return (torch.randn(n, kv_heads, head_dim, generator=gen) * scale).to(dtype)
 
 
@@ -56,8 +56,16 @@ def _query(num_rows, heads, head_dim, seed=99):
     return torch.randn(num_rows, heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def _as_kernel_rounds_q(query):
+    """The query as pass 1 uses it: int8 per 32-block with an fp32 scale (keys' scales are fp16, q's are not)."""
+    blocks = query.float().reshape(*query.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).clamp(-127, 127) * d).reshape(query.shape)
+
+
 def test_kernel_write_is_the_torch_twin_and_gguf_q8_0():
-    rows = _rows(40, 2, 64, seed=3)
+    rows = _rows(40, 2, 64, seed=3, spread=2)
     kc, vc = _caches(4, 2, 64, "q8_0", "bf16")
     slots = torch.randperm(4 * BLOCK_SIZE)[:40]
     backend.write_kv(kc, vc, rows, rows, slots)  # the C++ write
@@ -112,6 +120,11 @@ def test_kernel_matches_dequantized_reference(heads, kv_heads, head_dim, k_type,
     # The kernel also rounds q to int8 per 32-block for q.k (as llama.cpp does): a small error on top of bf16's.
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert (got.float() - want.float()).abs().mean() < 3e-3
+    # With q rounded as the kernel rounds it, the reference is the kernel's formula: equal up to fp32 order
+    # and the output's bf16 rounding.
+    q_used = _as_kernel_rounds_q(query) if k_type == "q8_0" else query.float()
+    exact = reference_paged_attention(q_used, kc, vc, meta, scale, window).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), exact.float(), atol=1e-4, rtol=8e-3)
 
 
 def test_soft_capping_with_q8_0():
