@@ -122,19 +122,19 @@ class KVTransfer:
         window_slots = self._slots(core.kv.window_table(request.request_id), num_tokens) if core.kv.window else None
         layers = core.runner.kv_layers()
         heads, dim = core.model_config.num_key_value_heads, core.model_config.head_dim
-        parts = []  # per layer K's rows then V's, each in its cache's own format (Q8_0 bytes as they are)
+        kv_parts = []  # per layer K's rows then V's, each in its cache's own format (Q8_0 bytes as they are)
         for caches, windowed in zip(layers, core.runner.kv_layer_windowed()):
             layer_slots = window_slots if windowed else slots
             for cache in caches:  # index_select: one contiguous copy per cache, no temporaries
                 rows = torch.index_select(cache.view(-1, heads, cache.shape[3]), 0, layer_slots).cpu()
-                parts.append(rows.view(torch.uint8).reshape(-1))
+                kv_parts.append(rows.view(torch.uint8).reshape(-1))
         state = b""
         slot = core.kv.state_slot(request.request_id)
         if slot is not None:
             parts = [tensor[slot].reshape(-1).cpu() for layer in core.runner.state_layers() for tensor in layer]
             state = torch.cat(parts).view(torch.uint8).numpy().tobytes()
         blob = KVBlob(num_layers=len(layers), num_tokens=len(slots), num_kv_heads=heads, head_dim=dim,
-                      dtype=_DTYPE_NAMES[core.dtype], data=torch.cat(parts).numpy().tobytes(), state=state,
+                      dtype=_DTYPE_NAMES[core.dtype], data=torch.cat(kv_parts).numpy().tobytes(), state=state,
                       cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v)
         self.stats.num_exported += 1
         self.stats.exported_bytes += len(blob.data)

@@ -46,9 +46,9 @@ def test_caches_are_q8_0_and_the_pool_counts_their_bytes(checkpoint, llm):
     assert llm.engine.pool_plan.bytes_per_block * 64 == bf16.engine.pool_plan.bytes_per_block * 34
     # The same byte budget holds ~1.9x the blocks.
     budget = str(200 * bf16.engine.pool_plan.bytes_per_block)
-    small = LLM(checkpoint=checkpoint, parallel=2, kv_cache_budget=budget, ctx_size=1024)
-    more = LLM(checkpoint=checkpoint, parallel=2, kv_cache_budget=budget, ctx_size=1024 * 8, **Q8)
-    assert more.engine.pool.num_blocks == 200 * 64 // 34 > small.engine.pool.num_blocks == 200
+    small = LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=budget, ctx_size=4 * 2048)
+    more = LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=budget, ctx_size=4 * 2048, **Q8)
+    assert small.engine.pool.num_blocks == 200 and more.engine.pool.num_blocks == 200 * 64 // 34
 
 
 def torch_uint8():
@@ -136,3 +136,15 @@ def test_handoff_carries_q8_0_blocks_and_a_bf16_node_refuses_them(checkpoint):
 def test_head_dim_not_a_multiple_of_32_is_refused_at_startup(tiny_checkpoint):
     with pytest.raises(ModelConfigError, match="multiple of 32.*head_dim 16"):
         EngineCore(EngineConfig(parallel=2, cache_type_v="q8_0"), checkpoint=tiny_checkpoint)
+
+
+def test_props_and_cache_stats_show_the_cache_types(llm):
+    from types import SimpleNamespace
+
+    from conveyor.server.observability import cache_stats, props
+
+    engine = SimpleNamespace(core=llm.engine, max_queue_depth=1)
+    stats = cache_stats(engine)
+    assert (stats["cache_type_k"], stats["cache_type_v"]) == ("q8_0", "q8_0")
+    assert stats["bytes_per_block"] == llm.engine.pool_plan.bytes_per_block
+    assert props(engine, "tiny")["kv_cache_type"] == {"k": "q8_0", "v": "q8_0"}
