@@ -622,7 +622,6 @@ inline void add_row_q8(const float* scores, int64_t num_keys, int64_t j, const u
 
 #if defined(__AVX2__) && defined(__FMA__)
 // x86-64-v3 and every AVX-512 level: 256-bit integer code (AVX-512 machines run it as is).
-constexpr int64_t kMaxQ8Heads = 8;  // query heads per KV head on the vector path; more take the portable one
 
 // The same tree as conveyor_vec::reduce_add8 (lane i = sum of v[i]'s lanes), for every level.
 inline __m256 reduce_add8_q8(const __m256 v[8]) {
@@ -638,7 +637,8 @@ inline void prefetch_q8(const uint8_t* p, int64_t bytes) {
 // Pass 1, 8 keys at a time: per block, 8 int32 lane sums of |k| x sign(q, k) (maddubs pairs stay below
 // 2 x 127 x 127, so never saturate: exact), times dq * dk into a float accumulator per head; then the
 // 8 keys' lanes in one fixed tree. Slots past the last key are zeros and never stored.
-void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t G, int64_t D, int64_t first, int64_t num_keys,
+template <int G>
+void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t D, int64_t first, int64_t num_keys,
                     const uint8_t* kc, const uint8_t* vc, const int32_t* table, int64_t BS, int64_t k_block,
                     int64_t k_tok, int64_t k_offset, int64_t v_block, int64_t v_tok, int64_t v_offset,
                     float* scores) {
@@ -647,14 +647,14 @@ void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t G, int64_t D, int
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
     const int64_t n = std::min<int64_t>(8, num_keys - j0);
-    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // values for pass 3, keys a group ahead
+    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // values for pass 3, keys two groups ahead
       if (vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
-      if (key + 8 < first + num_keys) prefetch_q8(kc + cache_row(table, key + 8, bs_shift, k_block, k_tok, k_offset), row);
+      if (key + 16 < first + num_keys) prefetch_q8(kc + cache_row(table, key + 16, bs_shift, k_block, k_tok, k_offset), row);
     }
-    __m256 part[kMaxQ8Heads][8];
+    __m256 part[G][8];
     for (int64_t i = 0; i < 8; ++i) {
-      __m256 acc[kMaxQ8Heads];
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      __m256 acc[G];  // G is a template argument: the accumulators stay in registers
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
       if (i < n) {
         const uint8_t* k = kc + cache_row(table, first + j0 + i, bs_shift, k_block, k_tok, k_offset);
         for (int64_t b = 0; b < nb; ++b) {
@@ -662,16 +662,16 @@ void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t G, int64_t D, int
           const __m256i kb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(blk)));
           const __m256i ka = _mm256_sign_epi8(kb, kb);
           const float dk = block_scale(blk);
-          for (int64_t g = 0; g < G; ++g) {
+          for (int g = 0; g < G; ++g) {
             const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * D + b * kBlock));
             const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ka, _mm256_sign_epi8(qb, kb)), ones);
             acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(qd[g * nb + b] * dk), acc[g]);
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) part[g][i] = acc[g];
+      for (int g = 0; g < G; ++g) part[g][i] = acc[g];
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int g = 0; g < G; ++g) {
       alignas(32) float tmp[8];
       _mm256_store_ps(tmp, reduce_add8_q8(part[g]));
       std::memcpy(scores + g * num_keys + j0, tmp, n * sizeof(float));
@@ -705,6 +705,23 @@ void weighted_sum_q8_avx2(const float* scores, int64_t first, int64_t num_keys, 
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc_out + g * D + c0 + 8 * c, acc[g][c]);
+  }
+}
+
+using ScoresQ8Fn = void (*)(const int8_t*, const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                            const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+
+inline ScoresQ8Fn scores_q8_fn(int64_t G) {
+  switch (G) {
+    case 1: return scores_q8_avx2<1>;
+    case 2: return scores_q8_avx2<2>;
+    case 3: return scores_q8_avx2<3>;
+    case 4: return scores_q8_avx2<4>;
+    case 5: return scores_q8_avx2<5>;
+    case 6: return scores_q8_avx2<6>;
+    case 7: return scores_q8_avx2<7>;
+    case 8: return scores_q8_avx2<8>;
+    default: return nullptr;
   }
 }
 
@@ -748,11 +765,19 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const int64_t q_row = H * D;
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX2__) && defined(__FMA__)
-  const bool fast_qk = k_q8 && G <= kMaxQ8Heads;
+  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G) : nullptr;  // up to 8 query heads per KV head
   const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G) : nullptr;
 #else
-  const bool fast_qk = false;
+  const void* fast_qk = nullptr;
   const void* fast_sum = nullptr;
+#endif
+  // The unquantized side of a mixed pair takes the bf16 path's own fast passes where it has them.
+  const auto plain_sum = v_q8 ? nullptr : fast_pass<Pass::kWeightedSum>(vs, G, D);
+  const auto plain_qk = k_q8 ? nullptr : fast_pass<Pass::kScores>(ks, G, D);
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+  const ScoresBf16Fn plain_dp_qk = !k_q8 && std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
+#else
+  const void* plain_dp_qk = nullptr;
 #endif
 
   conveyor_parallel::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -770,19 +795,27 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
       if (k_q8) {
         quantize_query(q_heads, G, D, qq.data(), qd.data());
 #if defined(__AVX2__) && defined(__FMA__)
-        if (fast_qk)
-          scores_q8_avx2(qq.data(), qd.data(), G, D, first, num_keys, kq, vq, table, BS, k_block, k_tok, kvh * k_row,
-                         v_block, v_tok, kvh * v_row, scores.data());
+        if (fast_qk != nullptr)
+          fast_qk(qq.data(), qd.data(), D, first, num_keys, kq, vq, table, BS, k_block, k_tok, kvh * k_row, v_block,
+                  v_tok, kvh * v_row, scores.data());
 #endif
-        for (int64_t j = 0; !fast_qk && j < num_keys; ++j) {
+        for (int64_t j = 0; fast_qk == nullptr && j < num_keys; ++j) {
           const uint8_t* k = kq + cache_row(table, j + first, bs_shift, k_block, k_tok, kvh * k_row);
           for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot_q8(qq.data() + g * D, qd.data() + g * nb, k, nb);
         }
         for (int64_t i = 0; i < G * num_keys; ++i) scores[i] *= fscale;
+      } else if (plain_dp_qk != nullptr) {
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+        const auto* kb = reinterpret_cast<const c10::BFloat16*>(ks);  // the K rows stand in for V's prefetch
+        plain_dp_qk(reinterpret_cast<const c10::BFloat16*>(q_heads), fscale, first, num_keys, kb, kb, table, BS,
+                    k_block, k_tok, kvh * k_row, scores.data());
+#endif
       } else {
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q_heads[g * D + d]) * fscale;
-        for (int64_t j = 0; j < num_keys; ++j) {
+        if (plain_qk != nullptr)
+          plain_qk(qf.data(), first, num_keys, ks, table, BS, k_block, k_tok, kvh * k_row, scores.data());
+        for (int64_t j = 0; plain_qk == nullptr && j < num_keys; ++j) {
           const scalar_t* k = ks + cache_row(table, j + first, bs_shift, k_block, k_tok, kvh * k_row);
           for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
         }
@@ -802,8 +835,11 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
       if (fast_sum != nullptr)
         fast_sum(scores.data(), first, num_keys, vq, table, BS, v_block, v_tok, kvh * v_row, D, acc.data());
 #endif
-      if (fast_sum == nullptr) std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; fast_sum == nullptr && j < num_keys; ++j) {
+      if (plain_sum != nullptr)
+        plain_sum(scores.data(), first, num_keys, vs, table, BS, v_block, v_tok, kvh * v_row, acc.data());
+      const bool summed = fast_sum != nullptr || plain_sum != nullptr;
+      if (!summed) std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; !summed && j < num_keys; ++j) {
         const int64_t key = j + first;
         if (v_q8) {
           add_row_q8(scores.data(), num_keys, j, vq + cache_row(table, key, bs_shift, v_block, v_tok, kvh * v_row), G,
