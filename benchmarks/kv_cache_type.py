@@ -7,7 +7,8 @@ Usage: python benchmarks/kv_cache_type.py --offline [--rows 16] [--context 2048]
 sequences joins the batch with --context tokens of K/V already in the cache: they arrive through the KV
 handoff import (engine/kv_transfer.py), so no 32k-token prefill is timed or waited for; the K/V are random
 values in the cache's own format (attention costs the same for any values). Then --steps decode steps of all
-rows are timed (median ms per step). Also: the attention kernel alone on one layer of that batch.
+rows are timed (median ms per step; the engines for each cache type step in turn, so the shared machine's
+load falls on all alike). Also: the attention kernel alone on one layer of that batch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ SHAPE_1B = dict(architecture="llama", hidden_size=2048, intermediate_size=8192, 
 
 
 def _drop(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)  # the model holds its own (packed) copy now
+    try:
+        tensor.untyped_storage().resize_(0)  # the model holds its own (packed) copy now
+    except RuntimeError:
+        pass  # a view the loader made (e.g. blocks quantized at load): freed with its owner
 
 
 def random_llama(config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -70,7 +74,8 @@ def random_blob(core: EngineCore, num_tokens: int) -> KVBlob:
                   torch.cat(parts).numpy().tobytes(), cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v)
 
 
-def decode_ms_per_step(core: EngineCore, rows: int, context: int, steps: int) -> float:
+def start_rows(core: EngineCore, rows: int, context: int, steps: int) -> None:
+    """`rows` sequences join the running batch with `context` tokens of K/V each (the handoff import)."""
     blob = random_blob(core, context)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(rows):
@@ -78,14 +83,19 @@ def decode_ms_per_step(core: EngineCore, rows: int, context: int, steps: int) ->
         request.output_token_ids = [42]
         core.kv_transfer.stage_import(request, blob)
         core.add_request(request)
-    del blob
     assert core.kv_transfer.stats.num_imported == rows, "every row must join with its K/V (pool too small?)"
-    times = []
-    while core.has_work():
-        start = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3  # the first steps warm caches up
+
+
+def interleaved_steps(cores: dict[str, EngineCore]) -> dict[str, float]:
+    """Median ms per decode step of each engine, their steps alternating (the machine's load hits all alike)."""
+    times: dict[str, list[float]] = {kind: [] for kind in cores}
+    while any(core.has_work() for core in cores.values()):
+        for kind, core in cores.items():
+            if core.has_work():
+                start = time.perf_counter()
+                core.step()
+                times[kind].append(time.perf_counter() - start)
+    return {kind: statistics.median(t[2:]) * 1e3 for kind, t in times.items()}  # the first steps warm up
 
 
 def attention_ms(core: EngineCore, rows: int, context: int, repeats: int) -> float:
@@ -98,32 +108,38 @@ def attention_ms(core: EngineCore, rows: int, context: int, repeats: int) -> flo
                              torch.full((rows,), context - 1, dtype=torch.int32), [context] * rows, [1] * rows)
     query = torch.randn(rows, cfg.num_attention_heads, cfg.head_dim).to(core.dtype)
     times = []
-    for _ in range(repeats + 2):
+    for _ in range(repeats):
         start = time.perf_counter()
         core.backend.paged_attention(query, key_cache, value_cache, meta, cfg.head_dim ** -0.5)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
+    return statistics.median(times) * 1e3
 
 
 def offline(args: argparse.Namespace) -> None:
     tokenizer = smollm_tokenizer()
     config = ModelConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=args.context + 256,
                          rms_norm_eps=1e-5, eos_token_ids=tuple(tokenizer.eos_token_ids), **SHAPE_1B)
-    results = {}
-    for kind in args.types.split(","):
+    cores = {}
+    for kind in args.types.split(","):  # every engine alive at once, so their steps can alternate
         checkpoint = Checkpoint(config=config, weights=random_llama(config), tokenizer=tokenizer, source="<random>",
                                 name="random-llama-1b-shape", release_pages=_drop)
-        core = EngineCore(EngineConfig(parallel=args.rows, ctx_size=args.rows * (args.context + 256),
-                                       kv_cache_budget="none", speculative_ngram=0, cache_type_k=kind,
-                                       cache_type_v=kind), checkpoint=checkpoint)
+        cores[kind] = EngineCore(EngineConfig(parallel=args.rows, ctx_size=args.rows * (args.context + 256),
+                                              kv_cache_budget="none", speculative_ngram=0,
+                                              weight_dtype=args.weight_dtype, cache_type_k=kind, cache_type_v=kind),
+                                 checkpoint=checkpoint)
         del checkpoint
+        start_rows(cores[kind], args.rows, args.context, args.steps)
+    step_ms = interleaved_steps(cores)
+    attn_ms = {kind: [] for kind in cores}
+    for _ in range(args.steps):
+        for kind, core in cores.items():
+            attn_ms[kind].append(attention_ms(core, args.rows, args.context, 1))
+    results = {}
+    for kind, core in cores.items():
         per_token = core.pool_plan.bytes_per_block // core.kv.block_size
-        ms = decode_ms_per_step(core, args.rows, args.context, args.steps)
-        attn = attention_ms(core, args.rows, args.context, args.steps)
-        results[kind] = (per_token, ms, attn)
-        print(f"{kind}: {per_token} KV bytes/token, decode {ms:.1f} ms/step ({args.rows * 1e3 / ms:.1f} tok/s), "
-              f"attention one layer {attn:.2f} ms", flush=True)
-        del core
+        results[kind] = (per_token, step_ms[kind], statistics.median(attn_ms[kind]))
+        print(f"{kind}: {per_token} KV bytes/token, decode {step_ms[kind]:.1f} ms/step "
+              f"({args.rows * 1e3 / step_ms[kind]:.1f} tok/s), attention one layer {results[kind][2]:.2f} ms", flush=True)
     base = results.get("bf16")
     rows = [[kind, f"{b:,} ({b / base[0]:.3f}x)" if base else f"{b:,}", f"{ms:.1f}",
              f"{args.rows * 1e3 / ms:.1f}" + (f" ({base[1] / ms:.2f}x)" if base else ""),
@@ -132,8 +148,8 @@ def offline(args: argparse.Namespace) -> None:
     header = ["K and V cache type", "KV bytes per token", "decode ms/step", f"decode tok/s ({args.rows} rows)",
               "attention, one layer (ms)"]
     caption = (f"KV cache types: {args.rows} sequences decoding at {args.context} tokens of context, a ~1B-shaped "
-               f"Llama (16 layers, 32/8 heads of 64, hidden 2048), random bf16 weights; median of {args.steps} "
-               f"steps. Machine: {machine()}.")
+               f"Llama (16 layers, 32/8 heads of 64, hidden 2048), random weights as {args.weight_dtype}; median of "
+               f"{args.steps} steps, the engines' steps interleaved. Machine: {machine()}.")
     emit_table(caption, header, rows, args.out)
 
 
@@ -144,6 +160,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--weight-dtype", default="bf16", help="--weight-dtype of the model (bf16, q8_0, q4_0)")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     args = p.parse_args()
     if not args.offline:

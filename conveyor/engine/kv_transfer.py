@@ -63,7 +63,7 @@ class KVBlob:
 
     @property
     def expected_bytes(self) -> int:
-        if self.dtype not in _DTYPES or not set(self.kv_types.describe().values()) <= {BF16, Q8_0}:
+        if self.dtype not in _DTYPES or not {self.cache_type_k, self.cache_type_v} <= {BF16, Q8_0}:
             return 0
         return self.num_layers * (self.layer_bytes("k") + self.layer_bytes("v"))
 
