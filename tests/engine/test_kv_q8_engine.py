@@ -2,6 +2,7 @@
 never change a greedy output, the pool counts the quantized bytes, and unsupported setups are refused."""
 
 import pytest
+import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import EngineCore
@@ -41,7 +42,7 @@ def _one_at_a_time_equals_batched(llm, prompts, params):
 
 def test_caches_are_q8_0_and_the_pool_counts_their_bytes(checkpoint, llm):
     for key_cache, value_cache in llm.engine.runner.kv_layers():
-        assert key_cache.dtype == value_cache.dtype == torch_uint8() and key_cache.shape[-1] == 34
+        assert key_cache.dtype == value_cache.dtype == torch.uint8 and key_cache.shape[-1] == 34
     bf16 = LLM(checkpoint=checkpoint, parallel=2, kv_cache_budget="none")
     assert llm.engine.pool_plan.bytes_per_block * 64 == bf16.engine.pool_plan.bytes_per_block * 34
     # The same byte budget holds ~1.9x the blocks.
@@ -49,11 +50,6 @@ def test_caches_are_q8_0_and_the_pool_counts_their_bytes(checkpoint, llm):
     small = LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=budget, ctx_size=4 * 2048)
     more = LLM(checkpoint=checkpoint, parallel=4, kv_cache_budget=budget, ctx_size=4 * 2048, **Q8)
     assert small.engine.pool.num_blocks == 200 and more.engine.pool.num_blocks == 200 * 64 // 34
-
-
-def torch_uint8():
-    import torch
-    return torch.uint8
 
 
 def test_16_concurrent_equal_one_at_a_time_with_chunked_prefill(llm):
@@ -148,3 +144,18 @@ def test_props_and_cache_stats_show_the_cache_types(llm):
     assert (stats["cache_type_k"], stats["cache_type_v"]) == ("q8_0", "q8_0")
     assert stats["bytes_per_block"] == llm.engine.pool_plan.bytes_per_block
     assert props(engine, "tiny")["kv_cache_type"] == {"k": "q8_0", "v": "q8_0"}
+
+
+def test_a_self_draft_with_q8_0_kv_accepts_everything_and_matches_plain_decoding(checkpoint):
+    """The draft model's K/V share the blocks and the cache types: same weights, same bits, every draft accepted."""
+    params = [SamplingParams(max_tokens=16 + 5 * (i % 3), **GREEDY) for i in range(6)]
+    plain = LLM(checkpoint=checkpoint, parallel=8, speculative_ngram=0, **Q8)
+    spec = LLM(checkpoint=checkpoint, draft_checkpoint=checkpoint, parallel=8, draft_policy="enable",
+               speculative_ngram=0, speculative_max_rows=64, **Q8)
+    assert all(k.dtype == torch.uint8 for k, _ in spec.engine.runner.drafter.runner.kv_layers())
+    want = plain.generate(_prompts(6), params)
+    got = spec.generate(_prompts(6), params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > 0 and stats.num_model_accepted_tokens == stats.num_model_draft_tokens
+    spec.engine.pool.check_integrity()
