@@ -19,6 +19,7 @@ from torch import nn
 
 from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
 from conveyor.kernels.build import KERNELS, load_kernels
+from conveyor.kernels.kv_quant import is_quantized
 from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
                                         reference_short_conv, reference_silu_gate, reference_ssm_scan)
 
@@ -165,12 +166,17 @@ class KernelBackend:
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        """K/V (T, KVH, D) into their slots; a Q8_0 cache (uint8) gets each row quantized as it is written."""
+        if self.fused is not None and key.device.type == "cpu" and (is_quantized(key_cache) or is_quantized(value_cache)):
+            self.fused.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0."""
+        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0.
+        Either cache may hold Q8_0 rows (uint8, kv_quant.py): the kernel reads the int8 blocks in place."""
         if self.attention is not None and query.device.type == "cpu":
             return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
                                                   meta.token_pos, scale, window, softcap)
