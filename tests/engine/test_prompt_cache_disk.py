@@ -11,6 +11,7 @@ from conveyor.engine.block_keys import chain_hashes, key_hex
 from conveyor.engine.disk_store import SUFFIX, DiskStore, SpillWriter
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.testing import tiny_checkpoint as make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
@@ -177,3 +178,19 @@ def test_refused_for_models_with_a_second_block_group(tmp_path, caplog):
                   prompt_cache_dir=str(tmp_path))
     assert llm.engine.disk is None and llm.engine.disk_report() is None
     assert "recurrent state" in caplog.text
+
+
+@pytest.mark.batch_invariant
+def test_quantized_kv_blocks_go_to_disk_as_they_are(tmp_path):
+    """q8_0 K/V blocks (int8 rows and scales) spill and come back bitwise; a bf16 engine never reads them."""
+    checkpoint = make_tiny_checkpoint(head_dim=32)  # q8_0 needs whole 32-value blocks
+    q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    want = [r.token_ids for r in _engine(checkpoint, enable_prefix_caching=False, **q8).generate(PROMPTS, GREEDY)]
+    _, out = _run_and_close(checkpoint, tmp_path, **q8)
+    assert out == want
+    llm, out = _run_and_close(checkpoint, tmp_path, **q8)
+    assert out == want
+    assert llm.engine.disk_report()["hits"] > 0
+    bf16, _ = _run_and_close(checkpoint, tmp_path, prompts=PROMPTS[:1])
+    report = bf16.engine.disk_report()
+    assert report["hits"] == 0 and report["rejected"] >= 1
