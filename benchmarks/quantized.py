@@ -125,6 +125,65 @@ int main(int argc, char **argv) {
 }
 """
 
+INT8_PEAK_C = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <omp.h>
+
+/* int8 multiply-accumulates per second on every thread, with the instruction the quantized GEMM uses at
+   this -march: AVX-512 VNNI vpdpbusd (zmm, 64 MACs), AVX-VNNI vpdpbusd (ymm, 32), else AVX2 vpmaddubsw
+   (ymm, 32, pair sums into int16 lanes). Eight independent chains, so throughput, not latency, counts. */
+#if defined(__AVX512VNNI__)
+typedef __m512i vec;
+#define MACS 64
+#define SET1 _mm512_set1_epi32
+#define STEP(acc, a, b) acc = _mm512_dpbusd_epi32(acc, a, b)
+#define ZERO _mm512_setzero_si512
+static int lane0(vec v) { return _mm512_cvtsi512_si32(v); }
+#define NAME "avx512_vnni vpdpbusd zmm"
+#else
+typedef __m256i vec;
+#define MACS 32
+#define SET1 _mm256_set1_epi32
+#define ZERO _mm256_setzero_si256
+static int lane0(vec v) { return _mm256_cvtsi256_si32(v); }
+#if defined(__AVXVNNI__)
+#define STEP(acc, a, b) acc = _mm256_dpbusd_avx_epi32(acc, a, b)
+#define NAME "avx_vnni vpdpbusd ymm"
+#else
+#define STEP(acc, a, b) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b))
+#define NAME "avx2 vpmaddubsw ymm"
+#endif
+#endif
+
+int main(int argc, char **argv) {
+    long iters = atol(argv[1]);
+    double best = 1e30;
+    int sink = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        double t0 = omp_get_wtime();
+        #pragma omp parallel reduction(+:sink)
+        {
+            vec a = SET1(0x01010101 + omp_get_thread_num()), b = SET1(0x01000100);
+            vec c0 = ZERO(), c1 = ZERO(), c2 = ZERO(), c3 = ZERO(), c4 = ZERO(), c5 = ZERO(), c6 = ZERO(), c7 = ZERO();
+            for (long i = 0; i < iters; i++) {
+                STEP(c0, a, b); STEP(c1, a, b); STEP(c2, a, b); STEP(c3, a, b);
+                STEP(c4, a, b); STEP(c5, a, b); STEP(c6, a, b); STEP(c7, a, b);
+                __asm__ volatile("" : "+x"(a));  /* keep the loop from being folded */
+            }
+            sink += lane0(c0) + lane0(c1) + lane0(c2) + lane0(c3) + lane0(c4) + lane0(c5) + lane0(c6) + lane0(c7);
+        }
+        double t = omp_get_wtime() - t0;
+        if (t < best) best = t;
+    }
+    printf("%.3f %s %d\n", (double)omp_get_max_threads() * iters * 8 * MACS / best / 1e9, NAME, sink & 1);
+    return 0;
+}
+"""
+# -march of each level's int8 peak (the instruction the kernels use there).
+PEAK_MARCH = {"native": "native", "avx2": "x86-64-v3"}
+
 
 @dataclass
 class Run:
@@ -138,6 +197,8 @@ class Run:
     load_s: float | None = None  # start to /health 200
     other_cpu: dict[int, float] = field(default_factory=dict)  # concurrency -> cores used by other processes
     backend: str = ""
+    ttft_s: float | None = None  # one --ttft-tokens prompt, max_tokens 1, after the concurrency runs
+    prompt_tokens: int = 0
     failure: str | None = None
 
 
@@ -164,6 +225,26 @@ def measure_bandwidth(threads: int, buffer_gb: float, passes: int) -> float:
         out = subprocess.run([str(exe), str(int(buffer_gb * 1e9)), str(passes)], env=env, check=True,
                              capture_output=True, text=True).stdout
     return float(out.split()[0])
+
+
+def measure_int8_peak(level: str, threads: int) -> tuple[float, str]:
+    """(GMAC/s, instruction): the int8 multiply-accumulate peak of the level's dot instruction on `threads`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
+        src.write_text(INT8_PEAK_C)
+        subprocess.run(["cc", "-O2", f"-march={PEAK_MARCH[level]}", "-fopenmp", "-o", str(exe), str(src)], check=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close"}
+        out = subprocess.run([str(exe), "200000000"], env=env, check=True, capture_output=True, text=True).stdout
+    value, *name, _ = out.split()
+    return float(value), " ".join(name)
+
+
+def weight_macs_per_token(path: Path) -> int:
+    """Multiply-accumulates of one token through the weight matrices (2-D tensors but the token embedding,
+    unless it doubles as the lm_head): what prefill is compared with the int8 peak on."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    skip = {"token_embd.weight"} if "output.weight" in tensors else set()
+    return sum(int(t.n_elements) for name, t in tensors.items() if name not in skip and len(t.shape) >= 2)
 
 
 def weight_bytes_per_token(path: Path) -> int:
@@ -388,6 +469,11 @@ def bench_server(run: Run, cmd: list[str], env: dict[str, str], args: argparse.N
                 run.backend = f"{kernels.get('backend', '?')}/{kernels.get('arch', '?')}"
             for i, c in enumerate(args.concurrency):
                 run.tok_s[c], run.errors[c], run.other_cpu[c] = _measure(proc, url, c, i == 0, args, env, f"C={c}")
+            if args.ttft_tokens:
+                run.prompt_tokens = args.ttft_tokens
+                run.ttft_s = _bench(url, 1, 1, warmup=0, args=args, env=env, prompt_tokens=args.ttft_tokens,
+                                    max_tokens=1)["ttft_ms"]["p50"] / 1e3
+                print(f"  TTFT of a ~{args.ttft_tokens}-token prompt: {run.ttft_s:.2f} s", flush=True)
             run.rss_peak_mb = _proc_kb(proc.pid, "VmHWM")
         except Exception as exc:  # a file a server cannot load is a result too; keep going
             run.failure = f"{type(exc).__name__}: {exc}"
@@ -455,12 +541,14 @@ def wait_quiet(max_cores: float, timeout: float) -> None:
         time.sleep(25)
 
 
-def _bench(url: str, concurrency: int, num: int, warmup: int, args: argparse.Namespace, env: dict) -> dict:
+def _bench(url: str, concurrency: int, num: int, warmup: int, args: argparse.Namespace, env: dict,
+           prompt_tokens: int | None = None, max_tokens: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         subprocess.run([sys.executable, "-m", "conveyor.cli", "bench", "--url", url, "--concurrency", str(concurrency),
                         "--num-requests", str(num), "--warmup-requests", str(warmup), "--prompt-tokens",
-                        str(args.prompt_tokens), "--max-tokens", str(args.max_tokens), "--ignore-eos",
+                        str(prompt_tokens or args.prompt_tokens), "--max-tokens", str(max_tokens or args.max_tokens),
+                        "--ignore-eos",
                         "--temperature", "0", "--no-progress", "--output-json", str(out)],
                        check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["levels"][0]
@@ -470,14 +558,15 @@ def _bench(url: str, concurrency: int, num: int, warmup: int, args: argparse.Nam
 
 
 def level_table(level: str, runs: list[Run], files: dict[str, Path], bandwidth: float,
-                concurrency: list[int]) -> tuple[list[str], list[list[str]]]:
+                concurrency: list[int], peak_gmacs: float | None = None) -> tuple[list[str], list[list[str]]]:
     levels = " / ".join(f"C={c}" for c in concurrency)
     header = ["server", "file", *[f"C={c} tok/s" for c in concurrency], f"conveyor / llama-server {levels}",
               f"other CPU cores {levels}", "load s", "RSS after start MiB", "peak RSS MiB", "weight MB/token",
-              "limit tok/s (C=1)", "C=1 share of limit"]
+              "limit tok/s (C=1)", "C=1 share of limit", "TTFT s (prefill tok/s)", "prefill share of int8 peak"]
     rows = []
     for name, path in files.items():
         per_token = weight_bytes_per_token(path)
+        macs = weight_macs_per_token(path)
         limit = bandwidth * 1e9 / per_token
         pair = {r.server: r for r in runs if r.level == level and r.file == name}
         for server in ("conveyor", "llama-server"):
@@ -488,8 +577,14 @@ def level_table(level: str, runs: list[Run], files: dict[str, Path], bandwidth: 
             if r.failure:
                 rows.append([label, name, *["failed"] * len(concurrency), "-", "-", "-", "-", "-",
                              f"{per_token / 1e6:.0f}",
-                             f"{limit:.1f}", r.failure[:80]])
+                             f"{limit:.1f}", r.failure[:80], "-", "-"])
                 continue
+            ttft, prefill_share = "-", "-"
+            if r.ttft_s:
+                rate = r.prompt_tokens / r.ttft_s
+                ttft = f"{r.ttft_s:.2f} ({rate:.0f})"
+                if peak_gmacs:
+                    prefill_share = f"{100 * rate * macs / (peak_gmacs * 1e9):.0f} %"
             peer = pair.get("llama-server") if server == "conveyor" else None
             ratio = " / ".join(f"{r.tok_s[c] / peer.tok_s[c]:.2f}" if peer and peer.tok_s.get(c) else "-"
                                for c in concurrency) if peer else "-"
@@ -497,7 +592,8 @@ def level_table(level: str, runs: list[Run], files: dict[str, Path], bandwidth: 
             rows.append([label, name, *[_tok(r, c) for c in concurrency], ratio,
                          " / ".join(f"{r.other_cpu[c]:.2f}" for c in concurrency if c in r.other_cpu) or "-",
                          f"{r.load_s:.0f}" if r.load_s is not None else "-", _mib(r.rss_start_mb),
-                         _mib(r.rss_peak_mb), f"{per_token / 1e6:.0f}", f"{limit:.1f}", share])
+                         _mib(r.rss_peak_mb), f"{per_token / 1e6:.0f}", f"{limit:.1f}", share, ttft,
+                         prefill_share])
     return header, rows
 
 
@@ -542,6 +638,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-server", default="/work/llama-native/bin/llama-server", help="native-level build")
     p.add_argument("--llama-server-avx2", default="/work/llama-avx2/bin/llama-server", help="avx2-level build")
     p.add_argument("--llama-quantize", default="/work/llama-native/bin/llama-quantize")
+    p.add_argument("--ttft-tokens", type=int, default=1480,
+                   help="after the concurrency runs, TTFT of one prompt of about this many tokens (0: skip)")
     p.add_argument("--bandwidth-gbs", type=float, help="skip the measurement and use this read bandwidth")
     p.add_argument("--bandwidth-buffer-gb", type=float, default=2.0)
     p.add_argument("--quiet-cpu", type=float, default=0.2,
@@ -575,6 +673,9 @@ def main() -> None:
         wait_quiet(args.quiet_cpu, args.quiet_timeout)
     bandwidth = args.bandwidth_gbs or measure_bandwidth(args.threads, args.bandwidth_buffer_gb, passes=8)
     print(f"machine: {host}\nread bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    peaks = {level: measure_int8_peak(level, args.threads) for level in args.levels.split(",")}
+    for level, (gmacs, instruction) in peaks.items():
+        print(f"int8 peak at {level}: {gmacs:.0f} GMAC/s ({instruction}, {args.threads} threads)", flush=True)
     peers = {"native": args.llama_server, "avx2": args.llama_server_avx2}
     log_dir = args.models_dir / "logs"
     log_dir.mkdir(exist_ok=True)
@@ -595,9 +696,11 @@ def main() -> None:
     lines = []
     context = args.ctx or "the file's"
     for level in args.levels.split(","):
-        header, rows = level_table(level, runs, files, bandwidth, args.concurrency)
+        header, rows = level_table(level, runs, files, bandwidth, args.concurrency, peaks[level][0])
         caption = (f"Level **{level}**, run {args.tag}. Machine: {host}. Read bandwidth {bandwidth:.1f} GB/s "
-                   f"(compiled {args.threads}-thread vector sum over {args.bandwidth_buffer_gb:g} GB). "
+                   f"(compiled {args.threads}-thread vector sum over {args.bandwidth_buffer_gb:g} GB); int8 peak "
+                   f"{peaks[level][0]:.0f} GMAC/s ({peaks[level][1]}, {args.threads} threads; prefill share = "
+                   f"prompt tokens/s x weight MACs per token / peak). "
                    f"{args.parallel} slots x {context} context; {args.max_tokens} tokens per "
                    f"request, ~{args.prompt_tokens}-token chat prompts, greedy, ignore_eos; {args.requests_c1} "
                    f"requests at C=1, {args.requests} at C>1.")
@@ -606,7 +709,7 @@ def main() -> None:
     emit(lines, args.out)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "tag": args.tag, "machine": host, "bandwidth_gbs": bandwidth, "args": {k: str(v) for k, v in
+            "tag": args.tag, "machine": host, "bandwidth_gbs": bandwidth, "int8_peak_gmacs": {lv: p[0] for lv, p in peaks.items()}, "args": {k: str(v) for k, v in
                                                                                   vars(args).items()},
             "files": {n: {"path": str(p), "weight_bytes_per_token": weight_bytes_per_token(p)} for n, p in
                       files.items()},

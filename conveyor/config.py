@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # --weight-dtype values (models/weights.py implements them).
 WEIGHT_DTYPES = ("auto", "bf16", "int8", "q8_0", "q4_0")
+# --cache-type-k / --cache-type-v values (kernels/kv_quant.py): bf16 = the activation dtype (--dtype), unquantized.
+KV_CACHE_TYPES = ("bf16", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,15 @@ class EngineConfig:
     seed: int = 0  # seed of the shared RNG for unseeded sampling
     block_size: int = 16
     kv_cache_budget: str = "auto"  # auto | none | bytes (suffixes K/M/G accepted)
+    cache_type_k: str = "bf16"  # K cache elements: bf16 (the activation dtype) or q8_0 (int8 + fp16 scale per 32)
+    cache_type_v: str = "bf16"  # V cache elements, likewise
     enable_prefix_caching: bool = True
     prompt_cache_budget: str = "2G"  # cold cached prefixes kept (bytes, K/M/G); none = bounded by the pool only
+    # The prefix cache's disk tier (engine/prefix_disk.py): evicted and shutdown blocks spill there, RAM misses
+    # read back, and it survives restarts. None = RAM only.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_budget: str = "8G"  # bytes of block files kept (K/M/G); none = unbounded
+    slot_save_path: str | None = None  # llama-server's slot persistence: where POST /slots/{id}?action=save writes
     # Hybrid models: recurrent-state snapshots kept at block boundaries of cached prompts (0: a hybrid's
     # prompts never hit the prefix cache, as its state can only resume where a snapshot was taken).
     state_snapshots: int = 8
@@ -82,6 +91,7 @@ class EngineConfig:
         _require(self.max_kv_size >= 0, "max_kv_size must be >= 0")
         _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
         parse_kv_budget(self.prompt_cache_budget)
+        _require(parse_kv_budget(self.prompt_cache_disk_budget) != -1, "prompt_cache_disk_budget cannot be auto")
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
         _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
                  f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
@@ -96,6 +106,10 @@ class EngineConfig:
         _require(self.max_queue_depth >= 1, "max_queue_depth must be at least 1")
         _require(self.prefill_chunk_size >= -1, "prefill_chunk_size must be -1 (adaptive), 0 or positive")
         parse_kv_budget(self.kv_cache_budget)
+        for name in ("cache_type_k", "cache_type_v"):
+            value = getattr(self, name)
+            _require(value in KV_CACHE_TYPES,
+                     _KV_CACHE_TYPE_REFUSALS.get(value, f"unknown {name} {value!r}") + f" (supported: {_KV_TYPES_TEXT})")
         _require(self.tick_policy in ("mixed", "alternate"), "tick_policy must be mixed or alternate")
         _require(self.preemption_policy in ("longest-first", "lowest-priority"),
                  "preemption_policy must be longest-first or lowest-priority")
@@ -133,6 +147,10 @@ class EngineConfig:
         if self.no_kv_unified or self.no_batch:
             return False
         return self.kv_unified or self.parallel == -1
+
+    @property
+    def kv_quantized(self) -> bool:
+        return "q8_0" in (self.cache_type_k, self.cache_type_v)
 
     @property
     def ngram_enabled(self) -> bool:
@@ -212,6 +230,16 @@ AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
 DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
 DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
 
+_KV_TYPES_TEXT = ", ".join(KV_CACHE_TYPES)
+# llama-server cache types conveyor does not offer, with why.
+_KV_CACHE_TYPE_REFUSALS = {
+    "f16": "f16 KV is not offered: the attention kernel reads an unquantized cache in the activation dtype (bf16), "
+           "so f16 would cost a conversion per element and save no bytes over bf16",
+    "f32": "f32 KV is not offered (use --dtype float32 with bf16, which keeps the cache in the activation dtype)",
+}
+for _name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"):
+    _KV_CACHE_TYPE_REFUSALS[_name] = f"{_name} KV is not offered: conveyor's kernels read q8_0 blocks only"
+
 _OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's tokenizer "
                  "(--draft-kind draft-model --draft-model PATH), prompt lookup (--draft-kind prompt-lookup) "
                  "and auto (both, chosen per row)")
@@ -219,6 +247,8 @@ _OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's to
 REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("draft_kind", "mtp"): f"conveyor has no MTP heads; {_OUR_DRAFTERS}",
     ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
+    **{(dest, value): f"{why} (supported: {_KV_TYPES_TEXT})" for dest in ("cache_type_k", "cache_type_v")
+       for value, why in _KV_CACHE_TYPE_REFUSALS.items()},
     ("decode_storage_backend", "dense"): (
         "conveyor's KV is always paged (auto and paged are accepted); for the "
         "seeds' single-request reproduction path use --no-batch or --max-batch-size 1, and --no-prompt-cache "
@@ -298,12 +328,24 @@ FLAGS: list[Flag] = [
     Flag(("--seed",), "seed", int, "seed for unseeded sampling"),
     Flag(("--block-size",), "block_size", int, "tokens per KV block"),
     Flag(("--kv-cache-budget",), "kv_cache_budget", help="KV pool cap: auto, none, or bytes (e.g. 2G)"),
+    Flag(("--cache-type-k", "-ctk"), "cache_type_k", choices=KV_CACHE_TYPES,
+         help=f"K cache type ({_KV_TYPES_TEXT}): q8_0 keeps int8 + an fp16 scale per 32 values, ~0.53x the bytes "
+              "(CPU; head_dim a multiple of 32)", extra_env=("LLAMA_ARG_CACHE_TYPE_K",)),
+    Flag(("--cache-type-v", "-ctv"), "cache_type_v", choices=KV_CACHE_TYPES, help=f"V cache type ({_KV_TYPES_TEXT}), as --cache-type-k",
+         extra_env=("LLAMA_ARG_CACHE_TYPE_V",)),
     Flag(("--no-prompt-cache",), "enable_prefix_caching", switch=True, negate=True, help="disable prefix caching"),
     Flag(("--apc-enabled",), "enable_prefix_caching", _bool, "automatic prefix caching on/off (=false: --no-prompt-cache)"),
     Flag(("--state-snapshots",), "state_snapshots", int,
          "hybrid models: recurrent-state snapshots kept for prefix-cache hits (each costs one sequence's state; 0 = none)"),
     Flag(("--prompt-cache-budget",), "prompt_cache_budget",
          help="bytes of cold cached prefixes kept for reuse (K/M/G), none = only the KV pool bounds them"),
+    Flag(("--prompt-cache-dir",), "prompt_cache_dir",
+         help="directory of the prefix cache's disk tier: evicted and shutdown blocks are written there and read "
+              "back on a RAM miss, also after a restart (attention-only models; none = RAM only)"),
+    Flag(("--prompt-cache-disk-budget",), "prompt_cache_disk_budget",
+         help="bytes of block files the disk tier keeps (K/M/G), least recently used out first; none = no cap"),
+    Flag(("--slot-save-path",), "slot_save_path",
+         help="llama-server's slot persistence: POST /slots/{id}?action=save|restore|erase keep slot files here"),
     Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots (-1 auto: 4 slots, unified KV)",
          extra_env=("LLAMA_ARG_N_PARALLEL",)),
     Flag(("--max-batch-size",), "max_batch_size", int, "max sequences decoded together (0 = --parallel)"),

@@ -98,6 +98,17 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         })
+        if config.hidden_act == "xielu":  # Apertus: no gate; the activation's scalars (alpha_* before softplus)
+            del weights[p + "mlp.gate_proj.weight"]
+            weights.update({p + "mlp.act_fn.alpha_p": 0.8 + rand(1), p + "mlp.act_fn.alpha_n": 0.3 + rand(1),
+                            p + "mlp.act_fn.beta": torch.tensor(0.5), p + "mlp.act_fn.eps": torch.tensor(-1e-6)})
+        biases = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv} if config.attention_bias else {}
+        if config.attention_out_bias:
+            biases["self_attn.o_proj"] = h
+        if config.mlp_bias:
+            biases.update({"mlp.up_proj": i, "mlp.down_proj": h, **({} if config.hidden_act == "xielu"
+                                                                      else {"mlp.gate_proj": i})})
+        weights.update({f"{p}{name}.bias": rand(size) for name, size in biases.items()})
         weights.update({p + f"{norm}.weight": 1 + rand(h) for norm in config.layer_norm_names})
         if config.qk_norm:
             full = config.qk_norm_scope == "full"
@@ -134,6 +145,22 @@ FAMILY_OVERRIDES = {
     "phi3": dict(architecture="phi3", sliding_window=24, rope_scaling={
         "rope_type": "longrope", "original_max_position_embeddings": 1024,
         "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i / 4 for i in range(8)]}),
+    # issue #25's families: each with what it changes (biases where optional), windows shorter than the prompts
+    "smollm3": dict(architecture="smollm3", no_rope_layers=(1,), attention_bias=True, attention_out_bias=True),
+    "ministral3": dict(architecture="ministral3", attn_temperature_beta=0.3, attn_temperature_length=8, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "olmo3": dict(architecture="olmo3", norm_layout="post", qk_norm=True, qk_norm_scope="full", sliding_window=8,
+                  layer_types=("sliding_attention", "full_attention"), local_rope_theta=1e4, rope_scaling={
+                      "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "glm4": dict(architecture="glm4", norm_layout="sandwich", rope_interleaved=True, partial_rotary_factor=0.5,
+                 attention_bias=True),
+    "exaone4": dict(architecture="exaone4", norm_layout="post", qk_norm=True, sliding_window=8,
+                    layer_types=("sliding_attention", "full_attention"), no_rope_layers=(1,)),
+    "ernie4_5": dict(architecture="ernie4_5", rope_interleaved=True, attention_bias=True, attention_out_bias=True,
+                     mlp_bias=True),
+    "seed_oss": dict(architecture="seed_oss", attention_bias=True, attention_out_bias=True),
+    "hunyuan_v1_dense": dict(architecture="hunyuan_v1_dense", qk_norm=True, qk_norm_after_rope=True),
+    "apertus": dict(architecture="apertus", hidden_act="xielu", qk_norm=True),
 }
 
 

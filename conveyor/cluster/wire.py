@@ -65,8 +65,9 @@ class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     decode_target: str | None = None
 
 
-class KVPayload(msgspec.Struct, forbid_unknown_fields=True):
-    """KV of positions [0, num_tokens): data is (layers, 2, num_tokens, kv_heads, head_dim) row-major."""
+class KVPayload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """KV of positions [0, num_tokens): per layer K's rows then V's, in the sender's cache types (KVBlob).
+    Defaults are omitted, so a bf16 payload is the bytes it was before the cache types (older nodes read it)."""
 
     num_layers: int
     num_tokens: int
@@ -75,6 +76,8 @@ class KVPayload(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str
     data: bytes
     state: bytes = b""  # hybrid models: the recurrent state after those tokens (KVBlob.state)
+    cache_type_k: str = "bf16"  # --cache-type-k of the sender: q8_0 rows travel as raw Q8_0 blocks
+    cache_type_v: str = "bf16"
 
 
 class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):

@@ -8,12 +8,14 @@ outputs back to the loop in one call.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import EngineCore
@@ -44,6 +46,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run fn(core) on the engine thread between steps (slot save/restore touch the pool and the KV tensors)."""
+
+    fn: Callable[[EngineCore], Any]
+    future: concurrent.futures.Future
 
 
 class AsyncEngine:
@@ -111,7 +121,9 @@ class AsyncEngine:
         self._commands.put(None)
         self._loop_ready.set()  # a from_config thread still waiting for start() exits
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            # The engine thread writes the RAM prefix cache to the disk tier on its way out: give it time.
+            disk = getattr(self.core, "disk", None) is not None
+            self._thread.join(timeout=300 if disk else 30)
 
     @property
     def is_alive(self) -> bool:
@@ -149,6 +161,14 @@ class AsyncEngine:
         if request_id in self._streams:
             self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """fn(core)'s result, run on the engine thread between two steps; its exception is raised here."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas; leaving early (client gone, task cancelled) aborts it."""
         stream = self.submit(request)
@@ -164,6 +184,28 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        finally:
+            self._close_core()
+
+    def _close_core(self) -> None:
+        """On the way out: calls still queued fail, and the core spills its prefix cache to disk."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Call):
+                command.future.set_exception(EngineDeadError("engine stopped"))
+        close = getattr(self.core, "close", None)  # (tests drive fake cores)
+        try:
+            if close is not None:
+                close()
+        except Exception:  # the disk is best effort; a failed spill must not hide why the loop ended
+            logger.exception("closing the engine failed")
+
+    def _loop_steps(self) -> None:
         core = self.core
         try:
             while not self._stop.is_set():
@@ -201,6 +243,11 @@ class AsyncEngine:
                 out = self.core.abort(command.request_id)
                 if out is not None:
                     outputs.append(out)
+            elif isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.core))
+                except Exception as exc:  # the caller's to report
+                    command.future.set_exception(exc)
             if outputs:
                 self._deliver(outputs)
 

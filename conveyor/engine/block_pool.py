@@ -9,8 +9,11 @@ Every block is in exactly one of three places:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# Called with (block, key, tokens) just before a cached block loses its prefix (the disk tier copies it out).
+EvictHook = Callable[[int, int, tuple[int, ...]], None]
 
 
 @dataclass
@@ -41,6 +44,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[int, int] = {}
         self.num_evictions = 0
+        self.on_evict: EvictHook | None = None
 
     # -- capacity --------------------------------------------------------------------------
     @property
@@ -65,8 +69,7 @@ class BlockPool:
                 block = self._free_plain.pop()
             else:
                 block, _ = self._free_cached.popitem(last=False)
-                self._forget(block)
-                self.num_evictions += 1
+                self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -96,11 +99,22 @@ class BlockPool:
         evicted = 0
         while evicted < num_blocks and self._free_cached:
             block, _ = self._free_cached.popitem(last=False)
-            self._forget(block)
+            self._evict(block)
             self._free_plain.append(block)
-            self.num_evictions += 1
             evicted += 1
         return evicted
+
+    def uncache(self, blocks: Sequence[int]) -> int:
+        """Drop these blocks' prefixes where no sequence holds them (a slot erase; no eviction hook: the
+        content is unwanted, not cold). Returns how many went."""
+        dropped = 0
+        for block in blocks:
+            if self.ref_counts[block] == 0 and block in self._free_cached:
+                del self._free_cached[block]
+                self._forget(block)
+                self._free_plain.append(block)
+                dropped += 1
+        return dropped
 
     def reset_cache(self) -> None:
         self.evict_cached(len(self._free_cached))
@@ -124,6 +138,12 @@ class BlockPool:
 
     def is_cached(self, block: int) -> bool:
         return self.block_hashes[block] is not None
+
+    def _evict(self, block: int) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block, self.block_hashes[block], self.block_tokens[block])
+        self._forget(block)
+        self.num_evictions += 1
 
     def _forget(self, block: int) -> None:
         block_hash = self.block_hashes[block]

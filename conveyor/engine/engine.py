@@ -18,6 +18,7 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
@@ -27,12 +28,13 @@ from conveyor.engine.state_pool import StatePool
 from conveyor.engine.window_blocks import WindowBlocks
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
+from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.models.config import ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
-from conveyor.models.cache_specs import kv_window, state_bytes_per_slot
+from conveyor.models.cache_specs import KVSpec, kv_window, state_bytes_per_slot
 from conveyor.runner.model_runner import ModelRunner, kv_group_bytes_per_block
 from conveyor.structured.compiler import GrammarCompiler
 from conveyor.structured.masks import GrammarMasker, MaskJob
@@ -57,6 +59,16 @@ def prompt_cache_blocks(budget: str, bytes_per_block: int) -> int | None:
     if value is None or value == -1 or not bytes_per_block:
         return None
     return max(value // bytes_per_block, 0)
+
+
+def _check_kv_types(kv_types: KVCacheTypes, specs: list) -> None:
+    """q8_0 needs every attention layer's head_dim to be whole 32-value blocks: refused at startup otherwise."""
+    for spec in specs:
+        if isinstance(spec, KVSpec):
+            try:
+                kv_types.check_head_dim(spec.head_dim)
+            except ValueError as exc:
+                raise ModelConfigError(str(exc)) from None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -107,14 +119,18 @@ class EngineCore:
         progress.set_stage("draft model and KV cache")
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
         specs = model.cache_specs()
+        # --cache-type-k / -v: every attention layer (full, sliding, a hybrid's, the draft's) keeps K/V this way.
+        self.kv_types = KVCacheTypes(config.cache_type_k, config.cache_type_v)
+        _check_kv_types(self.kv_types, specs + (self.draft.model.cache_specs() if self.draft is not None else []))
         # Sliding layers keep their K/V in a group of their own, given back behind the window (0: one group).
         self.sliding_window = kv_window(specs)
-        bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype)
+        bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype,
+                                                                           self.kv_types)
         # The draft's KV lives in the same blocks (own tensors), so a block costs both models' bytes; it follows
         # the full group's table, every layer of it.
         if self.draft is not None:
             bytes_per_block += sum(kv_group_bytes_per_block(self.draft.model.cache_specs(), config.block_size,
-                                                            self.dtype))
+                                                            self.dtype, self.kv_types))
         self.max_batch_size = config.effective_max_batch_size
         self.states = self._state_pool(config, specs)
         self.pool_plan: KVPoolPlan = plan_kv_pool(
@@ -153,7 +169,18 @@ class EngineCore:
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
-                                  num_window_blocks=self.pool_plan.window_blocks)
+                                  num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types)
+        # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
+        kv_tensors = [t for layer in self.runner.kv_layers() for t in layer]
+        self.disk: DiskTier | None = build_disk_tier(config, checkpoint, kv_tensors,
+                                                     one_group=self.states is None and window is None)
+        if self.disk is not None:
+            self.kv.disk = self.disk
+            if self.disk.writer is not None:
+                self.pool.on_evict = self.disk.on_evict
+        # Slot id -> the request that last ran there, or the tokens a slot restore put there (llama-server's
+        # slots keep their last prompt; engine/slot_store.py).
+        self.slot_contents: dict[int, Request | list[int]] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(checkpoint.config.eos_token_ids)
         self.counters = EngineCounters()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -162,9 +189,9 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._masker: GrammarMasker | None = None
         del checkpoint  # its tensors (file views, or the HF loader's copies) are no longer needed
-        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s), %d tokens per slot",
+        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, budget %s, K %s / V %s), %d tokens per slot",
                     self.pool_plan.num_blocks, config.block_size, self.pool_plan.pool_bytes / 2**20,
-                    self.pool_plan.budget_source, self.max_model_len)
+                    self.pool_plan.budget_source, self.kv_types.k, self.kv_types.v, self.max_model_len)
         if self.sliding_window:
             logger.info("sliding layers (window %d): %d blocks of their own (%.1f MiB), given back behind the window",
                         self.sliding_window, self.pool_plan.window_blocks, self.pool_plan.window_pool_bytes / 2**20)
@@ -201,7 +228,7 @@ class EngineCore:
         if self.draft is None:
             return None
         runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
-                             self.dtype, self.device, self.backend, seed=config.seed + 1)
+                             self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types)
         return DraftRunner(runner)
 
     def _draft_policy(self, config: EngineConfig, target_name: str) -> SpecPolicy | None:
@@ -268,6 +295,26 @@ class EngineCore:
                 "free": stats.num_free, "cached": stats.num_cached, "cached_free": stats.num_cached_free,
                 "shared": stats.num_shared, "evictions": stats.num_evictions, "bytes_per_block": per_block,
                 "bytes_reserved": stats.num_blocks * per_block, "bytes_in_use": stats.num_used * per_block}
+
+    def disk_report(self) -> dict | None:
+        """/v1/cache/stats, /metrics and the web page: the prefix cache's disk tier (None without one)."""
+        if self.disk is None:
+            return None
+        return {**self.disk.report(), "hit_tokens": self.kv.counters.disk_hit_tokens}
+
+    def ram_report(self) -> dict:
+        """The prefix cache's RAM tier, in the disk tier's terms."""
+        stats = self.pool.stats()
+        per_block = self.pool_plan.bytes_per_block
+        cap = self.pool.max_cached_free
+        return {"entries": stats.num_cached, "bytes": stats.num_cached * per_block,
+                "budget_bytes": cap * per_block if cap is not None else None,
+                "hit_tokens": self.kv.counters.hit_tokens, "evictions": stats.num_evictions}
+
+    def close(self) -> None:
+        """Shutdown: the RAM prefix cache goes to the disk tier, and the writer finishes (engine thread)."""
+        if self.disk is not None:
+            self.disk.close(self.pool if self.disk.writer is not None else None)
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
@@ -348,6 +395,8 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for slot, request in enumerate(self.scheduler.running):
+            self.slot_contents[slot] = request
         if plan.is_empty and not plan.block_copies and not plan.window_block_copies and not plan.finished_request_ids:
             return []
         started = time.perf_counter()

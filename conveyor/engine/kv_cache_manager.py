@@ -7,22 +7,19 @@ both can serve. Without one, `window` is None and nothing else changes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.outputs import SchedulerOutput
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
 from conveyor.engine.window_blocks import WindowBlocks
 
+if TYPE_CHECKING:
+    from conveyor.engine.prefix_disk import DiskTier
 
-def chain_hashes(token_ids: list[int], block_size: int, num_full_blocks: int,
-                 start: int = 0, parent: int | None = None) -> list[int]:
-    """Hash of each full block chained through its parent, so a hash names the whole prefix."""
-    hashes = []
-    for i in range(start, num_full_blocks):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
-        hashes.append(parent)
-    return hashes
+__all__ = ["CacheCounters", "KVCacheManager", "PrefixHit", "chain_hashes"]
 
 
 @dataclass
@@ -38,17 +35,19 @@ class PrefixHit:
 class CacheCounters:
     hit_tokens: int = 0
     miss_tokens: int = 0  # prompt tokens that had to be computed at admission
+    disk_hit_tokens: int = 0  # tokens of blocks brought back from the disk tier (then counted as hits)
 
 
 class KVCacheManager:
     """Attention K/V in blocks, and (hybrid models) each sequence's recurrent state in a slot of `states`."""
 
     def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None,
-                 window: WindowBlocks | None = None) -> None:
+                 window: WindowBlocks | None = None, disk: DiskTier | None = None) -> None:
         self.pool = pool  # the full-attention group (every attention layer when there is no sliding group)
         self.block_size = block_size
         self.states = states
         self.window = window
+        self.disk = disk  # the prefix cache's disk tier (attention-only models with one block group)
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
         self.req_slots: dict[str, int] = {}  # request -> its state slot (hybrid models)
@@ -64,30 +63,87 @@ class KVCacheManager:
 
     # -- admission ---------------------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixHit:
-        """Longest cached prefix of the request's tokens, in whole blocks; at least one token is left to run."""
+        """Longest cached prefix of the request's tokens, in whole blocks; at least one token is left to run.
+        Where RAM misses, the disk tier (if any) may bring the following blocks back first."""
         if not self.pool.enable_caching or not request.cache_prompt:
             return PrefixHit()
         tokens = request.all_token_ids
         max_blocks = len(tokens) // self.block_size
-        hit = PrefixHit()
-        hashes, chunks = [], []  # of the matched blocks, for the other parts of the cache to look up
-        parent = None
-        for i in range(max_blocks):
-            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash((parent, block_tokens))
-            block = self.pool.lookup(parent, block_tokens)
-            if block is None:
-                break
-            hit.blocks.append(block)
-            hashes.append(parent)
-            chunks.append(block_tokens)
+        keys = self.block_keys(request, max_blocks)
+        hit = PrefixHit(blocks=self._ram_blocks(tokens, keys))
+        if self.disk is not None and self.disk.consult and len(hit.blocks) < max_blocks:
+            hit.blocks = self._load_from_disk(tokens, keys, hit.blocks)
         hit.num_matched_blocks = len(hit.blocks)
         if self.states is not None or self.window is not None:
-            return self._limited_hit(tokens, hit, hashes, chunks)
+            matched = len(hit.blocks)
+            return self._limited_hit(tokens, hit, keys[:matched], [self._chunk(tokens, i) for i in range(matched)])
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
         return hit
+
+    def block_keys(self, request: Request, num_blocks: int) -> list[int]:
+        """Keys of the request's first num_blocks full blocks (computed once per request)."""
+        keys = request.block_keys
+        if len(keys) < num_blocks:
+            keys += chain_hashes(request.all_token_ids, self.block_size, num_blocks, start=len(keys),
+                                 parent=keys[-1] if keys else None)
+        return keys[:num_blocks]
+
+    def _chunk(self, tokens: list[int], index: int) -> tuple[int, ...]:
+        return tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+
+    def _ram_blocks(self, tokens: list[int], keys: list[int]) -> list[int]:
+        """The blocks RAM holds for the leading keys, up to the first miss (token-verified)."""
+        blocks = []
+        for i, key in enumerate(keys):
+            block = self.pool.lookup(key, self._chunk(tokens, i))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _load_from_disk(self, tokens: list[int], keys: list[int], blocks: list[int]) -> list[int]:
+        """Extend a RAM prefix with blocks read from the disk tier into fresh blocks, published as if computed
+        here, while the disk has the next one and the pool has room. Bounded by the prompt's own blocks."""
+        pool = self.pool
+        pool.share(blocks)  # the prefix found so far must not be evicted to make room for what is read
+        loaded = []
+        for i in range(len(blocks), len(keys)):
+            if not self.disk.contains(keys[i]):
+                break
+            fresh = pool.allocate(1)
+            if fresh is None:
+                break
+            chunk = self._chunk(tokens, i)
+            if not self.disk.load(fresh[0], keys[i], chunk):
+                pool.free(fresh)
+                break
+            pool.cache_block(fresh[0], keys[i], chunk)
+            loaded.append(fresh[0])
+        out = blocks + loaded
+        pool.free(out)  # back to cached-free: admit() adopts them like any other hit
+        self.counters.disk_hit_tokens += len(loaded) * self.block_size
+        # The cold-cache budget may have dropped some as they were freed: the hit ends before the first.
+        for i, block in enumerate(out):
+            if pool.block_hashes[block] != keys[i]:
+                return out[:i]
+        return out
+
+    def warm_prefix(self, token_ids: list[int]) -> int:
+        """Slot restore: bring token_ids' whole blocks into the prefix cache from the disk tier (RAM hits are
+        kept); returns how many tokens the cache now holds from the start."""
+        keys = chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size)
+        blocks = self._ram_blocks(token_ids, keys)
+        if self.disk is not None and len(blocks) < len(keys):
+            blocks = self._load_from_disk(token_ids, keys, blocks)
+        return len(blocks) * self.block_size
+
+    def cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block, key, tokens) of the leading whole blocks RAM holds for token_ids (a slot save)."""
+        keys = chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size)
+        blocks = self._ram_blocks(token_ids, keys)
+        return [(b, keys[i], self._chunk(token_ids, i)) for i, b in enumerate(blocks)]
 
     def _limited_hit(self, tokens: list[int], hit: PrefixHit, hashes: list[int],
                      chunks: list[tuple[int, ...]]) -> PrefixHit:
@@ -179,7 +235,7 @@ class KVCacheManager:
         targets = [b for b in self._snapshot_targets.get(request.request_id, ()) if start < b <= start + num_tokens]
         at, pending = [], []
         for boundary in targets:
-            prefix_hash = chain_hashes(request.all_token_ids, self.block_size, boundary // self.block_size)[-1]
+            prefix_hash = self.block_keys(request, boundary // self.block_size)[-1]
             if self.states.has_snapshot(prefix_hash):
                 continue
             slot = self.states.reserve_snapshot()
@@ -278,7 +334,7 @@ class KVCacheManager:
         if num_full <= len(hashes):
             return
         tokens = request.all_token_ids
-        new = chain_hashes(tokens, self.block_size, num_full, start=len(hashes), parent=hashes[-1] if hashes else None)
+        new = self.block_keys(request, num_full)[len(hashes):]
         blocks = self.req_blocks[request.request_id]
         for i, block_hash in enumerate(new, start=len(hashes)):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])

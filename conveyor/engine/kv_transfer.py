@@ -28,6 +28,7 @@ import torch
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
+from conveyor.kernels.kv_quant import BF16, Q8_0, KVCacheTypes, bytes_per_row
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -35,7 +36,9 @@ _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 @dataclass
 class KVBlob:
-    """KV of positions [0, num_tokens): data is (layers, 2, num_tokens, kv_heads, head_dim) row-major."""
+    """KV of positions [0, num_tokens): per layer, K's rows (num_tokens, kv_heads, row) then V's, as the cache
+    keeps them: (layers, 2, num_tokens, kv_heads, head_dim) row-major when both are bf16 (dtype), raw Q8_0
+    rows (kv_quant.py) where a cache type is q8_0. Blocks travel as they are, never re-quantized."""
 
     num_layers: int
     num_tokens: int
@@ -46,11 +49,23 @@ class KVBlob:
     # Hybrid models: the sequence's recurrent state after those tokens, every recurrent layer's fp32 tensors
     # flattened in order (empty for attention-only models).
     state: bytes = b""
+    cache_type_k: str = "bf16"
+    cache_type_v: str = "bf16"
+
+    @property
+    def kv_types(self) -> KVCacheTypes:
+        return KVCacheTypes(self.cache_type_k, self.cache_type_v)
+
+    def layer_bytes(self, kind: str) -> int:
+        """Bytes of one layer's K (kind "k") or V rows."""
+        cache_type = self.cache_type_k if kind == "k" else self.cache_type_v
+        return self.num_tokens * self.num_kv_heads * bytes_per_row(cache_type, self.head_dim, _DTYPES[self.dtype])
 
     @property
     def expected_bytes(self) -> int:
-        element = torch.empty(0, dtype=_DTYPES[self.dtype]).element_size() if self.dtype in _DTYPES else 0
-        return self.num_layers * 2 * self.num_tokens * self.num_kv_heads * self.head_dim * element
+        if self.dtype not in _DTYPES or not {self.cache_type_k, self.cache_type_v} <= {BF16, Q8_0}:
+            return 0
+        return self.num_layers * (self.layer_bytes("k") + self.layer_bytes("v"))
 
 
 @dataclass
@@ -107,18 +122,20 @@ class KVTransfer:
         window_slots = self._slots(core.kv.window_table(request.request_id), num_tokens) if core.kv.window else None
         layers = core.runner.kv_layers()
         heads, dim = core.model_config.num_key_value_heads, core.model_config.head_dim
-        kv = torch.empty(len(layers), 2, len(slots), heads, dim, dtype=core.dtype)  # (L, 2, T, H, D)
-        for layer, (caches, windowed) in enumerate(zip(layers, core.runner.kv_layer_windowed())):
+        kv_parts = []  # per layer K's rows then V's, each in its cache's own format (Q8_0 bytes as they are)
+        for caches, windowed in zip(layers, core.runner.kv_layer_windowed()):
             layer_slots = window_slots if windowed else slots
-            for i, cache in enumerate(caches):  # index_select: one contiguous copy per layer, no temporaries
-                kv[layer, i] = torch.index_select(cache.view(-1, heads, dim), 0, layer_slots).cpu()
+            for cache in caches:  # index_select: one contiguous copy per cache, no temporaries
+                rows = torch.index_select(cache.view(-1, heads, cache.shape[3]), 0, layer_slots).cpu()
+                kv_parts.append(rows.view(torch.uint8).reshape(-1))
         state = b""
         slot = core.kv.state_slot(request.request_id)
         if slot is not None:
             parts = [tensor[slot].reshape(-1).cpu() for layer in core.runner.state_layers() for tensor in layer]
             state = torch.cat(parts).view(torch.uint8).numpy().tobytes()
-        blob = KVBlob(num_layers=kv.shape[0], num_tokens=kv.shape[2], num_kv_heads=kv.shape[3], head_dim=kv.shape[4],
-                      dtype=_DTYPE_NAMES[kv.dtype], data=kv.view(torch.uint8).numpy().tobytes(), state=state)
+        blob = KVBlob(num_layers=len(layers), num_tokens=len(slots), num_kv_heads=heads, head_dim=dim,
+                      dtype=_DTYPE_NAMES[core.dtype], data=torch.cat(kv_parts).numpy().tobytes(), state=state,
+                      cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v)
         self.stats.num_exported += 1
         self.stats.exported_bytes += len(blob.data)
         return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id))
@@ -132,6 +149,10 @@ class KVTransfer:
         got = (blob.num_layers, blob.num_kv_heads, blob.head_dim, blob.dtype)
         if want != got:
             raise ValueError(f"KV layout (layers, kv_heads, head_dim, dtype) {got} does not match this node's {want}")
+        if blob.kv_types != core.kv_types:
+            raise ValueError(f"KV cache type (K {blob.cache_type_k}, V {blob.cache_type_v}) does not match this "
+                             f"node's (K {core.kv_types.k}, V {core.kv_types.v}): start both nodes with the same "
+                             "--cache-type-k / --cache-type-v")
         if blob.num_tokens < 1 or len(blob.data) != blob.expected_bytes:
             raise ValueError(f"KV payload has {len(blob.data)} bytes, expected {blob.expected_bytes}")
         state_bytes = core.states.bytes_per_slot if core.states is not None else 0
@@ -181,18 +202,21 @@ class KVTransfer:
             self._write_state(slot, blob.state)
         with warnings.catch_warnings():  # read-only bytes are fine: the tensor is only read (copied into the pool)
             warnings.simplefilter("ignore", UserWarning)
-            kv = torch.frombuffer(blob.data, dtype=torch.uint8).view(_DTYPES[blob.dtype])
-        kv = kv.view(blob.num_layers, 2, blob.num_tokens, blob.num_kv_heads, blob.head_dim)
+            data = torch.frombuffer(blob.data, dtype=torch.uint8)
+        k_bytes, v_bytes = blob.layer_bytes("k"), blob.layer_bytes("v")
         slots = self._slots(core.kv.block_table(request.request_id), blob.num_tokens)
         # Sliding layers: only the positions this side holds, from the first block its next query reads.
         start = core.kv.window.first_live(blob.num_tokens) * core.kv.block_size if core.kv.window else 0
         window_slots = self._slots(core.kv.window_table(request.request_id), blob.num_tokens)[start:] \
             if core.kv.window else None
-        for layer, (caches, windowed) in enumerate(zip(core.runner.kv_layers(), core.runner.kv_layer_windowed())):
+        offset = 0
+        for caches, windowed in zip(core.runner.kv_layers(), core.runner.kv_layer_windowed()):
             layer_slots, first = (window_slots, start) if windowed else (slots, 0)
-            for i, cache in enumerate(caches):
-                heads, dim = cache.shape[2], cache.shape[3]
-                cache.view(-1, heads, dim).index_copy_(0, layer_slots, kv[layer, i, first:].to(cache.device))
+            for cache, size in zip(caches, (k_bytes, v_bytes)):
+                heads, width = cache.shape[2], cache.shape[3]
+                rows = data[offset:offset + size].view(cache.dtype).view(blob.num_tokens, heads, width)
+                cache.view(-1, heads, width).index_copy_(0, layer_slots, rows[first:].to(cache.device))
+                offset += size
         return True
 
     def _write_state(self, slot: int, data: bytes) -> None:

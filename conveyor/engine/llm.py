@@ -33,6 +33,10 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **config_fields), checkpoint, draft_checkpoint)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """At the end: write the prefix cache to the disk tier (--prompt-cache-dir), if any, and stop its writer."""
+        self.engine.close()
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionResult]:
         """Raw completion: each prompt is continued as given (no chat template; for an instruct model

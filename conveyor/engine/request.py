@@ -65,6 +65,8 @@ class Request:
     # Constrained decoding: the grammar position, advanced with every output token (which survive
     # preemption, so a re-prefilled row resumes where its grammar stands).
     grammar: GrammarState | None = None
+    # Chain keys of its full blocks so far (engine/block_keys.py), extended as needed: tokens only append.
+    block_keys: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from conveyor.kernels.kv_quant import as_values, is_quantized, quantize_q8_0
 from conveyor.kernels.recurrent import StateMetadata
 
 
@@ -37,10 +38,11 @@ class AttentionMetadata:
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows (T, KVH, D) into their cache slots."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Scatter this step's K/V rows (T, KVH, D) into their cache slots (quantized into a Q8_0 cache)."""
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        num_kv_heads, width = cache.shape[2], cache.shape[3]
+        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, quantize_q8_0(rows) if is_quantized(cache)
+                                                       else rows)
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -59,8 +61,9 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
     for seq_idx, (seq_len, num_rows) in enumerate(zip(meta.seq_lens, meta.seq_token_counts)):
         num_blocks = (seq_len + block_size - 1) // block_size
         table = meta.block_tables[seq_idx, :num_blocks].long()
-        keys = key_cache[table].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len]  # (L, KVH, D)
-        values = value_cache[table].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len]
+        # (L, KVH, D); Q8_0 rows dequantized to fp32
+        keys = as_values(key_cache[table].reshape(-1, num_kv_heads, key_cache.shape[3])[:seq_len], query.dtype)
+        values = as_values(value_cache[table].reshape(-1, num_kv_heads, value_cache.shape[3])[:seq_len], query.dtype)
         q = query[row:row + num_rows].to(work).transpose(0, 1)  # (H, R, D)
         k = keys.to(work).repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
         v = values.to(work).repeat_interleave(group, dim=1).transpose(0, 1)

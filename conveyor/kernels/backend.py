@@ -19,6 +19,7 @@ from torch import nn
 
 from conveyor.kernels.attention import AttentionMetadata, reference_paged_attention, write_kv
 from conveyor.kernels.build import KERNELS, load_kernels
+from conveyor.kernels.kv_quant import is_quantized
 from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
                                         reference_short_conv, reference_silu_gate, reference_ssm_scan)
 
@@ -134,6 +135,15 @@ class KernelBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
+    def xielu(self, x: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
+        """Apertus' xIELU (alpha_p, alpha_n after their softplus), elementwise, rounding where torch's ops would."""
+        if self.fused is not None and x.device.type == "cpu":
+            return self.fused.xielu(x, alpha_p, alpha_n, beta, eps)
+        # NOTE: torch splits its range into a vector body and a scalar tail, so off our kernels rows may differ
+        # in the last bit by batch position (transformers' expression, op for op).
+        ap, an, b, e = (torch.tensor(v, dtype=x.dtype, device=x.device) for v in (alpha_p, alpha_n, beta, eps))
+        return torch.where(x > 0, ap * x * x + b * x, (torch.expm1(torch.min(x, e)) - x) * an + b * x)
+
     @staticmethod
     def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
         """cap * tanh(x / cap), transformers' order (Gemma 2's final logits); elementwise."""
@@ -156,12 +166,17 @@ class KernelBackend:
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        """K/V (T, KVH, D) into their slots; a Q8_0 cache (uint8) gets each row quantized as it is written."""
+        if self.fused is not None and key.device.type == "cpu" and (is_quantized(key_cache) or is_quantized(value_cache)):
+            self.fused.write_kv(key, value, key_cache, value_cache, slot_mapping)
+            return
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0."""
+        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0.
+        Either cache may hold Q8_0 rows (uint8, kv_quant.py): the kernel reads the int8 blocks in place."""
         if self.attention is not None and query.device.type == "cpu":
             return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
                                                   meta.token_pos, scale, window, softcap)

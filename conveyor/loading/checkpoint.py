@@ -89,13 +89,21 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
             names.append(experts.router(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
+        elif config.hidden_act == "xielu":  # Apertus: no gate; the activation's scalars
+            names += [f"{layer}.mlp.{p}_proj.weight" for p in ("up", "down")]
+            names += [f"{layer}.mlp.act_fn.{p}" for p in ("alpha_p", "alpha_n", "beta", "eps")]
         elif f"{layer}.mlp.gate_up_proj.weight" in available:
             names += [f"{layer}.mlp.gate_up_proj.weight", f"{layer}.mlp.down_proj.weight"]
         else:
             names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if config.mlp_bias:
+            names += [f"{layer}.mlp.{p}_proj.bias" for p in (("up", "down") if config.hidden_act == "xielu"
+                                                               else ("gate", "up", "down"))]
         names += [f"{layer}.{norm}.weight" for norm in config.layer_norm_names]
         if config.attention_bias:
             names += [f"{layer}.self_attn.{p}_proj.bias" for p in "qkv"]
+        if config.attention_out_bias:
+            names.append(f"{layer}.self_attn.o_proj.bias")
         if config.qk_norm:
             names += [f"{layer}.self_attn.{p}_norm.weight" for p in "qk"]
     return names

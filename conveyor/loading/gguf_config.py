@@ -16,7 +16,11 @@ from conveyor.models.config import ModelConfig, ModelConfigError
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
                       "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "lfm2": "lfm2", "qwen35": "qwen3_5_text",
-                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text", "lfm2moe": "lfm2_moe"}
+                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text", "lfm2moe": "lfm2_moe",
+                      # issue #25 (OLMo 3 is written as olmo2, with its sliding-window keys)
+                      "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
+                      "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
+                      "apertus": "apertus"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
@@ -93,6 +97,8 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         max_position_embeddings=int(meta("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_down.bias" in tensors,
         qk_norm=q_norm is not None,
         qk_norm_scope="head" if q_norm is None or int(q_norm.shape[0]) == head_dim else "full",  # OLMoE: full
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
@@ -140,9 +146,14 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
     elif arch == "olmo2":
         full = tuple(tensors["blk.0.attn_q_norm.weight"].shape) != (base["head_dim"],)
         fields.update(norm_layout="post", qk_norm=True, qk_norm_scope="full" if full else "head")
-        if window:
+        if window:  # OLMo 3: its sliding layers rotate unscaled (llama.cpp's freq_scale_swa = 1)
             fields.update(sliding_window=int(window), layer_types=_layer_types(
                 meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 4))
+            local = float(meta("rope.freq_base_swa", base["rope_theta"]))
+            if base["rope_scaling"] or local != base["rope_theta"]:
+                fields.update(local_rope_theta=local)
+    elif arch in DENSE_FAMILY_FIELDS:
+        fields.update(DENSE_FAMILY_FIELDS[arch](meta, base))
     elif arch == "granite":
         fields.update(embedding_multiplier=float(meta("embedding_scale", 1.0)),
                       attention_scale=meta("attention.scale"),
@@ -151,6 +162,49 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
     elif arch == "phi3":
         fields.update(sliding_window=int(window) if window else None)
     return fields
+
+
+def _smollm3(meta, base: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp hard-codes SmolLM3's NoPE step (every 4th layer) and ignores its window
+    return dict(no_rope_layers=tuple(range(3, base["num_hidden_layers"], 4)))
+
+
+def _ministral3(meta, base: dict[str, Any]) -> dict[str, Any]:
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn" and meta("rope.scaling.yarn_log_multiplier"):
+        # llama.cpp's attention factor: mscale 1 over mscale_all_dim = the log multiplier
+        scaling = dict(scaling, mscale=1.0, mscale_all_dim=float(meta("rope.scaling.yarn_log_multiplier")))
+    beta = float(meta("attention.temperature_scale", 0.0) or 0.0)
+    original = (scaling or {}).get("original_max_position_embeddings", 0)
+    if beta and not original:
+        raise ValueError("attention.temperature_scale without rope.scaling.original_context_length")
+    return dict(rope_scaling=scaling, attn_temperature_beta=beta, attn_temperature_length=int(original))
+
+
+def _glm4(meta, base: dict[str, Any]) -> dict[str, Any]:
+    rotary = int(meta("rope.dimension_count", base["head_dim"] // 2))
+    return dict(norm_layout="sandwich", rope_interleaved=True, partial_rotary_factor=rotary / base["head_dim"])
+
+
+def _exaone4(meta, base: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(norm_layout="post")
+    window = meta("attention.sliding_window")
+    if window:  # the global layers are NoPE
+        types = _layer_types(meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 4)
+        fields.update(sliding_window=int(window), layer_types=types,
+                      no_rope_layers=tuple(i for i, kind in enumerate(types) if kind != "sliding_attention"))
+    return fields
+
+
+# GGUF architecture -> (meta, the fields read so far) -> what that family adds (issue #25's families).
+DENSE_FAMILY_FIELDS = {
+    "smollm3": _smollm3, "mistral3": _ministral3, "glm4": _glm4, "exaone4": _exaone4,
+    "ernie4_5": lambda meta, base: dict(rope_interleaved=True),  # rotated as HF does: no permute to undo
+    "seed_oss": lambda meta, base: {},
+    # the file's rope base already holds the NTK-alpha stretch
+    "hunyuan-dense": lambda meta, base: dict(qk_norm_after_rope=True),
+    "apertus": lambda meta, base: dict(hidden_act="xielu"),
+}
 
 
 def _layer_types(pattern: Any, num_layers: int, default: int) -> tuple[str, ...]:
@@ -191,6 +245,10 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    for key in ("beta_fast", "beta_slow"):  # YaRN's ramp ends, where the converter wrote them
+        value = field_value(reader, f"{arch}.rope.scaling.yarn_{key}")
+        if value is not None:
+            scaling[key] = float(value)
     return scaling
 
 

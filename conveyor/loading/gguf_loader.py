@@ -46,9 +46,14 @@ ARCH_BLOCK_TENSORS = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # GLM-4: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
+    "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
 }
-# Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses).
-PERMUTED_ARCHITECTURES = ("llama", "granite")
+# Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
+# Apertus, whose converter sets undo_permute = False).
+PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
+# Apertus: xIELU's four scalars per layer live in metadata arrays (raw, before softplus), not tensors.
+XIELU_KEYS = ("alpha_p", "alpha_n", "beta", "eps")
 # Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
                   "ffn_gate_up_exps": "gate_up"}  # convert_hf_to_gguf --fuse-gate-up-exps: gate rows, then up
@@ -118,6 +123,8 @@ def load_gguf(path: str) -> Checkpoint:
         weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
     if hybrid is not None:
         hybrid.report()
+    if config.hidden_act == "xielu":
+        weights.update(_xielu_weights(reader, config.num_hidden_layers, path))
     _warn_dequantized(reader)
     tokenizer = tokenizer_from_gguf(reader, path)
     if tokenizer.eos_token_ids:
@@ -140,6 +147,20 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _xielu_weights(reader: gguf.GGUFReader, num_layers: int, source: str) -> dict[str, torch.Tensor]:
+    """`xielu.alpha_p` etc. (no architecture prefix; one value per layer, or one for all) as each layer's
+    mlp.act_fn tensors."""
+    weights = {}
+    for key in XIELU_KEYS:
+        values = field_value(reader, f"xielu.{key}")
+        if values is None:
+            raise LoadError(f"{source}: GGUF metadata lacks xielu.{key}")
+        values = values if isinstance(values, list) else [values] * num_layers
+        for layer, value in enumerate(values[:num_layers]):
+            weights[f"model.layers.{layer}.mlp.act_fn.{key}"] = torch.tensor(float(value))
+    return weights
 
 
 def _is_moe_tensor(gguf_name: str) -> bool:
@@ -228,12 +249,14 @@ def _warn_dequantized(reader: gguf.GGUFReader) -> None:
 
 
 def _unpermute(arch: str, config: ModelConfig, name: str, weight: Weight, release) -> Weight:
-    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama (and granite) q/k only.
+    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama (and granite, smollm3,
+    mistral3) q/k only (weights and biases).
 
     Per head, HF keeps rows [x0..x(d/2-1) | y0..y(d/2-1)] (rotate-half); llama.cpp stores x0 y0 x1 y1 ...
     A quantized row is a whole output feature, so the same permutation moves raw block rows.
     """
-    if arch not in PERMUTED_ARCHITECTURES or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch not in PERMUTED_ARCHITECTURES or not name.endswith(("q_proj.weight", "k_proj.weight",
+                                                                "q_proj.bias", "k_proj.bias")):
         return weight
     heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
     rows = weight.raw if isinstance(weight, QuantizedTensor) else weight

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
 from conveyor.loading.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer, build_tokenizer
-from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.config import HF_WEIGHT_RENAMES, ModelConfig, ModelConfigError
 
 
 def load_hf_dir(path: str) -> Checkpoint:
@@ -25,7 +25,7 @@ def load_hf_dir(path: str) -> Checkpoint:
         config = ModelConfig.from_hf_dict(read_json(config_path))
     except ModelConfigError as exc:
         raise LoadError(f"{config_path}: {exc}") from exc
-    weights = text_model_weights(_read_safetensors(path))
+    weights = rename_weights(config.architecture, text_model_weights(_read_safetensors(path)))
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
@@ -80,6 +80,18 @@ def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
     prefix = "model.language_model."
     return {"model." + name[len(prefix):] if name.startswith(prefix) else name: tensor
             for name, tensor in weights.items()}
+
+
+def rename_weights(architecture: str, weights: dict[str, Any]) -> dict[str, Any]:
+    """A family's tensor names as the shared decoder's (HF_WEIGHT_RENAMES: Hunyuan's query_layernorm is q_norm, ...)."""
+    renames = HF_WEIGHT_RENAMES.get(architecture)
+    if not renames:
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        old = next((part for part in renames if part in name), None)  # one rename per name: GLM-4's swap two
+        out[name.replace(old, renames[old]) if old else name] = tensor
+    return out
 
 
 def _optional_json(path: str) -> dict[str, Any]:

@@ -6,23 +6,33 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (falcon_h1, gemma, granite, granite_hybrid, lfm2, mamba2, mixtral, nemotron_h, olmo2, olmoe,
-                             phi3, qwen3_5, qwen3_moe, qwen3_next)
+from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, granite, granite_hybrid, hunyuan_dense,
+                             lfm2, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5, qwen3_moe,
+                             qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
+                           "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
+                           "hunyuan_v1_dense", "apertus",
                            "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
 FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
-                 "granite": granite.hf_fields, "olmo2": olmo2.hf_fields,
+                 "granite": granite.hf_fields, "olmo2": olmo2.hf_fields, "olmo3": olmo2.olmo3_hf_fields,
+                 "smollm3": smollm3.hf_fields, "ministral3": ministral3.hf_fields, "glm4": glm4.hf_fields,
+                 "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
+                 "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
                  "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
                  "lfm2_moe": lfm2.moe_hf_fields,
                  "granitemoehybrid": granite_hybrid.hf_fields, "nemotron_h": nemotron_h.hf_fields,
                  "falcon_h1": falcon_h1.hf_fields, "mamba2": mamba2.hf_fields}
+
+# Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
+HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
+                     "glm4": glm4.WEIGHT_RENAMES}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -74,8 +84,20 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # --- what the other dense families change (defaults: Llama) -------------------------------
-    # MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or "relu2" (Nemotron-H: down(relu(up(x))^2), no gate)
+    # MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU), "relu2" (Nemotron-H: down(relu(up(x))^2), no gate) or
+    # "xielu" (Apertus: down(xielu(up(x))), no gate, the activation's four scalars learnt per layer)
     hidden_act: str = "silu"
+    attention_out_bias: bool = False  # o_proj bias (SmolLM3, ERNIE 4.5, Hunyuan, Apertus: with attention_bias; Seed-OSS)
+    mlp_bias: bool = False  # gate/up/down biases (SmolLM3's mlp_bias, ERNIE 4.5's use_bias, Seed-OSS)
+    # Layers attending without rotary (NoPE): SmolLM3's every 4th, EXAONE 4's global layers.
+    no_rope_layers: tuple[int, ...] = ()
+    qk_norm_after_rope: bool = False  # Hunyuan: q/k RMSNorm after rotary, not before
+    # ERNIE 4.5, GLM-4: rotary pairs adjacent dims (2i, 2i+1); q/k rows are permuted at load into the
+    # rotate-half order the kernels use (a permutation both q and k share leaves every score as it was).
+    rope_interleaved: bool = False
+    # Ministral 3 (Llama 4's attention temperature): queries scaled by 1 + beta * log(1 + floor(pos / length)).
+    attn_temperature_beta: float = 0.0
+    attn_temperature_length: int = 0
     # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
     # "post" (OLMo 2: after attention and MLP only).
     norm_layout: str = "pre"
@@ -175,10 +197,15 @@ class ModelConfig:
                                    f"rotary width")
         if self.norm_layout not in LAYOUT_NORMS:
             raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
-        if self.hidden_act not in ("silu", "gelu_tanh", "relu2") or (
-                self.hidden_act == "relu2" and self.architecture not in HYBRID_ARCHITECTURES):
+        if self.hidden_act not in ("silu", "gelu_tanh", "relu2", "xielu") or (
+                self.hidden_act == "relu2" and self.architecture not in HYBRID_ARCHITECTURES) or (
+                self.hidden_act == "xielu" and (self.architecture in HYBRID_ARCHITECTURES or self.num_experts)):
             raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh; "
-                                   f"relu2 in hybrid models)")
+                                   f"relu2 in hybrid models; xielu in dense ones)")
+        if self.attn_temperature_beta and self.attn_temperature_length <= 0:
+            raise ModelConfigError("an attention temperature needs a positive length (original context)")
+        if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
+            raise ModelConfigError(f"no_rope_layers {self.no_rope_layers} names layers past {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -240,6 +267,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Rotated dims of each attention head (0: no rotary, `use_rope` off)."""
         return int(self.head_dim * self.partial_rotary_factor) if self.use_rope else 0
+
+    def layer_rotary_dim(self, layer: int) -> int:
+        """Rotated dims of each head in `layer` (0 on a NoPE layer)."""
+        return 0 if layer in self.no_rope_layers else self.rotary_dim
 
     @property
     def mamba_inner_size(self) -> int:
@@ -310,6 +341,7 @@ class ModelConfig:
                 tie_word_embeddings=lambda: bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=lambda: bool(raw.get("attention_bias", model_type == "qwen2")),
                 qk_norm=lambda: model_type == "qwen3",
+                mlp_bias=lambda: bool(raw.get("mlp_bias", False)),  # Llama's option, off in every release
                 # Qwen2's per-layer windows (use_sliding_window) are not supported; it runs full attention.
                 sliding_window=lambda: raw.get("sliding_window") if model_type == "mistral" else None,
                 bos_token_id=lambda: raw.get("bos_token_id"),

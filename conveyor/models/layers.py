@@ -278,7 +278,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling, max_positions)
+        inv_freq, attention_factor = _scale_inv_freq(inv_freq, scaling, max_positions, theta)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
@@ -298,7 +298,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None,
-                    max_positions: int) -> tuple[torch.Tensor, float]:
+                    max_positions: int, theta: float) -> tuple[torch.Tensor, float]:
     if not scaling:
         return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -319,7 +319,44 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None,
         return torch.where(is_medium, smoothed, scaled), 1.0
     if kind in ("longrope", "su"):
         return _longrope(inv_freq, scaling, max_positions)
-    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn(inv_freq, scaling, max_positions, theta)
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
+
+
+def _yarn(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: int,
+          theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN (OLMo 3, Ministral 3): high frequencies kept, low ones divided by `factor`, a linear ramp between
+    the dims that turn beta_fast and beta_slow times over the original context; cos/sin scaled by the
+    attention factor. transformers' _compute_yarn_parameters, op for op."""
+    dim = 2 * inv_freq.numel()
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_positions / original
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
 
 
 def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:

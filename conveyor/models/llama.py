@@ -1,7 +1,9 @@
 """The shared decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
-dense families that differ from Llama only in config (models/gemma.py, olmo2.py, granite.py, phi3.py):
-where the norms sit, the MLP gate, QK-norm, per-layer sliding windows and rope bases, multipliers and
-soft-capping, all read from ModelConfig.
+dense families that differ from Llama only in config (models/gemma.py, olmo2.py, granite.py, phi3.py,
+smollm3.py, ministral3.py, glm4.py, exaone4.py, ernie4_5.py, seed_oss.py, hunyuan_dense.py, apertus.py):
+where the norms sit, the MLP gate (or Apertus' ungated xIELU), biases, QK-norm (before or after rotary),
+per-layer sliding windows, rope bases and NoPE layers, interleaved rotary, multipliers, an attention
+temperature and soft-capping, all read from ModelConfig.
 
 Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
 chunks and decode steps run through one forward; only attention looks at sequence
@@ -16,7 +18,8 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.loading.checkpoint import Weight
+from conveyor.loading.checkpoint import QuantizedTensor, Weight
+from conveyor.models.apertus import XIELU_PARAMS
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
@@ -36,13 +39,13 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # the first rotary_dim dims of each head rotate (Qwen3.5: a quarter; 0: none, NoPE)
-        self.rotary_dim = config.rotary_dim
+        self.rotary_dim = config.layer_rotary_dim(layer)
         # Qwen3.5: q_proj yields each head's query and an output gate side by side.
         self.output_gate = config.attn_output_gate
         q_out = 2 * self.q_size if self.output_gate else self.q_size
         # q, k and v projections fused into one GEMM at load time.
         self.qkv_proj = RowInvariantLinear(config.hidden_size, q_out + 2 * self.kv_size, config.attention_bias, ops)
-        self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, bias=False, ops=ops)
+        self.o_proj = RowInvariantLinear(self.q_size, config.hidden_size, config.attention_out_bias, ops)
         # QK-norm per head (Qwen3, Gemma 3) or over the whole q / k projection (OLMo 2, OLMoE).
         self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
         q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
@@ -51,6 +54,8 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
+        self.norm_after_rope = config.qk_norm_after_rope  # Hunyuan
+        self.temperature = (config.attn_temperature_beta, config.attn_temperature_length)  # Ministral 3
 
     def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         meta = meta.for_window(self.window)  # a sliding layer's K/V may sit in the sliding group's blocks
@@ -62,7 +67,8 @@ class LlamaAttention(nn.Module):
             query_gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)  # (T, H, 2D)
             gate = query_gate[..., self.head_dim:].reshape(num_tokens, self.q_size)
             qkv = torch.cat([query_gate[..., :self.head_dim].reshape(num_tokens, self.q_size), kv], dim=-1)
-        elif self.ops.fuses_rope and self.q_norm is None and self.rotary_dim == self.head_dim:
+        elif (self.ops.fuses_rope and self.q_norm is None and self.rotary_dim == self.head_dim
+              and not self.temperature[0]):
             # rotary + cache write fused into one pass
             q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
@@ -72,19 +78,31 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # (T, H + KVH, D)
-        if self.q_norm is not None and not self.full_qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k sit side by side in the fused output, so one rotary pass covers both.
-        if self.rotary_dim == self.head_dim:
-            qk = RotaryEmbedding.apply(qk, *rope)
-        elif self.rotary_dim:  # partial rotary: the rest of each head passes through
-            rotated, rest = qk.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
-            qk = torch.cat([RotaryEmbedding.apply(rotated, *rope), rest], dim=-1)
+        head_norm = self.q_norm is not None and not self.full_qk_norm
+        if head_norm and not self.norm_after_rope:
+            qk = self._head_norm(qk)
+        qk = self._rotate(qk, rope)
+        if head_norm and self.norm_after_rope:
+            qk = self._head_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.temperature[0]:
+            q = q * _temperature(meta.token_pos, *self.temperature).to(q.dtype)[:, None, None]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, gate)
+
+    def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+
+    def _rotate(self, qk: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Rotary on q|k side by side (one pass for both): whole heads, their first rotary_dim dims, or none (NoPE)."""
+        if self.rotary_dim == self.head_dim:
+            return RotaryEmbedding.apply(qk, *rope)
+        if not self.rotary_dim:
+            return qk
+        rotated, rest = qk.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat([RotaryEmbedding.apply(rotated, *rope), rest], dim=-1)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,19 +121,95 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, bias=False, ops=ops)
-        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, bias=False, ops=ops)
+        self.gate_up_proj = RowInvariantLinear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, ops)
+        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
         self.act_mul = ops.gelu_tanh_mul if config.hidden_act == "gelu_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
+class XIELUMLP(nn.Module):
+    """Apertus: down(xielu(up(x))), no gate; the activation's four scalars (after softplus) are set at load."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops = ops
+        self.up_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, config.mlp_bias, ops)
+        self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, ops)
+        self.alpha_p = self.alpha_n = self.beta = self.eps = 0.0
+
+    def set_activation(self, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+                       eps: torch.Tensor) -> None:
+        """From the checkpoint's tensors in the model dtype, as transformers' XIELUActivation computes them."""
+        softplus = nn.functional.softplus
+        self.alpha_p = float(softplus(alpha_p).reshape(()))
+        self.alpha_n = float((beta + softplus(alpha_n)).reshape(()))
+        self.beta, self.eps = float(beta.reshape(())), float(eps.reshape(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.xielu(self.up_proj(x), self.alpha_p, self.alpha_n, self.beta, self.eps))
+
+
+class RotaryPairsToHalves(Mapping):
+    """Checkpoint tensors with q/k rows in interleaved-rotary order (pairs 2i, 2i+1 of each head's first
+    rotary_dim dims) read back in rotate-half order (i, i + rotary_dim / 2), the one our rotary runs.
+
+    Both q and k move the same way, so every score q.k is the same sum (in another order); v and o are not
+    touched. A quantized row is a whole output feature, so blocks move as rows.
+    """
+
+    _HEAD_ROWS = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.qkv_proj.")
+
+    def __init__(self, weights: Mapping[str, Weight], config: ModelConfig,
+                 release: Callable[[torch.Tensor], None]) -> None:
+        self.weights, self.config, self.release = weights, config, release
+
+    def __getitem__(self, name: str) -> Weight:
+        weight = self.weights[name]
+        cfg = self.config
+        if any(part in name for part in self._HEAD_ROWS):
+            # fused q|k|v: the q and k heads sit first, side by side; v's rows stay
+            heads = (cfg.num_key_value_heads if "k_proj" in name else cfg.num_attention_heads
+                     + (cfg.num_key_value_heads if "qkv_proj" in name else 0))
+        elif name.endswith(("q_norm.weight", "k_norm.weight")) and cfg.qk_norm_scope == "head":
+            heads = 1
+        else:
+            return weight
+        order = _halves_order(heads, cfg.head_dim, cfg.rotary_dim, weight.shape[0])
+        rows = weight.raw if isinstance(weight, QuantizedTensor) else weight
+        moved = rows[order]
+        self.release(rows)
+        return QuantizedTensor(weight.qtype, weight.shape, moved) if isinstance(weight, QuantizedTensor) else moved
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def _halves_order(heads: int, head_dim: int, rotary_dim: int, rows: int) -> torch.Tensor:
+    """Row order taking each of the first `heads` heads' rotary pairs to halves: [0, 2, 4, .., 1, 3, 5, .., rest]."""
+    within = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                        torch.arange(rotary_dim, head_dim)])
+    moved = (torch.arange(heads)[:, None] * head_dim + within).reshape(-1)
+    return torch.cat([moved, torch.arange(heads * head_dim, rows)])
+
+
+def _temperature(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Llama 4's query scale per row, by absolute position: 1 + beta * log(1 + floor(pos / length)) (fp32)."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / length))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, ops, layer)
-        self.mlp = LlamaMLP(config, ops)
+        self.mlp = XIELUMLP(config, ops) if config.hidden_act == "xielu" else LlamaMLP(config, ops)
         self.layout = config.norm_layout
         self.norm_names = config.layer_norm_names
         for name in self.norm_names:
@@ -199,7 +293,8 @@ class LlamaForCausalLM(nn.Module):
         One tensor at a time: the loader converts each (blocks kept, packed or dequantized) and releases it.
         """
         cfg = self.config
-
+        if cfg.rope_interleaved:  # ERNIE 4.5, GLM-4
+            weights = RotaryPairsToHalves(weights, cfg, loader.release)
         get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
 
         def fused(prefix: str, fused_name: str, names: list[str]) -> list[Weight]:
@@ -220,7 +315,8 @@ class LlamaForCausalLM(nn.Module):
             bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
             loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
                                                [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
-            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
+            out_bias = [get(p + "self_attn.o_proj.bias")] if cfg.attention_out_bias else None
+            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")], out_bias)
             if cfg.qk_norm:
                 attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
                 attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
@@ -236,5 +332,13 @@ class LlamaForCausalLM(nn.Module):
     def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
                   fused: Callable[[str, str, list[str]], list[Weight]]) -> None:
         """One layer's MLP from HF names under `prefix` (`model.layers.N.`); MoE families load experts here."""
-        loader.linear(mlp.gate_up_proj, fused(prefix, "mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]))
-        loader.linear(mlp.down_proj, [get(prefix + "mlp.down_proj.weight")])
+        def bias(*parts: str) -> list[Weight] | None:
+            return [get(f"{prefix}mlp.{part}_proj.bias") for part in parts] if self.config.mlp_bias else None
+
+        if isinstance(mlp, XIELUMLP):  # Apertus
+            loader.linear(mlp.up_proj, [get(prefix + "mlp.up_proj.weight")], bias("up"))
+            mlp.set_activation(*(loader.dense(get(f"{prefix}mlp.act_fn.{name}")) for name in XIELU_PARAMS))
+        else:
+            loader.linear(mlp.gate_up_proj, fused(prefix, "mlp.gate_up_proj.weight",
+                                                  ["mlp.gate_proj.weight", "mlp.up_proj.weight"]), bias("gate", "up"))
+        loader.linear(mlp.down_proj, [get(prefix + "mlp.down_proj.weight")], bias("down"))

@@ -25,7 +25,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
-    # Dense families on the shared decoder: what differs is config (models/gemma.py, olmo2.py, granite.py, phi3.py).
+    # Dense families on the shared decoder: what differs is config (models/gemma.py, olmo2.py, granite.py, phi3.py,
+    # and the families of issue #25: smollm3.py, ministral3.py, glm4.py, exaone4.py, ...).
+    **{arch: LlamaForCausalLM for arch in ("smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5",
+                                            "seed_oss", "hunyuan_v1_dense", "apertus")},
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,

@@ -10,6 +10,7 @@ from torch import nn
 
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.kernels.kv_quant import KVCacheTypes, cache_dtype, row_width
 from conveyor.kernels.recurrent import StateMetadata
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_group, kv_window
 from conveyor.models.config import ModelConfig
@@ -30,14 +31,15 @@ class ForwardInputs:
     sample_chunk_indices: list[int]  # chunk index of each sampled row (a chunk with drafts has several)
 
 
-def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype) -> tuple[int, int]:
-    """K/V bytes of one block in (the full group, the sliding group) over the layers each holds (see kv_window)."""
-    element = torch.empty(0, dtype=dtype).element_size()
+def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype,
+                             kv_types: KVCacheTypes = KVCacheTypes()) -> tuple[int, int]:
+    """K/V bytes of one block in (the full group, the sliding group) over the layers each holds (see kv_window);
+    a q8_0 K or V counts its int8 values and fp16 scales (34 bytes per 32 values)."""
     window = kv_window(specs)
     full = sliding = 0
     for spec in specs:
         if isinstance(spec, KVSpec):
-            size = 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+            size = block_size * spec.num_kv_heads * kv_types.bytes_per_token_head(spec.head_dim, dtype)
             if in_window_group(spec, window):
                 sliding += size
             else:
@@ -48,7 +50,8 @@ def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: tor
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
-                 drafter: DraftRunner | None = None, num_state_slots: int = 0, num_window_blocks: int = 0) -> None:
+                 drafter: DraftRunner | None = None, num_state_slots: int = 0, num_window_blocks: int = 0,
+                 kv_types: KVCacheTypes = KVCacheTypes()) -> None:
         self.model = model
         self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
         self.config = config
@@ -63,7 +66,7 @@ class ModelRunner:
         for spec, windowed in zip(self.cache_specs, self.in_window_group):
             if isinstance(spec, KVSpec):
                 self.kv_caches.append(_kv_tensors(num_window_blocks if windowed else num_blocks, block_size, spec,
-                                                  dtype, device, windowed))
+                                                  dtype, device, windowed, kv_types))
             else:  # zeros: a fresh sequence's state is reset by the kernel, but snapshots are read as kept
                 self.kv_caches.append(tuple(torch.zeros((max(num_state_slots, 1), *shape), dtype=torch.float32,
                                                         device=device) for shape in spec.shapes))
@@ -223,13 +226,14 @@ class ModelRunner:
 
 
 def _kv_tensors(num_blocks: int, block_size: int, spec: KVSpec, dtype: torch.dtype, device: torch.device,
-                windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K and V block tensors. The sliding group's have one more block, its NULL: zeros, never written,
-    standing where a table's blocks were given back (the kernel never reads there; gathers see zeros)."""
-    shape = (num_blocks + windowed, block_size, spec.num_kv_heads, spec.head_dim)
+                windowed: bool, kv_types: KVCacheTypes) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V block tensors (a q8_0 one: uint8 rows of Q8_0 blocks, kv_quant.py). The sliding group's
+    have one more block, its NULL: zeros, never written, standing where a table's blocks were given back (the
+    kernel never reads there; gathers see zeros, which dequantize to zeros)."""
     # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
     # a large pool then cost no RAM until used.
-    caches = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    caches = tuple(torch.empty((num_blocks + windowed, block_size, spec.num_kv_heads, row_width(kind, spec.head_dim)),
+                               dtype=cache_dtype(kind, dtype), device=device) for kind in (kv_types.k, kv_types.v))
     if windowed:
         for cache in caches:
             cache[num_blocks].zero_()

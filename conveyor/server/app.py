@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
-from conveyor.server import dashboard, errors, observability
+from conveyor.server import dashboard, errors, observability, slot_actions
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
 from conveyor.server.limits import RequestLimits, check_request, parse_json
@@ -177,6 +177,10 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
         if fail_on_no_slot and all(s["is_processing"] for s in body):
             return errors.APIError(503, "no slot available", "unavailable").response()
         return JSONResponse(body)
+
+    @router.post("/slots/{id_slot}")
+    async def slot_action(id_slot: int, request: Request, action: str = "") -> Response:
+        return await slot_actions.handle(engine, id_slot, action, await request.body(), limits)
 
     @router.get("/props")
     async def props() -> dict:

@@ -43,6 +43,7 @@ def engine_snapshot(engine: AsyncEngine, metrics: ServerMetrics, model_id: str) 
                "free": cache["free"] - cache["cached_free"], "block_size": cache["block_size"]},
         "prefix_cache": cache["prefix_cache"],
         "state": cache["recurrent_state"],
+        "tiers": cache["tiers"],
         "speculation": {"draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
                         "acceptance": (round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
                                        if stats.num_draft_tokens else None)},

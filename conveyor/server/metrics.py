@@ -8,6 +8,7 @@ inter-token, end-to-end) are measured from the arrival times of each request's d
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -90,6 +91,7 @@ class EngineCollector(Collector):
                      state["snapshots"])
         yield _counter("conveyor_state_snapshot_hits", "Admissions that resumed from a recurrent-state snapshot",
                        state["snapshot_hits"])
+        yield from _disk_tier_metrics(core.disk_report())
         yield _batch_size_histogram(dict(core.counters.batch_size_counts))
         kernels = core.kernel_report()
         info = GaugeMetricFamily("conveyor_kernel_backend_info", "The compute backend (always 1; see labels)",
@@ -97,6 +99,28 @@ class EngineCollector(Collector):
         info.add_metric([kernels["backend"], str(kernels["arch"] or ""), str(kernels["batch_invariant"]).lower(),
                          str(kernels["speculation"]).lower()], 1)
         yield info
+
+
+def _disk_tier_metrics(disk: dict | None) -> Iterator:
+    """The prefix cache's disk tier (zeros without one, so dashboards need no special case)."""
+    disk = disk or {}
+    yield _gauge("conveyor_prompt_cache_disk_entries", "Prefix blocks stored on disk", disk.get("entries", 0))
+    yield _gauge("conveyor_prompt_cache_disk_bytes", "Bytes of prefix block files on disk", disk.get("bytes", 0))
+    yield _gauge("conveyor_prompt_cache_disk_budget_bytes", "Disk tier budget in bytes (0 = none or unbounded)",
+                 disk.get("budget_bytes") or 0)
+    yield _counter("conveyor_prompt_cache_disk_hits", "Prefix blocks read back from disk on a RAM miss",
+                   disk.get("hits", 0))
+    yield _counter("conveyor_prompt_cache_disk_hit_tokens", "Prompt tokens whose blocks came back from disk",
+                   disk.get("hit_tokens", 0))
+    yield _counter("conveyor_prompt_cache_disk_writes", "Prefix blocks written to disk", disk.get("writes", 0))
+    yield _counter("conveyor_prompt_cache_disk_dropped", "Spills dropped because the writer's queue was full",
+                   disk.get("dropped", 0))
+    yield _counter("conveyor_prompt_cache_disk_rejected", "Block files ignored: another model or KV layout",
+                   disk.get("rejected", 0))
+    yield _counter("conveyor_prompt_cache_disk_corrupt", "Block files ignored: checksum, length or format wrong",
+                   disk.get("corrupt", 0))
+    yield _counter("conveyor_prompt_cache_disk_evictions", "Block files removed by the disk budget",
+                   disk.get("evictions", 0))
 
 
 def _batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:

@@ -80,6 +80,7 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "eos_token": [_piece(engine, t) for t in sorted(core.eos_token_ids)],
         "max_queue_depth": engine.max_queue_depth,
         "kv_block_size": core.kv.block_size,
+        "kv_cache_type": core.kv_types.describe(),
         "prefix_caching": core.config.enable_prefix_caching,
         "modalities": {"vision": False, "audio": False},
         "build_info": f"conveyor {_version()}",
@@ -132,6 +133,8 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "cached_free": stats.num_cached_free,
         "shared": stats.num_shared,
         "evictions": stats.num_evictions,
+        "cache_type_k": core.kv_types.k,
+        "cache_type_v": core.kv_types.v,
         "bytes_per_block": plan.bytes_per_block,
         "bytes_reserved": stats.num_blocks * plan.bytes_per_block,
         "bytes_in_use": stats.num_used * plan.bytes_per_block,
@@ -142,4 +145,6 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "recurrent_state": core.state_report(),  # hybrid models' per-sequence state slots, else null
         # Sliding layers' own block group (the figures above are then the full-attention layers'), else null.
         "sliding_window_group": core.window_report(),
+        # The prefix cache's two tiers: RAM (the cached blocks above) and disk (--prompt-cache-dir, else null).
+        "tiers": {"ram": core.ram_report(), "disk": core.disk_report()},
     }

@@ -34,6 +34,15 @@ def test_frames_round_trip_and_are_length_checked():
         wire.decode(wire._encoder.encode({"type": "error", "status": 1, "message": "m", "code": "c", "x": 1}))
 
 
+def test_q8_0_payload_carries_its_cache_types_and_bf16_stays_as_before():
+    q8 = wire.KVPayload(2, 3, 2, 32, "bfloat16", b"\x01" * 10, cache_type_k="q8_0", cache_type_v="q8_0")
+    frame = wire.HandoffFrame(request_id="r", prompt_token_ids=[1], output_token_ids=[2],
+                              sampling=wire.SamplingWire(max_tokens=8), kv=q8)
+    assert wire.decode(wire.encode(frame)[9:]).kv == q8
+    plain = wire._encoder.encode(wire.KVPayload(2, 3, 2, 32, "bfloat16", b"\x01"))
+    assert b"cache_type" not in plain  # defaults omitted: an older node reads a bf16 payload as it did
+
+
 def test_the_whole_sampling_contract_and_logprobs_round_trip():
     from conveyor.cluster.node import logprobs_from_wire, logprobs_to_wire, to_sampling_params, to_wire
     from conveyor.engine.outputs import TokenLogprob

@@ -4,6 +4,7 @@ what the window group still holds, copy-on-write and all-or-nothing across both 
 import pytest
 import torch
 
+from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.memory import WindowGroupNeed, plan_kv_pool
@@ -83,12 +84,9 @@ def test_given_back_blocks_stay_cached_and_serve_a_later_hit():
 
 
 def _key(tokens, index):
-    """(chained hash, tokens) of block `index` of a token list, as the prefix cache keys it."""
-    tokens, parent = list(tokens), None
-    for i in range(index + 1):
-        block = tuple(tokens[i * BS:(i + 1) * BS])
-        parent = hash((parent, block))
-    return parent, block
+    """(chained key, tokens) of block `index` of a token list, as the prefix cache keys it."""
+    tokens = list(tokens)
+    return chain_hashes(tokens, BS, index + 1)[-1], tuple(tokens[index * BS:(index + 1) * BS])
 
 
 def test_a_hit_is_limited_to_what_the_window_group_still_holds():

@@ -1,4 +1,4 @@
-"""Gemma 2/3, Granite, OLMo 2 and Phi-3 GGUF files as llama.cpp's converter writes them: loaded, their
+"""Gemma 2/3, Granite, OLMo 2/3, Phi-3 and issue #25's dense families' GGUF files as llama.cpp's converter writes them: loaded, their
 logits equal transformers' on the model the file was written from (float32)."""
 
 from __future__ import annotations
@@ -30,22 +30,50 @@ def _hf_config(arch: str) -> transformers.PretrainedConfig:
                                           residual_multiplier=0.5, logits_scaling=4.0)
     if arch == "olmo2":
         return transformers.Olmo2Config(**COMMON)
+    if arch in ISSUE25:
+        return ISSUE25[arch]()
     gen = torch.Generator().manual_seed(3)
     rope = {"rope_type": "longrope", "short_factor": (1 + torch.rand(8, generator=gen)).tolist(),
             "long_factor": (2 + torch.rand(8, generator=gen)).tolist()}
     return transformers.Phi3Config(**COMMON, pad_token_id=0, original_max_position_embeddings=8, rope_scaling=rope)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "granite", "olmo2", "phi3"])
+_TOKENS = dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+         "beta_slow": 1.0}
+# GGUF architecture -> the HF config it is converted from (as tests/models/test_llama_vs_hf.py builds them).
+ISSUE25 = {
+    # four layers: llama.cpp's fixed NoPE step makes the fourth NoPE, as transformers' default interval
+    "smollm3": lambda: transformers.SmolLM3Config(**{**_TOKENS, "num_hidden_layers": 4}),
+    "mistral3": lambda: transformers.Ministral3Config(**_TOKENS, head_dim=16, rope_parameters={
+        **_YARN, "rope_theta": 1e6, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}),
+    "olmo3": lambda: transformers.Olmo3Config(**_TOKENS, sliding_window=5,
+                                              layer_types=["sliding_attention", "full_attention"],
+                                              rope_parameters={"full_attention": {**_YARN, "rope_theta": 5e5},
+                                                               "sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 5e5}}),
+    "glm4": lambda: transformers.Glm4Config(**_TOKENS, head_dim=32),
+    "exaone4": lambda: transformers.Exaone4Config(**_TOKENS, head_dim=16, sliding_window=5, sliding_window_pattern=2),
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_TOKENS, head_dim=16),
+    "seed_oss": lambda: transformers.SeedOssConfig(**_TOKENS, head_dim=16),
+    "hunyuan-dense": lambda: transformers.HunYuanDenseV1Config(**_TOKENS, head_dim=16, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0}),
+    "apertus": lambda: transformers.ApertusConfig(**_TOKENS),
+}
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "granite", "olmo2", "phi3", *ISSUE25])
 def test_gguf_logits_match_transformers(tmp_path, arch: str) -> None:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
     with torch.no_grad():  # norms start at 0 or 1; randomize so a swapped or skipped norm cannot pass
         for name, param in hf.named_parameters():
-            if "norm" in name:
+            if "norm" in name or ".act_fn." in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8)  # sharp attention: a wrong rotary order or NoPE layer shows
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_family_gguf(path, arch, hf)
+    write_family_gguf(path, "olmo2" if arch == "olmo3" else arch, hf)  # OLMo 3 converts as olmo2
     ck = load_checkpoint(str(path))
     model = build_model(ck.config, ck.weights, torch.float32, torch.device("cpu"), batch_invariant=False)
     runner = ModelRunner(model, ck.config, num_blocks=16, block_size=4, dtype=torch.float32,

@@ -12,7 +12,7 @@ from tokenizers import processors
 from tiny_checkpoints import head_dim, tiny_hf_model
 
 from conveyor.loading import load_checkpoint
-from conveyor.loading.hf_loader import model_name
+from conveyor.loading.hf_loader import model_name, rename_weights
 
 CASES = [  # (architecture, tied embeddings, dtype)
     ("llama", True, torch.float32),
@@ -96,6 +96,16 @@ FAMILY_CONFIGS = {  # the other dense families: their norms, fused tensors (Phi-
     "olmo2": lambda: transformers.Olmo2Config(**SMALL),
     "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=2),
     "granite": lambda: transformers.GraniteConfig(**SMALL, embedding_multiplier=12.0, logits_scaling=8.0),
+    # issue #25's families (Hunyuan's, Apertus' and GLM-4's norms load under the shared decoder's names)
+    **{arch: (lambda cls=cls, extra=extra: cls(**SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra))
+       for arch, cls, extra in [
+           ("smollm3", transformers.SmolLM3Config, {}), ("ministral3", transformers.Ministral3Config, {}),
+           ("olmo3", transformers.Olmo3Config, {}), ("glm4", transformers.Glm4Config, {"head_dim": 16}),
+           ("exaone4", transformers.Exaone4Config, {"head_dim": 16}),
+           ("ernie4_5", transformers.Ernie4_5Config, {"head_dim": 16, "use_bias": True}),
+           ("seed_oss", transformers.SeedOssConfig, {"head_dim": 16}),
+           ("hunyuan_v1_dense", transformers.HunYuanDenseV1Config, {"head_dim": 16}),
+           ("apertus", transformers.ApertusConfig, {})]},
 }
 
 
@@ -108,6 +118,7 @@ def test_family_directories_load(tmp_path, copy_tokenizer, arch: str) -> None:
     ck = load_checkpoint(str(tmp_path))
     assert ck.config.architecture == arch
     tie = ck.config.tie_word_embeddings
-    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    state = rename_weights(arch, model.state_dict())
+    expected = {k: v for k, v in state.items() if not (tie and k == "lm_head.weight")}
     assert set(ck.weights) == set(expected)
     assert all(torch.equal(ck.weights[name], weight) for name, weight in expected.items())

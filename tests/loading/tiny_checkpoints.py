@@ -11,6 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from conveyor.loading.gguf_config import llama3_rope_factors
 from conveyor.loading.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS
 from conveyor.testing import add_tiny_bpe_vocab
 
@@ -122,7 +123,7 @@ def add_tiny_sentencepiece_vocab(writer: gguf.GGUFWriter) -> None:
 def gguf_family_name(hf_name: str, arch: str, num_layers: int) -> str:
     """HF name -> the tensor name convert_hf_to_gguf writes for `arch`: gguf-py's own name map."""
     base, _, suffix = hf_name.rpartition(".")
-    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers).get_name(base)
+    name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], num_layers).get_name(base)
     if name is None:
         raise KeyError(f"gguf-py maps no tensor for {hf_name} in {arch}")
     return f"{name}.{suffix}"
@@ -133,7 +134,10 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
     1 + w, Granite q/k permuted (a LlamaModel subclass), Phi-3's longrope factors as tensors."""
     cfg = model.config
     rope = cfg.rope_parameters
-    writer = gguf_writer(path, arch, cfg, rope.get("full_attention", rope)["rope_theta"])
+    theta = rope.get("full_attention", rope)["rope_theta"]
+    if arch == "hunyuan-dense" and rope.get("alpha"):  # HunYuanModel: the NTK-alpha stretch folded into the base
+        theta *= rope["alpha"] ** (cfg.head_dim / (cfg.head_dim - 2))
+    writer = gguf_writer(path, arch, cfg, theta)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
@@ -151,13 +155,15 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    _issue25_metadata(writer, arch, model)
     add_tiny_bpe_vocab(writer)
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if (name == "lm_head.weight" and cfg.tie_word_embeddings) or ".act_fn." in name:  # xIELU: metadata
             continue
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             tensor = tensor + 1
-        if arch == "granite" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("granite", "smollm3", "mistral3") and name.endswith(("q_proj.weight", "k_proj.weight",
+                                                                          "q_proj.bias", "k_proj.bias")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             tensor = permute_for_llama_cpp(tensor, heads)
         writer.add_tensor(gguf_family_name(name, arch, cfg.num_hidden_layers), tensor.float().numpy())
@@ -165,6 +171,34 @@ def write_family_gguf(path, arch: str, model: transformers.PreTrainedModel) -> N
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _issue25_metadata(writer: gguf.GGUFWriter, arch: str, model: transformers.PreTrainedModel) -> None:
+    """What convert_hf_to_gguf adds for SmolLM3, Ministral 3, OLMo 3 (as olmo2), GLM-4, EXAONE 4, Hunyuan dense and
+    Apertus beyond the shared keys (their set_gguf_parameters / generate_extra_tensors)."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    if arch == "mistral3":
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    if arch in ("olmo2", "exaone4") and getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "glm4":
+        writer.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.5)))
+    if arch == "apertus":
+        for key in ("alpha_n", "alpha_p", "beta", "eps"):
+            values = [float(getattr(layer.mlp.act_fn, key)) for layer in model.model.layers]
+            getattr(writer, f"add_xielu_{key}")(values)
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(
+            full, full["rope_theta"], head_dim(cfg)).astype(np.float32))
 
 
 # HF model_type -> the GGUF architecture convert_hf_to_gguf writes

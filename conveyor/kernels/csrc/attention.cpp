@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "kv_q8.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -569,13 +570,313 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   });
 }
 
+// ---- Q8_0 caches (kv_q8.h: per (token, KV head) row, 34-byte blocks of fp16 d + 32 int8) ------------
+// Pass 1 on int8 keys quantizes each query head per 32-block as llama.cpp does for K.Q, so a block's dot
+// product is an exact int32 S_b (any instruction order gives the same integer), then one float step per
+// block, in block order: score = scale * sum_b (dq_b * dk_b) * S_b. Pass 3 dequantizes values on the fly:
+// acc[d] += (p_j * dv_jb) * v_jd, one chain per element in key order. Both orders depend only on the
+// row's own keys, so rows stay batch- and chunk-invariant exactly as on the bf16 path.
+using conveyor_q8::block_scale;
+using conveyor_q8::block_values;
+using conveyor_q8::kBlock;
+using conveyor_q8::kBlockBytes;
+
+template <typename scalar_t>
+void quantize_query(const scalar_t* q, int64_t G, int64_t D, int8_t* qq, float* qd) {
+  float v[kBlock];
+  const int64_t nb = D / kBlock;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t i = 0; i < kBlock; ++i) v[i] = to_float(q[g * D + b * kBlock + i]);
+      qd[g * nb + b] = conveyor_q8::quantize_block(v, qq + g * D + b * kBlock);
+    }
+}
+
+// Portable pass 1 for one key row: exact int32 block sums, the float step in block order.
+inline float dot_q8(const int8_t* qq, const float* qd, const uint8_t* k, int64_t nb) {
+  float s = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = k + b * kBlockBytes;
+    const int8_t* kv = block_values(blk);
+    int32_t isum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) isum += static_cast<int32_t>(qq[b * kBlock + i]) * kv[i];
+    s += (qd[b] * block_scale(blk)) * static_cast<float>(isum);
+  }
+  return s;
+}
+
+// Portable pass 3 for one value row: acc (G x D) += (p_g * dv_b) * v.
+inline void add_row_q8(const float* scores, int64_t num_keys, int64_t j, const uint8_t* v, int64_t G, int64_t D,
+                       float* acc) {
+  for (int64_t b = 0; b < D / kBlock; ++b) {
+    const uint8_t* blk = v + b * kBlockBytes;
+    const float dv = block_scale(blk);
+    const int8_t* vals = block_values(blk);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * num_keys + j] * dv;
+      float* ag = acc + g * D + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) ag[i] += w * static_cast<float>(vals[i]);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// x86-64-v3 and every AVX-512 level: 256-bit integer code (AVX-512 machines run it as is).
+
+// The same tree as conveyor_vec::reduce_add8 (lane i = sum of v[i]'s lanes), for every level.
+inline __m256 reduce_add8_q8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline void prefetch_q8(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// Pass 1, 8 keys at a time: per block, 8 int32 lane sums of |k| x sign(q, k) (maddubs pairs stay below
+// 2 x 127 x 127, so never saturate: exact), times dq * dk into a float accumulator per head; then the
+// 8 keys' lanes in one fixed tree. Slots past the last key are zeros and never stored.
+template <int G>
+void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t D, int64_t first, int64_t num_keys,
+                    const uint8_t* kc, const uint8_t* vc, const int32_t* table, int64_t BS, int64_t k_block,
+                    int64_t k_tok, int64_t k_offset, int64_t v_block, int64_t v_tok, int64_t v_offset,
+                    float* scores) {
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t nb = D / kBlock, row = nb * kBlockBytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, num_keys - j0);
+    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // values for pass 3, keys two groups ahead
+      if (vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
+      if (key + 16 < first + num_keys) prefetch_q8(kc + cache_row(table, key + 16, bs_shift, k_block, k_tok, k_offset), row);
+    }
+    __m256 part[G][8];
+    for (int64_t i = 0; i < 8; ++i) {
+      __m256 acc[G];  // G is a template argument: the accumulators stay in registers
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      if (i < n) {
+        const uint8_t* k = kc + cache_row(table, first + j0 + i, bs_shift, k_block, k_tok, k_offset);
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = k + b * kBlockBytes;
+          const __m256i kb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(blk)));
+          const __m256i ka = _mm256_sign_epi8(kb, kb);
+          const float dk = block_scale(blk);
+          for (int g = 0; g < G; ++g) {
+            const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * D + b * kBlock));
+            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ka, _mm256_sign_epi8(qb, kb)), ones);
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(qd[g * nb + b] * dk), acc[g]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) part[g][i] = acc[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, reduce_add8_q8(part[g]));
+      std::memcpy(scores + g * num_keys + j0, tmp, n * sizeof(float));
+    }
+  }
+}
+
+// Pass 3 with G query heads, CH vectors (8 * CH elements of one block) per sweep over the keys: the
+// G x CH accumulators stay in registers; each element is one FMA chain in key order.
+template <int G, int CH>
+void weighted_sum_q8_avx2(const float* scores, int64_t first, int64_t num_keys, const uint8_t* vc,
+                          const int32_t* table, int64_t BS, int64_t v_block, int64_t v_tok, int64_t v_offset,
+                          int64_t D, float* acc_out) {
+  const int bs_shift = __builtin_ctzll(BS);
+  for (int64_t c0 = 0; c0 < D; c0 += 8 * CH) {
+    const int64_t b = c0 / kBlock, within = c0 % kBlock;
+    __m256 acc[G][CH];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const uint8_t* blk = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b * kBlockBytes;
+      const float dv = block_scale(blk);
+      const int8_t* vals = block_values(blk) + within;
+      __m256 vf[CH];
+      for (int c = 0; c < CH; ++c)
+        vf[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vals + 8 * c))));
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_set1_ps(scores[g * num_keys + j] * dv);
+        for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_fmadd_ps(w, vf[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc_out + g * D + c0 + 8 * c, acc[g][c]);
+  }
+}
+
+using ScoresQ8Fn = void (*)(const int8_t*, const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
+                            const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+
+inline ScoresQ8Fn scores_q8_fn(int64_t G) {
+  switch (G) {
+    case 1: return scores_q8_avx2<1>;
+    case 2: return scores_q8_avx2<2>;
+    case 3: return scores_q8_avx2<3>;
+    case 4: return scores_q8_avx2<4>;
+    case 5: return scores_q8_avx2<5>;
+    case 6: return scores_q8_avx2<6>;
+    case 7: return scores_q8_avx2<7>;
+    case 8: return scores_q8_avx2<8>;
+    default: return nullptr;
+  }
+}
+
+using SumQ8Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const int32_t*, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, float*);
+
+inline SumQ8Fn weighted_sum_q8_fn(int64_t G) {
+  switch (G) {  // G x CH accumulators <= 12 of the 16 registers
+    case 1: return weighted_sum_q8_avx2<1, 4>;
+    case 2: return weighted_sum_q8_avx2<2, 4>;
+    case 3: return weighted_sum_q8_avx2<3, 4>;
+    case 4: return weighted_sum_q8_avx2<4, 2>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// Attention with a Q8_0 key and/or value cache (the other one, if any, in the query's dtype).
+template <typename scalar_t>
+void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
+                    double scale, int64_t window, double softcap, torch::Tensor& out) {
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
+  const int64_t G = H / KVH, nb = D / kBlock;
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t max_blocks = block_tables.size(1);
+  const bool k_q8 = key_cache.scalar_type() == torch::kByte, v_q8 = value_cache.scalar_type() == torch::kByte;
+  // Strides in elements of each cache's own type (bytes for a Q8_0 cache).
+  const int64_t k_row = k_q8 ? conveyor_q8::row_bytes(D) : D, v_row = v_q8 ? conveyor_q8::row_bytes(D) : D;
+  const int64_t k_tok = KVH * k_row, k_block = BS * k_tok, v_tok = KVH * v_row, v_block = BS * v_tok;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const uint8_t* kq = k_q8 ? key_cache.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* vq = v_q8 ? value_cache.data_ptr<uint8_t>() : nullptr;
+  const scalar_t* ks = k_q8 ? nullptr : key_cache.data_ptr<scalar_t>();
+  const scalar_t* vs = v_q8 ? nullptr : value_cache.data_ptr<scalar_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* seq = token_seq.data_ptr<int32_t>();
+  const int32_t* pos = token_pos.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_row = H * D;
+  const float fscale = static_cast<float>(scale);
+#if defined(__AVX2__) && defined(__FMA__)
+  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G) : nullptr;  // up to 8 query heads per KV head
+  const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G) : nullptr;
+#else
+  const void* fast_qk = nullptr;
+  const void* fast_sum = nullptr;
+#endif
+  // The unquantized side of a mixed pair takes the bf16 path's own fast passes where it has them.
+  const auto plain_sum = v_q8 ? nullptr : fast_pass<Pass::kWeightedSum>(vs, G, D);
+  const auto plain_qk = k_q8 ? nullptr : fast_pass<Pass::kScores>(ks, G, D);
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+  const ScoresBf16Fn plain_dp_qk = !k_q8 && std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
+#else
+  const void* plain_dp_qk = nullptr;
+#endif
+
+  conveyor_parallel::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(G * D), qd(G * nb), acc(G * D), denom(G), vf(D);
+    std::vector<int8_t> qq(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / KVH, kvh = task % KVH;
+      const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
+      const int64_t first = window > 0 && visible > window ? visible - window : 0;
+      const int64_t num_keys = visible - first;
+      const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
+      if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
+      const scalar_t* q_heads = q + t * q_row + kvh * G * D;
+      // Pass 1: scores, in key order.
+      if (k_q8) {
+        quantize_query(q_heads, G, D, qq.data(), qd.data());
+#if defined(__AVX2__) && defined(__FMA__)
+        if (fast_qk != nullptr)
+          fast_qk(qq.data(), qd.data(), D, first, num_keys, kq, vq, table, BS, k_block, k_tok, kvh * k_row, v_block,
+                  v_tok, kvh * v_row, scores.data());
+#endif
+        for (int64_t j = 0; fast_qk == nullptr && j < num_keys; ++j) {
+          const uint8_t* k = kq + cache_row(table, j + first, bs_shift, k_block, k_tok, kvh * k_row);
+          for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot_q8(qq.data() + g * D, qd.data() + g * nb, k, nb);
+        }
+        for (int64_t i = 0; i < G * num_keys; ++i) scores[i] *= fscale;
+      } else if (plain_dp_qk != nullptr) {
+#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+        const auto* kb = reinterpret_cast<const c10::BFloat16*>(ks);  // the K rows stand in for V's prefetch
+        plain_dp_qk(reinterpret_cast<const c10::BFloat16*>(q_heads), fscale, first, num_keys, kb, kb, table, BS,
+                    k_block, k_tok, kvh * k_row, scores.data());
+#endif
+      } else {
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q_heads[g * D + d]) * fscale;
+        if (plain_qk != nullptr)
+          plain_qk(qf.data(), first, num_keys, ks, table, BS, k_block, k_tok, kvh * k_row, scores.data());
+        for (int64_t j = 0; plain_qk == nullptr && j < num_keys; ++j) {
+          const scalar_t* k = ks + cache_row(table, j + first, bs_shift, k_block, k_tok, kvh * k_row);
+          for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
+        }
+      }
+      if (softcap > 0.0) {
+        const float cap = static_cast<float>(softcap);
+        for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+      }
+      // Pass 2: softmax weights per head, as on the bf16 path.
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * num_keys;
+        exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
+        denom[g] = conveyor_vec::row_sum(sg, num_keys);
+      }
+      // Pass 3: weighted sum of values, in key order.
+#if defined(__AVX2__) && defined(__FMA__)
+      if (fast_sum != nullptr)
+        fast_sum(scores.data(), first, num_keys, vq, table, BS, v_block, v_tok, kvh * v_row, D, acc.data());
+#endif
+      if (plain_sum != nullptr)
+        plain_sum(scores.data(), first, num_keys, vs, table, BS, v_block, v_tok, kvh * v_row, acc.data());
+      const bool summed = fast_sum != nullptr || plain_sum != nullptr;
+      if (!summed) std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; !summed && j < num_keys; ++j) {
+        const int64_t key = j + first;
+        if (v_q8) {
+          add_row_q8(scores.data(), num_keys, j, vq + cache_row(table, key, bs_shift, v_block, v_tok, kvh * v_row), G,
+                     D, acc.data());
+          continue;
+        }
+        load_row(vs + cache_row(table, key, bs_shift, v_block, v_tok, kvh * v_row), vf.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * num_keys + j];
+          float* ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / denom[g];
+        scalar_t* og = o + t * q_row + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor token_seq, torch::Tensor token_pos,
                               double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_attention: dtype mismatch");
+  // A Q8_0 cache is uint8 (kv_q8.h); any other cache is in the query's dtype.
+  const bool q8 = key_cache.scalar_type() == torch::kByte || value_cache.scalar_type() == torch::kByte;
+  for (const auto& cache : {key_cache, value_cache})
+    TORCH_CHECK(cache.scalar_type() == query.scalar_type() || cache.scalar_type() == torch::kByte,
+                "paged_attention: dtype mismatch");
+  TORCH_CHECK(!q8 || query.size(2) % conveyor_q8::kBlock == 0, "paged_attention: Q8_0 caches need head_dim % 32 == 0");
+  for (const auto& cache : {key_cache, value_cache})
+    TORCH_CHECK(cache.scalar_type() != torch::kByte || cache.size(3) == conveyor_q8::row_bytes(query.size(2)),
+                "paged_attention: a Q8_0 cache row must be head_dim / 32 blocks of 34 bytes");
   const int64_t block_size = key_cache.size(1);
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "paged_attention: block size must be a power of two");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && token_seq.scalar_type() == torch::kInt32 &&
@@ -585,8 +886,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   query = query.contiguous();
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                          token_pos.contiguous(), scale, window, softcap, out);
+    if (q8)
+      attend_rows_q8<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
+                               token_pos.contiguous(), scale, window, softcap, out);
+    else
+      attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
+                            token_pos.contiguous(), scale, window, softcap, out);
   });
   return out;
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "kv_q8.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -346,6 +347,34 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Apertus' xIELU, with its four per-layer scalars already as transformers computes them (alpha_p and alpha_n
+// after their softplus): x > 0: alpha_p * x * x + beta * x; else (expm1(min(x, eps)) - x) * alpha_n + beta * x,
+// rounding to the dtype after each op as torch's chain of ops does. Scalar per element (torch's expm1 splits
+// its range into a vector body and a scalar tail, so a row's bits could depend on the batch).
+template <typename scalar_t>
+void xielu_elements(const scalar_t* x, scalar_t* out, int64_t n, float alpha_p, float alpha_n, float beta, float eps) {
+  auto r = [](float v) { return static_cast<float>(round_to<scalar_t>(v)); };
+  conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = static_cast<float>(x[i]);
+      const float linear = r(beta * v);
+      const float y = v > 0.f ? r(r(alpha_p * v) * v) + linear
+                              : r(r(r(std::expm1(std::min(v, eps))) - v) * alpha_n) + linear;
+      out[i] = round_to<scalar_t>(y);
+    }
+  });
+}
+
+torch::Tensor xielu(torch::Tensor x, double alpha_p, double alpha_n, double beta, double eps) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "xielu", [&] {
+    xielu_elements<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel(), static_cast<float>(alpha_p),
+                             static_cast<float>(alpha_n), static_cast<float>(beta), static_cast<float>(eps));
+  });
+  return out;
+}
+
 // argmax per row of fp32 logits; the first maximum wins, as torch.argmax does.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "argmax_rows: (R, V) float32 only");
@@ -368,40 +397,86 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 // One pass over a fused q|k|v projection: rotary on q and k, k and v scattered into their
 // cache slots, rotated q returned as (T, H, D). Replaces ~10 small torch ops per layer.
+// One token's K or V heads (KVH x D, scalar_t) into its cache slot: copied, or quantized to Q8_0 rows
+// when the cache is uint8 (kv_q8.h), from the same dtype-rounded values the plain cache would hold.
+template <typename scalar_t>
+inline void store_kv_row(const scalar_t* heads, const torch::Tensor& cache, int64_t slot, int64_t KVH, int64_t D) {
+  if (cache.scalar_type() == torch::kByte) {
+    const int64_t row = conveyor_q8::row_bytes(D);
+    uint8_t* dst = cache.data_ptr<uint8_t>() + slot * KVH * row;
+    for (int64_t h = 0; h < KVH; ++h) conveyor_q8::quantize_row(heads + h * D, dst + h * row, D);
+    return;
+  }
+  std::memcpy(cache.data_ptr<scalar_t>() + slot * KVH * D, heads, KVH * D * sizeof(scalar_t));
+}
+
+void check_kv_cache(const torch::Tensor& cache, const torch::Tensor& x, int64_t D, const char* op) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), op, ": caches must be contiguous 4-d tensors");
+  if (cache.scalar_type() == torch::kByte) {
+    TORCH_CHECK(D % conveyor_q8::kBlock == 0 && cache.size(3) == conveyor_q8::row_bytes(D), op,
+                ": a Q8_0 cache row must be head_dim / 32 blocks of 34 bytes");
+  } else {
+    TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.size(3) == D, op, ": cache dtype/shape mismatch");
+  }
+}
+
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && key_cache.dim() == 4, "rope_write_kv: bad ranks");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "rope_write_kv: caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "rope_write_kv: slot_mapping must be int64");
   qkv = qkv.contiguous();
   cos = cos.contiguous();
   signed_sin = signed_sin.contiguous();
-  const int64_t T = qkv.size(0), KVH = key_cache.size(2), D = key_cache.size(3);
+  const int64_t T = qkv.size(0), KVH = key_cache.size(2), D = cos.size(1);
+  check_kv_cache(key_cache, qkv, D, "rope_write_kv");
+  check_kv_cache(value_cache, qkv, D, "rope_write_kv");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * KVH) * D, "rope_write_kv: qkv width mismatch");
   auto q_out = torch::empty({T, num_heads, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write_kv", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
     const scalar_t* ss = signed_sin.data_ptr<scalar_t>();
-    scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    scalar_t* vc = value_cache.data_ptr<scalar_t>();
     scalar_t* q = q_out.data_ptr<scalar_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t width = qkv.size(1);
     conveyor_parallel::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> k_rot(KVH * D);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* row = src + t * width;
         const scalar_t* ct = c + t * D;
         const scalar_t* st = ss + t * D;
         for (int64_t h = 0; h < num_heads; ++h) rotate_head(row + h * D, ct, st, q + (t * num_heads + h) * D, D);
-        scalar_t* k_dst = kc + slots[t] * KVH * D;
-        scalar_t* v_dst = vc + slots[t] * KVH * D;
-        for (int64_t h = 0; h < KVH; ++h) rotate_head(row + (num_heads + h) * D, ct, st, k_dst + h * D, D);
-        std::memcpy(v_dst, row + (num_heads + KVH) * D, KVH * D * sizeof(scalar_t));
+        for (int64_t h = 0; h < KVH; ++h) rotate_head(row + (num_heads + h) * D, ct, st, k_rot.data() + h * D, D);
+        store_kv_row(k_rot.data(), key_cache, slots[t], KVH, D);
+        store_kv_row(row + (num_heads + KVH) * D, value_cache, slots[t], KVH, D);
       }
     });
   });
   return q_out;
+}
+
+// K/V rows (T, KVH, D) into their slots: index_copy_ for plain caches, quantized rows for Q8_0 ones.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "write_kv: K/V must be (T, KVH, D)");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "write_kv: slot_mapping must be int64");
+  key = key.contiguous();
+  value = value.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
+  check_kv_cache(key_cache, key, D, "write_kv");
+  check_kv_cache(value_cache, value, D, "write_kv");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    conveyor_parallel::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        store_kv_row(k + t * KVH * D, key_cache, slots[t], KVH, D);
+        store_kv_row(v + t * KVH * D, value_cache, slots[t], KVH, D);
+      }
+    });
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -411,6 +486,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
+  m.def("xielu", &xielu, "Apertus' xIELU activation with torch's rounding, per element (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
   m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());
+  m.def("write_kv", &write_kv, "K/V scatter into cache slots, quantizing into Q8_0 caches (CPU)", release());
 }

@@ -570,6 +570,11 @@ AmxFn amx_fn(int qt) {
 #elif defined(QG_AVX2)
 // Each 16-column group runs as two independent 8-column halves (h = 0, 1): one ymm per k-group.
 constexpr int kMaxRows = 4;
+// Up to this many rows a tile walks both halves at once (measured: benchmarks/results.md, issue #26).
+#ifndef QG_BOTH_HALVES_ROWS
+#define QG_BOTH_HALVES_ROWS 2
+#endif
+constexpr int kBothHalvesRows = QG_BOTH_HALVES_ROWS;
 
 inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
   const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x))));
@@ -667,6 +672,101 @@ inline __m256 load_i8_8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Chunk c's per-column scales for half h: ds (d, or d sc), dm (m, or dmin mn), ds2 (Q6_K's second half).
+template <int QT>
+inline void chunk_scales8(const uint8_t* sbp, int c, int h, __m256 d, __m256 m, __m256& ds, __m256& dm, __m256& ds2) {
+  constexpr TypeInfo t = type_info(QT);
+  ds = d;
+  dm = m;
+  ds2 = d;
+  if constexpr (t.kind == Kind::kKMin) {
+    ds = _mm256_mul_ps(d, load_u8_8(sbp + 64 + 16 * c + 8 * h));
+    dm = _mm256_mul_ps(m, load_u8_8(sbp + 192 + 16 * c + 8 * h));
+  } else if constexpr (t.kind == Kind::kK6) {
+    ds = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c) + 8 * h));
+    ds2 = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c + 1) + 8 * h));
+  }
+}
+
+// One row's float step for chunk kc (8 columns): the same ops in the same order on every path below.
+template <int QT>
+inline __m256 combine8(__m256 acc, __m256i s0, __m256i s1, const QuantRows& xr, int64_t row, int64_t kc, __m256 ds,
+                       __m256 dm, __m256 ds2) {
+  constexpr TypeInfo t = type_info(QT);
+  const __m256 dx = _mm256_set1_ps(xr.d[row * xr.chunks + kc]);
+  if constexpr (t.kind == Kind::kK6) {
+    const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
+    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * b16[1]));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(s0), acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(dx, ds2), _mm256_cvtepi32_ps(s1), acc);
+  } else {
+    __m256i sum = _mm256_add_epi32(s0, s1);
+    if constexpr (t.kind == Kind::kOffset && !(t.bytes8 && kSignedDot8)) {
+      sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(sum), acc);
+    if constexpr (t.kind == Kind::kMin) {
+      acc = _mm256_fmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc);
+    } else if constexpr (t.kind == Kind::kKMin) {
+      acc = _mm256_fnmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc);
+    }
+    return acc;
+  }
+}
+
+inline void store_rows8(const __m256* acc, int rows, int64_t r0, const float* bias, uint16_t* out, int64_t ldo,
+                        int64_t cols) {
+  for (int r = 0; r < rows; ++r) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
+  }
+}
+
+// Few rows (decode): both 8-column halves in one walk over the group's weights, so each chunk's
+// bytes are used in full while they stream in (walking the group twice, once per half, left the
+// second walk reading cache while memory sat idle).
+template <int QT, int MR>
+void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+               int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(QT);
+  constexpr int cpb = t.sb / 32;
+  constexpr int64_t sbb = sb_bytes(t);
+  __m256 acc[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sbb;
+    __m256 d[2], m[2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = load_half8(sbp + 16 * h);
+      m[h] = _mm256_setzero_ps();
+      if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m[h] = load_half8(sbp + 32 + 16 * h);
+    }
+    for (int c = 0; c < cpb; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));
+      const int64_t kc = s * cpb + c;
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[8];
+        unpack<QT>(ch, h, w);
+        __m256 ds, dm, ds2;
+        chunk_scales8<QT>(sbp, c, h, d[h], m[h], ds, dm, ds2);
+        for (int r = 0; r < MR; ++r) {
+          __m256i s0, s1;
+          k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, s0, s1);
+          acc[h][r] = combine8<QT>(acc[h][r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
+        }
+      }
+    }
+  }
+  store_rows8(acc[0], MR, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
+  if (cols > 8) store_rows8(acc[1], MR, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
+}
+
+// More rows: one 8-column half at a time (its accumulators and weights fill the 16 ymm registers).
 template <int QT, int MR>
 void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias,
                uint16_t* out, int64_t ldo, int64_t cols) {
@@ -686,54 +786,27 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
       __m256i w[8];
       unpack<QT>(ch, h, w);
       const int64_t kc = s * cpb + c;
-      __m256 ds = d, dm = m, ds2 = d;
-      if constexpr (t.kind == Kind::kKMin) {
-        ds = _mm256_mul_ps(d, load_u8_8(sbp + 64 + 16 * c + 8 * h));
-        dm = _mm256_mul_ps(m, load_u8_8(sbp + 192 + 16 * c + 8 * h));
-      } else if constexpr (t.kind == Kind::kK6) {
-        ds = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c) + 8 * h));
-        ds2 = _mm256_mul_ps(d, load_i8_8(sbp + 32 + 16 * (2 * c + 1) + 8 * h));
-      }
+      __m256 ds, dm, ds2;
+      chunk_scales8<QT>(sbp, c, h, d, m, ds, dm, ds2);
       for (int r = 0; r < MR; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* x = xr.q + row * xr.k + 32 * kc;
-        const __m256 dx = _mm256_set1_ps(xr.d[row * xr.chunks + kc]);
         __m256i s0, s1;
-        k_sums<QT>(w, x, s0, s1);
-        if constexpr (t.kind == Kind::kK6) {
-          const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
-          s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
-          s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * b16[1]));
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(s0), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds2), _mm256_cvtepi32_ps(s1), acc[r]);
-        } else {
-          __m256i sum = _mm256_add_epi32(s0, s1);
-          if constexpr (t.kind == Kind::kOffset && !(t.bytes8 && kSignedDot8)) {
-            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
-          }
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(sum), acc[r]);
-          if constexpr (t.kind == Kind::kMin) {
-            acc[r] = _mm256_fmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
-          } else if constexpr (t.kind == Kind::kKMin) {
-            acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(xr.s[row * xr.chunks + kc]), acc[r]);
-          }
-        }
+        k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, s0, s1);
+        acc[r] = combine8<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, acc[r]);
-    uint16_t* o = out + (r0 + r) * ldo;
-    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? tmp[i] + bias[i] : tmp[i]);
-  }
+  store_rows8(acc, MR, r0, bias, out, ldo, cols);
 }
 
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
-  tile_half<QT, MR>(wg, 0, n_sb, xr, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
-  if (cols > 8) tile_half<QT, MR>(wg, 1, n_sb, xr, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
+  if constexpr (MR <= kBothHalvesRows) {
+    tile_both<QT, MR>(wg, n_sb, xr, r0, bias, out, ldo, cols);
+  } else {
+    tile_half<QT, MR>(wg, 0, n_sb, xr, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
+    if (cols > 8) tile_half<QT, MR>(wg, 1, n_sb, xr, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
+  }
 }
 
 #else  // portable C++: the same layout, lanes as arrays (the compiler vectorizes the 16-lane loops)

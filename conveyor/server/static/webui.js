@@ -311,7 +311,25 @@ function renderNode(s) {
     $("state-text").textContent = `${s.state.live} live · ${s.state.snapshots} snapshots · ${s.state.free} free of ` +
       `${s.state.slots} slots (${mib(s.state.bytes_per_slot)} MiB each, ${s.state.snapshot_hits} snapshot hits)`;
   }
+  renderTiers(s.tiers);
   renderSlots(s);
+}
+
+// The prefix cache's two tiers: cached blocks in RAM, and block files on disk (--prompt-cache-dir).
+function renderTiers(tiers) {
+  if (!tiers) return;
+  const mib = (b) => (b / 2 ** 20).toFixed(1);
+  const budget = (b) => (b === null || b === undefined ? "no cap" : `${mib(b)} MiB budget`);
+  const ram = tiers.ram;
+  $("tier-ram-text").textContent = `${ram.entries} blocks · ${mib(ram.bytes)} MiB (${budget(ram.budget_bytes)}) · ` +
+    `${ram.hit_tokens} hit tokens · ${ram.evictions} evicted`;
+  const disk = tiers.disk;
+  $("tier-disk").hidden = !disk;
+  if (disk) {
+    $("tier-disk-text").textContent = `${disk.entries} blocks · ${mib(disk.bytes)} MiB (${budget(disk.budget_bytes)}) · ` +
+      `${disk.hits} hits · ${disk.writes} writes · ${disk.dropped} dropped · ${disk.rejected} rejected · ` +
+      `${disk.corrupt} corrupt`;
+  }
 }
 
 function renderSlots(s) {

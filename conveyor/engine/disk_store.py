@@ -1,0 +1,281 @@
+"""The disk tier's files: one checksummed, tagged file per prefix block, a byte budget (least recently used
+first out), and the background writer that keeps the step loop off the disk.
+
+A file is `<key hex>.kvb`:
+
+    MAGIC (8) | header length, u32 LE (4) | header JSON | payload | blake2b-256 of everything before (32)
+
+The header names the block (its key and token ids) and carries the tag: model, weights fingerprint, block
+size and every KV tensor's dtype and per-block shape. A file whose checksum, length or tag does not match is
+never used: it is counted (corrupt or rejected), logged, and dropped from the index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conveyor.engine.block_keys import KEY_BYTES, key_hex
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"CVKVBLK1"
+SUFFIX = ".kvb"
+_DIGEST = 32
+
+
+@dataclass
+class DiskStats:
+    num_entries: int = 0
+    num_bytes: int = 0
+    num_hits: int = 0  # blocks read back and used
+    num_writes: int = 0
+    num_dropped: int = 0  # spills refused because the writer's queue was full
+    num_rejected: int = 0  # files of another model / layout (tag mismatch)
+    num_corrupt: int = 0  # checksum, length or format wrong
+    num_evictions: int = 0  # files removed by the budget
+    num_write_errors: int = 0
+
+
+class DiskStore:
+    """The files of one directory, indexed in memory (key -> bytes, least recently used first).
+
+    Thread-safe: the engine thread reads, the writer thread writes and evicts."""
+
+    def __init__(self, directory: str, tag: dict, budget_bytes: int | None) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.tag = json.loads(json.dumps(tag, sort_keys=True))  # as a header carries it back
+        self.budget_bytes = budget_bytes
+        self.stats = DiskStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[int, int] = OrderedDict()
+        self._scan()
+
+    def _scan(self) -> None:
+        """Index what earlier runs left, oldest first by mtime; contents are checked only when read."""
+        found = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.endswith(".tmp"):  # a write cut short by a crash
+                _remove(path)
+                continue
+            key = _key_of(name)
+            if key is None:
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.stats.num_bytes += size
+        self.stats.num_entries = len(self._index)
+        with self._lock:
+            self._evict_over_budget()
+
+    def path(self, key: int) -> str:
+        return os.path.join(self.directory, key_hex(key) + SUFFIX)
+
+    def contains(self, key: int) -> bool:
+        return key in self._index
+
+    # -- read ------------------------------------------------------------------------------
+    def read(self, key: int, tokens: Sequence[int]) -> bytearray | None:
+        """The block's payload, or None (absent, or a bad file: counted, logged and forgotten)."""
+        try:
+            with open(self.path(key), "rb") as f:
+                data = bytearray(f.read())
+        except OSError:
+            self._forget(key)
+            return None
+        payload, fault = self._check(data, key, tokens)
+        if fault is not None:
+            corrupt = fault.startswith("corrupt")
+            if corrupt:
+                self.stats.num_corrupt += 1
+            else:
+                self.stats.num_rejected += 1
+            logger.warning("prompt cache disk: %s not used (%s)", self.path(key), fault)
+            self._forget(key, delete=corrupt)  # a mismatched file may be another model's: left in place
+            return None
+        self.stats.num_hits += 1
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        _touch(self.path(key))  # the LRU order survives a restart
+        return payload
+
+    def _check(self, data: bytearray, key: int, tokens: Sequence[int]) -> tuple[bytearray | None, str | None]:
+        if len(data) < len(MAGIC) + 4 + _DIGEST or data[:len(MAGIC)] != MAGIC:
+            return None, "corrupt: not a block file or truncated"
+        if hashlib.blake2b(memoryview(data)[:-_DIGEST], digest_size=_DIGEST).digest() != data[-_DIGEST:]:
+            return None, "corrupt: checksum mismatch"
+        (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
+        start = len(MAGIC) + 4
+        try:
+            header = json.loads(bytes(data[start:start + header_len]))
+        except ValueError:
+            return None, "corrupt: unreadable header"
+        payload = data[start + header_len:-_DIGEST]
+        if header.get("payload_bytes") != len(payload):
+            return None, "corrupt: payload length"
+        if header.get("tag") != self.tag:
+            return None, f"rejected: tag {header.get('tag')} is not this engine's {self.tag}"
+        if header.get("key") != key_hex(key) or header.get("tokens") != list(tokens):
+            return None, "rejected: the file names another prefix"
+        return payload, None
+
+    # -- write (the writer thread, or a slot save) -----------------------------------------
+    def write(self, key: int, tokens: Sequence[int], payload) -> int:
+        """Write one block atomically (temp file + rename); returns the file's bytes."""
+        header = json.dumps({"key": key_hex(key), "tag": self.tag, "tokens": list(tokens),
+                             "payload_bytes": memoryview(payload).nbytes}).encode()
+        head = MAGIC + struct.pack("<I", len(header)) + header
+        digest = hashlib.blake2b(head, digest_size=_DIGEST)
+        digest.update(payload)
+        path = self.path(key)
+        tmp = f"{path}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(payload)
+            f.write(digest.digest())
+            size = f.tell()
+        _touch(tmp)
+        os.replace(tmp, path)
+        with self._lock:
+            old = self._index.pop(key, 0)
+            self._index[key] = size
+            self.stats.num_bytes += size - old
+            self.stats.num_writes += 1
+            self._evict_over_budget()
+            self.stats.num_entries = len(self._index)
+        return size
+
+    def remove(self, key: int) -> None:
+        self._forget(key, delete=True)
+
+    def _forget(self, key: int, delete: bool = False) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.stats.num_bytes -= size
+            self.stats.num_entries = len(self._index)
+        if delete:
+            _remove(self.path(key))
+
+    def _evict_over_budget(self) -> None:
+        """Oldest first until the files fit the budget (lock held)."""
+        while self.budget_bytes is not None and self.stats.num_bytes > self.budget_bytes and self._index:
+            key, size = self._index.popitem(last=False)
+            self.stats.num_bytes -= size
+            self.stats.num_evictions += 1
+            _remove(self.path(key))
+        self.stats.num_entries = len(self._index)
+
+    def keys(self) -> list[int]:
+        with self._lock:
+            return list(self._index)
+
+
+class SpillWriter:
+    """Writes spilled blocks on its own thread. offer() never waits: with the queue full the block is dropped
+    (counted), as the engine must not stall on a slow disk."""
+
+    def __init__(self, store: DiskStore, max_queued: int) -> None:
+        self.store = store
+        self._queue: queue.Queue = queue.Queue(max_queued)
+        self._queued: set[int] = set()  # keys waiting, so a block evicted twice is written once
+        self._thread = threading.Thread(target=self._run, name="conveyor-disk-writer", daemon=True)
+        self._thread.start()
+
+    def has_room(self) -> bool:
+        return not self._queue.full()
+
+    def is_queued(self, key: int) -> bool:
+        return key in self._queued
+
+    def drop(self) -> None:
+        self.store.stats.num_dropped += 1
+
+    def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False) -> bool:
+        """Queue a block (payload: a CPU tensor or bytes the caller no longer touches)."""
+        try:
+            self._queue.put((key, tokens, payload), block=block)
+        except queue.Full:
+            self.drop()
+            return False
+        self._queued.add(key)
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued block is written; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, tokens, payload = item
+                try:
+                    self.store.write(key, tokens, _as_bytes(payload))
+                except OSError as exc:
+                    self.store.stats.num_write_errors += 1
+                    logger.warning("prompt cache disk: writing %s failed: %s", self.store.path(key), exc)
+                finally:
+                    self._queued.discard(key)
+            finally:
+                self._queue.task_done()
+
+
+def _as_bytes(payload):
+    return payload.numpy() if hasattr(payload, "numpy") else payload
+
+
+def _key_of(name: str) -> int | None:
+    if not name.endswith(SUFFIX) or len(name) != 2 * KEY_BYTES + len(SUFFIX):
+        return None
+    try:
+        return int.from_bytes(bytes.fromhex(name[:-len(SUFFIX)]), "little")
+    except ValueError:
+        return None
+
+
+def _touch(path: str) -> None:
+    """mtime = now, at the clock's resolution (the file system's own stamps can tie within a tick)."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,190 @@
+"""The prefix cache's disk tier: between the block pool (ints) and the files (disk_store.py).
+
+    RAM (BlockPool)  --evicted / shutdown-->  copy to CPU bytes  --writer thread-->  DIR/<key>.kvb
+         ^                                                                              |
+         └------------ a RAM miss that the disk has: read, checked, into a fresh block --┘
+
+A block's payload is the raw bytes of every KV tensor the runner keeps for it (each layer's K then V, in
+layer order), so any KV dtype or block layout extends it; the tag names each tensor's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.disk_store import DiskStore, SpillWriter
+
+logger = logging.getLogger(__name__)
+
+TAG_FORMAT = 1
+SAMPLE_BYTES = 1 << 20  # a weight file's first and last MiB go into its fingerprint
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    directory: str
+    budget_bytes: int | None
+    spill: bool = True  # write evicted blocks and, at close, every cached one
+    consult: bool = True  # find_prefix reads the disk when RAM misses (off: a store only slots use)
+    max_queued: int = 256  # blocks waiting for the writer; beyond, spills are dropped (counted)
+
+
+class DiskTier:
+    def __init__(self, config: DiskTierConfig, tag: dict, tensors: list[torch.Tensor]) -> None:
+        self.config = config
+        self.tensors = tensors  # (num_blocks, ...) each: the pool's bytes, per layer K and V
+        self._sizes = [t[0].numel() * t.element_size() for t in tensors]
+        self.block_bytes = sum(self._sizes)
+        self.store = DiskStore(config.directory, tag, config.budget_bytes)
+        self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
+
+    @property
+    def consult(self) -> bool:
+        return self.config.consult
+
+    def contains(self, key: int) -> bool:
+        return self.store.contains(key)
+
+    # -- RAM -> disk -----------------------------------------------------------------------
+    def on_evict(self, block: int, key: int, tokens: tuple[int, ...]) -> None:
+        """The pool's eviction hook (engine thread): the block is about to be reused, so its bytes are copied
+        now and written later; a full queue drops it rather than wait."""
+        writer = self.writer
+        if writer is None or self.store.contains(key) or writer.is_queued(key):
+            return
+        if not writer.has_room():
+            writer.drop()
+            return
+        writer.offer(key, tokens, self._copy_out(block))
+
+    def spill_cached(self, pool: BlockPool) -> int:
+        """At shutdown: queue every cached block the disk lacks, waiting for room (nothing steps any more)."""
+        if self.writer is None:
+            return 0
+        count = 0
+        for block, key in enumerate(pool.block_hashes):
+            if key is None or self.store.contains(key) or self.writer.is_queued(key):
+                continue
+            self.writer.offer(key, pool.block_tokens[block], self._copy_out(block), block=True)
+            count += 1
+        return count
+
+    def write_now(self, block: int, key: int, tokens: tuple[int, ...]) -> int:
+        """A slot save: written on the caller's thread; returns the bytes written (0 if already there)."""
+        if self.store.contains(key):
+            return 0
+        return self.store.write(key, tokens, self._copy_out(block).numpy())
+
+    def _copy_out(self, block: int) -> torch.Tensor:
+        return torch.cat([t[block].reshape(-1).view(torch.uint8) for t in self.tensors]).cpu()
+
+    # -- disk -> RAM -----------------------------------------------------------------------
+    def load(self, block: int, key: int, tokens: tuple[int, ...]) -> bool:
+        """Fill `block` with the stored K/V of (key, tokens); False when the file is absent or bad."""
+        payload = self.store.read(key, tokens)
+        if payload is None:
+            return False
+        if len(payload) != self.block_bytes:  # a tag match makes this unreachable; never trust it blindly
+            self.store.stats.num_corrupt += 1
+            self.store.remove(key)
+            return False
+        src = torch.frombuffer(payload, dtype=torch.uint8)
+        offset = 0
+        for tensor, size in zip(self.tensors, self._sizes):
+            tensor[block].reshape(-1).view(torch.uint8).copy_(src[offset:offset + size])
+            offset += size
+        return True
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self, pool: BlockPool | None = None, timeout: float = 60.0) -> None:
+        """Spill what RAM still caches (when given the pool), then wait for the writer."""
+        if pool is not None:
+            num = self.spill_cached(pool)
+            if num:
+                logger.info("prompt cache disk: writing %d cached blocks to %s", num, self.config.directory)
+        if self.writer is not None:
+            self.writer.close(timeout)
+
+    def report(self) -> dict:
+        stats = self.store.stats
+        return {"enabled": True, "dir": self.config.directory, "spill": self.config.spill,
+                "consult": self.config.consult, "entries": stats.num_entries, "bytes": stats.num_bytes,
+                "budget_bytes": self.config.budget_bytes, "bytes_per_block": self.block_bytes,
+                "hits": stats.num_hits, "writes": stats.num_writes, "dropped": stats.num_dropped,
+                "rejected": stats.num_rejected, "corrupt": stats.num_corrupt, "evictions": stats.num_evictions,
+                "write_errors": stats.num_write_errors}
+
+
+def kv_tag(model_name: str, architecture: str, weights: str, block_size: int, tensors: list[torch.Tensor]) -> dict:
+    """What a block file must match to be used here."""
+    return {"format": TAG_FORMAT, "model": model_name, "arch": architecture, "weights": weights,
+            "block_size": block_size,
+            "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]}
+
+
+def weights_fingerprint(source: str, weights: dict) -> str:
+    """A cheap stable name of the weights: each weight file's size, mtime and first/last MiB, or (a checkpoint
+    built in memory) every tensor's name, shape and bytes sampled at both ends."""
+    digest = hashlib.blake2b(digest_size=16)
+    files = _weight_files(source)
+    if files:
+        for path in files:
+            st = os.stat(path)
+            digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(SAMPLE_BYTES))
+                f.seek(max(st.st_size - SAMPLE_BYTES, 0))
+                digest.update(f.read(SAMPLE_BYTES))
+        return digest.hexdigest()
+    for name in sorted(weights):
+        tensor = weights[name]
+        raw = getattr(tensor, "raw", tensor)  # GGML blocks: their bytes
+        flat = raw.detach().reshape(-1).contiguous().view(torch.uint8)
+        digest.update(f"{name}:{tuple(raw.shape)}:{raw.dtype}".encode())
+        digest.update(flat[:4096].numpy().tobytes())
+        digest.update(flat[-4096:].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _weight_files(source: str) -> list[str]:
+    if os.path.isfile(source):
+        return [source]
+    if os.path.isdir(source):
+        return sorted(os.path.join(source, n) for n in os.listdir(source)
+                      if n.endswith((".safetensors", ".gguf", ".bin", ".pt")) or n == "config.json")
+    return []
+
+
+def build_disk_tier(config, checkpoint, kv_tensors: list[torch.Tensor], one_group: bool) -> DiskTier | None:
+    """The tier `config` (EngineConfig) asks for, or None: --prompt-cache-dir for the prefix cache, or only
+    --slot-save-path (then a store under it that slots alone use). Hybrid and sliding-window models are
+    refused with a warning: their recurrent snapshots and second block group are not stored."""
+    from conveyor.config import parse_kv_budget
+
+    if config.prompt_cache_dir is None and config.slot_save_path is None:
+        return None
+    if not one_group:
+        logger.warning("prompt cache disk tier and slot persistence are off for this model: it keeps recurrent "
+                       "state or a sliding-window block group, which the disk tier does not store")
+        return None
+    if not config.enable_prefix_caching:
+        logger.warning("prompt cache disk tier and slot persistence need the prefix cache (--no-prompt-cache given)")
+        return None
+    tier_on = config.prompt_cache_dir is not None
+    if config.slot_save_path is not None:
+        os.makedirs(config.slot_save_path, exist_ok=True)
+    directory = config.prompt_cache_dir if tier_on else os.path.join(config.slot_save_path, "blocks")
+    budget = parse_kv_budget(config.prompt_cache_disk_budget)
+    tag = kv_tag(checkpoint.name, checkpoint.config.architecture,
+                 weights_fingerprint(checkpoint.source, checkpoint.weights), config.block_size, kv_tensors)
+    tier = DiskTier(DiskTierConfig(directory, budget, spill=tier_on, consult=tier_on), tag, kv_tensors)
+    logger.info("prompt cache disk tier: %s (%d blocks, %.1f MiB on disk, budget %s)%s", directory,
+                tier.store.stats.num_entries, tier.store.stats.num_bytes / 2**20, config.prompt_cache_disk_budget,
+                "" if tier_on else ", used by saved slots only")
+    return tier

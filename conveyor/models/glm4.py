@@ -1,0 +1,16 @@
+"""GLM-4 (0414): Gemma's sandwich of norms under other names, gate|up fused in the checkpoint (as Phi-3),
+q/k/v biases, and interleaved rotary on half of each head (partial_rotary_factor 0.5; q/k rows permuted at load)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# GLM's norm after attention is post_self_attn_layernorm; its post_attention_layernorm is the norm before the MLP.
+WEIGHT_RENAMES = {".post_self_attn_layernorm.": ".post_attention_layernorm.",
+                  ".post_attention_layernorm.": ".pre_feedforward_layernorm.",
+                  ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(norm_layout="sandwich", rope_interleaved=True, attention_bias=bool(raw.get("attention_bias", True)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1.5625e-07)))

@@ -1,0 +1,21 @@
+"""Ministral 3 (text): Mistral with YaRN rotary (layers.py) and Llama 4's attention temperature: each query,
+after rotary, is scaled by 1 + beta * log(1 + floor(pos / original_max_position_embeddings))."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    beta = rope.pop("llama_4_scaling_beta", None)
+    rope.pop("max_position_embeddings", None)  # transformers keeps a copy here; ours is the model's own
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    original = rope.get("original_max_position_embeddings")
+    if beta and not original:
+        raise NotImplementedError("llama_4_scaling_beta without original_max_position_embeddings")
+    return dict(rope_theta=theta, rope_scaling=rope if kind != "default" else None,
+                attn_temperature_beta=float(beta or 0.0), attn_temperature_length=int(original or 0),
+                sliding_window=raw.get("sliding_window") or None,
+                attention_bias=False)

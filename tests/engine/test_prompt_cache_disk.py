@@ -1,0 +1,196 @@
+"""The prefix cache's disk tier: blocks survive a restart and come back bitwise, bad files are never used,
+the budget evicts the oldest, and the writer never blocks the step loop."""
+
+import logging
+import os
+import threading
+
+import pytest
+
+from conveyor.engine.block_keys import chain_hashes, key_hex
+from conveyor.engine.disk_store import SUFFIX, DiskStore, SpillWriter
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.testing import tiny_checkpoint as make_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
+PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Name a prime number."]
+
+
+def _engine(checkpoint, cache_dir=None, **fields) -> LLM:
+    return LLM(checkpoint=checkpoint, parallel=2, ctx_size=2 * 1024, prompt_cache_dir=cache_dir, **fields)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_checkpoint):
+    """Greedy outputs of a RAM-only engine, per prompt: what every disk hit must reproduce."""
+    llm = _engine(tiny_checkpoint, enable_prefix_caching=False)
+    return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+
+
+def _block_path(directory, llm: LLM, prompt: str, index: int) -> str:
+    ids = llm.tokenizer.encode(prompt)
+    key = chain_hashes(ids, llm.engine.kv.block_size, index + 1)[-1]
+    return os.path.join(directory, key_hex(key) + SUFFIX)
+
+
+def _run_and_close(checkpoint, directory, prompts=PROMPTS, **fields):
+    llm = _engine(checkpoint, str(directory), **fields)
+    out = [r.token_ids for r in llm.generate(prompts, GREEDY)]
+    llm.engine.kv.check_integrity()
+    llm.engine.close()
+    return llm, out
+
+
+@pytest.mark.batch_invariant
+def test_restart_reads_the_prefix_back_bitwise(tiny_checkpoint, cold, tmp_path):
+    first, out = _run_and_close(tiny_checkpoint, tmp_path)
+    assert out == cold
+    report = first.engine.disk_report()
+    assert report["entries"] > 0 and report["writes"] == report["entries"] and report["hits"] == 0
+
+    again = _engine(tiny_checkpoint, str(tmp_path))  # a new process would see the same files
+    results = again.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == cold
+    report = again.engine.disk_report()
+    assert report["hits"] > 0 and report["hit_tokens"] >= 16 * 4
+    assert report["corrupt"] == report["rejected"] == 0
+    assert results[0].num_cached_tokens >= 16 * 4  # adopted: no prefill of the system prompt
+    again.engine.kv.check_integrity()
+    again.engine.close()
+
+
+@pytest.mark.batch_invariant
+def test_blocks_spilled_under_pressure_come_back_in_the_same_run(tiny_checkpoint, cold, tmp_path):
+    # A prompt cache of two blocks: later prompts evict the first one's blocks, which go to disk.
+    probe = _engine(tiny_checkpoint, enable_prefix_caching=False)
+    budget = 2 * probe.engine.pool_plan.bytes_per_block
+    llm = _engine(tiny_checkpoint, str(tmp_path), prompt_cache_budget=str(budget))
+    assert [r.token_ids for r in llm.generate(PROMPTS[:1], GREEDY)] == cold[:1]
+    others = ["Another topic entirely, about rivers and hills. " * 6 + str(i) for i in range(3)]
+    llm.generate(others, GREEDY)
+    assert llm.engine.disk.writer.flush(timeout=60)
+    assert os.path.exists(_block_path(tmp_path, llm, PROMPTS[0], 0))
+    hits_before = llm.engine.disk_report()["hits"]
+    assert [r.token_ids for r in llm.generate(PROMPTS[:1], GREEDY)] == cold[:1]
+    assert llm.engine.disk_report()["hits"] > hits_before
+    llm.engine.kv.check_integrity()
+    llm.engine.close()
+
+
+@pytest.mark.batch_invariant
+def test_corrupt_or_truncated_files_are_counted_and_never_used(tiny_checkpoint, cold, tmp_path, caplog):
+    first, _ = _run_and_close(tiny_checkpoint, tmp_path)
+    path = _block_path(tmp_path, first, PROMPTS[0], 0)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01  # one flipped bit in the payload
+    open(path, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="conveyor.engine.disk_store"):
+        llm, out = _run_and_close(tiny_checkpoint, tmp_path, prompts=PROMPTS[:1])
+    assert out == cold[:1]
+    report = llm.engine.disk_report()
+    assert report["corrupt"] == 1 and report["hits"] == 0  # the first block failed: a cold prefill
+    assert "checksum" in caplog.text
+
+    path = _block_path(tmp_path, first, PROMPTS[0], 3)  # block 0 was rewritten at close; cut block 3 short
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    llm, out = _run_and_close(tiny_checkpoint, tmp_path, prompts=PROMPTS[:1])
+    assert out == cold[:1]
+    report = llm.engine.disk_report()
+    assert report["corrupt"] == 1 and report["hits"] == 3  # blocks 0-2 came back, then a prefill
+
+
+def test_another_kv_dtype_is_rejected_not_used(tiny_checkpoint, tmp_path):
+    _run_and_close(tiny_checkpoint, tmp_path, prompts=PROMPTS[:1])
+    fp32_cold = _engine(tiny_checkpoint, dtype="float32", enable_prefix_caching=False)
+    want = [r.token_ids for r in fp32_cold.generate(PROMPTS[:1], GREEDY)]
+    llm, out = _run_and_close(tiny_checkpoint, tmp_path, prompts=PROMPTS[:1], dtype="float32")
+    assert out == want
+    report = llm.engine.disk_report()
+    assert report["rejected"] == 1 and report["hits"] == 0
+
+
+def _tag(**overrides):
+    return {"model": "m", "block_size": 16, "tensors": [["bfloat16", [16, 2, 8]]], **overrides}
+
+
+def test_a_store_rejects_another_block_size_and_another_prefix(tmp_path):
+    DiskStore(str(tmp_path), _tag(), None).write(7, (1, 2, 3), b"x" * 64)
+    other = DiskStore(str(tmp_path), _tag(block_size=32), None)
+    assert other.contains(7) and other.read(7, (1, 2, 3)) is None
+    assert other.stats.num_rejected == 1 and not other.contains(7)
+    same = DiskStore(str(tmp_path), _tag(), None)
+    assert same.read(7, (1, 2, 4)) is None and same.stats.num_rejected == 1  # tokens differ: not this block
+    assert bytes(DiskStore(str(tmp_path), _tag(), None).read(7, (1, 2, 3))) == b"x" * 64
+
+
+def test_the_budget_evicts_the_least_recently_used(tmp_path):
+    store = DiskStore(str(tmp_path), _tag(), None)
+    size = store.write(1, (1,), b"a" * 1000)
+    store = DiskStore(str(tmp_path), _tag(), budget_bytes=3 * size)
+    store.write(2, (2,), b"b" * 1000)
+    store.write(3, (3,), b"c" * 1000)
+    assert store.read(1, (1,)) is not None  # 1 is now the most recent
+    store.write(4, (4,), b"d" * 1000)
+    assert store.keys() == [3, 1, 4] and store.stats.num_evictions == 1
+    assert not os.path.exists(store.path(2))
+    # A restart keeps the order (mtime) and the budget.
+    again = DiskStore(str(tmp_path), _tag(), budget_bytes=2 * size)
+    assert again.keys() == [1, 4] and again.stats.num_bytes == 2 * size
+
+
+class _StuckStore(DiskStore):
+    """Writes wait for `release`: a disk that does not keep up."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writing, self.release = threading.Event(), threading.Event()
+
+    def write(self, key, tokens, payload):
+        self.writing.set()
+        assert self.release.wait(60)
+        return super().write(key, tokens, payload)
+
+
+def test_a_full_writer_queue_drops_and_never_waits(tmp_path):
+    store = _StuckStore(str(tmp_path), _tag(), None)
+    writer = SpillWriter(store, max_queued=2)
+    assert writer.offer(1, (1,), b"1")
+    assert store.writing.wait(60)  # the writer holds block 1; the queue is empty again
+    assert writer.offer(2, (2,), b"2") and writer.offer(3, (3,), b"3")
+    assert not writer.has_room()
+    assert [writer.offer(k, (k,), b"k") for k in (4, 5, 6)] == [False] * 3  # returned at once, dropped
+    assert store.stats.num_dropped == 3
+    store.release.set()
+    assert writer.flush(timeout=60)
+    writer.close()
+    assert sorted(store.keys()) == [1, 2, 3] and store.stats.num_writes == 3
+
+
+def test_refused_for_models_with_a_second_block_group(tmp_path, caplog):
+    from conveyor.testing import tiny_hybrid_checkpoint
+
+    with caplog.at_level(logging.WARNING, logger="conveyor.engine.prefix_disk"):
+        llm = LLM(checkpoint=tiny_hybrid_checkpoint("lfm2"), parallel=2, ctx_size=2 * 1024,
+                  prompt_cache_dir=str(tmp_path))
+    assert llm.engine.disk is None and llm.engine.disk_report() is None
+    assert "recurrent state" in caplog.text
+
+
+@pytest.mark.batch_invariant
+def test_quantized_kv_blocks_go_to_disk_as_they_are(tmp_path):
+    """q8_0 K/V blocks (int8 rows and scales) spill and come back bitwise; a bf16 engine never reads them."""
+    checkpoint = make_tiny_checkpoint(head_dim=32)  # q8_0 needs whole 32-value blocks
+    q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    want = [r.token_ids for r in _engine(checkpoint, enable_prefix_caching=False, **q8).generate(PROMPTS, GREEDY)]
+    _, out = _run_and_close(checkpoint, tmp_path, **q8)
+    assert out == want
+    llm, out = _run_and_close(checkpoint, tmp_path, **q8)
+    assert out == want
+    assert llm.engine.disk_report()["hits"] > 0
+    bf16, _ = _run_and_close(checkpoint, tmp_path, prompts=PROMPTS[:1])
+    report = bf16.engine.disk_report()
+    assert report["hits"] == 0 and report["rejected"] >= 1
