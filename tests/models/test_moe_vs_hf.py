@@ -46,7 +46,7 @@ def _hf_model(family: str):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith(("mlp.gate.weight", "feed_forward.router.weight")):  # rows pick different experts
                 p.normal_(0, 0.5)
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # Llama 4's init is 0.02
+            elif name.endswith(("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj")):  # init 0.02
                 p.normal_(0, 0.2)
     return model
 
@@ -91,3 +91,24 @@ def test_config_fields():
 
 def qwen_raw() -> dict:
     return _hf_model("qwen3_moe").config.to_dict() | {"mlp_only_layers": []}
+
+
+def test_llama4_config_fields():
+    raw = _hf_model("llama4_text").config.to_dict()
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.no_rope_layers == (3,) and cfg.dense_mlp_layers == (0, 2) and cfg.rope_interleaved
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (80, 48, 48)
+    assert cfg.moe_scoring == "sigmoid" and cfg.moe_weight_input and not cfg.norm_topk_prob and cfg.qk_l2_norm
+    assert (cfg.attn_temperature_beta, cfg.attn_temperature_length, cfg.attn_temperature_offset) == (0.5, 4, 1)
+    assert cfg.max_served_context == 256 and cfg.rope_scaling["rope_type"] == "llama3"
+    # Scout's layout: MoE every layer, NoPE every 4th; Maverick's moe_layers; no chunking, no cap
+    scout = ModelConfig.from_hf_dict(raw | {"num_hidden_layers": 8, "interleave_moe_layer_step": 1, "moe_layers": None,
+                                            "no_rope_layers": None, "layer_types": None})
+    assert scout.no_rope_layers == (3, 7) and scout.dense_mlp_layers == ()
+    maverick = ModelConfig.from_hf_dict(raw | {"moe_layers": [1], "attention_chunk_size": None,
+                                               "attn_temperature_tuning": False})
+    assert maverick.dense_mlp_layers == (0, 2, 3) and maverick.max_served_context == 0
+    assert maverick.attn_temperature_beta == 0.0
+    # the Hub's multimodal config: its text_config is run
+    wrapped = ModelConfig.from_hf_dict({"model_type": "llama4", "text_config": raw, "vision_config": {}})
+    assert wrapped.architecture == "llama4_text" and wrapped.dense_mlp_layers == (0, 2)
