@@ -1,4 +1,5 @@
-"""The engine on tiny random Mixtral, Qwen3-MoE and Llama 4 (text): 16 concurrent greedy requests == one at a time (bf16)."""
+"""The engine on tiny random Mixtral, Qwen3-MoE and Llama 4 (text): 16 concurrent greedy requests == one at a time
+(bf16); Llama 4's context capped at its attention chunk."""
 
 import pytest
 

@@ -140,7 +140,8 @@ def test_llama4_directories_load(tmp_path, copy_tokenizer) -> None:
               hub / "model.safetensors")
     (hub / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": cfg.to_dict(),
                                                  "vision_config": {}}))
-    gate_up, down = state["model.layers.1.feed_forward.experts.gate_up_proj"], state["model.layers.1.feed_forward.experts.down_proj"]
+    moe = "model.layers.1.feed_forward.experts."
+    gate_up, down = state[moe + "gate_up_proj"], state[moe + "down_proj"]
     for folder in (plain, hub):
         copy_tokenizer(folder)
         ck = load_checkpoint(str(folder))
@@ -151,5 +152,6 @@ def test_llama4_directories_load(tmp_path, copy_tokenizer) -> None:
         assert torch.equal(w["model.layers.1.mlp.experts.2.down_proj.weight"], down[2].T)
         assert torch.equal(w["model.layers.1.mlp.shared_expert.up_proj.weight"],
                            state["model.layers.1.feed_forward.shared_expert.up_proj.weight"])
-        assert torch.equal(w["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.feed_forward.down_proj.weight"])
+        assert torch.equal(w["model.layers.0.mlp.down_proj.weight"],
+                           state["model.layers.0.feed_forward.down_proj.weight"])
         assert torch.equal(w["lm_head.weight"], state["lm_head.weight"])
