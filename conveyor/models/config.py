@@ -215,6 +215,8 @@ class ModelConfig:
                                    f"relu2 in hybrid models; xielu in dense ones)")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
             raise ModelConfigError("an attention temperature needs a positive length (original context)")
+        if self.max_served_context < 0:
+            raise ModelConfigError(f"max_served_context must be >= 0, got {self.max_served_context!r}")
         if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
             raise ModelConfigError(f"no_rope_layers {self.no_rope_layers} names layers past {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
