@@ -127,6 +127,10 @@ def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.T
     for e in range(config.num_experts):
         weights.update({names.expert(prefix, e, "gate"): rand(width, h), names.expert(prefix, e, "up"): rand(width, h),
                         names.expert(prefix, e, "down"): rand(h, width)})
+    shared = config.shared_expert_intermediate_size  # Llama 4
+    if shared:
+        weights.update({names.shared(prefix, "gate"): rand(shared, h), names.shared(prefix, "up"): rand(shared, h),
+                        names.shared(prefix, "down"): rand(h, shared)})
     return weights
 
 
@@ -178,11 +182,19 @@ TINY_MOE = {
                       qk_norm=True, norm_topk_prob=False),
     "olmoe": dict(architecture="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                   qk_norm=True, qk_norm_scope="full", norm_topk_prob=False),
+    # Llama 4 (text): layers rotary+dense, rotary+MoE, rotary+dense, NoPE+MoE; sigmoid top-1 on the expert input
+    # beside a shared expert; the NoPE layer's temperature steps every 8 positions; the context capped at 512.
+    "llama4_text": dict(architecture="llama4_text", num_hidden_layers=4, num_experts=4, num_experts_per_tok=1,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_scoring="sigmoid",
+                        norm_topk_prob=False, moe_weight_input=True, dense_mlp_layers=(0, 2), no_rope_layers=(3,),
+                        rope_interleaved=True, qk_l2_norm=True, attn_temperature_beta=0.5,
+                        attn_temperature_length=8, attn_temperature_offset=1, attn_temperature_nope_only=True,
+                        max_served_context=512, rope_theta=500000.0),
 }
 
 
 def tiny_moe_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
-    """tiny_checkpoint as a random Mixtral / Qwen3-MoE / OLMoE (weights under that family's HF names)."""
+    """tiny_checkpoint as a random Mixtral / Qwen3-MoE / OLMoE / Llama 4 (weights under that family's HF names)."""
     tokenizer = smollm_tokenizer()
     config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
                          **{**TINY_MOE[architecture], **overrides})

@@ -89,6 +89,10 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
             names.append(experts.router(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
+            if config.shared_expert_intermediate_size:  # Llama 4
+                names += [experts.shared(f"{layer}.", part) for part in ("gate", "up", "down")]
+                if config.shared_expert_gate:
+                    names.append(experts.shared_gate(f"{layer}."))
         elif config.hidden_act == "xielu":  # Apertus: no gate; the activation's scalars
             names += [f"{layer}.mlp.{p}_proj.weight" for p in ("up", "down")]
             names += [f"{layer}.mlp.act_fn.{p}" for p in ("alpha_p", "alpha_n", "beta", "eps")]
@@ -124,6 +128,8 @@ def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str
                 continue
             if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 or len(stacked) != config.num_experts:
                 raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
+            if names.stacked_transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
+                stacked = stacked.transpose(1, 2)
             for piece, tensors in zip(pieces, stacked.chunk(len(pieces), dim=1)):
                 out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})
     return out

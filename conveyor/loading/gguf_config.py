@@ -20,11 +20,11 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       # issue #25 (OLMo 3 is written as olmo2, with its sliding-window keys)
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
-                      "apertus": "apertus"}
+                      "apertus": "apertus", "llama4": "llama4_text"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
-_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False,
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False,
               "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True}
 
 
@@ -161,7 +161,24 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
                       logits_scaling=float(meta("logit_scale", 1.0)))
     elif arch == "phi3":
         fields.update(sliding_window=int(window) if window else None)
+    elif arch == "llama4":
+        fields.update(_llama4(meta, base, window))
     return fields
+
+
+def _llama4(meta, base: dict[str, Any], window: Any) -> dict[str, Any]:
+    """What llama.cpp fixes for `llama4` (src/models/llama4.cpp): unless the file says sliding_window 0 (every
+    layer rotary, unchunked), every 4th layer is NoPE with temperature 0.1 by floor 8192 and offset 1, and the
+    rotary layers attend in 8192-token chunks; q/k L2-norm except with 128 experts (Maverick); q/k not permuted."""
+    layers, width = base["num_hidden_layers"], base["moe_intermediate_size"]
+    fields: dict[str, Any] = dict(rope_interleaved=True, qk_l2_norm=base["num_experts"] != 128,
+                                  shared_expert_intermediate_size=width, moe_scoring="sigmoid", moe_weight_input=True)
+    if window is not None and int(window) == 0:
+        return fields
+    step = int(meta("attention.sliding_window_pattern", 4))
+    return dict(fields, no_rope_layers=tuple(i for i in range(layers) if (i + 1) % step == 0),
+                attn_temperature_beta=0.1, attn_temperature_length=8192, attn_temperature_offset=1,
+                attn_temperature_nope_only=True, max_served_context=8192)
 
 
 def _smollm3(meta, base: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,9 @@ ARCH_BLOCK_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     # GLM-4: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
     "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
+    # Llama 4: the ungated shared expert beside the routed ones
+    "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+               "ffn_down_shexp": "mlp.shared_expert.down_proj"},
 }
 # Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
 # Apertus, whose converter sets undo_permute = False).

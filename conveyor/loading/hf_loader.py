@@ -75,11 +75,15 @@ def read_json(path: str) -> dict[str, Any]:
 
 
 def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal checkpoint's text model under text-only names (model.language_model.* -> model.*);
-    select_weights then drops the rest (the vision tower model.visual.*, the MTP head mtp.*)."""
-    prefix = "model.language_model."
-    return {"model." + name[len(prefix):] if name.startswith(prefix) else name: tensor
-            for name, tensor in weights.items()}
+    """A multimodal checkpoint's text model under text-only names (model.language_model.* -> model.*; Llama 4's
+    language_model.model.* and language_model.lm_head.* -> model.*, lm_head.*); select_weights then drops the
+    rest (the vision tower model.visual.* or vision_model.*, the MTP head mtp.*)."""
+    def text_name(name: str) -> str:
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        return name[len("language_model."):] if name.startswith("language_model.") else name
+
+    return {text_name(name): tensor for name, tensor in weights.items()}
 
 
 def rename_weights(architecture: str, weights: dict[str, Any]) -> dict[str, Any]:

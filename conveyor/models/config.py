@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, granite, granite_hybrid, hunyuan_dense,
-                             lfm2, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5, qwen3_moe,
-                             qwen3_next, seed_oss, smollm3)
+                             lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5,
+                             qwen3_moe, qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
                            "hunyuan_v1_dense", "apertus",
-                           "mixtral", "qwen3_moe", "olmoe", "lfm2", "qwen3_5_text",
+                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "lfm2", "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
@@ -24,6 +24,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
+                 "llama4_text": llama4.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
                  "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
                  "lfm2_moe": lfm2.moe_hf_fields,
@@ -32,7 +33,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
 
 # Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
 HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
-                     "glm4": glm4.WEIGHT_RENAMES}
+                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -46,7 +47,7 @@ CHANNEL_LAYER_TYPES = ("mlp", "moe")
 HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
                         "nemotron_h", "falcon_h1", "mamba2")
 # Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
-MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -98,6 +99,14 @@ class ModelConfig:
     # Ministral 3 (Llama 4's attention temperature): queries scaled by 1 + beta * log(1 + floor(pos / length)).
     attn_temperature_beta: float = 0.0
     attn_temperature_length: int = 0
+    # Llama 4: the temperature on NoPE layers only, by (pos + 1): 1 + beta * log(1 + floor((pos + 1) / length)).
+    attn_temperature_nope_only: bool = False
+    attn_temperature_offset: int = 0
+    # Llama 4: q and k L2-normalised per head (an RMSNorm without weight) after rotary, on rotary layers only.
+    qk_l2_norm: bool = False
+    # Llama 4's chunked local attention (attention_chunk_size): equal to causal attention up to one chunk, so the
+    # served context is capped here (0: no cap) rather than chunking in the kernel.
+    max_served_context: int = 0
     # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
     # "post" (OLMo 2: after attention and MLP only).
     norm_layout: str = "pre"
@@ -134,6 +143,8 @@ class ModelConfig:
     # sigmoid(w . x) where shared_expert_gate (Qwen3-Next / Qwen3.5-MoE), plain where not (Nemotron-H).
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # Llama 4: the routing weight scales each chosen expert's input (rounded to the model dtype), not its output.
+    moe_weight_input: bool = False
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -204,6 +215,8 @@ class ModelConfig:
                                    f"relu2 in hybrid models; xielu in dense ones)")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
             raise ModelConfigError("an attention temperature needs a positive length (original context)")
+        if self.max_served_context < 0:
+            raise ModelConfigError(f"max_served_context must be >= 0, got {self.max_served_context!r}")
         if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
             raise ModelConfigError(f"no_rope_layers {self.no_rope_layers} names layers past {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -392,6 +405,7 @@ class ExpertNames:
     shared_block: str = "shared_expert"  # Nemotron-H: shared_experts
     # All experts in one tensor per part, gate|up (E, 2I, H) and down (E, H, I): Qwen3.5-MoE on the Hub, Granite 4.0-H
     stacked_parts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    stacked_transposed: bool = False  # Llama 4: gate|up (E, H, 2I) and down (E, I, H), inputs first
 
     def router(self, prefix: str) -> str:
         return f"{prefix}{self.block}.{self.router_name}.weight"
@@ -425,5 +439,8 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "granitemoehybrid": ExpertNames("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
                                                 router_name="router.layer",
                                                 stacked_parts=("input_linear.weight", "output_linear.weight")),
+                # renamed from feed_forward.* at load (llama4.WEIGHT_RENAMES)
+                "llama4_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
+                                           stacked_transposed=True),
                 "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
                                           shared_block="shared_experts")}

@@ -49,13 +49,17 @@ class LlamaAttention(nn.Module):
         # QK-norm per head (Qwen3, Gemma 3) or over the whole q / k projection (OLMo 2, OLMoE).
         self.full_qk_norm = config.qk_norm and config.qk_norm_scope == "full"
         q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        # Llama 4's L2-norm is an RMSNorm of weight 1 (set at load), on the rotary layers only.
+        l2_norm = config.qk_l2_norm and self.rotary_dim > 0
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, ops) if config.qk_norm or l2_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm or l2_norm else None
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
-        self.norm_after_rope = config.qk_norm_after_rope  # Hunyuan
-        self.temperature = (config.attn_temperature_beta, config.attn_temperature_length)  # Ministral 3
+        self.norm_after_rope = config.qk_norm_after_rope or l2_norm  # Hunyuan, Llama 4
+        # Ministral 3 (every layer), Llama 4 (NoPE layers, by pos + 1)
+        beta = 0.0 if config.attn_temperature_nope_only and self.rotary_dim else config.attn_temperature_beta
+        self.temperature = (beta, config.attn_temperature_length, config.attn_temperature_offset)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         meta = meta.for_window(self.window)  # a sliding layer's K/V may sit in the sliding group's blocks
@@ -86,7 +90,7 @@ class LlamaAttention(nn.Module):
             qk = self._head_norm(qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.temperature[0]:
-            q = q * _temperature(meta.token_pos, *self.temperature).to(q.dtype)[:, None, None]
+            q = _scale_queries(q, meta.token_pos, *self.temperature)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, gate)
@@ -200,9 +204,14 @@ def _halves_order(heads: int, head_dim: int, rotary_dim: int, rows: int) -> torc
     return torch.cat([moved, torch.arange(heads * head_dim, rows)])
 
 
-def _temperature(positions: torch.Tensor, beta: float, length: int) -> torch.Tensor:
-    """Llama 4's query scale per row, by absolute position: 1 + beta * log(1 + floor(pos / length)) (fp32)."""
-    return 1 + beta * torch.log(1 + torch.floor(positions / length))
+def _scale_queries(q: torch.Tensor, positions: torch.Tensor, beta: float, length: int, offset: int) -> torch.Tensor:
+    """Llama 4's query temperature per row, by absolute position, as transformers writes each family's:
+    Ministral 3: q * (1 + beta * log(1 + floor(pos / length))) with the scale rounded to q's dtype;
+    Llama 4 (offset 1): q * (log1p(floor((pos + 1) / length)) * beta + 1), the product in fp32."""
+    if not offset:
+        return q * (1 + beta * torch.log(1 + torch.floor(positions / length))).to(q.dtype)[:, None, None]
+    scale = torch.log1p(torch.floor((positions.float() + offset) / length)) * beta + 1.0  # (T,) fp32
+    return (q * scale[:, None, None]).to(q.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -320,6 +329,10 @@ class LlamaForCausalLM(nn.Module):
             if cfg.qk_norm:
                 attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
                 attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
+            elif attn.q_norm is not None:  # Llama 4's L2-norm: no weight in the checkpoint
+                ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
+                                    requires_grad=False)
+                attn.q_norm.weight = attn.k_norm.weight = ones
             self._load_mlp(layer.mlp, get, p, loader, fused)
             for name in layer.norm_names:
                 getattr(layer, name).weight = norm(p + name + ".weight")

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, and the hybrids Qwen3-Next, Qwen3.5-MoE,
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Llama 4, and the hybrids Qwen3-Next, Qwen3.5-MoE,
 LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared expert
 where the family has one. One block and one routing path for all of them; the config says how it scores,
 biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, or relu^2 without a gate).
@@ -102,6 +102,7 @@ class SparseMoeBlock(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = expert(config.hidden_size, shared, ops) if shared else None
         self.shared_gate = bool(shared) and config.shared_expert_gate
+        self.weight_input = config.moe_weight_input  # Llama 4: weights scale the experts' inputs
         # The router; a shared expert's gate rides along as one more output row (one small GEMM, not two).
         self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
                                        bias=False, ops=ops)
@@ -116,6 +117,8 @@ class SparseMoeBlock(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
         inputs = x[order // k]  # (T*k, H): each assignment's row, grouped
+        if self.weight_input:  # Llama 4: x * weight in the model dtype, as transformers' routed_in
+            inputs = inputs * weights.flatten()[order].to(x.dtype)[:, None]
         outputs = torch.empty_like(inputs)
         start = 0
         for expert, count in zip(self.experts, counts):
@@ -125,7 +128,7 @@ class SparseMoeBlock(nn.Module):
         by_rank = torch.empty_like(outputs)
         by_rank[order] = outputs
         by_rank = by_rank.view(num_tokens, k, x.shape[1])  # (T, k, H)
-        weighted = by_rank.float() * weights.unsqueeze(-1)  # (T, k, H)
+        weighted = by_rank.float() if self.weight_input else by_rank.float() * weights.unsqueeze(-1)  # (T, k, H)
         # NOTE: the fixed per-row order of this sum (rank 0, 1, ...) is what keeps rows batch-invariant.
         y = weighted[:, 0]
         for r in range(1, k):

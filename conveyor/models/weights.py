@@ -57,7 +57,8 @@ class WeightLoader:
             out = tensor.dequantize().to(self.device, self.dtype)
             self.release(tensor.raw)
             return out
-        out = tensor.to(self.device, self.dtype, copy=True)
+        # contiguous: a stacked expert's view may be transposed (Llama 4)
+        out = tensor.to(self.device, self.dtype, copy=True, memory_format=torch.contiguous_format)
         self.release(tensor)
         return out
 

@@ -1,4 +1,5 @@
-"""The engine on tiny random Mixtral and Qwen3-MoE: 16 concurrent greedy requests == one at a time (bf16)."""
+"""The engine on tiny random Mixtral, Qwen3-MoE and Llama 4 (text): 16 concurrent greedy requests == one at a time
+(bf16); Llama 4's context capped at its attention chunk."""
 
 import pytest
 
@@ -14,7 +15,7 @@ def _prompts(n: int) -> list[str]:
     return [f"Request {i}: " + "lorem ipsum dolor " * (i % 5 * 2) + f"end {i}" for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "llama4_text"])
 def llm(request):
     return LLM(checkpoint=tiny_moe_checkpoint(request.param), parallel=16, prefill_chunk_size=16,
                kv_cache_budget="none")
@@ -30,3 +31,10 @@ def test_16_concurrent_equal_one_at_a_time(llm):
     assert len({tuple(r.token_ids) for r in batched}) > 1  # not a degenerate model
     llm.engine.pool.check_integrity()
     assert llm.engine.pool.stats().num_used == 0
+
+
+def test_llama4_context_capped_at_the_attention_chunk(caplog):
+    with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
+        llm = LLM(checkpoint=tiny_moe_checkpoint("llama4_text"), parallel=2, kv_cache_budget="none")
+    assert llm.engine.max_model_len == 512  # the model says 4096; its rotary layers attend in chunks of 512
+    assert "context capped at 512" in caplog.text

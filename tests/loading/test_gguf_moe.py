@@ -23,7 +23,9 @@ from conveyor.testing import add_tiny_bpe_vocab
 Q = gguf.GGMLQuantizationType
 TINY = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, num_experts_per_tok=2, tie_word_embeddings=False)
-GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "llama4_text": "llama4"}
+# Llama 4's shared expert, by llama.cpp's names
+SHARED = {f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}
 
 
 def _hf_model(family: str) -> transformers.PreTrainedModel:
@@ -32,15 +34,19 @@ def _hf_model(family: str) -> transformers.PreTrainedModel:
     elif family == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**TINY, intermediate_size=96, moe_intermediate_size=64, num_experts=4,
                                           norm_topk_prob=True)
-    else:
+    elif family == "olmoe":
         cfg = transformers.OlmoeConfig(**TINY, intermediate_size=64, num_experts=4)
+    else:  # 4 layers: NoPE layer 3, MoE layers 1 and 3; llama.cpp's fixed chunk and temperature (the defaults)
+        cfg = transformers.Llama4TextConfig(**{**TINY, "num_hidden_layers": 4, "num_experts_per_tok": 1},
+                                            head_dim=16, intermediate_size=64, intermediate_size_mlp=96,
+                                            num_local_experts=4, interleave_moe_layer_step=2)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_()
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "router.weight")):
                 p.normal_(0, 0.5)  # rows pick different experts
             elif "experts" in name:
                 p.normal_(0, 0.2)
@@ -51,14 +57,30 @@ def _write_moe_gguf(path, family: str, model, qtype: Q = Q.F32, fuse_gate_up: bo
     """As convert_hf_to_gguf does: experts stacked (E, N, K), router and norms F32, Mixtral q/k permuted;
     the other matrices in `qtype`; gate and up in one ffn_gate_up_exps with `fuse_gate_up`."""
     cfg, arch = model.config, GGUF_ARCH[family]
-    writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
-    writer.add_expert_count(cfg.num_local_experts if family == "mixtral" else cfg.num_experts)
+    llama4 = family == "llama4_text"
+    # Llama 4's converter writes intermediate_size_mlp as feed_forward_length, intermediate_size as the experts'
+    shape_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size_mlp) if llama4 else cfg
+    writer = gguf_writer(path, arch, shape_cfg, cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(cfg.num_local_experts if family in ("mixtral", "llama4_text") else cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if family == "qwen3_moe":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if llama4:
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
     add_tiny_bpe_vocab(writer)
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
+        if llama4:  # feed_forward.* as mlp.*; stacked experts inputs-first, transposed as the converter does
+            name = name.replace(".feed_forward.", ".mlp.")
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                array = np.ascontiguousarray(array.transpose(0, 2, 1))
+            if name.endswith("mlp.router.weight"):
+                name = name.replace("mlp.router.weight", "mlp.gate.weight")
+            shared = next((SHARED[k] for k in SHARED if name.endswith(k)), None)
+            if shared:
+                _add(writer, f"blk.{name.split('.')[2]}.{shared}", array, qtype)
+                continue
         if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate|up fused: (E, 2I, H)
             layer = name.split(".")[2]
             if fuse_gate_up:
@@ -100,14 +122,19 @@ def hf_dir(tmp_path, copy_tokenizer):
     return save
 
 
-@pytest.mark.parametrize(("family", "fuse_gate_up"), [("mixtral", False), ("qwen3_moe", True), ("olmoe", False)])
+@pytest.mark.parametrize(("family", "fuse_gate_up"), [("mixtral", False), ("qwen3_moe", True), ("olmoe", False),
+                                                     ("llama4_text", False)])
 def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str, fuse_gate_up: bool) -> None:
     model, want = hf_dir(family)
     path = tmp_path / f"tiny-{family}.gguf"
     _write_moe_gguf(path, family, model, fuse_gate_up=fuse_gate_up)
     got = load_checkpoint(str(path))
     fields = ("architecture", "hidden_size", "num_hidden_layers", "head_dim", "qk_norm", "qk_norm_scope",
-              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_mlp_layers")
+              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_mlp_layers",
+              # Llama 4's
+              "intermediate_size", "shared_expert_intermediate_size", "moe_scoring", "moe_weight_input",
+              "no_rope_layers", "qk_l2_norm", "rope_interleaved", "attn_temperature_beta", "attn_temperature_length",
+              "attn_temperature_offset", "attn_temperature_nope_only", "max_served_context")
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(want.config, f) for f in fields}
     assert set(got.weights) == set(want.weights)
     for name, weight in want.weights.items():  # experts split from their stacks, Mixtral q/k un-permuted

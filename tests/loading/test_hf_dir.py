@@ -8,6 +8,7 @@ import pytest
 import tokenizers
 import torch
 import transformers
+from safetensors.torch import save_file
 from tokenizers import processors
 from tiny_checkpoints import head_dim, tiny_hf_model
 
@@ -122,3 +123,35 @@ def test_family_directories_load(tmp_path, copy_tokenizer, arch: str) -> None:
     expected = {k: v for k, v in state.items() if not (tie and k == "lm_head.weight")}
     assert set(ck.weights) == set(expected)
     assert all(torch.equal(ck.weights[name], weight) for name, weight in expected.items())
+
+
+def test_llama4_directories_load(tmp_path, copy_tokenizer) -> None:
+    """Llama 4's stacked experts, inputs first (gate|up (E, H, 2I), down (E, I, H)), come back per expert in
+    (out, in) order; and the Hub's multimodal layout (language_model.*, the config's text_config) loads the same."""
+    torch.manual_seed(0)
+    cfg = transformers.Llama4TextConfig(**SMALL, head_dim=16, intermediate_size_mlp=80, num_local_experts=3,
+                                        interleave_moe_layer_step=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    state = model.state_dict()
+    plain, hub = tmp_path / "plain", tmp_path / "hub"
+    model.save_pretrained(plain)
+    hub.mkdir()
+    save_file({"language_model." + k: v.contiguous() for k, v in state.items()} | {"vision_model.x": torch.zeros(1)},
+              hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": cfg.to_dict(),
+                                                 "vision_config": {}}))
+    moe = "model.layers.1.feed_forward.experts."
+    gate_up, down = state[moe + "gate_up_proj"], state[moe + "down_proj"]
+    for folder in (plain, hub):
+        copy_tokenizer(folder)
+        ck = load_checkpoint(str(folder))
+        assert ck.config.architecture == "llama4_text" and ck.config.dense_mlp_layers == (0,)
+        w = ck.weights
+        assert torch.equal(w["model.layers.1.mlp.experts.2.gate_proj.weight"], gate_up[2, :, :96].T)
+        assert torch.equal(w["model.layers.1.mlp.experts.2.up_proj.weight"], gate_up[2, :, 96:].T)
+        assert torch.equal(w["model.layers.1.mlp.experts.2.down_proj.weight"], down[2].T)
+        assert torch.equal(w["model.layers.1.mlp.shared_expert.up_proj.weight"],
+                           state["model.layers.1.feed_forward.shared_expert.up_proj.weight"])
+        assert torch.equal(w["model.layers.0.mlp.down_proj.weight"],
+                           state["model.layers.0.feed_forward.down_proj.weight"])
+        assert torch.equal(w["lm_head.weight"], state["lm_head.weight"])

@@ -1,0 +1,49 @@
+"""Llama 4 (Scout, Maverick; the text model): Llama with interleaved rotary, NoPE global layers (every 4th by
+default) whose queries get an attention temperature by position, q/k L2-norm after rotary on the rotary layers,
+and MoE layers (every `interleave_moe_layer_step`-th, or `moe_layers`) of sigmoid top-1 routing whose score
+scales the expert's input, beside an always-on shared expert; dense MLP layers are `intermediate_size_mlp` wide.
+
+The rotary layers attend in chunks of `attention_chunk_size`; up to one chunk that is plain causal attention, so
+the served context is capped at the chunk (max_served_context) instead of chunking in the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The checkpoint's feed_forward.* is the shared decoder's mlp.* (dense MLP, router, experts, shared expert).
+WEIGHT_RENAMES = {".feed_forward.": ".mlp."}
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}")
+    layers = int(raw["num_hidden_layers"])
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    uses_rope = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    step = int(raw.get("interleave_moe_layer_step") or 1)
+    moe_layers = raw.get("moe_layers")
+    moe_layers = set(moe_layers if moe_layers is not None else range(step - 1, layers, step))
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    width = int(raw.get("intermediate_size", 8192))
+    bias = bool(raw.get("attention_bias", False))
+    tuning = bool(raw.get("attn_temperature_tuning", True))
+    chunk = raw.get("attention_chunk_size")
+    return dict(
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 500000.0))),
+        rope_interleaved=True,  # transformers rotates complex pairs (2i, 2i+1)
+        no_rope_layers=tuple(i for i in range(layers) if not uses_rope[i]),
+        qk_l2_norm=bool(raw.get("use_qk_norm", True)),
+        attn_temperature_beta=float(raw.get("attn_scale", 0.1)) if tuning else 0.0,
+        attn_temperature_length=int(raw.get("floor_scale", 8192)),
+        attn_temperature_nope_only=True, attn_temperature_offset=1,
+        max_served_context=int(chunk) if chunk and any(uses_rope[:layers]) else 0,
+        attention_bias=bias, attention_out_bias=bias,
+        intermediate_size=int(raw.get("intermediate_size_mlp", 16384)),
+        num_experts=int(raw.get("num_local_experts", 16)),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+        moe_intermediate_size=width, shared_expert_intermediate_size=width,
+        moe_scoring="sigmoid", norm_topk_prob=False, moe_weight_input=True,
+        dense_mlp_layers=tuple(i for i in range(layers) if i not in moe_layers),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
