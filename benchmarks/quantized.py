@@ -165,12 +165,14 @@ int main(int argc, char **argv) {
         double t0 = omp_get_wtime();
         #pragma omp parallel reduction(+:sink)
         {
-            vec a = SET1(0x01010101 + omp_get_thread_num()), b = SET1(0x01000100);
+            vec a = SET1(0x01010101 + omp_get_thread_num());
+            vec b0 = SET1(1), b1 = SET1(2), b2 = SET1(3), b3 = SET1(4), b4 = SET1(5), b5 = SET1(6), b6 = SET1(7),
+                b7 = SET1(8);  /* eight different products: no two steps may be folded into one */
             vec c0 = ZERO(), c1 = ZERO(), c2 = ZERO(), c3 = ZERO(), c4 = ZERO(), c5 = ZERO(), c6 = ZERO(), c7 = ZERO();
             for (long i = 0; i < iters; i++) {
-                STEP(c0, a, b); STEP(c1, a, b); STEP(c2, a, b); STEP(c3, a, b);
-                STEP(c4, a, b); STEP(c5, a, b); STEP(c6, a, b); STEP(c7, a, b);
-                __asm__ volatile("" : "+x"(a));  /* keep the loop from being folded */
+                STEP(c0, a, b0); STEP(c1, a, b1); STEP(c2, a, b2); STEP(c3, a, b3);
+                STEP(c4, a, b4); STEP(c5, a, b5); STEP(c6, a, b6); STEP(c7, a, b7);
+                __asm__ volatile("" : "+x"(a));  /* a changes every iteration: nothing is hoisted out of the loop */
             }
             sink += lane0(c0) + lane0(c1) + lane0(c2) + lane0(c3) + lane0(c4) + lane0(c5) + lane0(c6) + lane0(c7);
         }
