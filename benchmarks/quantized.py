@@ -241,12 +241,12 @@ def measure_int8_peak(level: str, threads: int) -> tuple[float, str]:
     return float(value), " ".join(name)
 
 
-def weight_macs_per_token(path: Path) -> int:
-    """Multiply-accumulates of one token through the weight matrices (2-D tensors but the token embedding,
-    unless it doubles as the lm_head): what prefill is compared with the int8 peak on."""
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    skip = {"token_embd.weight"} if "output.weight" in tensors else set()
-    return sum(int(t.n_elements) for name, t in tensors.items() if name not in skip and len(t.shape) >= 2)
+def prefill_macs_per_token(path: Path) -> int:
+    """Multiply-accumulates of one prompt token through the weight matrices: the 2-D tensors but the token
+    embedding and the lm_head (prefill runs the head for the last token only). What prefill is compared
+    with the int8 peak on."""
+    skip = {"token_embd.weight", "output.weight"}
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors if t.name not in skip and len(t.shape) >= 2)
 
 
 def weight_bytes_per_token(path: Path) -> int:
@@ -568,7 +568,7 @@ def level_table(level: str, runs: list[Run], files: dict[str, Path], bandwidth: 
     rows = []
     for name, path in files.items():
         per_token = weight_bytes_per_token(path)
-        macs = weight_macs_per_token(path)
+        macs = prefill_macs_per_token(path)
         limit = bandwidth * 1e9 / per_token
         pair = {r.server: r for r in runs if r.level == level and r.file == name}
         for server in ("conveyor", "llama-server"):
@@ -702,7 +702,7 @@ def main() -> None:
         caption = (f"Level **{level}**, run {args.tag}. Machine: {host}. Read bandwidth {bandwidth:.1f} GB/s "
                    f"(compiled {args.threads}-thread vector sum over {args.bandwidth_buffer_gb:g} GB); int8 peak "
                    f"{peaks[level][0]:.0f} GMAC/s ({peaks[level][1]}, {args.threads} threads; prefill share = "
-                   f"prompt tokens/s x weight MACs per token / peak). "
+                   f"prompt tokens/s x MACs per prompt token (weights but embedding and head) / peak). "
                    f"{args.parallel} slots x {context} context; {args.max_tokens} tokens per "
                    f"request, ~{args.prompt_tokens}-token chat prompts, greedy, ignore_eos; {args.requests_c1} "
                    f"requests at C=1, {args.requests} at C>1.")
