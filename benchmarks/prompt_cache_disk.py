@@ -51,7 +51,7 @@ def start_server(args: argparse.Namespace, cache_dir: str, log_path: str) -> tup
     port = _free_port()
     cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--prompt-cache-dir", cache_dir, "--speculative-ngram", "0", "--ctx-size", str(args.ctx_size),
-           "--kv-unified"]
+           "--kv-unified", "--parallel", str(args.parallel)]
     if args.model:
         cmd += ["--model", args.model]
     log = open(log_path, "w")
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ctx-size", type=int, default=8192)
+    parser.add_argument("--parallel", type=int, default=16, help="server slots (16: every request runs at once)")
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--out", help="write the JSON result here")
     args = parser.parse_args()
