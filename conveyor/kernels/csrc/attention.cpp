@@ -382,6 +382,21 @@ inline void exp_shifted(float* x, int64_t n, float m) {
 }
 #endif
 
+// Pass 2 of every attention path: soft-capping (Gemma 2: score = c * tanh(score / c), each score on its
+// own, row-invariant), then the softmax weights of each of the G heads' num_keys scores and their sums
+// (max is order-free; the sum's order depends only on num_keys).
+inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double softcap, float* denom) {
+  if (softcap > 0.0) {
+    const float cap = static_cast<float>(softcap);
+    for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * num_keys;
+    exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
+    denom[g] = conveyor_vec::row_sum(sg, num_keys);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // Pass 1 for bf16 with D = 32 * DH and G query heads per KV head, 16 keys at a time and no
 // horizontal sums: the 16 key rows are transposed in registers so that one vector holds one
@@ -534,17 +549,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         const scalar_t* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
-      // Gemma 2's soft-capping: score = c * tanh(score / c), each score on its own (row-invariant).
-      if (softcap > 0.0) {
-        const float cap = static_cast<float>(softcap);
-        for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
-      }
-      // Pass 2: softmax weights per head (max is order-free; the sum's order depends only on num_keys).
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * num_keys;
-        exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
-        denom[g] = conveyor_vec::row_sum(sg, num_keys);
-      }
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data());  // pass 2
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {
         fast_sum(scores.data(), first, num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
@@ -820,16 +825,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
           for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
         }
       }
-      if (softcap > 0.0) {
-        const float cap = static_cast<float>(softcap);
-        for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
-      }
-      // Pass 2: softmax weights per head, as on the bf16 path.
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * num_keys;
-        exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
-        denom[g] = conveyor_vec::row_sum(sg, num_keys);
-      }
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data());  // pass 2
       // Pass 3: weighted sum of values, in key order.
 #if defined(__AVX2__) && defined(__FMA__)
       if (fast_sum != nullptr)
