@@ -116,7 +116,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             q_b = get(a + "q_b_proj.weight")
             loader.linear(attn.q_b_proj, [_rows(q_b, q_rows) if dims.rope_interleave else q_b])
         attn.kv_a_layernorm.weight = norm(a + "kv_a_layernorm.weight")
-        k_b, v_b = _per_head_kv_b(get, a, heads, dims, loader)
+        k_b, v_b = _per_head_kv_b(get, a, heads, dims)
         for linear, weight in zip(attn.k_absorb.heads, k_b):
             loader.linear(linear, [weight])
         for linear, weight in zip(attn.v_up.heads, v_b):
@@ -124,15 +124,18 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         loader.linear(attn.o_proj, [get(a + "o_proj.weight")])
 
 
-def _per_head_kv_b(get: Callable[[str], Weight], a: str, heads: int, dims: MLADims, loader: WeightLoader
-                   ) -> tuple[list[Weight], list[Weight]]:
+def _per_head_kv_b(get: Callable[[str], Weight], a: str, heads: int,
+                   dims: MLADims) -> tuple[list[Weight], list[Weight]]:
     """Each head's Wk_h^T (L, N) and Wv_h (V, L): from llama.cpp's split k_b / v_b (already per head, k
     transposed; blocks stay blocks), or from kv_b_proj (H * (N + V), L), split and transposed here."""
     L, N, V = dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim
     if a + "k_b_proj.weight" in _NameProbe(get):
         k_b, v_b = get(a + "k_b_proj.weight"), get(a + "v_b_proj.weight")  # (H * L, N), (H * V, L)
         return [_row_slice(k_b, h * L, L) for h in range(heads)], [_row_slice(v_b, h * V, V) for h in range(heads)]
-    kv_b = loader.dense(get(a + "kv_b_proj.weight")).view(heads, N + V, L)
+    kv_b = get(a + "kv_b_proj.weight")
+    # NOTE: in the checkpoint's dtype (a legacy GGUF's blocks dequantized to fp32), so that --weight-dtype q8_0
+    # quantizes each head from the same values as llama.cpp's split tensors hold.
+    kv_b = (kv_b.dequantize() if isinstance(kv_b, QuantizedTensor) else kv_b).view(heads, N + V, L)
     return ([kv_b[h, :N].T.contiguous() for h in range(heads)], [kv_b[h, N:].contiguous() for h in range(heads)])
 
 
