@@ -65,6 +65,9 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"hidden_act {raw['hidden_act']!r}")
     if raw.get("attention_bias"):  # off in every release (q_a / kv_a / o biases)
         raise NotImplementedError("attention_bias")
+    if raw.get("quantization_config"):  # the released V3 / R1 weights are block-fp8 with weight_scale_inv
+        raise NotImplementedError(f"quantization_config {raw['quantization_config'].get('quant_method')!r} "
+                                  f"(convert to bf16, or use a GGUF)")
     if raw.get("scoring_func", "sigmoid") != "sigmoid":  # V3's config says sigmoid; transformers assumes it
         raise NotImplementedError(f"scoring_func {raw['scoring_func']!r}")
     dims = MLADims(q_lora_rank=int(raw.get("q_lora_rank") or 0), kv_lora_rank=int(raw["kv_lora_rank"]),

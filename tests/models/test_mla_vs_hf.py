@@ -88,6 +88,7 @@ def test_config_fields():
     assert softmax_scale(48, {}) == 48 ** -0.5
     raw = hf_model("q_lora").config.to_dict()
     for bad, what in (({"scoring_func": "softmax"}, "scoring_func"), ({"attention_bias": True}, "attention_bias"),
-                      ({"kv_lora_rank": 0}, "malformed")):
+                      ({"kv_lora_rank": 0}, "malformed"),
+                      ({"quantization_config": {"quant_method": "fp8"}}, "fp8")):
         with pytest.raises(ModelConfigError, match=what):
             ModelConfig.from_hf_dict(raw | bad)
