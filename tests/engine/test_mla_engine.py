@@ -1,6 +1,6 @@
 """DeepSeek-V3's latent attention on the engine (tiny random weights, bf16 on the CPU kernels): 16 concurrent
-greedy requests == one at a time, also through chunked prefill and a prefix-cache hit; the KV pool is sized by the
-latent row; the features that move K and V as two per-layer tensors refuse the model at startup."""
+greedy requests == one at a time, also through chunked prefill, a prefix-cache hit, preemption and speculation; the
+KV pool is sized by the latent row; the features that move K and V as two per-layer tensors refuse the model at startup."""
 
 import pytest
 
@@ -53,6 +53,26 @@ def test_16_concurrent_equal_one_at_a_time_chunked_and_after_a_prefix_hit(checkp
     for engine in (llm, chunked, cached):
         engine.engine.pool.check_integrity()
         assert engine.engine.pool.stats().num_used == 0
+
+
+def test_preemption_and_speculation_leave_the_tokens_as_plain_decoding_makes_them():
+    """Latent blocks given back under pressure and re-prefilled, and drafts verified as prefill rows: bitwise the
+    tokens of plain decoding (36 blocks of 16 tokens for 8 requests growing to ~6 blocks each)."""
+    checkpoint = tiny_mla_checkpoint()
+    prompts = [f"Echo {i}: " + "alpha beta gamma delta " * (2 + i % 4) for i in range(8)]
+    params = [SamplingParams(max_tokens=64, **GREEDY) for _ in range(8)]
+    plain = LLM(checkpoint=checkpoint, parallel=8, ctx_size=8 * 512, kv_cache_budget="none",
+                enable_prefix_caching=False, speculative_ngram=0)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    tight = LLM(checkpoint=checkpoint, parallel=8, ctx_size=8 * 512, enable_prefix_caching=False, speculative_ngram=0,
+                kv_cache_budget=str(36 * plain.engine.pool_plan.bytes_per_block))
+    assert [r.token_ids for r in tight.generate(prompts, params)] == want
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    spec = LLM(checkpoint=checkpoint, parallel=8, ctx_size=8 * 512, speculative_ngram=4, speculative_max_rows=40)
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    assert spec.engine.scheduler.stats.num_accepted_tokens > 0
+    for llm in (tight, spec):
+        llm.engine.pool.check_integrity()
 
 
 def test_kv_bytes_per_token_are_the_latent_rows():

@@ -59,9 +59,10 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_NAMES[rest]}.{suffix}"
 
 
-def _write_gguf(path, model, qtype: Q = Q.F32,
-                gating: gguf.ExpertGatingFuncType = gguf.ExpertGatingFuncType.SIGMOID) -> None:
-    """As convert_hf_to_gguf's DeepseekV2Model does; matrices whose rows are whole blocks in `qtype`."""
+def _write_gguf(path, model, qtype: Q = Q.F32, gating: gguf.ExpertGatingFuncType = gguf.ExpertGatingFuncType.SIGMOID,
+                legacy: bool = False, yarn: dict | None = None) -> None:
+    """As convert_hf_to_gguf's DeepseekV2Model does; matrices whose rows are whole blocks in `qtype`. `legacy`: as
+    converters before the MLA split wrote it (whole attn_kv_b, per-head key/value lengths, no *_mla keys)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -75,10 +76,19 @@ def _write_gguf(path, model, qtype: Q = Q.F32,
     writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
     writer.add_q_lora_rank(cfg.q_lora_rank)
     writer.add_kv_lora_rank(cfg.kv_lora_rank)
-    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    writer.add_value_length(cfg.kv_lora_rank)
-    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    writer.add_value_length_mla(cfg.v_head_dim)
+    if legacy:
+        writer.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.v_head_dim)
+    else:
+        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.kv_lora_rank)
+        writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length_mla(cfg.v_head_dim)
+    if yarn:  # as the converter writes a YaRN rope_scaling (0.1 * mscale_all_dim: llama.cpp's legacy log mul)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn["factor"])
+        writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * yarn["mscale_all_dim"])
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_expert_count(cfg.n_routed_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -94,7 +104,9 @@ def _write_gguf(path, model, qtype: Q = Q.F32,
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("kv_b_proj.weight"):  # split per head; k_b transposed to (H, L, N)
+        if name.endswith("kv_b_proj.weight") and legacy:
+            _add(writer, f"blk.{layer}.attn_kv_b.weight", array, qtype)
+        elif name.endswith("kv_b_proj.weight"):  # split per head; k_b transposed to (H, L, N)
             kv_b = array.reshape(heads, nope + v, -1)
             k_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))
             _add(writer, f"blk.{layer}.attn_k_b.weight", k_b, qtype)
@@ -185,3 +197,29 @@ def test_softmax_routing_is_refused(tmp_path, hf_dir) -> None:
     _write_gguf(path, hf_dir[0], gating=gguf.ExpertGatingFuncType.SOFTMAX)  # DeepSeek-V2's
     with pytest.raises(LoadError, match="sigmoid"):
         load_checkpoint(str(path))
+
+
+def test_legacy_gguf_with_a_whole_kv_b_runs_what_the_hf_directory_does(tmp_path, hf_dir) -> None:
+    model, want = hf_dir
+    path = tmp_path / "tiny-deepseek-legacy.gguf"
+    _write_gguf(path, model, legacy=True)
+    got = load_checkpoint(str(path))
+    assert got.config.mla == want.config.mla and got.config.attention_scale == want.config.attention_scale
+    assert torch.equal(got.weights["model.layers.1.self_attn.kv_b_proj.weight"],
+                       want.weights["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert (_tokens(got, dtype="float32")
+            == _tokens(dataclasses.replace(want, tokenizer=got.tokenizer), dtype="float32"))
+
+
+def test_yarn_gguf_gets_the_softmax_mscale(tmp_path) -> None:
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 64,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.DeepseekV3Config(**TINY, rope_parameters=yarn)).eval()
+    path = tmp_path / "tiny-deepseek-yarn.gguf"
+    _write_gguf(path, model, yarn=yarn)
+    cfg = load_checkpoint(str(path)).config
+    assert cfg.attention_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-6)
+    assert cfg.attention_scale > 48 ** -0.5 * 1.5  # mscale(40, 1)^2 = 1.87
+    assert cfg.rope_scaling["mscale"] == cfg.rope_scaling["mscale_all_dim"] == pytest.approx(1.0)
