@@ -217,7 +217,8 @@ TINY_MLA = dict(architecture="deepseek_v3", num_hidden_layers=3, num_key_value_h
 def tiny_mla_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
     """tiny_checkpoint as a random DeepSeek-V3 (TINY_MLA; `mla=MLADims(...)` and the rest overridable)."""
     tokenizer = smollm_tokenizer()
-    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **{**TINY_MLA, **overrides})
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                         **{**TINY_MLA, **overrides})
     weights = random_weights(config, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     dims, heads, h = config.mla, config.num_attention_heads, config.hidden_size

@@ -129,7 +129,7 @@ def _per_head_kv_b(get: Callable[[str], Weight], a: str, heads: int,
     """Each head's Wk_h^T (L, N) and Wv_h (V, L): from llama.cpp's split k_b / v_b (already per head, k
     transposed; blocks stay blocks), or from kv_b_proj (H * (N + V), L), split and transposed here."""
     L, N, V = dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim
-    if a + "k_b_proj.weight" in _NameProbe(get):
+    if _has(get, a + "k_b_proj.weight"):
         k_b, v_b = get(a + "k_b_proj.weight"), get(a + "v_b_proj.weight")  # (H * L, N), (H * V, L)
         return [_row_slice(k_b, h * L, L) for h in range(heads)], [_row_slice(v_b, h * V, V) for h in range(heads)]
     kv_b = get(a + "kv_b_proj.weight")
@@ -139,18 +139,13 @@ def _per_head_kv_b(get: Callable[[str], Weight], a: str, heads: int,
     return ([kv_b[h, :N].T.contiguous() for h in range(heads)], [kv_b[h, N:].contiguous() for h in range(heads)])
 
 
-class _NameProbe:
-    """`name in probe`: whether the checkpoint has `name` (tensor_getters' get raises KeyError when not)."""
-
-    def __init__(self, get: Callable[[str], Weight]) -> None:
-        self.get = get
-
-    def __contains__(self, name: str) -> bool:
-        try:
-            self.get(name)
-        except KeyError:
-            return False
-        return True
+def _has(get: Callable[[str], Weight], name: str) -> bool:
+    """Whether the checkpoint has `name` (tensor_getters' get raises KeyError when not)."""
+    try:
+        get(name)
+    except KeyError:
+        return False
+    return True
 
 
 def _halves(heads: int, head_width: int, offset: int, rotary: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """DeepSeek-V3's latent attention on the engine (tiny random weights, bf16 on the CPU kernels): 16 concurrent
-greedy requests == one at a time, also through chunked prefill, a prefix-cache hit, preemption and speculation; the
-KV pool is sized by the latent row; the features that move K and V as two per-layer tensors refuse the model at startup."""
+greedy requests == one at a time, also through chunked prefill, a prefix-cache hit, preemption and speculation;
+the KV pool is sized by the latent row; the features that move K and V as two per-layer tensors refuse the model
+at startup."""
 
 import pytest
 
