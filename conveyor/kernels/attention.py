@@ -40,9 +40,14 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows (T, KVH, D) into their cache slots (quantized into a Q8_0 cache)."""
     for cache, rows in ((key_cache, key), (value_cache, value)):
-        num_kv_heads, width = cache.shape[2], cache.shape[3]
-        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, quantize_q8_0(rows) if is_quantized(cache)
-                                                       else rows)
+        write_rows(cache, rows, slot_mapping)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter rows (T, KVH, D) into one cache tensor's slots (MLA keeps one tensor per layer: models/mla.py)."""
+    num_kv_heads, width = cache.shape[2], cache.shape[3]
+    cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, quantize_q8_0(rows) if is_quantized(cache)
+                                                   else rows)
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

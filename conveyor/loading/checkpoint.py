@@ -11,6 +11,7 @@ from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
 from conveyor.models.config import EXPERT_NAMES, HYBRID_ARCHITECTURES, ModelConfig
+from conveyor.models.deepseek_v3 import mla_weight_names
 
 
 class LoadError(Exception):
@@ -80,13 +81,17 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
-        if f"{layer}.self_attn.qkv_proj.weight" in available:
+        if config.mla is not None:  # DeepSeek-V3's latent attention
+            names += mla_weight_names(f"{layer}.self_attn.", config.mla, available)
+        elif f"{layer}.self_attn.qkv_proj.weight" in available:
             names += [f"{layer}.self_attn.qkv_proj.weight", f"{layer}.self_attn.o_proj.weight"]
         else:
             names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
         if config.is_moe_layer(i):
             experts = EXPERT_NAMES[config.architecture]
             names.append(experts.router(f"{layer}."))
+            if config.moe_expert_bias:  # DeepSeek-V3's e_score_correction_bias
+                names.append(experts.expert_bias(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
             if config.shared_expert_intermediate_size:  # Llama 4

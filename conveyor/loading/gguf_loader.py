@@ -51,7 +51,17 @@ ARCH_BLOCK_TENSORS = {
     # Llama 4: the ungated shared expert beside the routed ones
     "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+    # DeepSeek-V3 (models/mla.py): latent attention; kv_b split per head into k_b (transposed) and v_b by newer
+    # converters, kept whole by older ones; the choice-only expert bias; shared experts.
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                  **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
+# Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
+HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
 # Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
 # Apertus, whose converter sets undo_permute = False).
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
@@ -123,6 +133,9 @@ def load_gguf(path: str) -> Checkpoint:
             weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
             continue
         name = hf_name(tensor.name, path, arch)
+        if tensor.name.split(".")[-2] in HEAD_STACKED_TENSORS:
+            weights[name] = _to_torch(tensor, path, flatten_heads=True)
+            continue
         weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
     if hybrid is not None:
         hybrid.report()
@@ -149,6 +162,8 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
+    if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
+        return f"model.layers.{match.group(1)}.{names[match.group(2) + '.' + suffix]}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
 
 
@@ -208,9 +223,12 @@ def model_name(path: str) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
-    """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order."""
+def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str, flatten_heads: bool = False) -> Weight:
+    """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order;
+    `flatten_heads`: a (H, N, K) stack as one (H * N, K) matrix."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
+    if flatten_heads and len(shape) == 3:
+        shape = (shape[0] * shape[1], shape[2])
     kind = tensor.tensor_type
     data = tensor.data
     if kind in _FLOAT_TYPES:

@@ -6,15 +6,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, granite, granite_hybrid, hunyuan_dense,
-                             lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5,
-                             qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, deepseek_v3, ernie4_5, exaone4, falcon_h1, gemma, glm4, granite,
+                             granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h,
+                             olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
                            "hunyuan_v1_dense", "apertus",
-                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "lfm2", "qwen3_5_text",
+                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "deepseek_v3", "lfm2", "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
@@ -24,7 +24,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
-                 "llama4_text": llama4.hf_fields,
+                 "llama4_text": llama4.hf_fields, "deepseek_v3": deepseek_v3.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
                  "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
                  "lfm2_moe": lfm2.moe_hf_fields,
@@ -145,6 +145,8 @@ class ModelConfig:
     shared_expert_gate: bool = False
     # Llama 4: the routing weight scales each chosen expert's input (rounded to the model dtype), not its output.
     moe_weight_input: bool = False
+    # DeepSeek-V3: multi-head latent attention's widths (models/mla.py); None: attention as above.
+    mla: deepseek_v3.MLADims | None = None
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -443,4 +445,6 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "llama4_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
                                            stacked_transposed=True),
                 "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
-                                          shared_block="shared_experts")}
+                                          shared_block="shared_experts"),
+                "deepseek_v3": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj",
+                                           bias="gate.e_score_correction_bias", shared_block="shared_experts")}

@@ -320,22 +320,27 @@ class LlamaForCausalLM(nn.Module):
             loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn = layer.self_attn
-            bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
-            loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
-                                               [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
-            out_bias = [get(p + "self_attn.o_proj.bias")] if cfg.attention_out_bias else None
-            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")], out_bias)
-            if cfg.qk_norm:
-                attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
-                attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
-            elif attn.q_norm is not None:  # Llama 4's L2-norm: no weight in the checkpoint
-                ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
-                                    requires_grad=False)
-                attn.q_norm.weight = attn.k_norm.weight = ones
+            self._load_attention(layer.self_attn, get, norm, p, loader, fused)
             self._load_mlp(layer.mlp, get, p, loader, fused)
             for name in layer.norm_names:
                 getattr(layer, name).weight = norm(p + name + ".weight")
+
+    def _load_attention(self, attn: nn.Module, get: Callable[[str], Weight], norm: Callable[[str], nn.Parameter],
+                        p: str, loader: WeightLoader, fused: Callable[[str, str, list[str]], list[Weight]]) -> None:
+        """One layer's attention from HF names under `p` (`model.layers.N.`); MLA loads its own (models/mla.py)."""
+        cfg = self.config
+        bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
+        loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
+                                           [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
+        out_bias = [get(p + "self_attn.o_proj.bias")] if cfg.attention_out_bias else None
+        loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")], out_bias)
+        if cfg.qk_norm:
+            attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
+            attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
+        elif attn.q_norm is not None:  # Llama 4's L2-norm: no weight in the checkpoint
+            ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
+                                requires_grad=False)
+            attn.q_norm.weight = attn.k_norm.weight = ones
 
     def cache_specs(self) -> list[CacheSpec]:
         """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""

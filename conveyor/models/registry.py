@@ -15,6 +15,7 @@ from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
 from conveyor.models.hybrid import HybridForCausalLM
 from conveyor.models.llama import LlamaForCausalLM
+from conveyor.models.mla import DeepseekV3ForCausalLM
 from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
 
@@ -38,6 +39,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
     "llama4_text": MoEForCausalLM,  # models/llama4.py
+    "deepseek_v3": DeepseekV3ForCausalLM,  # multi-head latent attention (models/mla.py) + MoE
     # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
