@@ -397,6 +397,7 @@ inline __m512 load_scales16(const uint8_t* sbp) {
     return load_half16(sbp);
   }
 }
+
 inline __m512 load_u8_16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -729,6 +730,7 @@ inline __m256 load_scales8(const uint8_t* sbp, int h) {
     return load_half8(sbp + 16 * h);
   }
 }
+
 inline __m256 load_u8_8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
