@@ -420,7 +420,7 @@ _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 def random_blocks(rows: int, cols: int, qtype: int, gen: np.random.Generator, scale: float = 0.2) -> np.ndarray:
     """Random GGML rows (rows, row_bytes) whose weights have std ~`scale`.
 
-    gguf-py quantizes the legacy types (Q8_0, Q4_0, ...) from random floats; the K-quants it cannot
+    gguf-py quantizes the legacy types (Q8_0, Q4_0, ...) and MXFP4 from random floats; the K-quants it cannot
     quantize get random bytes with their fp16 scales set so the dequantized weights have that spread.
     """
     qtype = gguf.GGMLQuantizationType(qtype)
