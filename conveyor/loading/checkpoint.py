@@ -89,6 +89,10 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
             names.append(experts.router(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
+            if config.moe_linear_bias:  # GPT-OSS
+                names.append(experts.router_bias(f"{layer}."))
+                names += [experts.expert_linear_bias(f"{layer}.", e, part) for e in range(config.num_experts)
+                          for part in ("gate", "up", "down")]
             if config.shared_expert_intermediate_size:  # Llama 4
                 names += [experts.shared(f"{layer}.", part) for part in ("gate", "up", "down")]
                 if config.shared_expert_gate:
@@ -110,6 +114,8 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
             names.append(f"{layer}.self_attn.o_proj.bias")
         if config.qk_norm:
             names += [f"{layer}.self_attn.{p}_norm.weight" for p in "qk"]
+        if config.attention_sinks:
+            names.append(f"{layer}.self_attn.sinks")
     return names
 
 
@@ -130,9 +136,20 @@ def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str
                 raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
             if names.stacked_transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
                 stacked = stacked.transpose(1, 2)
-            for piece, tensors in zip(pieces, stacked.chunk(len(pieces), dim=1)):
+            for piece, tensors in zip(pieces, _split_stack(stacked, len(pieces), names.stacked_interleaved)):
                 out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})
+            bias = out.pop(names.stacked(prefix, part) + "_bias", None)  # GPT-OSS: (E, 2I) and (E, H)
+            if bias is not None:
+                for piece, tensors in zip(pieces, _split_stack(bias, len(pieces), names.stacked_interleaved)):
+                    out.update({names.expert_linear_bias(prefix, e, piece): t for e, t in enumerate(tensors)})
     return out
+
+
+def _split_stack(stacked: torch.Tensor, pieces: int, interleaved: bool) -> tuple[torch.Tensor, ...]:
+    """Dim 1 of an expert stack in `pieces` parts: halves, or (GPT-OSS) alternate rows, gate first."""
+    if interleaved and pieces == 2:
+        return stacked[:, 0::2], stacked[:, 1::2]
+    return stacked.chunk(pieces, dim=1)
 
 
 def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:

@@ -38,6 +38,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
     "llama4_text": MoEForCausalLM,  # models/llama4.py
+    "gpt_oss": MoEForCausalLM,  # models/gpt_oss.py
     # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
