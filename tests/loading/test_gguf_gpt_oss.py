@@ -162,3 +162,22 @@ def _same_tokens(got, want, dtype: str, **reference_kwargs) -> LLM:
     assert tokens == [r.token_ids for r in reference.generate(prompts, params)]
     assert len({tuple(t) for t in tokens}) > 1
     return ours
+
+
+def test_mxfp4_experts_load_through_the_quantized_path(tmp_path, hf_dir) -> None:
+    """Real gpt-oss files keep experts in MXFP4: they load as GGML blocks (run natively where the kernels have the
+    type, else dequantized at load); in float32 the tokens are the HF directory's with those experts dequantized."""
+    model, want = hf_dir
+    path = tmp_path / "tiny-gpt-oss.MXFP4.gguf"
+    _write_gguf(path, model, Q.MXFP4)
+    got = load_checkpoint(str(path))
+    rounded = dict(want.weights)
+    for name, weight in want.weights.items():
+        blocks = got.weights[name]
+        if ".experts." in name and name.endswith(".weight"):
+            assert isinstance(blocks, QuantizedTensor) and blocks.qtype == Q.MXFP4, name
+            dequantized = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), Q.MXFP4), Q.MXFP4)
+            assert np.array_equal(blocks.dequantize().numpy(), dequantized), name
+        if isinstance(blocks, QuantizedTensor):  # every matrix but the router is MXFP4 in this file
+            rounded[name] = blocks.dequantize()
+    _same_tokens(got, dataclasses.replace(want, weights=rounded), "float32")
