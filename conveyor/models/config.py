@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, gpt_oss, granite, granite_hybrid, hunyuan_dense,
-                             lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5,
-                             qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, gpt_oss, granite, granite_hybrid,
+                             hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3,
+                             qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",

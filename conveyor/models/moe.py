@@ -170,7 +170,8 @@ class SparseMoeBlock(nn.Module):
         self.gate.load_dense(router, loader.dense(get(names.router_bias(prefix))) if self.linear_bias else None)
         self.gate.prepack()
         for e, expert in enumerate(self.experts):
-            biases = [get(names.expert_linear_bias(prefix, e, part)) for part in self.parts] if self.linear_bias else None
+            biases = ([get(names.expert_linear_bias(prefix, e, part)) for part in self.parts] if self.linear_bias
+                      else None)
             _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader, biases)
         if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
             self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)

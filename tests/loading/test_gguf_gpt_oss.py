@@ -5,6 +5,7 @@ post_attention_norm) loads to what the same model's Hugging Face directory loads
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -19,6 +20,7 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.kernels import cpu_backend
 from conveyor.loading import load_checkpoint
 from conveyor.loading.checkpoint import QuantizedTensor
+from conveyor.structured.harmony import template_is_harmony
 from conveyor.testing import add_tiny_bpe_vocab
 
 Q = gguf.GGMLQuantizationType
@@ -44,7 +46,7 @@ def _hf_model() -> transformers.PreTrainedModel:
     return model
 
 
-def _write_gguf(path, model, qtype: Q = Q.F32) -> None:
+def _write_gguf(path, model, qtype: Q = Q.F32, chat_template: str | None = None) -> None:
     """As convert_hf_to_gguf's GptOssModel does for non-MXFP4 checkpoints; matrices in `qtype`, the rest F32."""
     cfg = model.config
     writer = gguf_writer(path, "gpt-oss", cfg, ROPE["rope_theta"])
@@ -58,6 +60,9 @@ def _write_gguf(path, model, qtype: Q = Q.F32) -> None:
     writer.add_rope_scaling_yarn_beta_fast(ROPE["beta_fast"])
     writer.add_rope_scaling_yarn_beta_slow(ROPE["beta_slow"])
     add_tiny_bpe_vocab(writer)
+    writer.add_tokenizer_pre("gpt-4o")  # o200k, as _set_vocab_gpt2 names it
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, tensor in model.state_dict().items():
         array, blk = tensor.float().numpy(), f"blk.{name.split('.')[2]}" if ".layers." in name else ""
         if name.endswith("experts.gate_up_proj"):  # (E, H, 2I) -> (E, 2I, H), then gate rows ::2, up rows 1::2
@@ -181,3 +186,14 @@ def test_mxfp4_experts_load_through_the_quantized_path(tmp_path, hf_dir) -> None
         if isinstance(blocks, QuantizedTensor):  # every matrix but the router is MXFP4 in this file
             rounded[name] = blocks.dequantize()
     _same_tokens(got, dataclasses.replace(want, weights=rounded), "float32")
+
+
+def test_o200k_split_and_the_harmony_template_from_metadata(tmp_path, hf_dir) -> None:
+    model, _ = hf_dir
+    template = (Path(__file__).parent.parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+    _write_gguf(tmp_path / "tiny.gguf", model, chat_template=template)
+    tokenizer = load_checkpoint(str(tmp_path / "tiny.gguf")).tokenizer
+    split = tokenizer.backend.pre_tokenizer.pre_tokenize_str("Hello, WORLD's world12345 it's")
+    assert [piece.replace("\u0120", " ") for piece, _ in split] == [
+        "Hello", ",", " WORLD's", " world", "123", "45", " it's"]  # contractions kept, digits in threes
+    assert template_is_harmony(tokenizer.chat_template)
