@@ -83,3 +83,40 @@ def test_config_fields():
     assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 1.0)
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
     assert cfg.rope_theta == 150000.0
+
+
+def test_mxfp4_hub_experts_load_as_ggml_blocks(tmp_path):
+    """The released checkpoints keep experts as MXFP4 `*_blocks` / `*_scales`: they load as GGML MXFP4 blocks holding
+    exactly transformers' dequantized values, and the model then matches transformers run on those values."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from conveyor.loading.checkpoint import QuantizedTensor
+
+    hf = hf_gpt_oss(intermediate_size=64)  # MXFP4 rows are whole 32-blocks
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(2)
+    want = {}
+    for i, layer in enumerate(hf.model.layers):
+        for part, (rows, cols) in (("gate_up_proj", (128, 64)), ("down_proj", (64, 64))):
+            name = f"model.layers.{i}.mlp.experts.{part}"
+            blocks = torch.randint(0, 256, (4, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+            scales = torch.randint(121, 127, (4, rows, cols // 32), generator=gen, dtype=torch.uint8)
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, cols, rows): inputs first
+            with torch.no_grad():
+                getattr(layer.mlp.experts, part).copy_(dense)
+            want[name] = dense.transpose(1, 2)  # (E, rows, cols)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    weights = select_weights(config, rename_weights(config.architecture, load_file(tmp_path / "model.safetensors")),
+                             str(tmp_path))
+    gate = weights["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    assert isinstance(gate, QuantizedTensor) and gate.type_name == "MXFP4" and gate.shape == (64, 64)
+    assert torch.equal(gate.dequantize(), want["model.layers.1.mlp.experts.gate_up_proj"][3, 0::2])
+    up, down = (weights[f"model.layers.0.mlp.experts.2.{p}_proj.weight"].dequantize() for p in ("up", "down"))
+    assert torch.equal(up, want["model.layers.0.mlp.experts.gate_up_proj"][2, 1::2])
+    assert torch.equal(down, want["model.layers.0.mlp.experts.down_proj"][2])
+    greedy_matches_transformers(float32_runner(config, weights), hf)
