@@ -120,3 +120,26 @@ def test_mxfp4_hub_experts_load_as_ggml_blocks(tmp_path):
     assert torch.equal(up, want["model.layers.0.mlp.experts.gate_up_proj"][2, 1::2])
     assert torch.equal(down, want["model.layers.0.mlp.experts.down_proj"][2])
     greedy_matches_transformers(float32_runner(config, weights), hf)
+
+
+def test_the_released_20b_config():
+    """gpt-oss-20b's config.json as published (rope in the older top-level keys, MXFP4 quantization_config)."""
+    raw = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+           "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+           "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+           "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "vocab_size": 201088}
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_experts) == (64, 8, 64, 32)
+    assert [cfg.window(i) for i in range(4)] == [128, 0, 128, 0] and cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling == {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                                "original_max_position_embeddings": 4096, "truncate": False}
+    assert (cfg.moe_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit) == (2880, 1.702, 7.0)
