@@ -126,3 +126,17 @@ def test_chat_plan_picks_harmony_by_template():
     plan = plan_chat_request(body, _Tokenizer(), "auto", "m")
     assert plan.header.parsing == ChatParsing(frozenset({"add"}), harmony=True) and plan.header.parses
     assert plan.sampling(0, 16).skip_special_tokens is False  # the markers reach the parser
+
+
+def test_a_harmony_reply_ends_at_return_or_call_never_at_end():
+    """<|end|> closes the analysis message inside a reply: stopping there would cut every answer after its reasoning."""
+    import tokenizers
+
+    from conveyor.loading.tokenizer import build_tokenizer
+
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|start|>", "<|end|>", "<|return|>", "<|call|>", "a"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
+    harmony = build_tokenizer(backend, {"eos_token": "<|end|>"}, TEMPLATE, extra_eos_ids=[0])
+    assert sorted(harmony.eos_token_ids) == [0, 3, 4]  # <|endoftext|>, <|return|>, <|call|>
+    phi3 = build_tokenizer(backend, {}, "{{ '<|end|>' }}")  # elsewhere <|end|> still ends a turn (Phi-3)
+    assert phi3.eos_token_ids == [2]
