@@ -15,6 +15,7 @@ expert's gate) run through the backend's scalar-per-element kernel for the same 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -112,12 +113,9 @@ class SparseMoeBlock(nn.Module):
         self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
         expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
         if config.moe_activation == "swiglu_oai":  # GPT-OSS: biased experts, clamped SwiGLU
-            clamped = (config.swiglu_alpha, config.swiglu_limit)
-            self.experts = nn.ModuleList(ExpertMLP(config.hidden_size, config.moe_intermediate_size, ops, True, clamped)
-                                         for _ in range(config.num_experts))
-        else:
-            self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
-                                         for _ in range(config.num_experts))
+            expert = partial(ExpertMLP, bias=True, clamped=(config.swiglu_alpha, config.swiglu_limit))
+        self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
+                                     for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
         self.shared_expert = expert(config.hidden_size, shared, ops) if shared else None
         self.shared_gate = bool(shared) and config.shared_expert_gate
@@ -182,7 +180,6 @@ def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader,
     """(gate,) up and down weights (and GPT-OSS's biases, the same parts); gate|up fused into one GEMM (SwiGLU),
     up alone (relu^2)."""
     *inputs, down = parts
-    *input_biases, down_bias = biases if biases is not None else [None] * len(parts)
-    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs,
-                  input_biases if biases is not None else None)
-    loader.linear(expert.down_proj, [down], [down_bias] if biases is not None else None)
+    input_bias, down_bias = (biases[:-1], biases[-1:]) if biases is not None else (None, None)
+    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs, input_bias)
+    loader.linear(expert.down_proj, [down], down_bias)
