@@ -121,7 +121,8 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
 
 def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
     """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub, Granite 4.0-H: gate|up (E, 2I, H),
-    down (E, H, I)) as the per-expert tensors the models load: views, no copy."""
+    down (E, H, I); Llama 4 and GPT-OSS inputs first, GPT-OSS with gate and up interleaved and stacked biases) as the
+    per-expert tensors the models load: views, no copy. GPT-OSS's MXFP4 stacks become GGML blocks (a copy)."""
     names = EXPERT_NAMES.get(config.architecture)
     if names is None or not any(name.endswith(("." + names.stacked("", "down"), ".experts.down_proj_blocks"))
                                 for name in weights):
