@@ -110,7 +110,7 @@ class HarmonyStream:
             if end < 0 and self._is_call():
                 break  # a call is released whole
             cut = end if end >= 0 else len(self._buffer) - max(_partial_suffix(self._buffer, m) for m in MARKERS)
-            r, c, call = self._body(self._buffer[:cut], done=end >= 0)
+            r, c, call = self._body(self._buffer[:cut])
             reasoning, content = reasoning + r, content + c
             calls += call
             if end < 0:
@@ -121,11 +121,11 @@ class HarmonyStream:
         return reasoning, content, calls
 
     def finish(self, truncated: bool = False) -> tuple[str, str, list[ToolCall]]:
-        """The rest: an open body ends here (a call only if its JSON is whole); text without any harmony header
-        (a reply that ignored the format) is content."""
+        """The rest: an open body ends here (a call only if its JSON is whole, however the reply was cut, so
+        `truncated` changes nothing); text without any harmony header (a reply that ignored the format) is content."""
         rest, self._buffer = self._buffer, ""
         if self._header is not None:
-            reasoning, content, calls = self._body(rest, done=True)
+            reasoning, content, calls = self._body(rest)
             self.num_calls += len(calls)
             return reasoning, content, calls
         if not self._seen_header and not any(m in rest for m in MARKERS):
@@ -135,7 +135,8 @@ class HarmonyStream:
     def _is_call(self) -> bool:
         return self._header is not None and self._header.recipient is not None
 
-    def _body(self, text: str, done: bool) -> tuple[str, str, list[ToolCall]]:
+    def _body(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """A body piece (a call: the whole body) by channel and recipient."""
         header = self._header
         assert header is not None
         if header.recipient is not None:
@@ -145,11 +146,9 @@ class HarmonyStream:
             call = _call(name, text)
             self.cut_call |= call is None
             return "", "", [call] if call is not None else []
-        if self._fresh:
+        if self._fresh:  # (no rstrip at the end: a streamed piece is out already, and both ways must agree)
             text = text.lstrip()
             self._fresh = not text
-        if done:
-            text = text.rstrip()
         return (text, "", []) if header.channel == "analysis" else ("", text, [])
 
 

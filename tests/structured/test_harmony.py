@@ -140,3 +140,10 @@ def test_a_harmony_reply_ends_at_return_or_call_never_at_end():
     assert sorted(harmony.eos_token_ids) == [0, 3, 4]  # <|endoftext|>, <|return|>, <|call|>
     phi3 = build_tokenizer(backend, {}, "{{ '<|end|>' }}")  # elsewhere <|end|> still ends a turn (Phi-3)
     assert phi3.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("step", [1, 2, 10_000])
+def test_whitespace_around_bodies_is_the_same_streamed_or_whole(step):
+    text = "<|channel|>analysis<|message|>\n think \n<|end|><|start|>assistant<|channel|>final<|message|> Hi \n"
+    reasoning, content, _ = _chunked(text, step, ChatParsing(harmony=True))
+    assert (reasoning, content) == ("think \n", "Hi \n")
