@@ -3,7 +3,7 @@ dense families that differ from Llama only in config (models/gemma.py, olmo2.py,
 smollm3.py, ministral3.py, glm4.py, exaone4.py, ernie4_5.py, seed_oss.py, hunyuan_dense.py, apertus.py):
 where the norms sit, the MLP gate (or Apertus' ungated xIELU), biases, QK-norm (before or after rotary),
 per-layer sliding windows, rope bases and NoPE layers, interleaved rotary, multipliers, an attention
-temperature and soft-capping, all read from ModelConfig.
+temperature, soft-capping and attention sinks (GPT-OSS), all read from ModelConfig.
 
 Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
 chunks and decode steps run through one forward; only attention looks at sequence
