@@ -1,7 +1,8 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Llama 4, and the hybrids Qwen3-Next, Qwen3.5-MoE,
-LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared expert
-where the family has one. One block and one routing path for all of them; the config says how it scores,
-biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, or relu^2 without a gate).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Llama 4, GPT-OSS, and the hybrids Qwen3-Next,
+Qwen3.5-MoE, LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared
+expert where the family has one. One block and one routing path for all of them; the config says how it scores,
+biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, GPT-OSS's clamped SwiGLU
+with biases, or relu^2 without a gate).
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
     assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
