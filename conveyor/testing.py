@@ -117,6 +117,8 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             weights[p + "self_attn.k_norm.weight"] = 1 + rand(kv if full else d)
         if config.is_moe_layer(n):
             weights.update(_random_experts(config, p, rand))
+        if config.attention_sinks:  # GPT-OSS: logits around the scores' own size
+            weights[p + "self_attn.sinks"] = rand(config.num_attention_heads) * 5
     return weights
 
 
@@ -128,6 +130,11 @@ def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.T
     for e in range(config.num_experts):
         weights.update({names.expert(prefix, e, "gate"): rand(width, h), names.expert(prefix, e, "up"): rand(width, h),
                         names.expert(prefix, e, "down"): rand(h, width)})
+    if config.moe_linear_bias:  # GPT-OSS
+        weights[names.router_bias(prefix)] = rand(config.num_experts)
+        for e in range(config.num_experts):
+            weights.update({names.expert_linear_bias(prefix, e, part): rand(size)
+                            for part, size in (("gate", width), ("up", width), ("down", h))})
     shared = config.shared_expert_intermediate_size  # Llama 4
     if shared:
         weights.update({names.shared(prefix, "gate"): rand(shared, h), names.shared(prefix, "up"): rand(shared, h),
@@ -191,6 +198,14 @@ TINY_MOE = {
                         rope_interleaved=True, qk_l2_norm=True, attn_temperature_beta=0.5,
                         attn_temperature_length=8, attn_temperature_offset=1, attn_temperature_nope_only=True,
                         max_served_context=512, rope_theta=500000.0),
+    # GPT-OSS: sliding (8 tokens) and full layers, attention sinks, q/k/v/o biases, YaRN; the top 2 logits
+    # softmaxed, biased experts with the clamped SwiGLU (a limit low enough to clamp here)
+    "gpt_oss": dict(architecture="gpt_oss", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    sliding_window=8, layer_types=("sliding_attention", "full_attention"), attention_sinks=True,
+                    attention_bias=True, attention_out_bias=True, moe_scoring="topk_softmax", norm_topk_prob=False,
+                    moe_linear_bias=True, moe_activation="swiglu_oai", swiglu_limit=1.5, rope_theta=150000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 64}),
 }
 
 

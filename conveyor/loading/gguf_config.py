@@ -21,11 +21,12 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       # issue #25 (OLMo 3 is written as olmo2, with its sliding-window keys)
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
-                      "apertus": "apertus", "llama4": "llama4_text", "deepseek2": "deepseek_v3"}
+                      "apertus": "apertus", "llama4": "llama4_text", "deepseek2": "deepseek_v3",
+                      "gpt-oss": "gpt_oss"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
-_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False,
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False, "gpt_oss": False,
               "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True}
 
 
@@ -166,6 +167,26 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
         fields.update(_llama4(meta, base, window))
     elif arch == "deepseek2":
         fields.update(_deepseek2(meta, base, tensors))
+    elif arch == "gpt-oss":
+        fields.update(_gpt_oss(meta, base, window))
+    return fields
+
+
+def _gpt_oss(meta, base: dict[str, Any], window: Any) -> dict[str, Any]:
+    """What llama.cpp fixes for `gpt-oss` (src/models/openai-moe.cpp): sinks, biases everywhere, the top-k logits
+    softmaxed, the clamped SwiGLU at alpha 1.702 and limit 7, every 2nd layer full attention by default.
+
+    YaRN is kept untruncated, as every gpt-oss config.json says (`truncate: false`, OpenAI's reference); llama.cpp
+    rounds the ramp's ends to whole dims (docs/models.md, known differences)."""
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        scaling = dict(scaling, truncate=False)
+    fields: dict[str, Any] = dict(rope_scaling=scaling, attention_sinks=True, moe_scoring="topk_softmax",
+                                  moe_linear_bias=True, moe_activation="swiglu_oai", swiglu_alpha=1.702,
+                                  swiglu_limit=7.0)
+    if window:
+        fields.update(sliding_window=int(window), layer_types=_layer_types(
+            meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 2))
     return fields
 
 

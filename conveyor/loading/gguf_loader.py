@@ -160,6 +160,8 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
+    if match and match.group(2) == "attn_sinks":  # GPT-OSS: a bare parameter in HF, `.weight` in the file
+        return f"model.layers.{match.group(1)}.self_attn.sinks"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
@@ -186,11 +188,17 @@ def _is_moe_tensor(gguf_name: str) -> bool:
 
 
 def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:
-    """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert."""
-    layer, kind = tensor.name.split(".")[1:3]
+    """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert; their
+    `.bias` (GPT-OSS) -> the router's bias and one (N,) view per expert."""
+    layer, kind, suffix = tensor.name.split(".")[1:4]
     names, prefix = EXPERT_NAMES[config.architecture], f"model.layers.{layer}."
     if kind == "ffn_gate_inp":
-        return {names.router(prefix): _to_torch(tensor, source)}
+        return {(names.router_bias if suffix == "bias" else names.router)(prefix): _to_torch(tensor, source)}
+    if suffix == "bias":  # (E, N), always float
+        biases = _to_torch(tensor, source)
+        if not isinstance(biases, torch.Tensor) or biases.dim() != 2 or len(biases) != config.num_experts:
+            raise LoadError(f"{source}: {tensor.name} is not a float ({config.num_experts}, N) tensor")
+        return {names.expert_linear_bias(prefix, e, EXPERT_TENSORS[kind]): b for e, b in enumerate(biases)}
     shape = tuple(int(d) for d in reversed(tensor.shape))  # (E, N, K)
     if len(shape) != 3 or shape[0] != config.num_experts:
         raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected ({config.num_experts}, rows, cols)")

@@ -3,7 +3,7 @@ dense families that differ from Llama only in config (models/gemma.py, olmo2.py,
 smollm3.py, ministral3.py, glm4.py, exaone4.py, ernie4_5.py, seed_oss.py, hunyuan_dense.py, apertus.py):
 where the norms sit, the MLP gate (or Apertus' ungated xIELU), biases, QK-norm (before or after rotary),
 per-layer sliding windows, rope bases and NoPE layers, interleaved rotary, multipliers, an attention
-temperature and soft-capping, all read from ModelConfig.
+temperature, soft-capping and attention sinks (GPT-OSS), all read from ModelConfig.
 
 Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
 chunks and decode steps run through one forward; only attention looks at sequence
@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
+        self.sinks: torch.Tensor | None = None  # (H,) fp32, loaded (GPT-OSS's attention sinks)
         self.norm_after_rope = config.qk_norm_after_rope or l2_norm  # Hunyuan, Llama 4
         # Ministral 3 (every layer), Llama 4 (NoPE layers, by pos + 1)
         beta = 0.0 if config.attn_temperature_nope_only and self.rotary_dim else config.attn_temperature_beta
@@ -111,7 +112,7 @@ class LlamaAttention(nn.Module):
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 gate: torch.Tensor | None = None) -> torch.Tensor:
         out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
-                                       self.softcap)  # (T, H, D)
+                                       self.softcap, self.sinks)  # (T, H, D)
         out = out.reshape(q.shape[0], self.q_size)
         if gate is not None:
             out = self.ops.sigmoid_mul(out, gate)
@@ -341,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
             ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
                                 requires_grad=False)
             attn.q_norm.weight = attn.k_norm.weight = ones
+        if cfg.attention_sinks:  # in the model dtype, as transformers holds them; the kernel reads fp32
+            attn.sinks = loader.dense(get(p + "self_attn.sinks")).float()
 
     def cache_specs(self) -> list[CacheSpec]:
         """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""

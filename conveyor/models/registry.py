@@ -40,6 +40,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmoe": MoEForCausalLM,
     "llama4_text": MoEForCausalLM,  # models/llama4.py
     "deepseek_v3": DeepseekV3ForCausalLM,  # multi-head latent attention (models/mla.py) + MoE
+    "gpt_oss": MoEForCausalLM,  # models/gpt_oss.py
     # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,
