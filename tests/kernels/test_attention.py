@@ -131,12 +131,16 @@ def _rows_meta(meta, seq, positions):
 
 
 # Key counts straddling the vector paths' groups (8 keys on AVX2, 16 on AVX-512 BF16) and their
-# register-blocked shapes: query heads per KV head 1-4, head dims 64 and 128 (9/3/64 is SmolLM2-135M).
+# register-blocked shapes: query heads per KV head 1-4, head dims 64 and 128 (9/3/64 is SmolLM2-135M);
+# 256 (Gemma 3, Qwen3.5; AVX2's blocked path); more than 4 query heads per KV head, run in sub-groups
+# (8: GPT-OSS, 4 + 4; 6: 3 + 3; 5: one at a time).
 STRADDLING_LENS = [1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 33, 135]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (6, 3, 64), (8, 2, 64), (3, 3, 128),
-                                                     (4, 2, 128), (6, 2, 128), (12, 3, 128)])
+                                                     (4, 2, 128), (6, 2, 128), (12, 3, 128), (16, 2, 64),
+                                                     (12, 2, 64), (10, 2, 64), (4, 1, 256), (6, 2, 256),
+                                                     (16, 2, 128)])
 def test_wide_heads_at_every_group_boundary(heads, kv_heads, head_dim):
     seq_lens = STRADDLING_LENS
     rows = [min(n, 3) for n in seq_lens]  # the last rows of each: key counts n-2, n-1, n
@@ -155,7 +159,7 @@ def test_wide_heads_at_every_group_boundary(heads, kv_heads, head_dim):
         start += r
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 2, 64), (8, 2, 256)])
 def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
     """A 70-token prompt prefilled whole, in uneven chunks next to other sequences, or one row at a
     time: every row bitwise the same."""

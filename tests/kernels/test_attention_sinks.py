@@ -13,7 +13,7 @@ from tests.kernels.test_attention_q8 import _as_kernel_rounds_q, _query, _sequen
 backend = kernel_backend("attention", "fused_ops")
 # generic loops (32-dim heads), the register-blocked bf16 shapes (64 / 128 dims, 1-4 query heads per KV head),
 # and more query heads per KV head than the vector paths take
-SHAPES = [(6, 2, 32), (9, 3, 64), (4, 2, 128), (8, 2, 64), (4, 4, 64), (12, 1, 64)]
+SHAPES = [(6, 2, 32), (9, 3, 64), (4, 2, 128), (8, 2, 64), (4, 4, 64), (12, 1, 64), (16, 2, 64)]
 
 
 def _sinks(heads: int, seed: int = 3) -> torch.Tensor:
@@ -50,7 +50,7 @@ def test_reference_sinks_are_transformers_softmax():
 
 
 @pytest.mark.batch_invariant
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (8, 2, 128), (16, 2, 64)])
 @pytest.mark.parametrize("window", [0, 21])
 def test_rows_with_sinks_are_batch_and_chunk_invariant(heads, kv_heads, head_dim, window):
     seq_lens, rows = [33, 7, 120, 64], [1, 7, 30, 1]

@@ -296,13 +296,14 @@ PassFn<c10::BFloat16> pick_sum_avx2(int64_t G) {
   }
 }
 
-// Pass 3 for bf16 with D = 64 or 128 and up to 4 query heads per KV head; nullptr otherwise.
+// Pass 3 for bf16 with D = 64, 128 or 256 and up to 4 query heads per KV head; nullptr otherwise.
 // Pass 1 runs scores_avx2 (wide_scores_fn), which reads the bf16 query itself.
 template <Pass P>
 PassFn<c10::BFloat16> fast_pass(const c10::BFloat16*, int64_t G, int64_t D) {
   if (P != Pass::kWeightedSum) return nullptr;
   if (D == 64) return pick_sum_avx2<4>(G);
   if (D == 128) return pick_sum_avx2<8>(G);
+  if (D == 256) return pick_sum_avx2<16>(G);  // Gemma 3, Qwen3.5's attention layers
   return nullptr;
 }
 
@@ -320,6 +321,7 @@ ScoresBf16Fn pick_scores_avx2(int64_t G) {
 inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   if (D == 64) return pick_scores_avx2<4>(G);
   if (D == 128) return pick_scores_avx2<8>(G);
+  if (D == 256) return pick_scores_avx2<16>(G);
   return nullptr;
 }
 
@@ -501,13 +503,24 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 }
 #endif
 
+// The query heads one task of attend_rows handles together: all of a KV head's G when G <= 4 (the
+// register-blocked passes go up to 4), else the largest of 4, 3, 2 that divides G (1 otherwise).
+inline int64_t head_subgroup(int64_t G) {
+  if (G <= 4) return G;
+  for (int64_t sg : {4, 3, 2})
+    if (G % sg == 0) return sg;
+  return 1;
+}
+
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
                  double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
-  const int64_t G = H / KVH;
+  // More than 4 query heads per KV head (GPT-OSS 8, MLA every head): the heads go in sub-groups of G,
+  // each its own task on the register-blocked passes (a head's arithmetic is the same in any sub-group).
+  const int64_t NSUB = H / KVH / head_subgroup(H / KVH), G = H / KVH / NSUB;
   const int bs_shift = __builtin_ctzll(BS);  // block sizes are powers of two (checked by the caller)
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
@@ -528,10 +541,11 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const void* dp_qk = nullptr;
 #endif
 
-  conveyor_parallel::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / KVH, kvh = task % KVH;
+      // vkv: this task's sub-group of query heads (its first head is vkv * G), reading KV head kvh.
+      const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
       // Keys [first, pos]: the whole history, or the last `window` positions (sliding window).
       const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
       const int64_t first = window > 0 && visible > window ? visible - window : 0;
@@ -541,13 +555,13 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       // Pass 1: scores, in key order.
 #if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
       if (dp_qk != nullptr)
-        dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + kvh * G * D), fscale, first, num_keys,
+        dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, first, num_keys,
               reinterpret_cast<const c10::BFloat16*>(kc), reinterpret_cast<const c10::BFloat16*>(vc), table, BS,
               kv_block, kv_tok, kvh * D, scores.data());
 #endif
       for (int64_t g = 0; dp_qk == nullptr && g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_float(q[t * q_row + (kvh * G + g) * D + d]) * fscale;
+          qf[g * D + d] = to_float(q[t * q_row + (vkv * G + g) * D + d]) * fscale;
       if (dp_qk == nullptr && fast_qk != nullptr)
         fast_qk(qf.data(), first, num_keys, kc, table, BS, kv_block, kv_tok, kvh * D, scores.data());
       for (int64_t j = 0; dp_qk == nullptr && fast_qk == nullptr && j < num_keys; ++j) {
@@ -555,7 +569,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         const scalar_t* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
-      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + kvh * G : nullptr);  // pass 2
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {
         fast_sum(scores.data(), first, num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
@@ -574,7 +588,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / denom[g];
-        scalar_t* og = o + t * q_row + (kvh * G + g) * D;
+        scalar_t* og = o + t * q_row + (vkv * G + g) * D;
         for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
       }
     }
