@@ -7,6 +7,7 @@ environment is read only here, and the result is frozen dataclasses validated on
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable
@@ -179,12 +180,29 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_logit_bias: int = 300
     reasoning_parser: str = "auto"  # <think>...</think> -> reasoning_content: auto (if the template has it) | think | none
+    chat_template_kwargs: str | None = None  # JSON object: extra chat-template variables for every request
 
     def __post_init__(self) -> None:
         _require(self.reasoning_parser in ("auto", "think", "none"), "reasoning_parser must be auto, think or none")
+        self.template_kwargs  # a bad --chat-template-kwargs fails at startup, not on the first request
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
                      "max_stop_strings", "max_logit_bias"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        if not self.chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"chat_template_kwargs must be a JSON object: {exc}") from None
+        _require(isinstance(value, dict), "chat_template_kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        from conveyor.loading.chat_template import RESERVED_TEMPLATE_VARIABLES
+
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & value.keys())
+        _require(not reserved, f"chat_template_kwargs cannot set {', '.join(reserved)} (conveyor fills them)")
+        return value
 
 
 NODE_ROLES = ("prefill", "decode", "router")
@@ -401,6 +419,9 @@ FLAGS: list[Flag] = [
          "compiled grammars (response_format schemas, tool sets) kept for reuse (0 = compile every time)"),
     Flag(("--reasoning-parser",), "reasoning_parser", choices=("auto", "think", "none"),
          help="<think>...</think> output to reasoning_content: auto (when the chat template uses <think>), think, none"),
+    Flag(("--chat-template-kwargs",), "chat_template_kwargs",
+         help="JSON object of extra chat-template variables for every request, e.g. '{\"enable_thinking\": false}' "
+              "(a request's chat_template_kwargs override them)"),
     Flag(("--host",), "host", help="bind address"),
     Flag(("--port",), "port", int, "listen port"),
     Flag(("--api-key",), "api_key", help="require this bearer token on every route but /health and /metrics"),

@@ -88,9 +88,11 @@ class _RegistryCollector:
 
 class RouterServing:
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
-                 max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto") -> None:
+                 max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto",
+                 template_kwargs: dict | None = None) -> None:
         self.registry = registry
         self.reasoning_parser = reasoning_parser
+        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.model_names = {model_id, model_name}
@@ -107,7 +109,8 @@ class RouterServing:
     # -- endpoints: planned exactly as a node plans them (server/request_plan.py) -------------
     async def chat(self, http: Request, body: ChatCompletionRequest, arrival: float) -> Response:
         self.check_model(body.model)
-        plan = plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id)
+        plan = plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id,
+                                 self.template_kwargs)
         return await self._run(http, plan, arrival)
 
     async def completion(self, http: Request, body: CompletionRequest, arrival: float) -> Response:
@@ -264,7 +267,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     metrics = RouterMetrics(registry)
     model_id = server.served_model_name or model_name
     serving = RouterServing(registry, tokenizer, model_id, model_name, max_queue_depth, metrics,
-                            server.reasoning_parser)
+                            server.reasoning_parser, server.template_kwargs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

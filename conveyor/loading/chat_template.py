@@ -50,6 +50,10 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# The template inputs conveyor fills itself; extra variables (chat_template_kwargs) may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+
+
 def render_chat(source: str, messages: list[dict[str, Any]], **variables: Any) -> str:
     """Render `source`; template errors (including `raise_exception`) become ValueError."""
     # Like transformers: drop None values (OpenAI clients send `content: null`), which templates mishandle.

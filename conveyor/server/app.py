@@ -61,7 +61,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     config = server_config or ServerConfig()
     model_id = config.served_model_name or engine.core.model_name
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, model_id, metrics, config.reasoning_parser)
+    serving = OpenAIServing(engine, model_id, metrics, config.reasoning_parser, config.template_kwargs)
     lifecycle = Lifecycle(engine, serving, config.shutdown_grace_seconds)
 
     @asynccontextmanager

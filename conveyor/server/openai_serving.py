@@ -29,9 +29,10 @@ from conveyor.server.streams import RequestGroup
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics,
-                 reasoning_parser: str = "auto") -> None:
+                 reasoning_parser: str = "auto", template_kwargs: dict | None = None) -> None:
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
         self.core = engine.core
         self.model_id = model_id
         self.model_names = {model_id, self.core.model_name}
@@ -43,7 +44,8 @@ class OpenAIServing:
     # -- endpoints -------------------------------------------------------------------------
     async def chat(self, http: HTTPRequest, body: ChatCompletionRequest, arrival: float) -> Response:
         self.check_model(body.model)
-        plan = plan_chat_request(body, self.core.tokenizer, self.reasoning_parser, self.model_id)
+        plan = plan_chat_request(body, self.core.tokenizer, self.reasoning_parser, self.model_id,
+                                 self.template_kwargs)
         return await self._run(http, plan, arrival)
 
     async def completion(self, http: HTTPRequest, body: CompletionRequest, arrival: float) -> Response:

@@ -7,7 +7,7 @@ common OpenAI fields listed in each model that we accept and ignore.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -130,6 +130,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (vLLM's and llama-server's field), e.g. {"enable_thinking": false}
+    # for Qwen3 / SmolLM3; on top of the server's --chat-template-kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field; reaches the template as `reasoning_effort` (GPT-OSS's harmony system message reads it).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
+from conveyor.loading.chat_template import RESERVED_TEMPLATE_VARIABLES
 from conveyor.server import errors
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -68,13 +70,16 @@ class RequestPlan:
 
 
 def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str,
-                      model_id: str) -> RequestPlan:
+                      model_id: str, template_kwargs: dict[str, Any] | None = None) -> RequestPlan:
+    """`template_kwargs`: the server's --chat-template-kwargs, under the request's own."""
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plan = plan_chat(body, tokenizer, reasoning_parser)
+    variables = chat_template_variables(body, template_kwargs)
     try:
-        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools)
+        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
+                                             **variables)
     except ValueError as exc:
         raise errors.invalid(str(exc), "messages") from None
     prompt = tokenizer.encode(text, add_special_tokens=False)
@@ -83,6 +88,19 @@ def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoni
                             want_logprobs=logprobs is not None, parsing=reply_starts_thinking(plan.parsing, text))
     renames = {"prompt": "messages", "logprobs": "top_logprobs", **_grammar_renames(plan.grammar_param)}
     return RequestPlan(body, [prompt], max_tokens, logprobs, plan.grammar, plan.grammar_param, header, renames)
+
+
+def chat_template_variables(body: ChatCompletionRequest, defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """What the template sees beyond messages and tools: the server's defaults, the request's
+    chat_template_kwargs, then reasoning_effort. The template's own inputs cannot be replaced (a 400)."""
+    given = body.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & given.keys())
+    if reserved:
+        raise errors.invalid(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
+    variables = {**(defaults or {}), **given}
+    if body.reasoning_effort is not None:
+        variables["reasoning_effort"] = body.reasoning_effort
+    return variables
 
 
 def plan_completion_request(body: CompletionRequest, tokenizer: Tokenizer, model_id: str) -> RequestPlan:
