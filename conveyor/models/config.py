@@ -6,14 +6,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, glm4, granite, granite_hybrid, hunyuan_dense,
-                             lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5,
-                             qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, gemma4, glm4, granite, granite_hybrid,
+                             hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3,
+                             qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
-                           "hunyuan_v1_dense", "apertus",
+                           "hunyuan_v1_dense", "apertus", "gemma4_text",
                            "mixtral", "qwen3_moe", "olmoe", "llama4_text", "lfm2", "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
@@ -23,6 +23,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "smollm3": smollm3.hf_fields, "ministral3": ministral3.hf_fields, "glm4": glm4.hf_fields,
                  "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
+                 "gemma4_text": gemma4.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "llama4_text": llama4.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
@@ -34,6 +35,9 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
 # Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
 HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
                      "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES}
+
+# Families whose own file lists the tensors a checkpoint holds (their layers differ from the shared decoder's).
+PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -47,7 +51,8 @@ CHANNEL_LAYER_TYPES = ("mlp", "moe")
 HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
                         "nemotron_h", "falcon_h1", "mamba2")
 # Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
-MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+                   "gemma4": "gemma4_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -176,6 +181,21 @@ class ModelConfig:
     attention_out_multiplier: float = 1.0
     mlp_gate_multiplier: float = 1.0
     mlp_down_multiplier: float = 1.0
+    # --- Gemma 4 (models/gemma4.py, gemma4_model.py): per-layer shapes, shared K/V, per-layer embeddings ------
+    # Per layer where layers differ (Gemma 4's global layers: wider heads, fewer K/V heads; its K/V-sharing
+    # layers: a double-wide MLP); empty: every layer has head_dim, num_key_value_heads, intermediate_size.
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # Per layer, the layer whose K/V it attends over: itself where it computes and caches its own, an earlier
+    # layer of the same kind where it only reads that one's cache (Gemma 4's last num_kv_shared_layers). Empty: own.
+    kv_source_layers: tuple[int, ...] = ()
+    attention_k_eq_v: bool = False  # Gemma 4: full-attention layers take v from k's projection (before k's norm)
+    v_norm: bool = False  # Gemma 4: an RMSNorm without weight on each value head
+    # Per-layer embeddings (PLE): a (vocab_size_per_layer_input, layers x this) table plus a projection of the
+    # embeddings, fed to every layer through a gate after its MLP (0: none).
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -203,6 +223,7 @@ class ModelConfig:
             raise ModelConfigError("gated DeltaNet layers need positive linear head counts and dims, with value "
                                    "heads a multiple of key heads")
         self._check_mamba()
+        self._check_per_layer()
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                                    f"rotary width")
@@ -249,6 +270,33 @@ class ModelConfig:
         if self.mamba_section_multipliers and len(self.mamba_section_multipliers) != 5:
             raise ModelConfigError(f"mamba_section_multipliers needs 5 entries (z, x, B, C, dt), got "
                                    f"{len(self.mamba_section_multipliers)}")
+
+    def _check_per_layer(self) -> None:
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "kv_source_layers"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_hidden_layers:
+                raise ModelConfigError(f"{name} has {len(values)} entries for {self.num_hidden_layers} layers")
+        if any(self.num_attention_heads % self.layer_num_kv_heads(i) for i in range(self.num_hidden_layers)):
+            raise ModelConfigError(f"layer_kv_heads {self.layer_kv_heads} must divide {self.num_attention_heads} heads")
+        for i, src in enumerate(self.kv_source_layers):
+            # a reader must find its source's K/V already written, and read them as that layer wrote them
+            if not 0 <= src <= i or self.kv_source(src) != src or self.window(src) != self.window(i) or (
+                    self.layer_head_dim(src), self.layer_num_kv_heads(src)) != (self.layer_head_dim(i),
+                                                                                self.layer_num_kv_heads(i)):
+                raise ModelConfigError(f"layer {i} cannot read the K/V of layer {src} (kv_source_layers)")
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        return self.layer_intermediate_sizes[layer] if self.layer_intermediate_sizes else self.intermediate_size
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V `layer` attends over (itself unless it shares an earlier layer's)."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
 
     @property
     def num_queries_per_kv(self) -> int:
