@@ -469,3 +469,55 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+# Gemma 4 (text; models/gemma4_model.py): sliding and global layers with their own head dims, the global ones with
+# one K/V head and v = k; the last two layers read layers 2 and 3's K/V (double-wide MLP); per-layer embeddings.
+TINY_GEMMA4 = dict(architecture="gemma4_text", num_hidden_layers=6, norm_layout="sandwich", hidden_act="gelu_tanh",
+                   qk_norm=True, v_norm=True, attention_scale=1.0, embedding_multiplier=8.0, sliding_window=8,
+                   layer_types=("sliding_attention", "full_attention") * 3, rope_theta=1e6, local_rope_theta=1e4,
+                   rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                   layer_head_dims=(16, 32) * 3, layer_kv_heads=(2, 1) * 3, attention_k_eq_v=True,
+                   kv_source_layers=(0, 1, 2, 3, 2, 3), layer_intermediate_sizes=(128,) * 4 + (256,) * 2,
+                   hidden_size_per_layer_input=8, final_logit_softcapping=30.0)
+
+
+def tiny_gemma4_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
+    """A random Gemma 4 text model (TINY_GEMMA4) under its HF names, with the bundled SmolLM2 tokenizer."""
+    tokenizer = smollm_tokenizer()
+    fields = {**TINY_GEMMA4, **overrides}
+    fields.setdefault("vocab_size_per_layer_input", tokenizer.vocab_size if fields["hidden_size_per_layer_input"] else 0)
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **fields)
+    return Checkpoint(config=config, weights=random_gemma4_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name="tiny-random-gemma4")
+
+
+def random_gemma4_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """One random tensor per name models/gemma4.py lists, shaped by the layer's head dim, K/V heads and width."""
+    from conveyor.models.gemma4 import weight_names
+
+    gen = torch.Generator().manual_seed(seed)
+    h, ple, layers = config.hidden_size, config.hidden_size_per_layer_input, config.num_hidden_layers
+
+    def shape(name: str) -> tuple[int, ...]:
+        if not name.startswith("model.layers."):
+            return {"model.embed_tokens.weight": (config.vocab_size, h), "lm_head.weight": (config.vocab_size, h),
+                    "model.embed_tokens_per_layer.weight": (config.vocab_size_per_layer_input, layers * ple),
+                    "model.per_layer_model_projection.weight": (layers * ple, h),
+                    "model.per_layer_projection_norm.weight": (ple,)}.get(name, (h,))
+        i, part = int(name.split(".")[2]), name.split(".", 3)[3]
+        d, width = config.layer_head_dim(i), config.layer_intermediate_size(i)
+        q, kv = config.num_attention_heads * d, config.layer_num_kv_heads(i) * d
+        return {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                "mlp.gate_proj.weight": (width, h), "mlp.up_proj.weight": (width, h), "mlp.down_proj.weight": (h, width),
+                "layer_scalar": (1,), "per_layer_input_gate.weight": (ple, h),
+                "per_layer_projection.weight": (h, ple)}.get(part, (h,))
+
+    weights = {}
+    for name in weight_names(config):
+        tensor = torch.randn(*shape(name), generator=gen) * scale
+        # norms and layer scalars near 1; embeddings spread out so greedy text varies
+        weights[name] = 1 + tensor if "norm" in name or name.endswith("layer_scalar") else tensor
+    weights["model.embed_tokens.weight"] *= 5
+    return weights
