@@ -30,7 +30,11 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
-GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                  # Gemma 4's per-layer embeddings (PLE)
+                  "per_layer_token_embd": "model.embed_tokens_per_layer",
+                  "per_layer_model_proj": "model.per_layer_model_projection",
+                  "per_layer_proj_norm": "model.per_layer_projection_norm"}
 BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -48,10 +52,15 @@ ARCH_BLOCK_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     # GLM-4: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
     "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 4: Gemma's sandwich, and each layer's PLE gate, projection and norm
+    "gemma4": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
+               "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm"},
     # Llama 4: the ungated shared expert beside the routed ones
     "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj"},
 }
+# Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
+BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar"}
 # Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
 # Apertus, whose converter sets undo_permute = False).
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
@@ -147,6 +156,8 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
+    if match and suffix == "weight" and match.group(2) in BARE_BLOCK_TENSORS:
+        return f"model.layers.{match.group(1)}.{BARE_BLOCK_TENSORS[match.group(2)]}"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")

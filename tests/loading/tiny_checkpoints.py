@@ -472,3 +472,56 @@ def _converter_quantizes(name: str, tensor: torch.Tensor) -> bool:
     return (tensor.dim() >= 2 and name.endswith(".weight") and not name.endswith("_norm.weight")
             and not name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight", "ffn_gate_inp.weight",
                                    "ffn_gate_inp_shexp.weight")))
+
+
+def write_gemma4_gguf(path, model: transformers.PreTrainedModel) -> None:
+    """`model` (F32) as convert_hf_to_gguf's Gemma4Model writes it: the global layers' head dim as key_length (the
+    sliding ones' as key_length_swa), K/V heads and MLP widths per layer where they differ, the sliding pattern per
+    layer, shared_kv_layers, the proportional rope as rope_freqs (1, then 1e30), norms as they are (w), the per-layer
+    scalar as blk.N.layer_output_scale.weight."""
+    cfg = model.config
+    raw = cfg.to_dict()  # the saved config (per-layer attributes are not readable off the config object)
+    rope, types = cfg.rope_parameters, cfg.layer_types
+    per_layer = raw["per_layer_config"]  # the global layers' head dim and K/V heads, by layer
+    full_dim = next(c["head_dim"] for i, c in per_layer.items() if types[int(i)] == "full_attention")
+    full_kv = next((c.get("num_key_value_heads") for i, c in per_layer.items()
+                    if types[int(i)] == "full_attention"), None)
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    writer.add_feed_forward_length(
+        [cfg.intermediate_size * (2 if i >= first_shared else 1) for i in range(cfg.num_hidden_layers)]
+        if cfg.use_double_wide_mlp else cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv([raw["num_key_value_heads"] if t == "sliding_attention" else full_kv for t in types]
+                             if full_kv is not None else raw["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
+    writer.add_key_length_swa(raw["head_dim"])
+    writer.add_value_length_swa(raw["head_dim"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full_dim)
+    writer.add_rope_dimension_count_swa(raw["head_dim"])
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input or 0)
+    add_tiny_bpe_vocab(writer)
+    turning = int(full_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (full_dim // 2 - turning),
+                                                      dtype=np.float32))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = name + ".weight" if name.endswith("layer_scalar") else name
+        writer.add_tensor(gguf_family_name(name, "gemma4", cfg.num_hidden_layers), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
