@@ -6,14 +6,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, gemma4, glm4, granite, granite_hybrid,
-                             hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h, olmo2, olmoe, phi3,
-                             qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, gemma3n, gemma4, glm4, granite,
+                             granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h,
+                             olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
-                           "hunyuan_v1_dense", "apertus", "gemma4_text",
+                           "hunyuan_v1_dense", "apertus", "gemma4_text", "gemma3n_text",
                            "mixtral", "qwen3_moe", "olmoe", "llama4_text", "lfm2", "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
@@ -23,7 +23,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "smollm3": smollm3.hf_fields, "ministral3": ministral3.hf_fields, "glm4": glm4.hf_fields,
                  "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
-                 "gemma4_text": gemma4.hf_fields,
+                 "gemma4_text": gemma4.hf_fields, "gemma3n_text": gemma3n.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "llama4_text": llama4.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
@@ -37,7 +37,7 @@ HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus"
                      "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES}
 
 # Families whose own file lists the tensors a checkpoint holds (their layers differ from the shared decoder's).
-PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names}
+PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names, "gemma3n_text": gemma3n.weight_names}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -52,7 +52,7 @@ HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"
                         "nemotron_h", "falcon_h1", "mamba2")
 # Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
 MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
-                   "gemma4": "gemma4_text"}
+                   "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -196,6 +196,15 @@ class ModelConfig:
     # embeddings, fed to every layer through a gate after its MLP (0: none).
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
+    # --- Gemma 3n (models/gemma3n.py, gemma3n_model.py) ------------------------------------------------------
+    # AltUp: the hidden state as this many streams (0: one, no AltUp); each layer runs on stream altup_active_idx,
+    # predicted from all of them, then corrects all by its output (scaled per channel with altup_correct_scale).
+    altup_num_inputs: int = 0
+    altup_active_idx: int = 0
+    altup_correct_scale: bool = True
+    laurel_rank: int = 0  # LAuReL: a low-rank residual branch (left then right projection, normed) beside attention
+    # Per layer, the share of MLP gate activations a gaussian top-k zeroes (mean + std * Phi^-1(share)); empty: none.
+    activation_sparsity: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -272,10 +281,15 @@ class ModelConfig:
                                    f"{len(self.mamba_section_multipliers)}")
 
     def _check_per_layer(self) -> None:
-        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "kv_source_layers"):
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "kv_source_layers",
+                     "activation_sparsity"):
             values = getattr(self, name)
             if values and len(values) != self.num_hidden_layers:
                 raise ModelConfigError(f"{name} has {len(values)} entries for {self.num_hidden_layers} layers")
+        if any(not 0.0 <= share < 1.0 for share in self.activation_sparsity):
+            raise ModelConfigError(f"activation_sparsity {self.activation_sparsity} must lie in [0, 1)")
+        if self.altup_num_inputs and not 0 <= self.altup_active_idx < self.altup_num_inputs:
+            raise ModelConfigError(f"altup_active_idx {self.altup_active_idx} outside {self.altup_num_inputs} inputs")
         if any(self.num_attention_heads % self.layer_num_kv_heads(i) for i in range(self.num_hidden_layers)):
             raise ModelConfigError(f"layer_kv_heads {self.layer_kv_heads} must divide {self.num_attention_heads} heads")
         for i, src in enumerate(self.kv_source_layers):

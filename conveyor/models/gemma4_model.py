@@ -77,29 +77,35 @@ class Gemma4Attention(nn.Module):
 class PerLayerInputs(nn.Module):
     """Per-layer embeddings (PLE): each token's row of a (vocab, layers x P) table times sqrt(P), plus the
     embeddings projected to layers x P (times hidden^-0.5, RMS-normed per layer), the sum times 1/sqrt(2).
-    Every step is per row."""
+    Every step is per row. `round_scales`: the two scales rounded to the compute dtype first (Gemma 3n's buffers)."""
 
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend, round_scales: bool = False) -> None:
         super().__init__()
         self.num_layers, self.width = config.num_hidden_layers, config.hidden_size_per_layer_input
-        self.hidden_size = config.hidden_size
-        self.embed = _meta_embedding(config.vocab_size_per_layer_input, self.num_layers * self.width)
+        self.vocab_size, self.hidden_size = config.vocab_size_per_layer_input, config.hidden_size
+        self.round_scales = round_scales
+        self.embed = _meta_embedding(self.vocab_size, self.num_layers * self.width)
         self.projection = RowInvariantLinear(config.hidden_size, self.num_layers * self.width, False, ops)
         self.norm = RMSNorm(self.width, config.rms_norm_eps, ops)
 
-    def load(self, weights: Mapping[str, Weight], loader: WeightLoader, get, norm) -> None:
+    def load(self, loader: WeightLoader, get, norm) -> None:
         self.embed = loader.embedding(get("model.embed_tokens_per_layer.weight"))
         loader.linear(self.projection, [get("model.per_layer_model_projection.weight")])
         self.norm.weight = norm("model.per_layer_projection_norm.weight")
 
     def forward(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """(T,) ids and (T, hidden) scaled embeddings -> (T, layers, P)."""
-        shape = (input_ids.shape[0], self.num_layers, self.width)
-        tokens = self.embed(input_ids).to(embeds.dtype)
+        shape, dtype = (input_ids.shape[0], self.num_layers, self.width), embeds.dtype
+        # ids past the table (Gemma 3n's multimodal tokens) read row 0, as transformers does
+        tokens = self.embed(torch.where(input_ids < self.vocab_size, input_ids, 0)).to(dtype)
         # NOTE: the scale rounded to the dtype first, as transformers' scaled embedding does
-        tokens = (tokens * torch.tensor(self.width ** 0.5, dtype=tokens.dtype)).reshape(shape)
-        projected = self.norm((self.projection(embeds) * self.hidden_size ** -0.5).reshape(shape))
-        return (projected + tokens) * 2.0 ** -0.5
+        tokens = (tokens * torch.tensor(self.width ** 0.5, dtype=dtype)).reshape(shape)
+        projected = self.projection(embeds) * self._scale(self.hidden_size ** -0.5, dtype)
+        projected = self.norm(projected.reshape(shape))
+        return (projected + tokens) * self._scale(2.0 ** -0.5, dtype)
+
+    def _scale(self, value: float, dtype: torch.dtype) -> float | torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32).to(dtype) if self.round_scales else value
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -194,7 +200,7 @@ class Gemma4ForCausalLM(nn.Module):
         else:
             loader.linear(self.lm_head, [get("lm_head.weight")])
         if self.per_layer_inputs is not None:
-            self.per_layer_inputs.load(weights, loader, get, norm)
+            self.per_layer_inputs.load(loader, get, norm)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
