@@ -5,6 +5,7 @@ They reuse the bundled SmolLM2 tokenizer so prompts, chat templates and detokeni
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import gguf
@@ -520,4 +521,47 @@ def random_gemma4_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
         # norms and layer scalars near 1; embeddings spread out so greedy text varies
         weights[name] = 1 + tensor if "norm" in name or name.endswith("layer_scalar") else tensor
     weights["model.embed_tokens.weight"] *= 5
+    return weights
+
+
+# Gemma 3n (text; models/gemma3n_model.py): AltUp over 4 streams, LAuReL of rank 8, the first layer's MLP gate
+# sparse, per-layer widths; the last two layers read layers 2 and 3's K/V; per-layer embeddings.
+TINY_GEMMA3N = dict(architecture="gemma3n_text", num_hidden_layers=6, norm_layout="sandwich", hidden_act="gelu_tanh",
+                    qk_norm=True, v_norm=True, attention_scale=1.0, embedding_multiplier=8.0, sliding_window=8,
+                    layer_types=("sliding_attention", "full_attention") * 3, rope_theta=1e6, local_rope_theta=1e4,
+                    kv_source_layers=(0, 1, 2, 3, 2, 3), layer_intermediate_sizes=(128, 96) * 3,
+                    activation_sparsity=(0.95,) + (0.0,) * 5, hidden_size_per_layer_input=8, altup_num_inputs=4,
+                    laurel_rank=8, final_logit_softcapping=30.0)
+
+
+def tiny_gemma3n_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
+    """A random Gemma 3n text model (TINY_GEMMA3N) under its HF names, with the bundled SmolLM2 tokenizer."""
+    tokenizer = smollm_tokenizer()
+    fields = {"vocab_size_per_layer_input": tokenizer.vocab_size, **TINY_GEMMA3N, **overrides}
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **fields)
+    return Checkpoint(config=config, weights=random_gemma3n_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name="tiny-random-gemma3n")
+
+
+def random_gemma3n_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Gemma 4's shapes (random_gemma4_weights) plus AltUp's, LAuReL's and the AltUp (un)embedding projections."""
+    from conveyor.models.gemma3n import weight_names
+
+    gen = torch.Generator().manual_seed(seed)
+    h, n, rank = config.hidden_size, config.altup_num_inputs, config.laurel_rank
+    shapes = {"altup.correction_coefs.weight": (n, n), "altup.prediction_coefs.weight": (n * n, n),
+              "altup.modality_router.weight": (n, h), "laurel.linear_left.weight": (rank, h),
+              "laurel.linear_right.weight": (h, rank)}
+    base = random_gemma4_weights(replace(config, architecture="gemma4_text", altup_num_inputs=0, laurel_rank=0,
+                                         activation_sparsity=()), seed, scale)
+    weights = {}
+    for name in weight_names(config):
+        part = name.split(".", 3)[-1]
+        if name in base:
+            weights[name] = base[name]
+        elif "altup_" in name:  # model.altup_(un)embed_projections.i.weight
+            weights[name] = torch.randn(h, h, generator=gen) * scale
+        else:  # per-layer AltUp / LAuReL tensors; norms near 1
+            tensor = torch.randn(*shapes.get(part, (h,)), generator=gen) * scale
+            weights[name] = 1 + tensor if "norm" in part else tensor
     return weights
