@@ -184,3 +184,31 @@ def test_gemma4_directories_load(tmp_path, copy_tokenizer) -> None:
         assert set(ck.weights) == set(state)
         assert "model.layers.2.self_attn.k_proj.weight" not in ck.weights
         assert all(torch.equal(ck.weights[name], weight) for name, weight in state.items())
+
+
+def test_gemma3n_directories_load(tmp_path, copy_tokenizer) -> None:
+    """Gemma 3n (text) from save_pretrained, and the multimodal layout (model.language_model.*, text_config)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3nTextConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"] * 2,
+                                         num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                         vocab_size_per_layer_input=200, laurel_rank=8, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    plain, hub = tmp_path / "plain", tmp_path / "hub"
+    model.save_pretrained(plain)
+    hub.mkdir()
+    towers = {"model.vision_tower.timm_model.x": torch.zeros(1), "model.embed_vision.x": torch.zeros(1),
+              "model.audio_tower.x": torch.zeros(1), "model.embed_audio.x": torch.zeros(1)}
+    save_file({k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in state.items()} | towers,
+              hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": cfg.to_dict(),
+                                                 "vision_config": {}, "audio_config": {}}))
+    for folder in (plain, hub):
+        copy_tokenizer(folder)
+        ck = load_checkpoint(str(folder))
+        assert ck.config.architecture == "gemma3n_text" and ck.config.altup_num_inputs == 4
+        assert ck.config.kv_source_layers == (0, 1, 0, 1)
+        assert set(ck.weights) == set(state)
+        assert all(torch.equal(ck.weights[name], weight) for name, weight in state.items())
