@@ -7,6 +7,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 
 from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
@@ -21,7 +22,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       # issue #25 (OLMo 3 is written as olmo2, with its sliding-window keys)
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
-                      "apertus": "apertus", "llama4": "llama4_text", "gemma4": "gemma4_text"}
+                      "apertus": "apertus", "llama4": "llama4_text", "gemma4": "gemma4_text",
+                      "gemma3n": "gemma3n_text"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
@@ -173,7 +175,36 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
         fields.update(_llama4(meta, base, window))
     elif arch == "gemma4":
         fields.update(_gemma4(meta, base, tensors))
+    elif arch == "gemma3n":
+        fields.update(_gemma3n(meta, base, tensors))
     return fields
+
+
+def _gemma3n(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma3NModel: the sliding pattern per layer, MLP widths per layer, shared_kv_layers,
+    AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as its std multiplier (Phi^-1 of
+    the share; -inf where dense), LAuReL's rank from its tensor; norms hold w. llama.cpp itself fixes the sharing
+    at 20 layers and the sparsity at 0.95 on the first 10: the released E2B and E4B say the same."""
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    types = _layer_types(meta("attention.sliding_window_pattern"), layers, 5)
+    widths = meta("feed_forward_length")
+    widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
+    sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    normal = torch.distributions.normal.Normal(0, 1)
+    scales = meta("activation_sparsity_scale") or []
+    shares = tuple(float(normal.cdf(torch.tensor(float(m)))) for m in scales)
+    return dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
+        qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
+        layer_types=types, final_logit_softcapping=meta("final_logit_softcapping") or None,
+        local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (),
+        kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        hidden_size_per_layer_input=int(meta("embedding_length_per_layer_input")),
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]),
+        altup_num_inputs=int(meta("altup.num_inputs", 4)), altup_active_idx=int(meta("altup.active_idx", 0)),
+        laurel_rank=int(tensors["blk.0.laurel_l.weight"].shape[1]),
+        activation_sparsity=shares if any(shares) else ())
 
 
 def _gemma4(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:

@@ -55,12 +55,23 @@ ARCH_BLOCK_TENSORS = {
     # Gemma 4: Gemma's sandwich, and each layer's PLE gate, projection and norm
     "gemma4": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
                "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm"},
+    # Gemma 3n: Gemma 4's, plus AltUp's and LAuReL's per-layer tensors
+    "gemma3n": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
+                "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+                "altup_correct_coef": "altup.correction_coefs", "altup_predict_coef": "altup.prediction_coefs",
+                "altup_router": "altup.modality_router", "altup_router_norm": "altup.router_norm",
+                "laurel_l": "laurel.linear_left", "laurel_r": "laurel.linear_right",
+                "laurel_post_norm": "laurel.post_laurel_norm"},
     # Llama 4: the ungated shared expert beside the routed ones
     "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj"},
 }
 # Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
-BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar"}
+# Gemma 3n's AltUp output scale likewise (a bare parameter).
+BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar", "altup_correct_scale": "altup.correct_output_scale"}
+# Gemma 3n's AltUp (un)embedding projections: one (n - 1, H, H) stack in the file, one HF tensor each.
+STACKED_TENSORS = {"altup_proj.weight": "model.altup_projections", "altup_unembd_proj.weight":
+                   "model.altup_unembed_projections"}
 # Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
 # Apertus, whose converter sets undo_permute = False).
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
@@ -124,6 +135,10 @@ def load_gguf(path: str) -> Checkpoint:
     hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS or (hybrid is not None and hybrid.skip(tensor.name)):
+            continue
+        if tensor.name in STACKED_TENSORS:
+            for i, weight in enumerate(_unstack(tensor, path)):
+                weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
@@ -190,13 +205,7 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
     shape = tuple(int(d) for d in reversed(tensor.shape))  # (E, N, K)
     if len(shape) != 3 or shape[0] != config.num_experts:
         raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected ({config.num_experts}, rows, cols)")
-    if tensor.tensor_type in _FLOAT_TYPES:
-        stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
-        experts: list[Weight] = list(stack.unbind(0))
-    else:
-        _check_dequantizable(tensor, shape[1:], source)
-        stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
-        experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
+    experts = _unstack(tensor, source)
     part = EXPERT_TENSORS[kind]
     if part != "gate_up":
         return {names.expert(prefix, e, part): weight for e, weight in enumerate(experts)}
@@ -206,6 +215,19 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
         split[names.expert(prefix, e, "gate")] = _rows(weight, 0, half)
         split[names.expert(prefix, e, "up")] = _rows(weight, half, shape[1])
     return split
+
+
+def _unstack(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> list[Weight]:
+    """A (E, N, K) stack as E (N, K) views of the file (blocks stay blocks)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if len(shape) != 3:
+        raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected a stack of matrices")
+    if tensor.tensor_type in _FLOAT_TYPES:
+        stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
+        return list(stack.unbind(0))
+    _check_dequantizable(tensor, shape[1:], source)
+    stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
+    return [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
 
 
 def _rows(weight: Weight, start: int, end: int) -> Weight:

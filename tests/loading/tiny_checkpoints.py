@@ -525,3 +525,51 @@ def write_gemma4_gguf(path, model: transformers.PreTrainedModel) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gemma3n_gguf(path, model: transformers.PreTrainedModel) -> None:
+    """`model` (F32) as convert_hf_to_gguf's Gemma3NModel writes it: MLP widths and the sliding pattern per layer,
+    shared_kv_layers, AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as Phi^-1 of its
+    share, the AltUp projections stacked, the AltUp output scale as a `.weight`; norms as they are (w)."""
+    cfg = model.config
+    raw = cfg.to_dict()
+    rope = cfg.rope_parameters
+    writer = gguf.GGUFWriter(str(path), "gemma3n")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(list(raw["intermediate_size"]))
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(raw["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(raw["head_dim"])
+    writer.add_value_length(raw["head_dim"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if rope["full_attention"].get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_altup_active_idx(cfg.altup_active_idx)
+    writer.add_altup_num_inputs(cfg.altup_num_inputs)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input)
+    writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    normal = torch.distributions.normal.Normal(0, 1)
+    writer.add_activation_sparsity_scale([normal.icdf(torch.tensor(s, dtype=torch.float32)).item()
+                                          for s in cfg.activation_sparsity_pattern])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    add_tiny_bpe_vocab(writer)
+    state = model.state_dict()
+    for kind, gguf_base in (("altup_projections", "altup_proj"), ("altup_unembed_projections", "altup_unembd_proj")):
+        stack = torch.stack([state.pop(f"model.{kind}.{i}.weight") for i in range(cfg.altup_num_inputs - 1)])
+        writer.add_tensor(f"{gguf_base}.weight", stack.float().numpy())
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = name + ".weight" if name.endswith("_scale") else name
+        writer.add_tensor(gguf_family_name(name, "gemma3n", cfg.num_hidden_layers), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
