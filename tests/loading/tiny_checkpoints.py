@@ -474,7 +474,7 @@ def _converter_quantizes(name: str, tensor: torch.Tensor) -> bool:
                                    "ffn_gate_inp_shexp.weight")))
 
 
-def write_gemma4_gguf(path, model: transformers.PreTrainedModel) -> None:
+def write_gemma4_gguf(path, model: transformers.PreTrainedModel, vocab=None) -> None:
     """`model` (F32) as convert_hf_to_gguf's Gemma4Model writes it: the global layers' head dim as key_length (the
     sliding ones' as key_length_swa), K/V heads and MLP widths per layer where they differ, the sliding pattern per
     layer, shared_kv_layers, the proportional rope as rope_freqs (1, then 1e30), norms as they are (w), the per-layer
@@ -512,7 +512,7 @@ def write_gemma4_gguf(path, model: transformers.PreTrainedModel) -> None:
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
     writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input or 0)
-    add_tiny_bpe_vocab(writer)
+    (vocab or add_tiny_bpe_vocab)(writer)
     turning = int(full_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     writer.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (full_dim // 2 - turning),
                                                       dtype=np.float32))
@@ -527,7 +527,7 @@ def write_gemma4_gguf(path, model: transformers.PreTrainedModel) -> None:
     writer.close()
 
 
-def write_gemma3n_gguf(path, model: transformers.PreTrainedModel) -> None:
+def write_gemma3n_gguf(path, model: transformers.PreTrainedModel, vocab=None) -> None:
     """`model` (F32) as convert_hf_to_gguf's Gemma3NModel writes it: MLP widths and the sliding pattern per layer,
     shared_kv_layers, AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as Phi^-1 of its
     share, the AltUp projections stacked, the AltUp output scale as a `.weight`; norms as they are (w)."""
@@ -559,7 +559,7 @@ def write_gemma3n_gguf(path, model: transformers.PreTrainedModel) -> None:
     writer.add_activation_sparsity_scale([normal.icdf(torch.tensor(s, dtype=torch.float32)).item()
                                           for s in cfg.activation_sparsity_pattern])
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    add_tiny_bpe_vocab(writer)
+    (vocab or add_tiny_bpe_vocab)(writer)
     state = model.state_dict()
     for kind, gguf_base in (("altup_projections", "altup_proj"), ("altup_unembed_projections", "altup_unembd_proj")):
         stack = torch.stack([state.pop(f"model.{kind}.{i}.weight") for i in range(cfg.altup_num_inputs - 1)])
@@ -573,3 +573,30 @@ def write_gemma3n_gguf(path, model: transformers.PreTrainedModel) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# A tiny vocabulary as convert_hf_to_gguf's Gemma4Model writes one (tokenizer model "gemma4": SentencePiece-style
+# pieces with U+2581 for spaces, explicit merges, byte fallback, newline runs as tokens).
+GEMMA4_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "\n", "\n\n", "\u2581h", "el", "lo",
+                 "\u2581hel", "\u2581hello", "\u2581w", "or", "ld", "\u2581wor", "\u2581world", "ab", "abc"]
+GEMMA4_MERGES = ["\u2581 h", "e l", "l o", "\u2581h el", "\u2581hel lo", "\u2581 w", "o r", "l d", "\u2581w or",
+                 "\u2581wor ld", "a b", "ab c"]
+
+
+def add_tiny_gemma4_vocab(writer: gguf.GGUFWriter) -> None:
+    """<pad> <eos> <bos> <unk>, a user-defined <|channel>, the pieces, then byte tokens (0x00..) to 256 tokens."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|channel>"] + GEMMA4_PIECES
+    types = [3, 3, 3, 2, 4] + [1] * len(GEMMA4_PIECES)
+    tokens += [f"<0x{b:02X}>" for b in range(256 - len(tokens))]
+    types += [6] * (256 - len(types))
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(GEMMA4_MERGES)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
