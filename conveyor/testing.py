@@ -483,6 +483,10 @@ TINY_GEMMA4 = dict(architecture="gemma4_text", num_hidden_layers=6, norm_layout=
                    hidden_size_per_layer_input=8, final_logit_softcapping=30.0)
 
 
+# ... and 26B-A4B's shape: every layer's dense MLP beside 4 GeGLU experts, 2 per token.
+TINY_GEMMA4_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+
+
 def tiny_gemma4_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
     """A random Gemma 4 text model (TINY_GEMMA4) under its HF names, with the bundled SmolLM2 tokenizer."""
     tokenizer = smollm_tokenizer()
@@ -508,6 +512,10 @@ def random_gemma4_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
                     "model.per_layer_projection_norm.weight": (ple,)}.get(name, (h,))
         i, part = int(name.split(".")[2]), name.split(".", 3)[3]
         d, width = config.layer_head_dim(i), config.layer_intermediate_size(i)
+        if part.startswith("moe."):  # 26B-A4B's router and experts
+            e, m = config.num_experts, config.moe_intermediate_size
+            return {"moe.router.proj.weight": (e, h), "moe.router.per_expert_scale": (e,)}.get(part, (
+                (h, m) if part.endswith("down_proj.weight") else (m, h) if part.endswith("_proj.weight") else (h,)))
         q, kv = config.num_attention_heads * d, config.layer_num_kv_heads(i) * d
         return {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
                 "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
@@ -518,8 +526,8 @@ def random_gemma4_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
     weights = {}
     for name in weight_names(config):
         tensor = torch.randn(*shape(name), generator=gen) * scale
-        # norms and layer scalars near 1; embeddings spread out so greedy text varies
-        weights[name] = 1 + tensor if "norm" in name or name.endswith("layer_scalar") else tensor
+        # norms, scales and layer scalars near 1; embeddings spread out so greedy text varies
+        weights[name] = 1 + tensor if "norm" in name or name.endswith(("layer_scalar", "scale")) else tensor
     weights["model.embed_tokens.weight"] *= 5
     return weights
 

@@ -28,7 +28,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
 _NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False,
-              "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True}
+              "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True, "gemma4_text": True}
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -308,7 +308,7 @@ def _layer_types(pattern: Any, num_layers: int, default: int) -> tuple[str, ...]
 
 def _moe_fields(architecture: str, meta, tensors: dict, num_layers: int) -> dict[str, Any]:
     """Experts, from llama.cpp's metadata; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
-    if architecture not in _NORM_TOPK:
+    if architecture not in _NORM_TOPK or not meta("expert_count", 0):  # Gemma 4: only 26B-A4B has experts
         return {}
     width = meta("expert_feed_forward_length", 0) or meta("feed_forward_length")
     return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),

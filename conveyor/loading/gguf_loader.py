@@ -54,7 +54,10 @@ ARCH_BLOCK_TENSORS = {
     "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
     # Gemma 4: Gemma's sandwich, and each layer's PLE gate, projection and norm
     "gemma4": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
-               "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm"},
+               "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+               # 26B-A4B: the experts' input norm, and the norms after the dense MLP and after the experts
+               "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+               "post_ffw_norm_2": "post_feedforward_layernorm_2"},
     # Gemma 3n: Gemma 4's, plus AltUp's and LAuReL's per-layer tensors
     "gemma3n": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
                 "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
@@ -69,6 +72,8 @@ ARCH_BLOCK_TENSORS = {
 # Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
 # Gemma 3n's AltUp output scale likewise (a bare parameter).
 BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar", "altup_correct_scale": "altup.correct_output_scale"}
+# Gemma 4 26B-A4B's router input scale and per-expert weight scale (`.scale` beside the router and the experts).
+EXPERT_SCALES = {"ffn_gate_inp.scale": "moe.router.scale", "ffn_down_exps.scale": "moe.router.per_expert_scale"}
 # Gemma 3n's AltUp (un)embedding projections: one (n - 1, H, H) stack in the file, one HF tensor each.
 STACKED_TENSORS = {"altup_proj.weight": "model.altup_projections", "altup_unembd_proj.weight":
                    "model.altup_unembed_projections"}
@@ -139,6 +144,10 @@ def load_gguf(path: str) -> Checkpoint:
         if tensor.name in STACKED_TENSORS:
             for i, weight in enumerate(_unstack(tensor, path)):
                 weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
+            continue
+        layer, _, kind = tensor.name.removeprefix("blk.").partition(".")
+        if kind in EXPERT_SCALES:
+            weights[f"model.layers.{layer}.{EXPERT_SCALES[kind]}"] = _to_torch(tensor, path)
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))

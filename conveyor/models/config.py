@@ -34,7 +34,8 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
 
 # Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
 HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
-                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES}
+                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES,
+                     "gemma4_text": gemma4.WEIGHT_RENAMES}
 
 # Families whose own file lists the tensors a checkpoint holds (their layers differ from the shared decoder's).
 PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names, "gemma3n_text": gemma3n.weight_names}
@@ -505,4 +506,6 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "llama4_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
                                            stacked_transposed=True),
                 "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
-                                          shared_block="shared_experts")}
+                                          shared_block="shared_experts"),
+                # renamed from router.* / experts.* at load (gemma4.WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
+                "gemma4_text": ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")}

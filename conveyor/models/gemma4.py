@@ -17,9 +17,11 @@ from typing import Any
 from conveyor.models import gemma
 
 
+# The checkpoint's router.* and experts.* sit under one block, moe.*, as the shared expert names expect.
+WEIGHT_RENAMES = {".router.": ".moe.router.", ".experts.": ".moe.experts."}
+
+
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    if raw.get("enable_moe_block"):
-        raise NotImplementedError("enable_moe_block (the experts of Gemma 4 26B-A4B)")
     if raw.get("use_bidirectional_attention") == "all":
         raise NotImplementedError("use_bidirectional_attention 'all'")
     if raw.get("attention_bias"):
@@ -50,8 +52,17 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         kv_source_layers=sources if sources != tuple(range(layers)) else (),
         hidden_size_per_layer_input=ple,
         vocab_size_per_layer_input=int(raw.get("vocab_size_per_layer_input") or raw["vocab_size"]) if ple else 0,
-        **_rope(raw),
+        **_experts(raw), **_rope(raw),
     )
+
+
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """26B-A4B: every layer runs its dense MLP beside softmax top-k experts (GeGLU), renormalised, then scaled per
+    expert; the router reads the layer's input RMS-normed without weight, times a learnt scale and hidden^-0.5."""
+    if not raw.get("enable_moe_block"):
+        return {}
+    return dict(num_experts=int(raw["num_experts"]), num_experts_per_tok=int(raw["top_k_experts"]),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]), norm_topk_prob=True)
 
 
 def _layer_shapes(raw: dict[str, Any], types: list[str], head_dim: int, kv_heads: int,
@@ -115,10 +126,27 @@ def weight_names(config) -> list[str]:
         names += [f"{p}mlp.{part}_proj.weight" for part in ("gate", "up", "down")]
         names += [f"{p}{norm}.weight" for norm in config.layer_norm_names]
         names.append(p + "layer_scalar")
+        if config.num_experts:
+            names += expert_weight_names(config, p)
         if config.hidden_size_per_layer_input:
             names += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
                       p + "post_per_layer_input_norm.weight"]
     return names
+
+
+def expert_weight_names(config, prefix: str) -> list[str]:
+    """A 26B-A4B layer's router (projection, input scale, per-expert scale), experts and their extra norms."""
+    from conveyor.models.config import EXPERT_NAMES
+
+    experts = EXPERT_NAMES["gemma4_text"]
+    names = [experts.router(prefix), f"{prefix}moe.router.scale", f"{prefix}moe.router.per_expert_scale"]
+    names += [experts.expert(prefix, e, part) for e in range(config.num_experts) for part in ("gate", "up", "down")]
+    names += [f"{prefix}{norm}.weight" for norm in MOE_NORMS]
+    return names
+
+
+# Around the experts: their input norm, and one norm after each of the dense MLP and the experts.
+MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 
 
 def shares_k_as_v(config, layer: int) -> bool:

@@ -17,9 +17,11 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
-from conveyor.models.gemma4 import shares_k_as_v
+from conveyor.models.gemma4 import MOE_NORMS, shares_k_as_v
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.config import EXPERT_NAMES
 from conveyor.models.llama import KVCache, LlamaMLP, Rope
+from conveyor.models.moe import SparseMoeBlock
 from conveyor.models.weights import WeightLoader, tensor_getters
 
 
@@ -108,6 +110,28 @@ class PerLayerInputs(nn.Module):
         return torch.tensor(value, dtype=torch.float32).to(dtype) if self.round_scales else value
 
 
+class Gemma4Experts(nn.Module):
+    """26B-A4B's experts beside the dense MLP: the router reads the layer's input RMS-normed (no weight) times a
+    learnt per-channel scale and hidden^-0.5; the experts read it through their own norm. Routing, the per-expert
+    weight scale and the batch-invariant expert sum are models/moe.py's."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.root_size = config.hidden_size ** -0.5
+        self.router_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)  # weight of ones, set at load
+        self.router_scale = nn.Parameter(torch.empty(config.hidden_size, device="meta"), requires_grad=False)
+        self.block = SparseMoeBlock(config, ops)
+
+    def forward(self, x: torch.Tensor, expert_input: torch.Tensor) -> torch.Tensor:
+        return self.block(expert_input, router_input=self.router_norm(x) * self.router_scale * self.root_size)
+
+    def load(self, get, prefix: str, loader: WeightLoader) -> None:
+        self.router_norm.weight = _ones(self.router_scale.shape[0], loader)
+        self.router_scale = loader.param(get(prefix + "moe.router.scale"))
+        self.block.load(get, prefix, EXPERT_NAMES["gemma4_text"], loader)
+        self.block.expert_scale = loader.dense(get(prefix + "moe.router.per_expert_scale"))
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int) -> None:
         super().__init__()
@@ -115,7 +139,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(config, ops, layer)
         self.mlp = LlamaMLP(replace(config, intermediate_size=config.layer_intermediate_size(layer),
                                     layer_intermediate_sizes=()), ops)
-        self.norm_names = config.layer_norm_names
+        self.moe = Gemma4Experts(config, ops) if config.num_experts else None
+        self.norm_names = config.layer_norm_names + (MOE_NORMS if self.moe is not None else ())
         for name in self.norm_names:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, ops))
         self.layer_scalar = nn.Parameter(torch.empty(1, device="meta"), requires_grad=False)
@@ -129,7 +154,11 @@ class Gemma4DecoderLayer(nn.Module):
         """The hidden stream in and out (T, hidden): the layer scalar scales all of it, so no residual is held back."""
         attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attn_out))
-        x = x + self.post_feedforward_layernorm(self.mlp(h))
+        mlp_out = self.mlp(h)
+        if self.moe is not None:  # 26B-A4B: the dense MLP and the experts side by side, each normed, then summed
+            experts = self.moe(x, self.pre_feedforward_layernorm_2(x))
+            mlp_out = self.post_feedforward_layernorm_1(mlp_out) + self.post_feedforward_layernorm_2(experts)
+        x = x + self.post_feedforward_layernorm(mlp_out)
         if per_layer_input is not None:  # PLE: gelu(gate(x)) * this layer's input, projected back, normed
             gated = self.ops.gelu_tanh_mul(torch.cat([self.per_layer_input_gate(x), per_layer_input], dim=-1))
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -217,6 +246,8 @@ class Gemma4ForCausalLM(nn.Module):
             for name in layer.norm_names:
                 getattr(layer, name).weight = norm(p + name + ".weight")
             layer.layer_scalar = loader.param(get(p + "layer_scalar"))
+            if layer.moe is not None:
+                layer.moe.load(get, p, loader)
             if layer.per_layer_input_gate is not None:
                 loader.linear(layer.per_layer_input_gate, [get(p + "per_layer_input_gate.weight")])
                 loader.linear(layer.per_layer_projection, [get(p + "per_layer_projection.weight")])

@@ -28,16 +28,17 @@ from conveyor.models.weights import WeightLoader
 
 
 class ExpertMLP(nn.Module):
-    """One expert: SwiGLU with gate and up fused into one GEMM."""
+    """One expert: SwiGLU (GeGLU with `gelu`: Gemma 4) with gate and up fused into one GEMM."""
 
-    def __init__(self, hidden_size: int, width: int, ops: KernelBackend) -> None:
+    def __init__(self, hidden_size: int, width: int, ops: KernelBackend, gelu: bool = False) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = RowInvariantLinear(hidden_size, 2 * width, bias=False, ops=ops)
         self.down_proj = RowInvariantLinear(width, hidden_size, bias=False, ops=ops)
+        self.act_mul = ops.gelu_tanh_mul if gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 class SquaredReluMLP(nn.Module):
@@ -94,9 +95,15 @@ class SparseMoeBlock(nn.Module):
         self.scale = config.routed_scaling_factor
         self.use_expert_bias = config.moe_expert_bias
         self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
+        self.expert_scale: torch.Tensor | None = None  # (E,): a chosen expert's weight times it (Gemma 4), loaded
         # SwiGLU experts, or Nemotron-H's relu^2 ones (no gate); a shared expert has the same shape
         self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
-        expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
+        gelu = config.hidden_act == "gelu_tanh"  # Gemma 4's GeGLU experts
+
+        def expert(hidden: int, width: int, ops: KernelBackend) -> nn.Module:
+            return SquaredReluMLP(hidden, width, ops) if config.hidden_act == "relu2" else ExpertMLP(hidden, width,
+                                                                                                     ops, gelu)
+
         self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
@@ -107,12 +114,15 @@ class SparseMoeBlock(nn.Module):
         self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
                                        bias=False, ops=ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # (T, H) -> (T, H)
+        """`router_input`: what the router reads where it is not the experts' input (Gemma 4)."""
         num_tokens, k = x.shape[0], self.top_k
-        logits = self.gate(x)  # (T, E [+ 1])
+        logits = self.gate(x if router_input is None else router_input)  # (T, E [+ 1])
         weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
                                     self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
                                     self.scale, self.groups, self.renorm_eps)  # (T, k) each
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[expert_ids].float()
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer

@@ -62,12 +62,14 @@ def test_windowed_prefix_hits_preemption_and_speculation_stay_exact(gemma3):
         llm.engine.pool.check_integrity()
 
 
-def test_gemma4_sixteen_concurrent_equal_one_at_a_time():
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_gemma4_sixteen_concurrent_equal_one_at_a_time(experts):
     """Gemma 4: K/V-sharing layers attend over earlier layers' caches (sliding and global), PLE, per-layer head
-    dims; windows shorter than the prompts. Prefix hits and speculation keep the tokens too."""
-    from conveyor.testing import tiny_gemma4_checkpoint
+    dims, and (26B-A4B's shape) experts beside every dense MLP; windows shorter than the prompts. Prefix hits and
+    speculation keep the tokens too."""
+    from conveyor.testing import TINY_GEMMA4_EXPERTS, tiny_gemma4_checkpoint
 
-    checkpoint = tiny_gemma4_checkpoint()
+    checkpoint = tiny_gemma4_checkpoint(**(TINY_GEMMA4_EXPERTS if experts else {}))
     prompts = [f"Echo {i}: " + "alpha beta gamma delta " * (2 + i % 4) for i in range(16)]
     params = [SamplingParams(max_tokens=6 + 3 * (i % 3), **GREEDY) for i in range(16)]
     llm = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=0)

@@ -212,3 +212,25 @@ def test_gemma3n_directories_load(tmp_path, copy_tokenizer) -> None:
         assert ck.config.kv_source_layers == (0, 1, 0, 1)
         assert set(ck.weights) == set(state)
         assert all(torch.equal(ck.weights[name], weight) for name, weight in state.items())
+
+
+def test_gemma4_expert_directories_load(tmp_path, copy_tokenizer) -> None:
+    """26B-A4B's shape: router.* and experts.* come back under moe.*, the stacked gate|up (E, 2I, H) and down
+    (E, H, I) per expert, as views."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma4TextConfig(**SMALL, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0,
+                                        enable_moe_block=True, num_experts=3, top_k_experts=2,
+                                        moe_intermediate_size=40, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    ck = load_checkpoint(str(tmp_path))
+    assert (ck.config.num_experts, ck.config.num_experts_per_tok, ck.config.moe_intermediate_size) == (3, 2, 40)
+    state, w, p = model.state_dict(), ck.weights, "model.layers.1."
+    gate_up, down = state[p + "experts.gate_up_proj"], state[p + "experts.down_proj"]
+    assert torch.equal(w[p + "moe.experts.2.gate_proj.weight"], gate_up[2, :40])
+    assert torch.equal(w[p + "moe.experts.2.up_proj.weight"], gate_up[2, 40:])
+    assert torch.equal(w[p + "moe.experts.2.down_proj.weight"], down[2])
+    for name in ("router.proj.weight", "router.scale", "router.per_expert_scale"):
+        assert torch.equal(w[p + "moe." + name], state[p + name])
+    assert torch.equal(w[p + "post_feedforward_layernorm_2.weight"], state[p + "post_feedforward_layernorm_2.weight"])

@@ -516,11 +516,20 @@ def write_gemma4_gguf(path, model: transformers.PreTrainedModel, vocab=None) -> 
     turning = int(full_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     writer.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (full_dim // 2 - turning),
                                                       dtype=np.float32))
+    if cfg.enable_moe_block:  # 26B-A4B
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.top_k_experts)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = name + ".weight" if name.endswith("layer_scalar") else name
-        writer.add_tensor(gguf_family_name(name, "gemma4", cfg.num_hidden_layers), tensor.float().numpy())
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma4Model.modify_tensors
+            gguf_name = f"blk.{layer}.{'ffn_gate_inp' if name.endswith('router.scale') else 'ffn_down_exps'}.scale"
+        else:  # filter_tensors: `.weight` on the bare layer scalar and the stacked experts
+            bare = name.endswith("layer_scalar") or name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            gguf_name = gguf_family_name(name + ".weight" if bare else name, "gemma4", cfg.num_hidden_layers)
+        writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,6 +9,7 @@ from hf_compare import float32_runner, greedy_matches_transformers
 from safetensors.torch import load_file
 
 from conveyor.loading.checkpoint import select_weights
+from conveyor.loading.hf_loader import rename_weights
 from conveyor.models.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -24,6 +25,11 @@ VARIANTS = {
                           num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                           vocab_size_per_layer_input=128, final_logit_softcapping=30.0),
     # the plainest Gemma 4: no PLE, no sharing, own v_proj, global layers 5:1 (the last forced global)
+    # 26B-A4B's shape: every layer's dense MLP beside 4 GeGLU experts (top 2, renormalised, scaled per expert)
+    "experts": dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                    moe_intermediate_size=48),
     "plain": dict(num_hidden_layers=4, global_head_dim=32, hidden_size_per_layer_input=0,
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
@@ -41,6 +47,10 @@ def _hf_model(variant: str):
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(8)  # sharp attention: a wrong rotary, window or K/V source shows past 1e-4
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # ones at init
+                p.copy_(0.5 + torch.rand_like(p))
+            elif name.endswith(("router.proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.3)  # rows pick different experts; experts not negligible
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
@@ -51,7 +61,7 @@ def _runner(hf_model, tmp_path, edit=None):
     hf_model.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     config = ModelConfig.from_hf_dict(edit(raw) if edit else raw)
-    weights = load_file(tmp_path / "model.safetensors")
+    weights = rename_weights(config.architecture, load_file(tmp_path / "model.safetensors"))
     return float32_runner(config, select_weights(config, weights, str(tmp_path)))
 
 
@@ -90,5 +100,6 @@ def test_unsupported_gemma4_options_are_named():
     from conveyor.models.config import ModelConfigError
 
     raw = transformers.Gemma4TextConfig(**COMMON, num_hidden_layers=2).to_dict()
-    with pytest.raises(ModelConfigError, match="enable_moe_block"):
-        ModelConfig.from_hf_dict({**raw, "enable_moe_block": True})
+    for key, value in (("use_bidirectional_attention", "all"), ("attention_bias", True)):
+        with pytest.raises(ModelConfigError, match=key):
+            ModelConfig.from_hf_dict({**raw, key: value})
