@@ -7,7 +7,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 
 from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
@@ -190,9 +189,8 @@ def _gemma3n(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     widths = meta("feed_forward_length")
     widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
     sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
-    normal = torch.distributions.normal.Normal(0, 1)
     scales = meta("activation_sparsity_scale") or []
-    shares = tuple(float(normal.cdf(torch.tensor(float(m)))) for m in scales)
+    shares = tuple(0.5 * (1.0 + math.erf(float(m) / math.sqrt(2.0))) for m in scales)  # the normal CDF: Phi(Phi^-1(s))
     return dict(
         hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
         qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
