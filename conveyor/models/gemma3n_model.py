@@ -18,7 +18,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
-from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, _meta_embedding, _ones
+from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, meta_embedding, ones_param
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, Rope
 from conveyor.models.weights import WeightLoader, tensor_getters
@@ -160,7 +160,7 @@ class Gemma3nForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.config, self.ops = config, ops
-        self.embed_tokens: nn.Module = _meta_embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module = meta_embedding(config.vocab_size, config.hidden_size)
         self.per_layer_inputs = PerLayerInputs(config, ops, round_scales=True)
         n, h = config.altup_num_inputs, config.hidden_size
         self.altup_projections = nn.ModuleList(RowInvariantLinear(h, h, False, ops) for _ in range(n - 1))
@@ -234,7 +234,7 @@ class Gemma3nForCausalLM(nn.Module):
         if attn.owns_kv:
             attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
         if attn.v_norm is not None:
-            attn.v_norm.weight = _ones(attn.head_dim, loader)
+            attn.v_norm.weight = ones_param(attn.head_dim, loader)
         loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
         for name in layer.norm_names:

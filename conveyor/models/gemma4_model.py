@@ -1,5 +1,6 @@
 """Gemma 4 (text) over the paged KV cache: the shared decoder's pieces (row-invariant linears, fused RMSNorms,
-GeGLU, paged attention) arranged as Gemma 4 arranges them (what differs from Gemma 3: models/gemma4.py).
+GeGLU, paged attention, and for 26B-A4B the MoE block) arranged as Gemma 4 arranges them (what differs from
+Gemma 3: models/gemma4.py).
 
 K/V sharing: a layer that reads an earlier layer's K/V has no cache of its own; cache_specs() lists only the
 layers that compute K/V, and each reader attends over its source's cache (written earlier in the same forward).
@@ -16,21 +17,20 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
-from conveyor.models.config import ModelConfig
+from conveyor.models.config import EXPERT_NAMES, ModelConfig
 from conveyor.models.gemma4 import MOE_NORMS, shares_k_as_v
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
-from conveyor.models.config import EXPERT_NAMES
 from conveyor.models.llama import KVCache, LlamaMLP, Rope
 from conveyor.models.moe import SparseMoeBlock
 from conveyor.models.weights import WeightLoader, tensor_getters
 
 
-def _meta_embedding(rows: int, width: int) -> nn.Embedding:
+def meta_embedding(rows: int, width: int) -> nn.Embedding:
     """A placeholder (no memory): loading puts an nn.Embedding or a QuantizedEmbedding here."""
     return nn.Embedding(rows, width, _freeze=True, _weight=torch.empty(rows, width, device="meta"))
 
 
-def _ones(size: int, loader: WeightLoader) -> nn.Parameter:
+def ones_param(size: int, loader: WeightLoader) -> nn.Parameter:
     return nn.Parameter(torch.ones(size, dtype=loader.dtype, device=loader.device), requires_grad=False)
 
 
@@ -86,7 +86,7 @@ class PerLayerInputs(nn.Module):
         self.num_layers, self.width = config.num_hidden_layers, config.hidden_size_per_layer_input
         self.vocab_size, self.hidden_size = config.vocab_size_per_layer_input, config.hidden_size
         self.round_scales = round_scales
-        self.embed = _meta_embedding(self.vocab_size, self.num_layers * self.width)
+        self.embed = meta_embedding(self.vocab_size, self.num_layers * self.width)
         self.projection = RowInvariantLinear(config.hidden_size, self.num_layers * self.width, False, ops)
         self.norm = RMSNorm(self.width, config.rms_norm_eps, ops)
 
@@ -126,7 +126,7 @@ class Gemma4Experts(nn.Module):
         return self.block(expert_input, router_input=self.router_norm(x) * self.router_scale * self.root_size)
 
     def load(self, get, prefix: str, loader: WeightLoader) -> None:
-        self.router_norm.weight = _ones(self.router_scale.shape[0], loader)
+        self.router_norm.weight = ones_param(self.router_scale.shape[0], loader)
         self.router_scale = loader.param(get(prefix + "moe.router.scale"))
         self.block.load(get, prefix, EXPERT_NAMES["gemma4_text"], loader)
         self.block.expert_scale = loader.dense(get(prefix + "moe.router.per_expert_scale"))
@@ -169,7 +169,7 @@ class Gemma4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.config, self.ops = config, ops
-        self.embed_tokens: nn.Module = _meta_embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module = meta_embedding(config.vocab_size, config.hidden_size)
         self.per_layer_inputs = PerLayerInputs(config, ops) if config.hidden_size_per_layer_input else None
         self.layers = nn.ModuleList(Gemma4DecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -240,7 +240,7 @@ class Gemma4ForCausalLM(nn.Module):
             if attn.owns_kv:
                 attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
             if attn.v_norm is not None:
-                attn.v_norm.weight = _ones(attn.head_dim, loader)
+                attn.v_norm.weight = ones_param(attn.head_dim, loader)
             loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
             for name in layer.norm_names:
