@@ -74,6 +74,10 @@ def test_gemma4_sixteen_concurrent_equal_one_at_a_time(experts):
     params = [SamplingParams(max_tokens=6 + 3 * (i % 3), **GREEDY) for i in range(16)]
     llm = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=0)
     assert len(llm.engine.runner.kv_caches) == 4  # layers 4 and 5 keep no K/V of their own
+    # ... nor bytes in the plan: a 16-token block holds K and V (bf16) of layers 1, 3 (1 head x 32) in the full
+    # group and of layers 0, 2 (2 heads x 16) in the sliding one
+    plan = llm.engine.pool_plan
+    assert (plan.bytes_per_block, plan.window_bytes_per_block) == (2 * 16 * 1 * 32 * 2 * 2, 2 * 16 * 2 * 16 * 2 * 2)
     batched = llm.generate(prompts, params)
     assert len({tuple(b.token_ids) for b in batched}) > 1  # the model is not degenerate
     for prompt, p, got in zip(prompts, params, batched):
