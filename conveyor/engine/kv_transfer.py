@@ -29,6 +29,8 @@ import torch
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.kernels.kv_quant import BF16, Q8_0, KVCacheTypes, bytes_per_row
+from conveyor.models.cache_specs import has_latent_kv
+from conveyor.models.config import ModelConfigError
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -92,6 +94,13 @@ class KVTransfer:
     handoff_ids: set[str] = field(default_factory=set)
     stats: TransferStats = field(default_factory=TransferStats)
     _imports: dict[str, tuple[KVBlob, bytes | None]] = field(default_factory=dict)
+
+    def check_supported(self) -> None:
+        """ModelConfigError where this model's KV cannot travel as (layers, K and V, heads, head_dim) rows: MLA
+        keeps one latent row per token (models/mla.py). Called by the prefill and decode nodes at startup."""
+        if has_latent_kv(self.core.runner.cache_specs):
+            raise ModelConfigError("--node-role prefill/decode: the KV handoff does not support models with "
+                                   "multi-head latent attention (their cache keeps one latent row per token)")
 
     # -- prefill side --------------------------------------------------------------------------
     def mark_for_handoff(self, request_id: str) -> None:

@@ -40,19 +40,29 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows (T, KVH, D) into their cache slots (quantized into a Q8_0 cache)."""
     for cache, rows in ((key_cache, key), (value_cache, value)):
-        num_kv_heads, width = cache.shape[2], cache.shape[3]
-        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, quantize_q8_0(rows) if is_quantized(cache)
-                                                       else rows)
+        write_rows(cache, rows, slot_mapping)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter rows (T, KVH, D) into one cache tensor's slots (MLA keeps one tensor per layer: models/mla.py)."""
+    num_kv_heads, width = cache.shape[2], cache.shape[3]
+    cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, quantize_q8_0(rows) if is_quantized(cache)
+                                                   else rows)
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, window: int = 0,
-                              fused: bool | None = None, softcap: float = 0.0) -> torch.Tensor:
+                              fused: bool | None = None, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Gather each sequence's keys and run masked softmax attention, one sequence at a time.
 
     `fused` (default: off CPU) runs torch's scaled_dot_product_attention on the gathered copy
-    in the activation dtype (flash / memory-efficient kernels on GPUs; never with `softcap`); else fp32 matmuls."""
-    fused = query.device.type != "cpu" and not softcap if fused is None else fused
+    in the activation dtype (flash / memory-efficient kernels on GPUs; never with `softcap` or `sinks`); else
+    fp32 matmuls. `sinks` (H,): GPT-OSS's per-head logit, a softmax column without a value."""
+    if fused is None:
+        fused = query.device.type != "cpu" and not softcap and sinks is None
+    if fused and sinks is not None:
+        raise ValueError("reference_paged_attention: sinks need the unfused path")
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     work = query.dtype if fused else torch.float32
@@ -79,7 +89,12 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill(mask[None], float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (H, R, D)
+            if sinks is not None:  # the sink joins the softmax as one more column, then is dropped
+                sink = sinks.to(work)[:, None, None].expand(-1, scores.shape[1], 1)  # (H, R, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            out = torch.matmul(probs, v)  # (H, R, D)
         outputs.append(out.transpose(0, 1).to(query.dtype))
         row += num_rows
     return torch.cat(outputs, dim=0)

@@ -173,14 +173,17 @@ class KernelBackend:
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0.
+        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0;
+        `sinks` (H,) fp32 (GPT-OSS): one more logit per head in each softmax's denominator, with no value.
         Either cache may hold Q8_0 rows (uint8, kv_quant.py): the kernel reads the int8 blocks in place."""
         if self.attention is not None and query.device.type == "cpu":
             return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
-                                                  meta.token_pos, scale, window, softcap)
-        return reference_paged_attention(query, key_cache, value_cache, meta, scale, window, softcap=softcap)
+                                                  meta.token_pos, scale, window, softcap, sinks)
+        return reference_paged_attention(query, key_cache, value_cache, meta, scale, window, softcap=softcap,
+                                         sinks=sinks)
 
     # --- recurrent mixers (hybrid models): state slots walked token by token (recurrent.py) ---
 

@@ -14,9 +14,10 @@ import torch
 
 Q = gguf.GGMLQuantizationType
 
-# What Q4_K_M / Q5_K_M / Q6_K / Q8_0 / Q4_0 ... files contain; the kernel runs each natively.
+# What Q4_K_M / Q5_K_M / Q6_K / Q8_0 / Q4_0 ... files contain, and GPT-OSS's MXFP4 experts; the kernel runs
+# each natively.
 NATIVE_TYPES: frozenset[int] = frozenset(int(t) for t in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K,
-                                                          Q.Q5_K, Q.Q6_K))
+                                                          Q.Q5_K, Q.Q6_K, Q.MXFP4))
 
 
 def type_name(qtype: int) -> str:

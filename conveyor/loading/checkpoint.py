@@ -10,7 +10,9 @@ import torch
 from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
-from conveyor.models.config import EXPERT_NAMES, HYBRID_ARCHITECTURES, PER_FAMILY_WEIGHT_NAMES, ModelConfig
+from conveyor.models.config import (EXPERT_NAMES, HYBRID_ARCHITECTURES, PER_FAMILY_WEIGHT_NAMES, ExpertNames,
+                                    ModelConfig)
+from conveyor.models.deepseek_v3 import mla_weight_names
 
 
 class LoadError(Exception):
@@ -82,15 +84,23 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"
-        if f"{layer}.self_attn.qkv_proj.weight" in available:
+        if config.mla is not None:  # DeepSeek-V3's latent attention
+            names += mla_weight_names(f"{layer}.self_attn.", config.mla, available)
+        elif f"{layer}.self_attn.qkv_proj.weight" in available:
             names += [f"{layer}.self_attn.qkv_proj.weight", f"{layer}.self_attn.o_proj.weight"]
         else:
             names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
         if config.is_moe_layer(i):
             experts = EXPERT_NAMES[config.architecture]
             names.append(experts.router(f"{layer}."))
+            if config.moe_expert_bias:  # DeepSeek-V3's e_score_correction_bias
+                names.append(experts.expert_bias(f"{layer}."))
             names += [experts.expert(f"{layer}.", e, part) for e in range(config.num_experts)
                       for part in ("gate", "up", "down")]
+            if config.moe_linear_bias:  # GPT-OSS
+                names.append(experts.router_bias(f"{layer}."))
+                names += [experts.expert_linear_bias(f"{layer}.", e, part) for e in range(config.num_experts)
+                          for part in ("gate", "up", "down")]
             if config.shared_expert_intermediate_size:  # Llama 4
                 names += [experts.shared(f"{layer}.", part) for part in ("gate", "up", "down")]
                 if config.shared_expert_gate:
@@ -112,29 +122,59 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
             names.append(f"{layer}.self_attn.o_proj.bias")
         if config.qk_norm:
             names += [f"{layer}.self_attn.{p}_norm.weight" for p in "qk"]
+        if config.attention_sinks:
+            names.append(f"{layer}.self_attn.sinks")
     return names
 
 
 def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:
     """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub, Granite 4.0-H: gate|up (E, 2I, H),
-    down (E, H, I)) as the per-expert tensors the models load: views, no copy."""
+    down (E, H, I); Llama 4 and GPT-OSS inputs first, GPT-OSS with gate and up interleaved and stacked biases) as the
+    per-expert tensors the models load: views, no copy. GPT-OSS's MXFP4 stacks become GGML blocks (a copy)."""
     names = EXPERT_NAMES.get(config.architecture)
-    if names is None or not any(name.endswith("." + names.stacked("", "down")) for name in weights):
+    if names is None or not any(name.endswith(("." + names.stacked("", "down"), ".experts.down_proj_blocks"))
+                                for name in weights):
         return weights
     out = dict(weights)
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         for part, pieces in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            _unstack_mxfp4(out, names, prefix, part, pieces, source)
             stacked = out.pop(names.stacked(prefix, part), None)
-            if stacked is None:
-                continue
-            if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 or len(stacked) != config.num_experts:
-                raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
-            if names.stacked_transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
-                stacked = stacked.transpose(1, 2)
-            for piece, tensors in zip(pieces, stacked.chunk(len(pieces), dim=1)):
-                out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})
+            if stacked is not None:
+                if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 or len(stacked) != config.num_experts:
+                    raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
+                if names.stacked_transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
+                    stacked = stacked.transpose(1, 2)
+                for piece, tensors in zip(pieces, _split_stack(stacked, len(pieces), names.stacked_interleaved)):
+                    out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})
+            bias = out.pop(names.stacked(prefix, part) + "_bias", None)  # GPT-OSS: (E, 2I) and (E, H)
+            if bias is not None:
+                for piece, tensors in zip(pieces, _split_stack(bias, len(pieces), names.stacked_interleaved)):
+                    out.update({names.expert_linear_bias(prefix, e, piece): t for e, t in enumerate(tensors)})
     return out
+
+
+def _unstack_mxfp4(weights: dict[str, Weight], names: ExpertNames, prefix: str, part: str, pieces: tuple[str, ...],
+                   source: str) -> None:
+    """GPT-OSS on the Hub: `{part}_blocks` / `_scales` (MXFP4, rows = outputs) -> one GGML-block tensor per expert."""
+    blocks = weights.pop(names.stacked(prefix, part) + "_blocks", None)
+    scales = weights.pop(names.stacked(prefix, part) + "_scales", None)
+    if blocks is None and scales is None:
+        return
+    if blocks is None or scales is None or blocks.dim() != 4 or tuple(blocks.shape[:3]) != tuple(scales.shape):
+        raise LoadError(f"{source}: {names.stacked(prefix, part)} MXFP4 blocks and scales do not match")
+    from conveyor.loading.mxfp4_experts import split_experts  # NOTE: it builds on this module's QuantizedTensor
+
+    for e, tensors in enumerate(split_experts(blocks, scales, len(pieces))):
+        weights.update({names.expert(prefix, e, piece): tensor for piece, tensor in zip(pieces, tensors)})
+
+
+def _split_stack(stacked: torch.Tensor, pieces: int, interleaved: bool) -> tuple[torch.Tensor, ...]:
+    """Dim 1 of an expert stack in `pieces` parts: halves, or (GPT-OSS) alternate rows, gate first."""
+    if interleaved and pieces == 2:
+        return stacked[:, 0::2], stacked[:, 1::2]
+    return stacked.chunk(pieces, dim=1)
 
 
 def select_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> dict[str, Weight]:

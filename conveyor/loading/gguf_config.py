@@ -12,6 +12,7 @@ from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
 from conveyor.models import gemma4
 from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.deepseek_v3 import MLADims, softmax_scale
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
@@ -21,12 +22,12 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       # issue #25 (OLMo 3 is written as olmo2, with its sliding-window keys)
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
-                      "apertus": "apertus", "llama4": "llama4_text", "gemma4": "gemma4_text",
-                      "gemma3n": "gemma3n_text"}
+                      "apertus": "apertus", "llama4": "llama4_text", "deepseek2": "deepseek_v3",
+                      "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
-_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False,
+_NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False, "gpt_oss": False,
               "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True, "gemma4_text": True}
 
 
@@ -172,6 +173,10 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
         fields.update(sliding_window=int(window) if window else None)
     elif arch == "llama4":
         fields.update(_llama4(meta, base, window))
+    elif arch == "deepseek2":
+        fields.update(_deepseek2(meta, base, tensors))
+    elif arch == "gpt-oss":
+        fields.update(_gpt_oss(meta, base, window))
     elif arch == "gemma4":
         fields.update(_gemma4(meta, base, tensors))
     elif arch == "gemma3n":
@@ -234,6 +239,58 @@ def _gemma4(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
         hidden_size_per_layer_input=ple,
         vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]) if ple else 0)
     return fields
+
+
+def _gpt_oss(meta, base: dict[str, Any], window: Any) -> dict[str, Any]:
+    """What llama.cpp fixes for `gpt-oss` (src/models/openai-moe.cpp): sinks, biases everywhere, the top-k logits
+    softmaxed, the clamped SwiGLU at alpha 1.702 and limit 7, every 2nd layer full attention by default.
+
+    YaRN is kept untruncated, as every gpt-oss config.json says (`truncate: false`, OpenAI's reference); llama.cpp
+    rounds the ramp's ends to whole dims (docs/models.md, known differences)."""
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        scaling = dict(scaling, truncate=False)
+    fields: dict[str, Any] = dict(rope_scaling=scaling, attention_sinks=True, moe_scoring="topk_softmax",
+                                  moe_linear_bias=True, moe_activation="swiglu_oai", swiglu_alpha=1.702,
+                                  swiglu_limit=7.0)
+    if window:
+        fields.update(sliding_window=int(window), layer_types=_layer_types(
+            meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 2))
+    return fields
+
+
+def _deepseek2(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """llama.cpp's `deepseek2` (src/models/deepseek2.cpp) as DeepSeek-V3: MLA widths from the lora ranks,
+    key_length_mla / value_length_mla (older files: key_length / value_length) and rope.dimension_count; the
+    rotary pairs stay interleaved in the file (llama.cpp's NORM rope, no permute); experts after
+    leading_dense_block_count layers, routed by sigmoid (expert_gating_func 2) only."""
+    rope_dim = int(meta("rope.dimension_count"))
+    key_mla = meta("attention.key_length_mla")
+    key_mla, value_mla = ((int(key_mla), int(meta("attention.value_length_mla"))) if key_mla is not None
+                          else (base["head_dim"], int(meta("attention.value_length"))))
+    dims = MLADims(q_lora_rank=int(meta("attention.q_lora_rank", 0)), kv_lora_rank=int(meta("attention.kv_lora_rank")),
+                   qk_nope_head_dim=key_mla - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=value_mla)
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn" and meta("rope.scaling.yarn_log_multiplier"):
+        # the converter wrote 0.1 * mscale_all_dim; the released configs have mscale == mscale_all_dim
+        mscale = float(meta("rope.scaling.yarn_log_multiplier")) / 0.1
+        scaling = dict(scaling, mscale=mscale, mscale_all_dim=mscale)
+    layers, num_experts = base["num_hidden_layers"], int(meta("expert_count", 0))
+    fields = dict(mla=dims, num_key_value_heads=1, head_dim=rope_dim, rope_scaling=scaling,
+                  attention_scale=softmax_scale(key_mla, scaling or {}), dense_mlp_layers=tuple(range(layers)))
+    if not num_experts:
+        return fields
+    if int(meta("expert_gating_func", 0)) != 2:  # llama.cpp's default is softmax (DeepSeek-V2)
+        raise ValueError("deepseek2 routing other than sigmoid (expert_gating_func 2) is not supported")
+    width, dense = int(meta("expert_feed_forward_length")), int(meta("leading_dense_block_count", 0))
+    return dict(fields, num_experts=num_experts, num_experts_per_tok=int(meta("expert_used_count")),
+                moe_intermediate_size=width, norm_topk_prob=bool(meta("expert_weights_norm", False)),
+                moe_scoring="sigmoid", moe_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensors,
+                moe_renorm_eps=1e-20, moe_num_groups=int(meta("expert_group_count", 1) or 1),
+                moe_topk_groups=int(meta("expert_group_used_count", 1) or 1),
+                routed_scaling_factor=float(meta("expert_weights_scale", 1.0) or 1.0),
+                shared_expert_intermediate_size=width * int(meta("expert_shared_count", 0)),
+                dense_mlp_layers=tuple(range(min(dense, layers))))
 
 
 def _llama4(meta, base: dict[str, Any], window: Any) -> dict[str, Any]:

@@ -68,7 +68,17 @@ ARCH_BLOCK_TENSORS = {
     # Llama 4: the ungated shared expert beside the routed ones
     "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+    # DeepSeek-V3 (models/mla.py): latent attention; kv_b split per head into k_b (transposed) and v_b by newer
+    # converters, kept whole by older ones; the choice-only expert bias; shared experts.
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                  **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
+# Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
+HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
 # Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
 # Gemma 3n's AltUp output scale likewise (a bare parameter).
 BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar", "altup_correct_scale": "altup.correct_output_scale"}
@@ -146,7 +156,7 @@ def load_gguf(path: str) -> Checkpoint:
                 weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
             continue
         layer, _, kind = tensor.name.removeprefix("blk.").partition(".")
-        if kind in EXPERT_SCALES:
+        if arch == "gemma4" and kind in EXPERT_SCALES:
             weights[f"model.layers.{layer}.{EXPERT_SCALES[kind]}"] = _to_torch(tensor, path)
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
@@ -156,6 +166,9 @@ def load_gguf(path: str) -> Checkpoint:
             weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
             continue
         name = hf_name(tensor.name, path, arch)
+        if tensor.name.split(".")[-2] in HEAD_STACKED_TENSORS:
+            weights[name] = _to_torch(tensor, path, flatten_heads=True)
+            continue
         weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
     if hybrid is not None:
         hybrid.report()
@@ -180,10 +193,14 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
+    if match and match.group(2) == "attn_sinks":  # GPT-OSS: a bare parameter in HF, `.weight` in the file
+        return f"model.layers.{match.group(1)}.self_attn.sinks"
     if match and suffix == "weight" and match.group(2) in BARE_BLOCK_TENSORS:
         return f"model.layers.{match.group(1)}.{BARE_BLOCK_TENSORS[match.group(2)]}"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
+    if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
+        return f"model.layers.{match.group(1)}.{names[match.group(2) + '.' + suffix]}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
 
 
@@ -206,11 +223,17 @@ def _is_moe_tensor(gguf_name: str) -> bool:
 
 
 def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:
-    """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert."""
-    layer, kind = tensor.name.split(".")[1:3]
+    """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert; their
+    `.bias` (GPT-OSS) -> the router's bias and one (N,) view per expert."""
+    layer, kind, suffix = tensor.name.split(".")[1:4]
     names, prefix = EXPERT_NAMES[config.architecture], f"model.layers.{layer}."
     if kind == "ffn_gate_inp":
-        return {names.router(prefix): _to_torch(tensor, source)}
+        return {(names.router_bias if suffix == "bias" else names.router)(prefix): _to_torch(tensor, source)}
+    if suffix == "bias":  # (E, N), always float
+        biases = _to_torch(tensor, source)
+        if not isinstance(biases, torch.Tensor) or biases.dim() != 2 or len(biases) != config.num_experts:
+            raise LoadError(f"{source}: {tensor.name} is not a float ({config.num_experts}, N) tensor")
+        return {names.expert_linear_bias(prefix, e, EXPERT_TENSORS[kind]): b for e, b in enumerate(biases)}
     shape = tuple(int(d) for d in reversed(tensor.shape))  # (E, N, K)
     if len(shape) != 3 or shape[0] != config.num_experts:
         raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected ({config.num_experts}, rows, cols)")
@@ -250,9 +273,12 @@ def model_name(path: str) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
-    """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order."""
+def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str, flatten_heads: bool = False) -> Weight:
+    """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order;
+    `flatten_heads`: a (H, N, K) stack as one (H * N, K) matrix."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
+    if flatten_heads and len(shape) == 3:
+        shape = (shape[0] * shape[1], shape[2])
     kind = tensor.tensor_type
     data = tensor.data
     if kind in _FLOAT_TYPES:

@@ -15,6 +15,9 @@ from conveyor.loading.chat_template import render_chat
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # End-of-turn markers that stop generation when the chat template writes them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|return|>")
+# GPT-OSS's harmony: a reply ends with <|return|> (final answer) or <|call|> (a tool call); its <|end|> only closes one
+# message (the analysis before the answer), so it must not stop the reply (llama.cpp drops it from its EOG list too).
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
 
 
 @dataclass
@@ -67,7 +70,11 @@ def build_tokenizer(backend: tokenizers.Tokenizer, special_tokens: dict[str, str
         _set_post_processor(backend, bos if add_bos else None, eos if add_eos else None)
     eos_ids = [backend.token_to_id(eos)] if eos is not None else []
     eos_ids += list(extra_eos_ids)
-    eos_ids += [backend.token_to_id(t) for t in END_OF_TURN_TOKENS if chat_template and t in chat_template]
+    harmony = bool(chat_template) and all(t in chat_template for t in HARMONY_END_TOKENS)  # type: ignore[operator]
+    ends = HARMONY_END_TOKENS if harmony else END_OF_TURN_TOKENS
+    eos_ids += [backend.token_to_id(t) for t in ends if chat_template and t in chat_template]
+    if harmony:  # whatever the metadata named (<|end|> as EOS in some conversions)
+        eos_ids = [i for i in eos_ids if i != backend.token_to_id("<|end|>")]
     return Tokenizer(
         backend=backend,
         bos_token_id=backend.token_to_id(bos) if bos is not None else None,

@@ -9,11 +9,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVSpec:
     """Attention: K and V per token, in the block pool. `window` > 0: a sliding layer that reads only the last
-    `window` positions, so its K/V may live in the sliding group's own blocks (see kv_window)."""
+    `window` positions, so its K/V may live in the sliding group's own blocks (see kv_window).
+
+    `values_in_keys` (MLA, models/mla.py): the layer keeps one tensor of key rows and reads its values from
+    them (the compressed latent is the first columns of each key row), so a token costs one row, not two."""
 
     num_kv_heads: int
     head_dim: int
     window: int = 0
+    values_in_keys: bool = False
+
+    @property
+    def rows_per_token_head(self) -> int:
+        """Cache rows one token keeps per KV head: K and V, or K alone when the values are read from it."""
+        return 1 if self.values_in_keys else 2
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,12 @@ def kv_window(specs: list[CacheSpec]) -> int:
     if 0 not in windows or len(windows) < 2:
         return 0
     return max(windows)
+
+
+def has_latent_kv(specs: list[CacheSpec]) -> bool:
+    """Whether some attention layer reads its values from its key rows (MLA): features that move K and V as
+    two tensors per layer (q8_0 caches, the disk tier, the KV handoff) refuse such models at startup."""
+    return any(spec.values_in_keys for spec in kv_layers(specs))
 
 
 def in_window_group(spec: CacheSpec, window: int) -> bool:

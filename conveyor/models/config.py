@@ -6,15 +6,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, ernie4_5, exaone4, falcon_h1, gemma, gemma3n, gemma4, glm4, granite,
-                             granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h,
-                             olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, deepseek_v3, ernie4_5, exaone4, falcon_h1, gemma, gemma3n, gemma4, glm4,
+                             gpt_oss, granite, granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3,
+                             mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss,
+                             smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
                            "hunyuan_v1_dense", "apertus", "gemma4_text", "gemma3n_text",
-                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "lfm2", "qwen3_5_text",
+                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "deepseek_v3", "gpt_oss", "lfm2",
+                           "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
                            "falcon_h1", "mamba2")
 # Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
@@ -25,7 +27,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
                  "gemma4_text": gemma4.hf_fields, "gemma3n_text": gemma3n.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
-                 "llama4_text": llama4.hf_fields,
+                 "llama4_text": llama4.hf_fields, "deepseek_v3": deepseek_v3.hf_fields, "gpt_oss": gpt_oss.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
                  "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
                  "lfm2_moe": lfm2.moe_hf_fields,
@@ -127,6 +129,7 @@ class ModelConfig:
     logits_scaling: float = 1.0  # Granite: logits divided by this
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
     attn_logit_softcapping: float | None = None  # Gemma 2: the same on attention scores (in the kernel)
+    attention_sinks: bool = False  # GPT-OSS: a learnt logit per head joins each softmax's denominator (no value)
     # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -134,8 +137,16 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE)
     # Routing (models/moe.py `route`), one path for every family. Router logits -> expert scores: softmax
-    # (Mixtral, Qwen) or sigmoid (LFM2-MoE, Nemotron-H).
+    # (Mixtral, Qwen), sigmoid (LFM2-MoE, Nemotron-H), or "topk_softmax": the top k logits, softmaxed over
+    # those k only (GPT-OSS).
     moe_scoring: str = "softmax"
+    # GPT-OSS: biases on the router and on every expert's gate, up and down projections.
+    moe_linear_bias: bool = False
+    # The experts' activation: "swiglu" (silu(gate) * up), or "swiglu_oai" (GPT-OSS, models/gpt_oss.py:
+    # (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)).
+    moe_activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # A per-expert bias added to the scores only to choose the experts (LFM2-MoE's expert_bias, Nemotron-H's
     # e_score_correction_bias); the weights stay the unbiased scores.
     moe_expert_bias: bool = False
@@ -151,6 +162,8 @@ class ModelConfig:
     shared_expert_gate: bool = False
     # Llama 4: the routing weight scales each chosen expert's input (rounded to the model dtype), not its output.
     moe_weight_input: bool = False
+    # DeepSeek-V3: multi-head latent attention's widths (models/mla.py); None: attention as above.
+    mla: deepseek_v3.MLADims | None = None
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -260,8 +273,12 @@ class ModelConfig:
                                    f"({self.num_experts})")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
-        if self.moe_scoring not in ("softmax", "sigmoid"):
-            raise ModelConfigError(f"unsupported MoE router scoring {self.moe_scoring!r} (supported: softmax, sigmoid)")
+        if self.moe_scoring not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ModelConfigError(f"unsupported MoE router scoring {self.moe_scoring!r} (supported: softmax, sigmoid, "
+                                   f"topk_softmax)")
+        if self.moe_activation not in ("swiglu", "swiglu_oai"):
+            raise ModelConfigError(f"unsupported expert activation {self.moe_activation!r} (supported: swiglu, "
+                                   f"swiglu_oai)")
         if self.num_experts and (self.num_experts % self.moe_num_groups
                                  or not 0 < self.moe_topk_groups <= self.moe_num_groups
                                  or (self.moe_num_groups > 1 and self.num_experts // self.moe_num_groups < 2)):
@@ -469,9 +486,17 @@ class ExpertNames:
     # All experts in one tensor per part, gate|up (E, 2I, H) and down (E, H, I): Qwen3.5-MoE on the Hub, Granite 4.0-H
     stacked_parts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     stacked_transposed: bool = False  # Llama 4: gate|up (E, H, 2I) and down (E, I, H), inputs first
+    stacked_interleaved: bool = False  # GPT-OSS: gate and up alternate along the 2I axis (gate first)
 
     def router(self, prefix: str) -> str:
         return f"{prefix}{self.block}.{self.router_name}.weight"
+
+    def router_bias(self, prefix: str) -> str:
+        return f"{prefix}{self.block}.{self.router_name}.bias"
+
+    def expert_linear_bias(self, prefix: str, expert: int, part: str) -> str:
+        """GPT-OSS: the bias of expert `expert`'s `part` (gate, up or down)."""
+        return f"{prefix}{self.block}.experts.{expert}.{getattr(self, part)}.bias"
 
     def expert(self, prefix: str, expert: int, part: str) -> str:
         """`part`: gate, up or down."""
@@ -505,7 +530,12 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 # renamed from feed_forward.* at load (llama4.WEIGHT_RENAMES)
                 "llama4_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
                                            stacked_transposed=True),
+                # stacked inputs first with gate and up interleaved, each with a stacked bias (`..._bias`)
+                "gpt_oss": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
+                                       stacked_transposed=True, stacked_interleaved=True),
                 "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
                                           shared_block="shared_experts"),
+                "deepseek_v3": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj",
+                                           bias="gate.e_score_correction_bias", shared_block="shared_experts"),
                 # renamed from router.* / experts.* at load (gemma4.WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
                 "gemma4_text": ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")}

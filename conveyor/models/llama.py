@@ -3,7 +3,7 @@ dense families that differ from Llama only in config (models/gemma.py, olmo2.py,
 smollm3.py, ministral3.py, glm4.py, exaone4.py, ernie4_5.py, seed_oss.py, hunyuan_dense.py, apertus.py):
 where the norms sit, the MLP gate (or Apertus' ungated xIELU), biases, QK-norm (before or after rotary),
 per-layer sliding windows, rope bases and NoPE layers, interleaved rotary, multipliers, an attention
-temperature and soft-capping, all read from ModelConfig.
+temperature, soft-capping and attention sinks (GPT-OSS), all read from ModelConfig.
 
 Inputs are flattened across sequences ("varlen"): T token rows from any mix of prefill
 chunks and decode steps run through one forward; only attention looks at sequence
@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
+        self.sinks: torch.Tensor | None = None  # (H,) fp32, loaded (GPT-OSS's attention sinks)
         self.norm_after_rope = config.qk_norm_after_rope or l2_norm  # Hunyuan, Llama 4
         # Ministral 3 (every layer), Llama 4 (NoPE layers, by pos + 1)
         beta = 0.0 if config.attn_temperature_nope_only and self.rotary_dim else config.attn_temperature_beta
@@ -111,7 +112,7 @@ class LlamaAttention(nn.Module):
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 gate: torch.Tensor | None = None) -> torch.Tensor:
         out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
-                                       self.softcap)  # (T, H, D)
+                                       self.softcap, self.sinks)  # (T, H, D)
         out = out.reshape(q.shape[0], self.q_size)
         if gate is not None:
             out = self.ops.sigmoid_mul(out, gate)
@@ -320,22 +321,29 @@ class LlamaForCausalLM(nn.Module):
             loader.linear(self.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn = layer.self_attn
-            bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
-            loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
-                                               [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
-            out_bias = [get(p + "self_attn.o_proj.bias")] if cfg.attention_out_bias else None
-            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")], out_bias)
-            if cfg.qk_norm:
-                attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
-                attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
-            elif attn.q_norm is not None:  # Llama 4's L2-norm: no weight in the checkpoint
-                ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
-                                    requires_grad=False)
-                attn.q_norm.weight = attn.k_norm.weight = ones
+            self._load_attention(layer.self_attn, get, norm, p, loader, fused)
             self._load_mlp(layer.mlp, get, p, loader, fused)
             for name in layer.norm_names:
                 getattr(layer, name).weight = norm(p + name + ".weight")
+
+    def _load_attention(self, attn: nn.Module, get: Callable[[str], Weight], norm: Callable[[str], nn.Parameter],
+                        p: str, loader: WeightLoader, fused: Callable[[str, str, list[str]], list[Weight]]) -> None:
+        """One layer's attention from HF names under `p` (`model.layers.N.`); MLA loads its own (models/mla.py)."""
+        cfg = self.config
+        bias = [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if cfg.attention_bias else None
+        loader.linear(attn.qkv_proj, fused(p, "self_attn.qkv_proj.weight",
+                                           [f"self_attn.{n}_proj.weight" for n in "qkv"]), bias)
+        out_bias = [get(p + "self_attn.o_proj.bias")] if cfg.attention_out_bias else None
+        loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")], out_bias)
+        if cfg.qk_norm:
+            attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
+            attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
+        elif attn.q_norm is not None:  # Llama 4's L2-norm: no weight in the checkpoint
+            ones = nn.Parameter(torch.ones(cfg.head_dim, dtype=loader.dtype, device=loader.device),
+                                requires_grad=False)
+            attn.q_norm.weight = attn.k_norm.weight = ones
+        if cfg.attention_sinks:  # in the model dtype, as transformers holds them; the kernel reads fp32
+            attn.sinks = loader.dense(get(p + "self_attn.sinks")).float()
 
     def cache_specs(self) -> list[CacheSpec]:
         """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""

@@ -1,7 +1,8 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Llama 4, and the hybrids Qwen3-Next, Qwen3.5-MoE,
-LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared expert
-where the family has one. One block and one routing path for all of them; the config says how it scores,
-biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, or relu^2 without a gate).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, Llama 4, GPT-OSS, and the hybrids Qwen3-Next,
+Qwen3.5-MoE, LFM2-MoE, Granite 4.0-H, Nemotron-H): top-k routing, experts run batched, plus an always-on shared
+expert where the family has one. One block and one routing path for all of them; the config says how it scores,
+biases, groups, renormalises and scales (`route`), and what its experts are (SwiGLU, GPT-OSS's clamped SwiGLU
+with biases, or relu^2 without a gate).
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
     assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
@@ -15,6 +16,7 @@ expert's gate) run through the backend's scalar-per-element kernel for the same 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -23,22 +25,29 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ExpertNames, ModelConfig
+from conveyor.models.gpt_oss import clamped_swiglu
 from conveyor.models.layers import RowInvariantLinear
 from conveyor.models.weights import WeightLoader
 
 
 class ExpertMLP(nn.Module):
-    """One expert: SwiGLU (GeGLU with `gelu`: Gemma 4) with gate and up fused into one GEMM."""
+    """One expert: SwiGLU with gate and up fused into one GEMM (GeGLU with `gelu`: Gemma 4); or (GPT-OSS:
+    `clamped`, with biases) OpenAI's clamped SwiGLU, (alpha, limit)."""
 
-    def __init__(self, hidden_size: int, width: int, ops: KernelBackend, gelu: bool = False) -> None:
+    def __init__(self, hidden_size: int, width: int, ops: KernelBackend, bias: bool = False,
+                 clamped: tuple[float, float] | None = None, gelu: bool = False) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = RowInvariantLinear(hidden_size, 2 * width, bias=False, ops=ops)
-        self.down_proj = RowInvariantLinear(width, hidden_size, bias=False, ops=ops)
+        self.clamped = clamped
+        self.gate_up_proj = RowInvariantLinear(hidden_size, 2 * width, bias=bias, ops=ops)
+        self.down_proj = RowInvariantLinear(width, hidden_size, bias=bias, ops=ops)
         self.act_mul = ops.gelu_tanh_mul if gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
-        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # (M, 2I)
+        if self.clamped is None:
+            return self.down_proj(self.act_mul(gate_up))
+        return self.down_proj(clamped_swiglu(gate_up, *self.clamped, self.ops.sigmoid))
 
 
 class SquaredReluMLP(nn.Module):
@@ -56,7 +65,8 @@ class SquaredReluMLP(nn.Module):
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
           sigmoid: Callable[[torch.Tensor], torch.Tensor] | None = None, bias: torch.Tensor | None = None,
-          scale: float = 1.0, groups: tuple[int, int] = (1, 1), eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, groups: tuple[int, int] = (1, 1), eps: float = 0.0,
+          topk_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> fp32 weights and expert ids (T, k), best first.
 
     Scores, fp32: softmax over all experts (Mixtral, Qwen, Granite), or with `sigmoid` (the backend's) a sigmoid
@@ -64,9 +74,13 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
     scores only to choose the k. `groups` = (n, m): only experts of the m groups (of n) whose two best biased
     scores sum highest are eligible (Nemotron-H, DeepSeek-V3's router). The k weights are the unbiased scores;
     `renormalise` divides them by their sum + `eps` (LFM2-MoE 1e-6, Nemotron-H 1e-20, as transformers has
-    them), then `scale` multiplies them. Every op is per row, so a row's routing does not depend on the rows
-    beside it.
+    them), then `scale` multiplies them. With `topk_softmax` (GPT-OSS) the k best logits are chosen first and
+    the weights are the softmax over those k only. Every op is per row, so a row's routing does not depend on
+    the rows beside it.
     """
+    if topk_softmax:
+        best = logits.float().topk(top_k, dim=-1)  # (T, k)
+        return torch.softmax(best.values, dim=-1), best.indices
     scores = torch.softmax(logits.float(), dim=-1) if sigmoid is None else sigmoid(logits.float())  # (T, E)
     choice = scores if bias is None else scores + bias
     num_groups, topk_groups = groups
@@ -94,16 +108,17 @@ class SparseMoeBlock(nn.Module):
         self.groups = (config.moe_num_groups, config.moe_topk_groups)
         self.scale = config.routed_scaling_factor
         self.use_expert_bias = config.moe_expert_bias
+        self.topk_softmax = config.moe_scoring == "topk_softmax"  # GPT-OSS
+        self.linear_bias = config.moe_linear_bias
         self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
         self.expert_scale: torch.Tensor | None = None  # (E,): a chosen expert's weight times it (Gemma 4), loaded
         # SwiGLU experts, or Nemotron-H's relu^2 ones (no gate); a shared expert has the same shape
         self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
-        gelu = config.hidden_act == "gelu_tanh"  # Gemma 4's GeGLU experts
-
-        def expert(hidden: int, width: int, ops: KernelBackend) -> nn.Module:
-            return SquaredReluMLP(hidden, width, ops) if config.hidden_act == "relu2" else ExpertMLP(hidden, width,
-                                                                                                     ops, gelu)
-
+        expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
+        if config.moe_activation == "swiglu_oai":  # GPT-OSS: biased experts, clamped SwiGLU
+            expert = partial(ExpertMLP, bias=True, clamped=(config.swiglu_alpha, config.swiglu_limit))
+        elif config.hidden_act == "gelu_tanh":  # Gemma 4's GeGLU experts
+            expert = partial(ExpertMLP, gelu=True)
         self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
@@ -112,7 +127,7 @@ class SparseMoeBlock(nn.Module):
         self.weight_input = config.moe_weight_input  # Llama 4: weights scale the experts' inputs
         # The router; a shared expert's gate rides along as one more output row (one small GEMM, not two).
         self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
-                                       bias=False, ops=ops)
+                                       bias=self.linear_bias, ops=ops)
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # (T, H) -> (T, H)
         """`router_input`: what the router reads where it is not the experts' input (Gemma 4)."""
@@ -120,7 +135,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x if router_input is None else router_input)  # (T, E [+ 1])
         weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
                                     self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
-                                    self.scale, self.groups, self.renorm_eps)  # (T, k) each
+                                    self.scale, self.groups, self.renorm_eps, self.topk_softmax)  # (T, k) each
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[expert_ids].float()
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
@@ -158,16 +173,21 @@ class SparseMoeBlock(nn.Module):
             router = torch.cat([router, loader.dense(get(names.shared_gate(prefix)))])
         if self.shared_expert is not None:
             _load_expert(self.shared_expert, [get(names.shared(prefix, part)) for part in self.parts], loader)
-        self.gate.load_dense(router)
+        self.gate.load_dense(router, loader.dense(get(names.router_bias(prefix))) if self.linear_bias else None)
         self.gate.prepack()
         for e, expert in enumerate(self.experts):
-            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader)
+            biases = ([get(names.expert_linear_bias(prefix, e, part)) for part in self.parts] if self.linear_bias
+                      else None)
+            _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader, biases)
         if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
             self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)
 
 
-def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader) -> None:
-    """(gate,) up and down weights; gate|up fused into one GEMM (SwiGLU), up alone (relu^2)."""
+def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader,
+                 biases: list[Weight] | None = None) -> None:
+    """(gate,) up and down weights (and GPT-OSS's biases, the same parts); gate|up fused into one GEMM (SwiGLU),
+    up alone (relu^2)."""
     *inputs, down = parts
-    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs)
-    loader.linear(expert.down_proj, [down])
+    input_bias, down_bias = (biases[:-1], biases[-1:]) if biases is not None else (None, None)
+    loader.linear(expert.gate_up_proj if len(inputs) == 2 else expert.up_proj, inputs, input_bias)
+    loader.linear(expert.down_proj, [down], down_bias)

@@ -1,8 +1,9 @@
-"""Llama-family decoders whose MLPs are sparse mixtures of experts: Mixtral, Qwen3-MoE, OLMoE, Llama 4.
+"""Llama-family decoders whose MLPs are sparse mixtures of experts: Mixtral, Qwen3-MoE, OLMoE, Llama 4, GPT-OSS.
 
 What differs from models/llama.py is config: the attention is Llama's (Mixtral), Qwen3's with per-head
-QK-norm (Qwen3-MoE), with one QK-norm over the whole projection (OLMoE: `qk_norm_scope="full"`) or Llama 4's
-(models/llama4.py: interleaved rotary, NoPE layers with a temperature, q/k L2-norm);
+QK-norm (Qwen3-MoE), with one QK-norm over the whole projection (OLMoE: `qk_norm_scope="full"`), Llama 4's
+(models/llama4.py: interleaved rotary, NoPE layers with a temperature, q/k L2-norm) or GPT-OSS's
+(models/gpt_oss.py: biases, attention sinks, alternating sliding windows);
 the sparse layers' MLP is models/moe.py's block, loaded from the family's checkpoint names.
 """
 

@@ -17,6 +17,7 @@ from conveyor.models.gemma3n_model import Gemma3nForCausalLM
 from conveyor.models.gemma4_model import Gemma4ForCausalLM
 from conveyor.models.hybrid import HybridForCausalLM
 from conveyor.models.llama import LlamaForCausalLM
+from conveyor.models.mla import DeepseekV3ForCausalLM
 from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
 
@@ -42,6 +43,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": MoEForCausalLM,
     "olmoe": MoEForCausalLM,
     "llama4_text": MoEForCausalLM,  # models/llama4.py
+    "deepseek_v3": DeepseekV3ForCausalLM,  # multi-head latent attention (models/mla.py) + MoE
+    "gpt_oss": MoEForCausalLM,  # models/gpt_oss.py
     # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
     "lfm2": HybridForCausalLM,
     "qwen3_5_text": HybridForCausalLM,

@@ -10,7 +10,7 @@ from torch import nn
 
 from conveyor.engine.outputs import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.kernels.kv_quant import KVCacheTypes, cache_dtype, row_width
+from conveyor.kernels.kv_quant import KVCacheTypes, bytes_per_row, cache_dtype, row_width
 from conveyor.kernels.recurrent import StateMetadata
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_group, kv_window
 from conveyor.models.config import ModelConfig
@@ -39,7 +39,10 @@ def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: tor
     full = sliding = 0
     for spec in specs:
         if isinstance(spec, KVSpec):
-            size = block_size * spec.num_kv_heads * kv_types.bytes_per_token_head(spec.head_dim, dtype)
+            if spec.values_in_keys:  # MLA: one row per token (latent and rotary key), values read from it
+                size = block_size * spec.num_kv_heads * bytes_per_row(kv_types.k, spec.head_dim, dtype)
+            else:
+                size = block_size * spec.num_kv_heads * kv_types.bytes_per_token_head(spec.head_dim, dtype)
             if in_window_group(spec, window):
                 sliding += size
             else:
@@ -202,7 +205,8 @@ class ModelRunner:
             for (key_cache, value_cache), in_group in zip(self.kv_layers(), self.kv_layer_windowed()):
                 if in_group == windowed:
                     key_cache[dst] = key_cache[src]
-                    value_cache[dst] = value_cache[src]
+                    if value_cache is not key_cache:  # MLA layers read values from the key rows
+                        value_cache[dst] = value_cache[src]
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Recurrent state slot to slot, in order (a prefix snapshot into a new sequence, a rollback)."""
@@ -232,8 +236,11 @@ def _kv_tensors(num_blocks: int, block_size: int, spec: KVSpec, dtype: torch.dty
     kernel never reads there; gathers see zeros, which dequantize to zeros)."""
     # empty, not zeros: a slot is always written before attention reads it, and untouched pages of
     # a large pool then cost no RAM until used.
+    kinds = (kv_types.k,) if spec.values_in_keys else (kv_types.k, kv_types.v)
     caches = tuple(torch.empty((num_blocks + windowed, block_size, spec.num_kv_heads, row_width(kind, spec.head_dim)),
-                               dtype=cache_dtype(kind, dtype), device=device) for kind in (kv_types.k, kv_types.v))
+                               dtype=cache_dtype(kind, dtype), device=device) for kind in kinds)
+    if spec.values_in_keys:  # MLA: (K, K), the values are the key rows' first columns (models/mla.py)
+        caches = (caches[0], caches[0])
     if windowed:
         for cache in caches:
             cache[num_blocks].zero_()

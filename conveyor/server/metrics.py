@@ -62,6 +62,8 @@ class EngineCollector(Collector):
         yield _counter("conveyor_preemptions", "Running requests preempted to free KV blocks", stats.num_preemptions)
         yield _counter("conveyor_prefix_cache_hit_tokens", "Prompt tokens adopted from the prefix cache",
                        core.kv.counters.hit_tokens)
+        yield _counter("conveyor_prefix_cache_partial_block_hit_tokens", "Of the hit tokens, those adopted from "
+                       "the leading part of a cached block (token-level reuse)", core.kv.counters.partial_hit_tokens)
         yield _counter("conveyor_prefix_cache_miss_tokens", "Prompt tokens that missed the prefix cache",
                        core.kv.counters.miss_tokens)
         yield _counter("conveyor_reclaim_passes", "Times a running row needed a KV block and another row was "

@@ -141,6 +141,8 @@ def cache_stats(engine: AsyncEngine) -> dict:
         "budget_bytes": plan.budget_bytes,
         "budget_source": plan.budget_source,
         "prefix_cache": {"enabled": core.config.enable_prefix_caching, "hit_tokens": hits, "miss_tokens": misses,
+                         # of hit_tokens, those adopted from the leading part of a cached block (token-level reuse)
+                         "partial_block_hit_tokens": core.kv.counters.partial_hit_tokens,
                          "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0},
         "recurrent_state": core.state_report(),  # hybrid models' per-sequence state slots, else null
         # Sliding layers' own block group (the figures above are then the full-attention layers'), else null.

@@ -53,9 +53,11 @@ class RequestPlan:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         # Each choice gets its own seed, so n > 1 with a seed gives n different (reproducible) answers.
         seed = body.seed + choice if body.seed is not None else None
+        # harmony replies are parsed by their special tokens (<|channel|>, <|message|>, ...), so they stay in the text
+        harmony = self.header.parsing is not None and self.header.parsing.harmony
         return SamplingParams(max_tokens=max_tokens, logit_bias=logit_bias(body.logit_bias), stop=stop,
                               ignore_eos=body.ignore_eos, logprobs=self.logprobs, seed=seed, structured=self.grammar,
-                              **fields)
+                              skip_special_tokens=not harmony, **fields)
 
     def invalid(self, message: str, param: str | None) -> APIError:
         """An engine's 400, with its param named as this endpoint names the field."""

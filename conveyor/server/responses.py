@@ -137,7 +137,7 @@ def _full_choice(header: ResponseHeader, choice: ChoiceState, token_text: TokenT
         if header.parses:
             parsed = header.parsing.parser().parse(choice.text, truncated=finish_reason == "length")  # type: ignore[union-attr]
             message["content"] = parsed.content or (None if parsed.tool_calls else "")
-            if header.parsing.thinking is not None:  # type: ignore[union-attr]
+            if header.parsing.reasons:  # type: ignore[union-attr]
                 message["reasoning_content"] = parsed.reasoning or None
             if parsed.tool_calls:
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]

@@ -111,3 +111,19 @@ def test_grant_interval_bounds_ttft_end_to_end(tiny_checkpoint):
         ticks += 1
     assert ticks <= (160 // 32) * (2 + 1)
     assert engine.scheduler.stats.num_prefill_grants >= 4
+
+
+@pytest.mark.batch_invariant
+def test_a_prompt_diverging_inside_a_cached_block_reuses_its_leading_tokens_exactly(tiny_checkpoint, roomy):
+    llm = LLM(checkpoint=tiny_checkpoint, parallel=8, ctx_size=8 * 512)
+    base = [(7 * i) % 200 + 3 for i in range(70)]  # 4 whole blocks of 16 and 6 tokens into the fifth
+    prompts = [base + [201 + i] * 10 for i in range(4)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    cold = roomy.generate(prompts, [params] * 4)
+    llm.generate(prompts[:1], [params])  # caches all five blocks of the first prompt
+    warm = llm.generate(prompts[1:], [params] * 3)
+    assert [w.num_cached_tokens for w in warm] == [70, 70, 70]  # 64 whole + 6 from the fifth block
+    assert llm.engine.kv.counters.partial_hit_tokens >= 6
+    assert [w.token_ids for w in warm] == [c.token_ids for c in cold[1:]]
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.stats().num_used == 0

@@ -1,5 +1,5 @@
-"""The engine on tiny random Mixtral, Qwen3-MoE and Llama 4 (text): 16 concurrent greedy requests == one at a time
-(bf16); Llama 4's context capped at its attention chunk."""
+"""The engine on tiny random Mixtral, Qwen3-MoE, Llama 4 (text) and GPT-OSS (sliding and full layers with attention
+sinks): 16 concurrent greedy requests == one at a time (bf16); Llama 4's context capped at its attention chunk."""
 
 import pytest
 
@@ -15,7 +15,7 @@ def _prompts(n: int) -> list[str]:
     return [f"Request {i}: " + "lorem ipsum dolor " * (i % 5 * 2) + f"end {i}" for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "llama4_text"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "llama4_text", "gpt_oss"])
 def llm(request):
     return LLM(checkpoint=tiny_moe_checkpoint(request.param), parallel=16, prefill_chunk_size=16,
                kv_cache_budget="none")

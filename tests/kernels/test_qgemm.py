@@ -89,3 +89,48 @@ def test_bad_calls_are_clear_errors():
         backend.pack_quantized(raw, Q.IQ4_NL, 64)
     with pytest.raises(RuntimeError, match="out of range"):
         backend.dequantize_rows(packed, Q.Q4_0, 32, 64, torch.tensor([32]))
+
+
+# --- MXFP4 (GPT-OSS's experts): E2M1 codes looked up, E8M0 scales ------------------------------------------
+
+def _mxfp4_blocks(scale_bytes: torch.Tensor, seed: int) -> torch.Tensor:
+    """Raw MXFP4 rows (N, K/32 * 17) with the given E8M0 byte per block (N, K/32) and random nibbles."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (*scale_bytes.shape, 16), generator=gen, dtype=torch.uint8)
+    return torch.cat([scale_bytes.to(torch.uint8).unsqueeze(-1), codes], dim=-1).reshape(scale_bytes.shape[0], -1)
+
+
+def test_mxfp4_reference_is_the_ocp_e2m1_table():
+    """The oracle itself: gguf-py decodes a block as the OCP MX spec says (E2M1 values times 2^(e - 127))."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    codes = torch.arange(32) % 16  # k 0..15 in the low nibbles, k 16..31 in the high ones
+    block = torch.cat([torch.tensor([127 + 3]), codes[:16] | (codes[16:] << 4)]).to(torch.uint8)
+    got = dequantize_raw(block.view(1, 17), Q.MXFP4, 32)
+    assert torch.equal(got, torch.tensor(e2m1 * 2).view(1, 32) * 8.0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # gguf-py's e = 255 blocks: inf, as ours
+def test_mxfp4_every_scale_byte_dequantizes_as_gguf_py():
+    # All 256 E8M0 bytes, subnormal powers of two (e < 2) and overflow to inf (e = 255 x 6) included.
+    scales = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    raw = _mxfp4_blocks(scales, seed=5)
+    packed = backend.pack_quantized(raw, Q.MXFP4, 512)
+    got = backend.dequantize_rows(packed, Q.MXFP4, 16, 512, torch.arange(16))
+    assert torch.equal(got, dequantize_raw(raw, Q.MXFP4, 512).bfloat16())
+
+
+def test_mxfp4_extreme_scales_per_column():
+    """Each column its own E8M0 byte (subnormal to large): the vector scale conversion on every path,
+    checked column by column against float64 (so a tiny column is not hidden by a large one)."""
+    column_e = torch.tensor([0, 1, 2, 3, 60, 126, 127, 128, 129, 150, 190, 2, 1, 0, 127, 100, 5, 131, 1, 64])
+    in_features, out_features = 256, len(column_e)
+    raw = _mxfp4_blocks(column_e.view(-1, 1).expand(-1, in_features // 32), seed=6)
+    packed = backend.pack_quantized(raw, Q.MXFP4, in_features)
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = backend.quantized_linear(x, packed, Q.MXFP4, out_features, in_features, None)
+    want = x.double() @ dequantize_raw(raw, Q.MXFP4, in_features).double().T
+    column_scale = want.abs().amax(dim=0)
+    assert ((got.double() - want).abs() <= 0.02 * column_scale).all()
+    assert (got != 0).any(dim=0).all()  # no column flushed to zero
+    for m in (1, 16):
+        assert torch.equal(backend.quantized_linear(x[:m], packed, Q.MXFP4, out_features, in_features, None), got[:m])

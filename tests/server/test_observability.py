@@ -98,7 +98,8 @@ def test_cache_stats(served):
     assert stats["bytes_reserved"] == plan.num_blocks * plan.bytes_per_block
     assert stats["bytes_in_use"] == stats["live"] * plan.bytes_per_block
     assert stats["budget_bytes"] == plan.budget_bytes
-    assert set(stats["prefix_cache"]) == {"enabled", "hit_tokens", "miss_tokens", "hit_rate"}
+    assert set(stats["prefix_cache"]) == {"enabled", "hit_tokens", "miss_tokens", "hit_rate",
+                                          "partial_block_hit_tokens"}
     assert stats["sliding_window_group"] is None  # no sliding layers: one group, the figures above
 
 

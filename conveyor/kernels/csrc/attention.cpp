@@ -384,16 +384,22 @@ inline void exp_shifted(float* x, int64_t n, float m) {
 
 // Pass 2 of every attention path: soft-capping (Gemma 2: score = c * tanh(score / c), each score on its
 // own, row-invariant), then the softmax weights of each of the G heads' num_keys scores and their sums
-// (max is order-free; the sum's order depends only on num_keys).
-inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double softcap, float* denom) {
+// (max is order-free; the sum's order depends only on num_keys). `sinks` (GPT-OSS; nullptr otherwise):
+// one learnt logit per head that joins the max and the denominator but has no value, added to the sum
+// last, so rows without sinks keep their bits and rows with them stay row-invariant.
+inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double softcap, float* denom,
+                           const float* sinks) {
   if (softcap > 0.0) {
     const float cap = static_cast<float>(softcap);
     for (int64_t i = 0; i < G * num_keys; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * num_keys;
-    exp_shifted(sg, num_keys, conveyor_vec::row_max(sg, num_keys));
+    float m = conveyor_vec::row_max(sg, num_keys);
+    if (sinks != nullptr) m = sinks[g] > m ? sinks[g] : m;
+    exp_shifted(sg, num_keys, m);
     denom[g] = conveyor_vec::row_sum(sg, num_keys);
+    if (sinks != nullptr) denom[g] += exp_nonpositive(sinks[g] - m);
   }
 }
 
@@ -498,7 +504,7 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                 double scale, int64_t window, double softcap, torch::Tensor& out) {
+                 double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t G = H / KVH;
@@ -549,7 +555,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         const scalar_t* k = kc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
         for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
       }
-      softmax_scores(scores.data(), G, num_keys, softcap, denom.data());  // pass 2
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + kvh * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
       if (fast_sum != nullptr) {
         fast_sum(scores.data(), first, num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
@@ -748,7 +754,7 @@ inline SumQ8Fn weighted_sum_q8_fn(int64_t G) {
 template <typename scalar_t>
 void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                    double scale, int64_t window, double softcap, torch::Tensor& out) {
+                    double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   const int64_t G = H / KVH, nb = D / kBlock;
@@ -825,7 +831,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
           for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
         }
       }
-      softmax_scores(scores.data(), G, num_keys, softcap, denom.data());  // pass 2
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + kvh * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
 #if defined(__AVX2__) && defined(__FMA__)
       if (fast_sum != nullptr)
@@ -862,7 +868,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor token_seq, torch::Tensor token_pos,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
   // A Q8_0 cache is uint8 (kv_q8.h); any other cache is in the query's dtype.
   const bool q8 = key_cache.scalar_type() == torch::kByte || value_cache.scalar_type() == torch::kByte;
@@ -880,14 +886,22 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   // NOTE: the caches are whole-pool tensors; a hidden .contiguous() copy would cost the pool per call.
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   query = query.contiguous();
+  // Attention sinks (GPT-OSS): one fp32 logit per query head, or None.
+  torch::Tensor sink_values;
+  if (sinks.has_value() && sinks->defined()) {
+    sink_values = sinks->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == query.size(1),
+                "paged_attention: sinks must hold one value per query head");
+  }
+  const float* sink_ptr = sink_values.defined() ? sink_values.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     if (q8)
       attend_rows_q8<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                               token_pos.contiguous(), scale, window, softcap, out);
+                               token_pos.contiguous(), scale, window, softcap, sink_ptr, out);
     else
       attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                            token_pos.contiguous(), scale, window, softcap, out);
+                            token_pos.contiguous(), scale, window, softcap, sink_ptr, out);
   });
   return out;
 }

@@ -1,5 +1,5 @@
 // y = x W^T (+ b) for GGML block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K), kept in their own bits: never expanded to bf16.
+// Q6_K, MXFP4), kept in their own bits: never expanded to bf16.
 //
 // How (llama.cpp's scheme, made batch-invariant):
 //   1. each activation row is quantized on its own to int8 in blocks of 32 (scale amax/127, round
@@ -24,7 +24,9 @@
 //              k-group, on every ISA);
 //   8-bit:     8 vectors of 64 bytes, vector g byte (4 i + t) = column i's k = 4 g + t, plus 128.
 // Weights are stored unsigned (q, plus the type's offset); the offset comes back exactly as
-// offset x (the activation block's sum), an integer.
+// offset x (the activation block's sum), an integer. MXFP4 keeps its 4-bit E2M1 codes as nibbles
+// and its E8M0 scale bytes as the header; unpacking looks the codes up (a byte shuffle) as the
+// doubled E2M1 values plus 12, 0..24, so they then run as a Q4_0-style type of offset 12.
 //
 // One build runs one path, from the -march macros: AVX-512 VNNI (16 columns per zmm), AVX2
 // (8-column halves; AVX-VNNI's dpbusd where the CPU has it, else maddubs + madd), or portable C++.
@@ -62,15 +64,16 @@
 namespace {
 
 // GGML type ids (ggml.h), the ones we run.
-enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39 };
 
 // How a chunk's integer sum becomes a float term:
-//   kOffset (Q4_0 Q5_0 Q8_0): w = d (q - o)                 acc += (dx d) * (S - o bx)
+//   kOffset (Q4_0 Q5_0 Q8_0 MXFP4): w = d (q - o)           acc += (dx d) * (S - o bx)
 //   kMin    (Q4_1 Q5_1):      w = d q + m                   acc += (dx d) * S;  acc += m * sx
 //   kKMin   (Q4_K Q5_K):      w = (d sc) q - (dmin mn)      acc += (dx (d sc)) * S;  acc -= (dmin mn) * sx
 //   kK6     (Q6_K):           w = (d sc) (q - 32), sc per 16 k: the chunk's two halves, each as kOffset
 // where S = sum of q x over the chunk (int), bx = sum of the activation block (int), dx its scale,
-// sx = dx * bx. d sc and dmin mn are exact in fp32 (11-bit x 6/8-bit products).
+// sx = dx * bx. d sc and dmin mn are exact in fp32 (11-bit x 6/8-bit products). MXFP4's d is the
+// E8M0 byte's power of two halved (ggml's e8m0_to_fp32_half), as its E2M1 values are doubled.
 enum class Kind { kOffset, kMin, kKMin, kK6 };
 
 struct TypeInfo {
@@ -81,6 +84,7 @@ struct TypeInfo {
   bool bytes8;    // 8-bit values (Q8_0)
   Kind kind;
   int offset;
+  bool e2m1 = false;  // MXFP4: nibbles are E2M1 codes (looked up), the header E8M0 bytes (not fp16)
 };
 
 constexpr TypeInfo type_info(int qt) {
@@ -93,6 +97,7 @@ constexpr TypeInfo type_info(int qt) {
     case kQ4_K: return {256, 144, 320, 0, false, Kind::kKMin, 0};
     case kQ5_K: return {256, 176, 320, 1, false, Kind::kKMin, 0};
     case kQ6_K: return {256, 210, 288, 2, false, Kind::kK6, 32};
+    case kMXFP4: return {32, 17, 16, 0, false, Kind::kOffset, 12, true};
     default: return {0, 0, 0, 0, false, Kind::kOffset, 0};
   }
 }
@@ -135,6 +140,18 @@ inline float half_to_float(uint16_t h) {
   } else {
     bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
   }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// MXFP4's 16 E2M1 codes as ggml's kvalues_mxfp4 (the values doubled: 0, 1, 2, 3, 4, 6, 8, 12, and
+// negated) plus 12, so they are unsigned for u8 x s8 dot products; the offset comes back as 12 bx.
+alignas(16) constexpr uint8_t kE2M1Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// E8M0 byte -> its power of two halved, 2^(e - 128), exactly as ggml_e8m0_to_fp32_half (e < 2: subnormal).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
@@ -184,6 +201,11 @@ void decode_block(int qt, const uint8_t* b, Decoded& o) {
         o.q[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
         o.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
       }
+      break;
+    }
+    case kMXFP4: {  // one E8M0 byte, then 16 bytes of codes: low nibbles k 0..15, high k 16..31
+      o.d = b[0];
+      for (int j = 0; j < 16; ++j) { o.q[j] = b[1 + j] & 15; o.q[j + 16] = b[1 + j] >> 4; }
       break;
     }
     case kQ8_0: {
@@ -237,7 +259,11 @@ void decode_block(int qt, const uint8_t* b, Decoded& o) {
 // Writes column `i` (0..15) of one superblock of a group: header entries and chunk bits.
 void store_column(int qt, const Decoded& o, int i, uint8_t* sbp) {
   const TypeInfo t = type_info(qt);
-  std::memcpy(sbp + 2 * i, &o.d, 2);
+  if (t.e2m1) {
+    sbp[i] = static_cast<uint8_t>(o.d);
+  } else {
+    std::memcpy(sbp + 2 * i, &o.d, 2);
+  }
   if (t.kind == Kind::kMin || t.kind == Kind::kKMin) std::memcpy(sbp + 32 + 2 * i, &o.m, 2);
   if (t.kind == Kind::kKMin) {
     for (int j = 0; j < 8; ++j) {
@@ -329,6 +355,10 @@ inline void unpack(const uint8_t* ch, __m512i* w) {
       w[v] = _mm512_and_si512(raw, m4);
       w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
     }
+    if constexpr (t.e2m1) {  // codes -> values + 12: one in-lane byte shuffle per k-group
+      const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Plus12)));
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_shuffle_epi8(lut, w[g]);
+    }
     // High bits into bits 4-5 of each byte: a 16-bit shift (no bit crosses into the masked
     // field from the other byte) and one ternary-logic op, w | (shifted & mask).
     if constexpr (t.planes == 1) {
@@ -353,6 +383,21 @@ inline void unpack(const uint8_t* ch, __m512i* w) {
 inline __m512 load_half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+// The 16 columns' d of a superblock: fp16, or MXFP4's E8M0 bytes as e8m0_half does (integer ops only).
+template <int QT>
+inline __m512 load_scales16(const uint8_t* sbp) {
+  if constexpr (type_info(QT).e2m1) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp)));
+    const __mmask16 normal = _mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(2));
+    const __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __m512i norm = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(normal, sub, norm));
+  } else {
+    return load_half16(sbp);
+  }
+}
+
 inline __m512 load_u8_16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -426,7 +471,7 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sbb;
-    const __m512 d = load_half16(sbp);
+    const __m512 d = load_scales16<QT>(sbp);
     __m512 m = _mm512_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
     for (int c = 0; c < cpb; ++c) {
@@ -535,7 +580,7 @@ void amx_tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, 
     const int64_t s = kc / cpb;
     const int c = static_cast<int>(kc % cpb);
     const uint8_t* sbp = wg + s * sbb;
-    const __m512 d = load_half16(sbp);
+    const __m512 d = load_scales16<QT>(sbp);
     __m512 m = _mm512_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
     __m512 ds, dm, ds2;
@@ -562,6 +607,7 @@ AmxFn amx_fn(int qt) {
     case kQ4_K: return &amx_tile<kQ4_K>;
     case kQ5_K: return &amx_tile<kQ5_K>;
     case kQ6_K: return &amx_tile<kQ6_K>;
+    case kMXFP4: return &amx_tile<kMXFP4>;
     default: return nullptr;
   }
 }
@@ -601,7 +647,8 @@ inline void k_sums(const __m256i* w, const int8_t* x, __m256i& s0, __m256i& s1) 
 #if !defined(QG_AVXVNNI)
   if constexpr (!t.bytes8) {
     // maddubs products summed in int16 before one madd: exact while the sum fits, |q x| pair sums
-    // being <= 2 x 127 x (15, 31, 63) for 4-, 5-, 6-bit values: 4, 4 and 2 of them per int16 lane.
+    // being <= 2 x 127 x (15, 31, 63) for 4-, 5-, 6-bit values: 4, 4 and 2 of them per int16 lane
+    // (MXFP4's looked-up values are <= 24: 4 x 2 x 127 x 24 = 24384 fits too).
     constexpr int per16 = t.planes == 2 ? 2 : 4;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int g0 = 0; g0 < 4; g0 += per16) {
@@ -642,6 +689,10 @@ inline void unpack(const uint8_t* ch, int h, __m256i* w) {
       w[v] = _mm256_and_si256(raw, m4);
       w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     }
+    if constexpr (t.e2m1) {  // codes -> values + 12, one byte shuffle per k-group
+      const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Plus12)));
+      for (int g = 0; g < 8; ++g) w[g] = _mm256_shuffle_epi8(lut, w[g]);
+    }
     if constexpr (t.planes == 1) {
       const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 256 + 32 * h));
       const __m256i bit = _mm256_set1_epi8(0x10);
@@ -665,6 +716,21 @@ inline void unpack(const uint8_t* ch, int h, __m256i* w) {
 inline __m256 load_half8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+
+// Half h's 8 columns' d of a superblock: fp16, or MXFP4's E8M0 bytes as e8m0_half does (integer ops only).
+template <int QT>
+inline __m256 load_scales8(const uint8_t* sbp, int h) {
+  if constexpr (type_info(QT).e2m1) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sbp + 8 * h)));
+    const __m256i normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1));
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, norm, normal));
+  } else {
+    return load_half8(sbp + 16 * h);
+  }
+}
+
 inline __m256 load_u8_8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -741,7 +807,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
     const uint8_t* sbp = wg + s * sbb;
     __m256 d[2], m[2];
     for (int h = 0; h < 2; ++h) {
-      d[h] = load_half8(sbp + 16 * h);
+      d[h] = load_scales8<QT>(sbp, h);
       m[h] = _mm256_setzero_ps();
       if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m[h] = load_half8(sbp + 32 + 16 * h);
     }
@@ -777,7 +843,7 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sbb;
-    const __m256 d = load_half8(sbp + 16 * h);
+    const __m256 d = load_scales8<QT>(sbp, h);
     __m256 m = _mm256_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half8(sbp + 32 + 16 * h);
     for (int c = 0; c < cpb; ++c) {
@@ -824,6 +890,10 @@ inline void unpack(const uint8_t* ch, uint8_t w[8][64]) {
         w[v + 4][j] = ch[64 * v + j] >> 4;
       }
     }
+    if constexpr (t.e2m1) {
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 64; ++j) w[g][j] = kE2M1Plus12[w[g][j]];
+    }
     for (int g = 0; g < 8; ++g) {
       for (int j = 0; j < 64; ++j) {
         if constexpr (t.planes == 1) w[g][j] |= static_cast<uint8_t>(((ch[256 + j] >> g) & 1) << 4);
@@ -839,6 +909,16 @@ inline void load_halves(const uint8_t* p, float* out) {
   for (int i = 0; i < 16; ++i) out[i] = half_to_float(rd16(p + 2 * i));
 }
 
+// The 16 columns' d of a superblock: fp16, or MXFP4's E8M0 bytes.
+template <int QT>
+inline void load_scales(const uint8_t* sbp, float* d) {
+  if constexpr (type_info(QT).e2m1) {
+    for (int i = 0; i < 16; ++i) d[i] = e8m0_half(sbp[i]);
+  } else {
+    load_halves(sbp, d);
+  }
+}
+
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
@@ -850,7 +930,7 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sbb;
     float d[16], m[16] = {};
-    load_halves(sbp, d);
+    load_scales<QT>(sbp, d);
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) load_halves(sbp + 32, m);
     for (int c = 0; c < cpb; ++c) {
       unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
@@ -933,6 +1013,7 @@ TileFn tile_fn(int qt, int rows) {
     case kQ4_K: return tile_for<kQ4_K>(rows);
     case kQ5_K: return tile_for<kQ5_K>(rows);
     case kQ6_K: return tile_for<kQ6_K>(rows);
+    case kMXFP4: return tile_for<kMXFP4>(rows);
     default: return nullptr;
   }
 }
@@ -1116,7 +1197,7 @@ torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int
       const int i = static_cast<int>(id[j] % kGroup);
       for (int64_t s = 0; s < n_sb; ++s) {
         const uint8_t* sbp = wp + (g * n_sb + s) * sbb;
-        const float d = half_to_float(rd16(sbp + 2 * i));
+        const float d = t.e2m1 ? e8m0_half(sbp[i]) : half_to_float(rd16(sbp + 2 * i));
         const float m = (t.kind == Kind::kMin || t.kind == Kind::kKMin) ? half_to_float(rd16(sbp + 32 + 2 * i)) : 0.f;
         for (int c = 0; c < t.sb / 32; ++c) {
           const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
@@ -1128,6 +1209,7 @@ torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int
             } else {
               const uint8_t byte = ch[64 * (grp & 3) + pos];
               q = grp < 4 ? (byte & 15) : (byte >> 4);
+              if (t.e2m1) q = kE2M1Plus12[q];
               if (t.planes == 1) q |= ((ch[256 + pos] >> grp) & 1) << 4;
               if (t.planes == 2) q |= ((ch[256 + 64 * (grp / 4) + pos] >> (2 * (grp % 4))) & 3) << 4;
             }
