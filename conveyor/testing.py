@@ -5,6 +5,7 @@ They reuse the bundled SmolLM2 tokenizer so prompts, chat templates and detokeni
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import gguf
@@ -524,3 +525,106 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+# Gemma 4 (text; models/gemma4_model.py): sliding and global layers with their own head dims, the global ones with
+# one K/V head and v = k; the last two layers read layers 2 and 3's K/V (double-wide MLP); per-layer embeddings.
+TINY_GEMMA4 = dict(architecture="gemma4_text", num_hidden_layers=6, norm_layout="sandwich", hidden_act="gelu_tanh",
+                   qk_norm=True, v_norm=True, attention_scale=1.0, embedding_multiplier=8.0, sliding_window=8,
+                   layer_types=("sliding_attention", "full_attention") * 3, rope_theta=1e6, local_rope_theta=1e4,
+                   rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                   layer_head_dims=(16, 32) * 3, layer_kv_heads=(2, 1) * 3, attention_k_eq_v=True,
+                   kv_source_layers=(0, 1, 2, 3, 2, 3), layer_intermediate_sizes=(128,) * 4 + (256,) * 2,
+                   hidden_size_per_layer_input=8, final_logit_softcapping=30.0)
+
+
+# ... and 26B-A4B's shape: every layer's dense MLP beside 4 GeGLU experts, 2 per token.
+TINY_GEMMA4_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+
+
+def tiny_gemma4_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
+    """A random Gemma 4 text model (TINY_GEMMA4) under its HF names, with the bundled SmolLM2 tokenizer."""
+    tokenizer = smollm_tokenizer()
+    fields = {**TINY_GEMMA4, **overrides}
+    fields.setdefault("vocab_size_per_layer_input", tokenizer.vocab_size if fields["hidden_size_per_layer_input"] else 0)
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **fields)
+    return Checkpoint(config=config, weights=random_gemma4_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name="tiny-random-gemma4")
+
+
+def random_gemma4_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """One random tensor per name models/gemma4.py lists, shaped by the layer's head dim, K/V heads and width."""
+    from conveyor.models.gemma4 import weight_names
+
+    gen = torch.Generator().manual_seed(seed)
+    h, ple, layers = config.hidden_size, config.hidden_size_per_layer_input, config.num_hidden_layers
+
+    def shape(name: str) -> tuple[int, ...]:
+        if not name.startswith("model.layers."):
+            return {"model.embed_tokens.weight": (config.vocab_size, h), "lm_head.weight": (config.vocab_size, h),
+                    "model.embed_tokens_per_layer.weight": (config.vocab_size_per_layer_input, layers * ple),
+                    "model.per_layer_model_projection.weight": (layers * ple, h),
+                    "model.per_layer_projection_norm.weight": (ple,)}.get(name, (h,))
+        i, part = int(name.split(".")[2]), name.split(".", 3)[3]
+        d, width = config.layer_head_dim(i), config.layer_intermediate_size(i)
+        if part.startswith("moe."):  # 26B-A4B's router and experts
+            e, m = config.num_experts, config.moe_intermediate_size
+            return {"moe.router.proj.weight": (e, h), "moe.router.per_expert_scale": (e,)}.get(part, (
+                (h, m) if part.endswith("down_proj.weight") else (m, h) if part.endswith("_proj.weight") else (h,)))
+        q, kv = config.num_attention_heads * d, config.layer_num_kv_heads(i) * d
+        return {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                "mlp.gate_proj.weight": (width, h), "mlp.up_proj.weight": (width, h), "mlp.down_proj.weight": (h, width),
+                "layer_scalar": (1,), "per_layer_input_gate.weight": (ple, h),
+                "per_layer_projection.weight": (h, ple)}.get(part, (h,))
+
+    weights = {}
+    for name in weight_names(config):
+        tensor = torch.randn(*shape(name), generator=gen) * scale
+        # norms, scales and layer scalars near 1; embeddings spread out so greedy text varies
+        weights[name] = 1 + tensor if "norm" in name or name.endswith(("layer_scalar", "scale")) else tensor
+    weights["model.embed_tokens.weight"] *= 5
+    return weights
+
+
+# Gemma 3n (text; models/gemma3n_model.py): AltUp over 4 streams, LAuReL of rank 8, the first layer's MLP gate
+# sparse, per-layer widths; the last two layers read layers 2 and 3's K/V; per-layer embeddings.
+TINY_GEMMA3N = dict(architecture="gemma3n_text", num_hidden_layers=6, norm_layout="sandwich", hidden_act="gelu_tanh",
+                    qk_norm=True, v_norm=True, attention_scale=1.0, embedding_multiplier=8.0, sliding_window=8,
+                    layer_types=("sliding_attention", "full_attention") * 3, rope_theta=1e6, local_rope_theta=1e4,
+                    kv_source_layers=(0, 1, 2, 3, 2, 3), layer_intermediate_sizes=(128, 96) * 3,
+                    activation_sparsity=(0.95,) + (0.0,) * 5, hidden_size_per_layer_input=8, altup_num_inputs=4,
+                    laurel_rank=8, final_logit_softcapping=30.0)
+
+
+def tiny_gemma3n_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
+    """A random Gemma 3n text model (TINY_GEMMA3N) under its HF names, with the bundled SmolLM2 tokenizer."""
+    tokenizer = smollm_tokenizer()
+    fields = {"vocab_size_per_layer_input": tokenizer.vocab_size, **TINY_GEMMA3N, **overrides}
+    config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids), **fields)
+    return Checkpoint(config=config, weights=random_gemma3n_weights(config, seed), tokenizer=tokenizer,
+                      source="<tiny random>", name="tiny-random-gemma3n")
+
+
+def random_gemma3n_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Gemma 4's shapes (random_gemma4_weights) plus AltUp's, LAuReL's and the AltUp (un)embedding projections."""
+    from conveyor.models.gemma3n import weight_names
+
+    gen = torch.Generator().manual_seed(seed)
+    h, n, rank = config.hidden_size, config.altup_num_inputs, config.laurel_rank
+    shapes = {"altup.correction_coefs.weight": (n, n), "altup.prediction_coefs.weight": (n * n, n),
+              "altup.modality_router.weight": (n, h), "laurel.linear_left.weight": (rank, h),
+              "laurel.linear_right.weight": (h, rank)}
+    base = random_gemma4_weights(replace(config, architecture="gemma4_text", altup_num_inputs=0, laurel_rank=0,
+                                         activation_sparsity=()), seed, scale)
+    weights = {}
+    for name in weight_names(config):
+        part = name.split(".", 3)[-1]
+        if name in base:
+            weights[name] = base[name]
+        elif "altup_" in name:  # model.altup_(un)embed_projections.i.weight
+            weights[name] = torch.randn(h, h, generator=gen) * scale
+        else:  # per-layer AltUp / LAuReL tensors; norms near 1
+            tensor = torch.randn(*shapes.get(part, (h,)), generator=gen) * scale
+            weights[name] = 1 + tensor if "norm" in part else tensor
+    return weights

@@ -10,7 +10,8 @@ import torch
 from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
-from conveyor.models.config import EXPERT_NAMES, HYBRID_ARCHITECTURES, ExpertNames, ModelConfig
+from conveyor.models.config import (EXPERT_NAMES, HYBRID_ARCHITECTURES, PER_FAMILY_WEIGHT_NAMES, ExpertNames,
+                                    ModelConfig)
 from conveyor.models.deepseek_v3 import mla_weight_names
 
 
@@ -76,6 +77,8 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
         from conveyor.models.hybrid_layout import weight_names
 
         return weight_names(config, available)
+    if config.architecture in PER_FAMILY_WEIGHT_NAMES:
+        return PER_FAMILY_WEIGHT_NAMES[config.architecture](config)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

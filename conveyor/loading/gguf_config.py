@@ -10,6 +10,7 @@ import numpy as np
 
 from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
+from conveyor.models import gemma4
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.deepseek_v3 import MLADims, softmax_scale
 
@@ -22,12 +23,12 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
                       "apertus": "apertus", "llama4": "llama4_text", "deepseek2": "deepseek_v3",
-                      "gpt-oss": "gpt_oss"}
+                      "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
 _NORM_TOPK = {"mixtral": True, "qwen3_moe": True, "olmoe": False, "llama4_text": False, "gpt_oss": False,
-              "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True}
+              "qwen3_next": True, "qwen3_5_moe_text": True, "lfm2_moe": True, "gemma4_text": True}
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -88,10 +89,12 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed: (hidden, vocab)
         hidden_size=hidden,
         # Qwen3.5-MoE has no dense MLP and no feed_forward_length: the expert width stands in, as in its HF config
-        intermediate_size=int(meta("feed_forward_length", expert_width)),
+        intermediate_size=_first(meta("feed_forward_length", expert_width)),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=_kv_heads(meta("attention.head_count_kv", heads), source),
+        # Gemma 4 lists K/V heads per layer (global layers differ): its own fields read the list
+        num_key_value_heads=(_first(meta("attention.head_count_kv", heads)) if arch == "gemma4"
+                             else _kv_heads(meta("attention.head_count_kv", heads), source)),
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -112,6 +115,11 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         fields.update(gguf_hybrid.config_fields(arch, lambda key: field_value(reader, f"{arch}.{key}"), tensors,
                                                 fields, source))
     return ModelConfig(**fields)
+
+
+def _first(value: Any) -> int:
+    """A per-layer list's first entry (Gemma 4's sliding layers), or the one number."""
+    return int(value[0] if isinstance(value, list) else value)
 
 
 def _kv_heads(value: Any, source: str) -> int:
@@ -169,6 +177,67 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
         fields.update(_deepseek2(meta, base, tensors))
     elif arch == "gpt-oss":
         fields.update(_gpt_oss(meta, base, window))
+    elif arch == "gemma4":
+        fields.update(_gemma4(meta, base, tensors))
+    elif arch == "gemma3n":
+        fields.update(_gemma3n(meta, base, tensors))
+    return fields
+
+
+def _gemma3n(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma3NModel: the sliding pattern per layer, MLP widths per layer, shared_kv_layers,
+    AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as its std multiplier (Phi^-1 of
+    the share; -inf where dense), LAuReL's rank from its tensor; norms hold w. llama.cpp itself fixes the sharing
+    at 20 layers and the sparsity at 0.95 on the first 10: the released E2B and E4B say the same."""
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    types = _layer_types(meta("attention.sliding_window_pattern"), layers, 5)
+    widths = meta("feed_forward_length")
+    widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
+    sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    scales = meta("activation_sparsity_scale") or []
+    shares = tuple(0.5 * (1.0 + math.erf(float(m) / math.sqrt(2.0))) for m in scales)  # the normal CDF: Phi(Phi^-1(s))
+    return dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
+        qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
+        layer_types=types, final_logit_softcapping=meta("final_logit_softcapping") or None,
+        local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (),
+        kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        hidden_size_per_layer_input=int(meta("embedding_length_per_layer_input")),
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]),
+        altup_num_inputs=int(meta("altup.num_inputs", 4)), altup_active_idx=int(meta("altup.active_idx", 0)),
+        laurel_rank=int(tensors["blk.0.laurel_l.weight"].shape[1]),
+        activation_sparsity=shares if any(shares) else ())
+
+
+def _gemma4(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma4Model: key_length is the global layers' head dim (key_length_swa the sliding
+    ones'), head_count_kv and feed_forward_length per layer where they differ, the sliding pattern per layer, the
+    last shared_kv_layers layers reading earlier K/V, v = k where a global layer has no attn_v, and the
+    proportional rope as rope_freqs (1 for the pairs that turn, 1e30 for the rest); norms hold w as HF does."""
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    types = _layer_types(meta("attention.sliding_window_pattern"), layers, 6)
+    sliding, full = int(meta("attention.key_length_swa", base["head_dim"])), base["head_dim"]
+    dims = tuple(sliding if kind == "sliding_attention" else full for kind in types)
+    kv = meta("attention.head_count_kv")
+    kv_heads = tuple(int(n) for n in kv) if isinstance(kv, list) else (int(kv),) * layers
+    widths = meta("feed_forward_length")
+    widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
+    sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    owners_full = [i for i in range(layers) if sources[i] == i and types[i] == "full_attention"]
+    ple = int(meta("embedding_length_per_layer_input", 0) or 0)
+    fields: dict[str, Any] = dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
+        qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
+        layer_types=types,
+        final_logit_softcapping=meta("final_logit_softcapping") or None, head_dim=sliding,
+        num_key_value_heads=kv_heads[0], local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        layer_head_dims=dims if len(set(dims)) > 1 else (), layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else (),
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (), intermediate_size=widths[0] if widths else
+        base["intermediate_size"], kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        attention_k_eq_v=bool(owners_full) and all(f"blk.{i}.attn_v.weight" not in tensors for i in owners_full),
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]) if ple else 0)
     return fields
 
 
@@ -294,7 +363,7 @@ def _layer_types(pattern: Any, num_layers: int, default: int) -> tuple[str, ...]
 
 def _moe_fields(architecture: str, meta, tensors: dict, num_layers: int) -> dict[str, Any]:
     """Experts, from llama.cpp's metadata; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
-    if architecture not in _NORM_TOPK:
+    if architecture not in _NORM_TOPK or not meta("expert_count", 0):  # Gemma 4: only 26B-A4B has experts
         return {}
     width = meta("expert_feed_forward_length", 0) or meta("feed_forward_length")
     return dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
@@ -309,6 +378,8 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
     original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
     if "rope_factors_long.weight" in tensors:  # Phi-3's su/longrope: both factor sets are stored
         return _longrope_from_tensors(reader, arch, tensors, source)
+    if arch == "gemma4":
+        return _gemma4_rope(reader, tensors)
     if "rope_freqs.weight" in tensors:
         # Llama 3.x: llama.cpp stores the per-frequency factors, not the parameters that made them.
         freqs = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
@@ -325,6 +396,16 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str
         if value is not None:
             scaling[key] = float(value)
     return scaling
+
+
+def _gemma4_rope(reader: gguf.GGUFReader, tensors: dict) -> dict[str, Any] | None:
+    """Gemma 4's global layers: "proportional" rope, the pairs that turn marked 1 in rope_freqs (the rest 1e30)."""
+    if "rope_freqs.weight" not in tensors:
+        return None
+    tensor = tensors["rope_freqs.weight"]
+    factors = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    turning = int((factors < 1e10).sum())
+    return {"rope_type": "proportional", "partial_rotary_factor": turning / len(factors)}
 
 
 def _longrope_from_tensors(reader: gguf.GGUFReader, arch: str, tensors: dict, source: str) -> dict[str, Any]:

@@ -30,7 +30,11 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
-GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                  # Gemma 4's per-layer embeddings (PLE)
+                  "per_layer_token_embd": "model.embed_tokens_per_layer",
+                  "per_layer_model_proj": "model.per_layer_model_projection",
+                  "per_layer_proj_norm": "model.per_layer_projection_norm"}
 BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -48,6 +52,19 @@ ARCH_BLOCK_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     # GLM-4: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
     "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 4: Gemma's sandwich, and each layer's PLE gate, projection and norm
+    "gemma4": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
+               "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+               # 26B-A4B: the experts' input norm, and the norms after the dense MLP and after the experts
+               "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+               "post_ffw_norm_2": "post_feedforward_layernorm_2"},
+    # Gemma 3n: Gemma 4's, plus AltUp's and LAuReL's per-layer tensors
+    "gemma3n": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
+                "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+                "altup_correct_coef": "altup.correction_coefs", "altup_predict_coef": "altup.prediction_coefs",
+                "altup_router": "altup.modality_router", "altup_router_norm": "altup.router_norm",
+                "laurel_l": "laurel.linear_left", "laurel_r": "laurel.linear_right",
+                "laurel_post_norm": "laurel.post_laurel_norm"},
     # Llama 4: the ungated shared expert beside the routed ones
     "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj"},
@@ -62,6 +79,14 @@ ARCH_BLOCK_TENSORS = {
 }
 # Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
 HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
+# Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
+# Gemma 3n's AltUp output scale likewise (a bare parameter).
+BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar", "altup_correct_scale": "altup.correct_output_scale"}
+# Gemma 4 26B-A4B's router input scale and per-expert weight scale (`.scale` beside the router and the experts).
+EXPERT_SCALES = {"ffn_gate_inp.scale": "moe.router.scale", "ffn_down_exps.scale": "moe.router.per_expert_scale"}
+# Gemma 3n's AltUp (un)embedding projections: one (n - 1, H, H) stack in the file, one HF tensor each.
+STACKED_TENSORS = {"altup_proj.weight": "model.altup_projections", "altup_unembd_proj.weight":
+                   "model.altup_unembed_projections"}
 # Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
 # Apertus, whose converter sets undo_permute = False).
 PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
@@ -126,6 +151,14 @@ def load_gguf(path: str) -> Checkpoint:
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS or (hybrid is not None and hybrid.skip(tensor.name)):
             continue
+        if tensor.name in STACKED_TENSORS:
+            for i, weight in enumerate(_unstack(tensor, path)):
+                weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
+            continue
+        layer, _, kind = tensor.name.removeprefix("blk.").partition(".")
+        if arch == "gemma4" and kind in EXPERT_SCALES:
+            weights[f"model.layers.{layer}.{EXPERT_SCALES[kind]}"] = _to_torch(tensor, path)
+            continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
             continue
@@ -162,6 +195,8 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
     if match and match.group(2) == "attn_sinks":  # GPT-OSS: a bare parameter in HF, `.weight` in the file
         return f"model.layers.{match.group(1)}.self_attn.sinks"
+    if match and suffix == "weight" and match.group(2) in BARE_BLOCK_TENSORS:
+        return f"model.layers.{match.group(1)}.{BARE_BLOCK_TENSORS[match.group(2)]}"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
     if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
@@ -202,13 +237,7 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
     shape = tuple(int(d) for d in reversed(tensor.shape))  # (E, N, K)
     if len(shape) != 3 or shape[0] != config.num_experts:
         raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected ({config.num_experts}, rows, cols)")
-    if tensor.tensor_type in _FLOAT_TYPES:
-        stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
-        experts: list[Weight] = list(stack.unbind(0))
-    else:
-        _check_dequantizable(tensor, shape[1:], source)
-        stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
-        experts = [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
+    experts = _unstack(tensor, source)
     part = EXPERT_TENSORS[kind]
     if part != "gate_up":
         return {names.expert(prefix, e, part): weight for e, weight in enumerate(experts)}
@@ -218,6 +247,19 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
         split[names.expert(prefix, e, "gate")] = _rows(weight, 0, half)
         split[names.expert(prefix, e, "up")] = _rows(weight, half, shape[1])
     return split
+
+
+def _unstack(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> list[Weight]:
+    """A (E, N, K) stack as E (N, K) views of the file (blocks stay blocks)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if len(shape) != 3:
+        raise LoadError(f"{source}: {tensor.name} has shape {shape}, expected a stack of matrices")
+    if tensor.tensor_type in _FLOAT_TYPES:
+        stack = _view(tensor.data.view(np.uint8)).view(_FLOAT_TYPES[tensor.tensor_type]).reshape(shape)
+        return list(stack.unbind(0))
+    _check_dequantizable(tensor, shape[1:], source)
+    stack = _view(tensor.data).reshape(shape[0], shape[1], -1)  # (E, N, row_bytes)
+    return [QuantizedTensor(int(tensor.tensor_type), shape[1:], rows) for rows in stack.unbind(0)]
 
 
 def _rows(weight: Weight, start: int, end: int) -> Weight:

@@ -48,9 +48,11 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
         backend = _byte_level_bpe(reader, tokens)
     elif kind == "llama":
         backend = _sentencepiece_bpe(reader, tokens)
+    elif kind == "gemma4":
+        backend = _sentencepiece_bpe(reader, tokens, newline_runs=True)
     else:
         raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; "
-                        "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+                        "supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4 (SentencePiece-style BPE)")
     token_types = field_value(reader, "tokenizer.ggml.token_type") or []
     _add_special_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
 
@@ -99,18 +101,27 @@ def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.To
     return backend
 
 
-def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
-    """SentencePiece BPE as transformers' LlamaTokenizer builds it: Metaspace, byte fallback."""
+def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str], newline_runs: bool = False) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as transformers' LlamaTokenizer builds it: Metaspace, byte fallback.
+
+    `newline_runs` (llama.cpp's `gemma4` tokenizer): runs of newlines are split from the text around them, and a run
+    that is a token of its own is taken whole (llama.cpp's gemma4 pre-tokenizer and its newline fix)."""
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = field_value(reader, "tokenizer.ggml.merges")
     if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        # llama.cpp splits at the first space after the first character
+        pairs = [(m[:m.index(" ", 1)], m[m.index(" ", 1) + 1:]) for m in merges]
     else:
         pairs = _merges_from_scores(vocab, field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens))
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    # gemma4: a newline run that is a token is taken whole (ignore_merges; the other pieces are BPE's own tokens)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True,
+                                              ignore_merges=newline_runs))
     prefix = bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                         split=False)
+    backend.pre_tokenizer = metaspace
+    if newline_runs:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("\n+"), "isolated"), metaspace])
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return backend

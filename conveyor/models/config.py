@@ -6,14 +6,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from conveyor.models import (apertus, deepseek_v3, ernie4_5, exaone4, falcon_h1, gemma, glm4, gpt_oss, granite,
-                             granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3, mixtral, nemotron_h,
-                             olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss, smollm3)
+from conveyor.models import (apertus, deepseek_v3, ernie4_5, exaone4, falcon_h1, gemma, gemma3n, gemma4, glm4,
+                             gpt_oss, granite, granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3,
+                             mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss,
+                             smollm3)
 
 # HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
                            "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
-                           "hunyuan_v1_dense", "apertus",
+                           "hunyuan_v1_dense", "apertus", "gemma4_text", "gemma3n_text",
                            "mixtral", "qwen3_moe", "olmoe", "llama4_text", "deepseek_v3", "gpt_oss", "lfm2",
                            "qwen3_5_text",
                            "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
@@ -24,6 +25,7 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
                  "smollm3": smollm3.hf_fields, "ministral3": ministral3.hf_fields, "glm4": glm4.hf_fields,
                  "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
                  "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
+                 "gemma4_text": gemma4.hf_fields, "gemma3n_text": gemma3n.hf_fields,
                  "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
                  "llama4_text": llama4.hf_fields, "deepseek_v3": deepseek_v3.hf_fields, "gpt_oss": gpt_oss.hf_fields,
                  "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
@@ -34,7 +36,11 @@ FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi
 
 # Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
 HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
-                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES}
+                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES,
+                     "gemma4_text": gemma4.WEIGHT_RENAMES}
+
+# Families whose own file lists the tensors a checkpoint holds (their layers differ from the shared decoder's).
+PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names, "gemma3n_text": gemma3n.weight_names}
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -48,7 +54,8 @@ CHANNEL_LAYER_TYPES = ("mlp", "moe")
 HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
                         "nemotron_h", "falcon_h1", "mamba2")
 # Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
-MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+                   "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
 
 
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
@@ -188,6 +195,30 @@ class ModelConfig:
     attention_out_multiplier: float = 1.0
     mlp_gate_multiplier: float = 1.0
     mlp_down_multiplier: float = 1.0
+    # --- Gemma 4 (models/gemma4.py, gemma4_model.py): per-layer shapes, shared K/V, per-layer embeddings ------
+    # Per layer where layers differ (Gemma 4's global layers: wider heads, fewer K/V heads; its K/V-sharing
+    # layers: a double-wide MLP); empty: every layer has head_dim, num_key_value_heads, intermediate_size.
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # Per layer, the layer whose K/V it attends over: itself where it computes and caches its own, an earlier
+    # layer of the same kind where it only reads that one's cache (Gemma 4's last num_kv_shared_layers). Empty: own.
+    kv_source_layers: tuple[int, ...] = ()
+    attention_k_eq_v: bool = False  # Gemma 4: full-attention layers take v from k's projection (before k's norm)
+    v_norm: bool = False  # Gemma 4: an RMSNorm without weight on each value head
+    # Per-layer embeddings (PLE): a (vocab_size_per_layer_input, layers x this) table plus a projection of the
+    # embeddings, fed to every layer through a gate after its MLP (0: none).
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    # --- Gemma 3n (models/gemma3n.py, gemma3n_model.py) ------------------------------------------------------
+    # AltUp: the hidden state as this many streams (0: one, no AltUp); each layer runs on stream altup_active_idx,
+    # predicted from all of them, then corrects all by its output (scaled per channel with altup_correct_scale).
+    altup_num_inputs: int = 0
+    altup_active_idx: int = 0
+    altup_correct_scale: bool = True
+    laurel_rank: int = 0  # LAuReL: a low-rank residual branch (left then right projection, normed) beside attention
+    # Per layer, the share of MLP gate activations a gaussian top-k zeroes (mean + std * Phi^-1(share)); empty: none.
+    activation_sparsity: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -215,6 +246,7 @@ class ModelConfig:
             raise ModelConfigError("gated DeltaNet layers need positive linear head counts and dims, with value "
                                    "heads a multiple of key heads")
         self._check_mamba()
+        self._check_per_layer()
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or empty "
                                    f"rotary width")
@@ -265,6 +297,38 @@ class ModelConfig:
         if self.mamba_section_multipliers and len(self.mamba_section_multipliers) != 5:
             raise ModelConfigError(f"mamba_section_multipliers needs 5 entries (z, x, B, C, dt), got "
                                    f"{len(self.mamba_section_multipliers)}")
+
+    def _check_per_layer(self) -> None:
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "kv_source_layers",
+                     "activation_sparsity"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_hidden_layers:
+                raise ModelConfigError(f"{name} has {len(values)} entries for {self.num_hidden_layers} layers")
+        if any(not 0.0 <= share < 1.0 for share in self.activation_sparsity):
+            raise ModelConfigError(f"activation_sparsity {self.activation_sparsity} must lie in [0, 1)")
+        if self.altup_num_inputs and not 0 <= self.altup_active_idx < self.altup_num_inputs:
+            raise ModelConfigError(f"altup_active_idx {self.altup_active_idx} outside {self.altup_num_inputs} inputs")
+        if any(self.num_attention_heads % self.layer_num_kv_heads(i) for i in range(self.num_hidden_layers)):
+            raise ModelConfigError(f"layer_kv_heads {self.layer_kv_heads} must divide {self.num_attention_heads} heads")
+        for i, src in enumerate(self.kv_source_layers):
+            # a reader must find its source's K/V already written, and read them as that layer wrote them
+            if not 0 <= src <= i or self.kv_source(src) != src or self.window(src) != self.window(i) or (
+                    self.layer_head_dim(src), self.layer_num_kv_heads(src)) != (self.layer_head_dim(i),
+                                                                                self.layer_num_kv_heads(i)):
+                raise ModelConfigError(f"layer {i} cannot read the K/V of layer {src} (kv_source_layers)")
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        return self.layer_intermediate_sizes[layer] if self.layer_intermediate_sizes else self.intermediate_size
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V `layer` attends over (itself unless it shares an earlier layer's)."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -472,4 +536,6 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
                 "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
                                           shared_block="shared_experts"),
                 "deepseek_v3": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj",
-                                           bias="gate.e_score_correction_bias", shared_block="shared_experts")}
+                                           bias="gate.e_score_correction_bias", shared_block="shared_experts"),
+                # renamed from router.* / experts.* at load (gemma4.WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
+                "gemma4_text": ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")}

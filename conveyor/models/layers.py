@@ -317,11 +317,17 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if kind == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of the pairs turn (exponents over the whole
+        # head), the rest get frequency 0 (cos 1, sin 0: left as they are)
+        turning = int(float(scaling.get("partial_rotary_factor", 1.0)) * 2 * inv_freq.numel() // 2)
+        inv_freq = torch.cat([inv_freq[:turning], torch.zeros(inv_freq.numel() - turning)])
+        return inv_freq / float(scaling.get("factor", 1.0)), 1.0
     if kind in ("longrope", "su"):
         return _longrope(inv_freq, scaling, max_positions)
     if kind == "yarn":
         return _yarn(inv_freq, scaling, max_positions, theta)
-    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn, proportional)")
 
 
 def _yarn(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: int,

@@ -31,21 +31,22 @@ from conveyor.models.weights import WeightLoader
 
 
 class ExpertMLP(nn.Module):
-    """One expert: SwiGLU with gate and up fused into one GEMM; or (GPT-OSS: `clamped`, with biases)
-    OpenAI's clamped SwiGLU, (alpha, limit)."""
+    """One expert: SwiGLU with gate and up fused into one GEMM (GeGLU with `gelu`: Gemma 4); or (GPT-OSS:
+    `clamped`, with biases) OpenAI's clamped SwiGLU, (alpha, limit)."""
 
     def __init__(self, hidden_size: int, width: int, ops: KernelBackend, bias: bool = False,
-                 clamped: tuple[float, float] | None = None) -> None:
+                 clamped: tuple[float, float] | None = None, gelu: bool = False) -> None:
         super().__init__()
         self.ops = ops
         self.clamped = clamped
         self.gate_up_proj = RowInvariantLinear(hidden_size, 2 * width, bias=bias, ops=ops)
         self.down_proj = RowInvariantLinear(width, hidden_size, bias=bias, ops=ops)
+        self.act_mul = ops.gelu_tanh_mul if gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
         gate_up = self.gate_up_proj(x)  # (M, 2I)
         if self.clamped is None:
-            return self.down_proj(self.ops.silu_mul(gate_up))
+            return self.down_proj(self.act_mul(gate_up))
         return self.down_proj(clamped_swiglu(gate_up, *self.clamped, self.ops.sigmoid))
 
 
@@ -110,11 +111,14 @@ class SparseMoeBlock(nn.Module):
         self.topk_softmax = config.moe_scoring == "topk_softmax"  # GPT-OSS
         self.linear_bias = config.moe_linear_bias
         self.expert_bias: torch.Tensor | None = None  # (E,) fp32, loaded
+        self.expert_scale: torch.Tensor | None = None  # (E,): a chosen expert's weight times it (Gemma 4), loaded
         # SwiGLU experts, or Nemotron-H's relu^2 ones (no gate); a shared expert has the same shape
         self.parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
         expert = SquaredReluMLP if config.hidden_act == "relu2" else ExpertMLP
         if config.moe_activation == "swiglu_oai":  # GPT-OSS: biased experts, clamped SwiGLU
             expert = partial(ExpertMLP, bias=True, clamped=(config.swiglu_alpha, config.swiglu_limit))
+        elif config.hidden_act == "gelu_tanh":  # Gemma 4's GeGLU experts
+            expert = partial(ExpertMLP, gelu=True)
         self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
@@ -125,12 +129,15 @@ class SparseMoeBlock(nn.Module):
         self.gate = RowInvariantLinear(config.hidden_size, config.num_experts + (1 if self.shared_gate else 0),
                                        bias=self.linear_bias, ops=ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # (T, H) -> (T, H)
+        """`router_input`: what the router reads where it is not the experts' input (Gemma 4)."""
         num_tokens, k = x.shape[0], self.top_k
-        logits = self.gate(x)  # (T, E [+ 1])
+        logits = self.gate(x if router_input is None else router_input)  # (T, E [+ 1])
         weights, expert_ids = route(logits[:, :self.num_experts], k, self.renormalise,
                                     self.ops.sigmoid if self.sigmoid_scores else None, self.expert_bias,
                                     self.scale, self.groups, self.renorm_eps, self.topk_softmax)  # (T, k) each
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[expert_ids].float()
         flat = expert_ids.flatten()  # (T*k,): assignment t*k + r
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer

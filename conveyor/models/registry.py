@@ -13,6 +13,8 @@ from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
+from conveyor.models.gemma3n_model import Gemma3nForCausalLM
+from conveyor.models.gemma4_model import Gemma4ForCausalLM
 from conveyor.models.hybrid import HybridForCausalLM
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.mla import DeepseekV3ForCausalLM
@@ -32,6 +34,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
                                             "seed_oss", "hunyuan_v1_dense", "apertus")},
     "gemma2": LlamaForCausalLM,
     "gemma3_text": LlamaForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,  # its own layer (models/gemma4.py, gemma4_model.py)
+    "gemma3n_text": Gemma3nForCausalLM,  # AltUp streams, LAuReL (models/gemma3n.py, gemma3n_model.py)
     "phi3": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
     "olmo2": LlamaForCausalLM,

@@ -60,3 +60,56 @@ def test_windowed_prefix_hits_preemption_and_speculation_stay_exact(gemma3):
     assert spec.engine.scheduler.stats.num_accepted_tokens > 0
     for llm in (cached, tight, spec):
         llm.engine.pool.check_integrity()
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_gemma4_sixteen_concurrent_equal_one_at_a_time(experts):
+    """Gemma 4: K/V-sharing layers attend over earlier layers' caches (sliding and global), PLE, per-layer head
+    dims, and (26B-A4B's shape) experts beside every dense MLP; windows shorter than the prompts. Prefix hits and
+    speculation keep the tokens too."""
+    from conveyor.testing import TINY_GEMMA4_EXPERTS, tiny_gemma4_checkpoint
+
+    checkpoint = tiny_gemma4_checkpoint(**(TINY_GEMMA4_EXPERTS if experts else {}))
+    prompts = [f"Echo {i}: " + "alpha beta gamma delta " * (2 + i % 4) for i in range(16)]
+    params = [SamplingParams(max_tokens=6 + 3 * (i % 3), **GREEDY) for i in range(16)]
+    llm = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=0)
+    assert len(llm.engine.runner.kv_caches) == 4  # layers 4 and 5 keep no K/V of their own
+    # ... nor bytes in the plan: a 16-token block holds K and V (bf16) of layers 1, 3 (1 head x 32) in the full
+    # group and of layers 0, 2 (2 heads x 16) in the sliding one
+    plan = llm.engine.pool_plan
+    assert (plan.bytes_per_block, plan.window_bytes_per_block) == (2 * 16 * 1 * 32 * 2 * 2, 2 * 16 * 2 * 16 * 2 * 2)
+    batched = llm.generate(prompts, params)
+    assert len({tuple(b.token_ids) for b in batched}) > 1  # the model is not degenerate
+    for prompt, p, got in zip(prompts, params, batched):
+        assert llm.generate([prompt], [p])[0].token_ids == got.token_ids
+    llm.engine.pool.check_integrity()
+    # a cached prefix longer than the window, and n-gram drafts verified as prefill rows
+    spec = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=4)
+    spec.generate([prompts[3]], params[3:4])
+    again = spec.generate(prompts, params)
+    assert [g.token_ids for g in again] == [b.token_ids for b in batched]
+    assert again[3].num_cached_tokens >= 16 and spec.engine.scheduler.stats.num_accepted_tokens > 0
+    spec.engine.pool.check_integrity()
+
+
+def test_gemma3n_sixteen_concurrent_equal_one_at_a_time():
+    """Gemma 3n: AltUp streams, LAuReL, a sparse MLP gate (row statistics), K/V-sharing layers, PLE; windows shorter
+    than the prompts. A prefix hit and speculation keep the tokens too."""
+    from conveyor.testing import tiny_gemma3n_checkpoint
+
+    checkpoint = tiny_gemma3n_checkpoint()
+    prompts = [f"Echo {i}: " + "alpha beta gamma delta " * (2 + i % 4) for i in range(16)]
+    params = [SamplingParams(max_tokens=6 + 3 * (i % 3), **GREEDY) for i in range(16)]
+    llm = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=0)
+    assert len(llm.engine.runner.kv_caches) == 4  # layers 4 and 5 keep no K/V of their own
+    batched = llm.generate(prompts, params)
+    assert len({tuple(b.token_ids) for b in batched}) > 1  # the model is not degenerate
+    for prompt, p, got in zip(prompts, params, batched):
+        assert llm.generate([prompt], [p])[0].token_ids == got.token_ids
+    llm.engine.pool.check_integrity()
+    spec = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=16, speculative_ngram=4)
+    spec.generate([prompts[3]], params[3:4])
+    again = spec.generate(prompts, params)
+    assert [g.token_ids for g in again] == [b.token_ids for b in batched]
+    assert again[3].num_cached_tokens >= 16 and spec.engine.scheduler.stats.num_accepted_tokens > 0
+    spec.engine.pool.check_integrity()

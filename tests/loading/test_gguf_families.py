@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tiny_checkpoints import write_family_gguf
+from tiny_checkpoints import write_family_gguf, write_gemma3n_gguf, write_gemma4_gguf
 
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
@@ -62,18 +62,55 @@ ISSUE25 = {
 }
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "granite", "olmo2", "phi3", *ISSUE25])
+# Gemma 4: global layers with their own head dim, one K/V head and v = k; the last two layers read layers 2 and 3's
+# K/V (double-wide MLP); per-layer embeddings; sliding windows shorter than the prompt
+GEMMA4 = dict(_TOKENS, num_hidden_layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=256, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 3,
+              final_logit_softcapping=30.0)
+# Gemma 4 26B-A4B's shape: the dense MLP beside 4 GeGLU experts in every layer (router scale, per-expert scale)
+GEMMA4_EXPERTS = dict(_TOKENS, num_hidden_layers=3, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                      attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=5, enable_moe_block=True,
+                      num_experts=4, top_k_experts=2, moe_intermediate_size=48,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+# Gemma 3n: AltUp (4 streams), LAuReL, a sparse gate on the first two layers, per-layer widths, shared K/V, PLE (its
+# table as wide as the vocabulary: the converter pads it so, and pads with zeros where transformers reads row 0)
+GEMMA3N = dict(_TOKENS, intermediate_size=[96, 96, 128, 96, 96, 128], num_hidden_layers=6, head_dim=16,
+               sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, laurel_rank=8,
+               activation_sparsity_pattern=[0.95, 0.9, 0.0, 0.0, 0.0, 0.0],
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}})
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "granite", "olmo2", "phi3", *ISSUE25, "gemma4", "gemma4_experts",
+                                  "gemma3n"])
 def test_gguf_logits_match_transformers(tmp_path, arch: str) -> None:
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
+    config = (transformers.Gemma4TextConfig(**GEMMA4) if arch == "gemma4" else
+              transformers.Gemma4TextConfig(**GEMMA4_EXPERTS) if arch == "gemma4_experts" else
+              transformers.Gemma3nTextConfig(**GEMMA3N) if arch == "gemma3n" else _hf_config(arch))
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at 0 or 1; randomize so a swapped or skipped norm cannot pass
         for name, param in hf.named_parameters():
-            if "norm" in name or ".act_fn." in name:
+            if "norm" in name or ".act_fn." in name or name.endswith("correct_output_scale"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(("correction_coefs.weight", "prediction_coefs.weight")):  # Gemma 3n's AltUp
+                param.normal_(0, 0.3)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's experts: ones at init
+                param.copy_(0.5 + torch.rand_like(param))
+            elif name.endswith(("router.proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                param.normal_(0, 0.3)
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8)  # sharp attention: a wrong rotary order or NoPE layer shows
+        for name, buffer in hf.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, 1 at init
+                buffer.copy_(0.5 + torch.rand_like(buffer))
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_family_gguf(path, "olmo2" if arch == "olmo3" else arch, hf)  # OLMo 3 converts as olmo2
+    if arch in ("gemma4", "gemma4_experts", "gemma3n"):
+        (write_gemma3n_gguf if arch == "gemma3n" else write_gemma4_gguf)(path, hf)
+    else:
+        write_family_gguf(path, "olmo2" if arch == "olmo3" else arch, hf)  # OLMo 3 converts as olmo2
     ck = load_checkpoint(str(path))
     model = build_model(ck.config, ck.weights, torch.float32, torch.device("cpu"), batch_invariant=False)
     runner = ModelRunner(model, ck.config, num_blocks=16, block_size=4, dtype=torch.float32,

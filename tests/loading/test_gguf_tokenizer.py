@@ -65,3 +65,30 @@ def test_chat_template_matches_transformers(tok: Tokenizer, hf_gguf_tokenizer, m
     expected = hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False,
                                                      add_generation_prompt=add_generation_prompt)
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+# llama-server (llama.cpp's own `gemma4` tokenizer) on the tiny vocabulary below gave these ids, BOS first: BPE by
+# merges over the whole text (spaces as U+2581), runs of newlines split off and taken whole when they are a token
+# (else BPE on them: no merge joins two "\n"), a user-defined token matched whole, byte fallback for é
+# (tests/loading/tiny_checkpoints.py add_tiny_gemma4_vocab; checked by hand against llama-server's /tokenize).
+GEMMA4_IDS = {"hello world": [2, 6, 19, 20, 27], " hello world\n\nabc": [2, 22, 27, 17, 29],
+              "abc\n\n\nhello<|channel>w": [2, 29, 16, 16, 16, 6, 19, 20, 4, 10], "héllo": [2, 6, 225, 199, 8, 20]}
+
+
+def test_gemma4_tokenizer_matches_llama_cpp(tmp_path) -> None:
+    import gguf
+    from tiny_checkpoints import add_tiny_gemma4_vocab
+
+    from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    add_tiny_gemma4_vocab(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = tokenizer_from_gguf(gguf.GGUFReader(str(path)), str(path))
+    for text, ids in GEMMA4_IDS.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == text  # BOS skipped; the user-defined token shown, as the converter means it

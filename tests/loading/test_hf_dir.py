@@ -155,3 +155,82 @@ def test_llama4_directories_load(tmp_path, copy_tokenizer) -> None:
         assert torch.equal(w["model.layers.0.mlp.down_proj.weight"],
                            state["model.layers.0.feed_forward.down_proj.weight"])
         assert torch.equal(w["lm_head.weight"], state["lm_head.weight"])
+
+
+def test_gemma4_directories_load(tmp_path, copy_tokenizer) -> None:
+    """Gemma 4 (text) from save_pretrained, and the Hub's multimodal layout (model.language_model.*, the config's
+    text_config; the vision and audio towers are left out): the same tensors, none for the K/V-sharing layers' k/v."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma4TextConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32,
+                                        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                                        num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                        vocab_size_per_layer_input=256, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    plain, hub = tmp_path / "plain", tmp_path / "hub"
+    model.save_pretrained(plain)
+    hub.mkdir()
+    towers = {"model.vision_tower.encoder.x": torch.zeros(1), "model.embed_vision.x": torch.zeros(1),
+              "model.audio_tower.x": torch.zeros(1)}
+    save_file({k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in state.items()} | towers,
+              hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": cfg.to_dict(),
+                                                 "vision_config": {}, "tie_word_embeddings": True}))
+    for folder in (plain, hub):
+        copy_tokenizer(folder)
+        ck = load_checkpoint(str(folder))
+        assert ck.config.architecture == "gemma4_text" and ck.config.kv_source_layers == (0, 1, 0, 1)
+        assert set(ck.weights) == set(state)
+        assert "model.layers.2.self_attn.k_proj.weight" not in ck.weights
+        assert all(torch.equal(ck.weights[name], weight) for name, weight in state.items())
+
+
+def test_gemma3n_directories_load(tmp_path, copy_tokenizer) -> None:
+    """Gemma 3n (text) from save_pretrained, and the multimodal layout (model.language_model.*, text_config)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3nTextConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention"] * 2,
+                                         num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                         vocab_size_per_layer_input=200, laurel_rank=8, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    plain, hub = tmp_path / "plain", tmp_path / "hub"
+    model.save_pretrained(plain)
+    hub.mkdir()
+    towers = {"model.vision_tower.timm_model.x": torch.zeros(1), "model.embed_vision.x": torch.zeros(1),
+              "model.audio_tower.x": torch.zeros(1), "model.embed_audio.x": torch.zeros(1)}
+    save_file({k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in state.items()} | towers,
+              hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps({"model_type": "gemma3n", "text_config": cfg.to_dict(),
+                                                 "vision_config": {}, "audio_config": {}}))
+    for folder in (plain, hub):
+        copy_tokenizer(folder)
+        ck = load_checkpoint(str(folder))
+        assert ck.config.architecture == "gemma3n_text" and ck.config.altup_num_inputs == 4
+        assert ck.config.kv_source_layers == (0, 1, 0, 1)
+        assert set(ck.weights) == set(state)
+        assert all(torch.equal(ck.weights[name], weight) for name, weight in state.items())
+
+
+def test_gemma4_expert_directories_load(tmp_path, copy_tokenizer) -> None:
+    """26B-A4B's shape: router.* and experts.* come back under moe.*, the stacked gate|up (E, 2I, H) and down
+    (E, H, I) per expert, as views."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma4TextConfig(**SMALL, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0,
+                                        enable_moe_block=True, num_experts=3, top_k_experts=2,
+                                        moe_intermediate_size=40, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    ck = load_checkpoint(str(tmp_path))
+    assert (ck.config.num_experts, ck.config.num_experts_per_tok, ck.config.moe_intermediate_size) == (3, 2, 40)
+    state, w, p = model.state_dict(), ck.weights, "model.layers.1."
+    gate_up, down = state[p + "experts.gate_up_proj"], state[p + "experts.down_proj"]
+    assert torch.equal(w[p + "moe.experts.2.gate_proj.weight"], gate_up[2, :40])
+    assert torch.equal(w[p + "moe.experts.2.up_proj.weight"], gate_up[2, 40:])
+    assert torch.equal(w[p + "moe.experts.2.down_proj.weight"], down[2])
+    for name in ("router.proj.weight", "router.scale", "router.per_expert_scale"):
+        assert torch.equal(w[p + "moe." + name], state[p + name])
+    assert torch.equal(w[p + "post_feedforward_layernorm_2.weight"], state[p + "post_feedforward_layernorm_2.weight"])

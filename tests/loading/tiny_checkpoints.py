@@ -472,3 +472,140 @@ def _converter_quantizes(name: str, tensor: torch.Tensor) -> bool:
     return (tensor.dim() >= 2 and name.endswith(".weight") and not name.endswith("_norm.weight")
             and not name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight", "ffn_gate_inp.weight",
                                    "ffn_gate_inp_shexp.weight")))
+
+
+def write_gemma4_gguf(path, model: transformers.PreTrainedModel, vocab=None) -> None:
+    """`model` (F32) as convert_hf_to_gguf's Gemma4Model writes it: the global layers' head dim as key_length (the
+    sliding ones' as key_length_swa), K/V heads and MLP widths per layer where they differ, the sliding pattern per
+    layer, shared_kv_layers, the proportional rope as rope_freqs (1, then 1e30), norms as they are (w), the per-layer
+    scalar as blk.N.layer_output_scale.weight."""
+    cfg = model.config
+    raw = cfg.to_dict()  # the saved config (per-layer attributes are not readable off the config object)
+    rope, types = cfg.rope_parameters, cfg.layer_types
+    per_layer = raw["per_layer_config"]  # the global layers' head dim and K/V heads, by layer
+    full_dim = next(c["head_dim"] for i, c in per_layer.items() if types[int(i)] == "full_attention")
+    full_kv = next((c.get("num_key_value_heads") for i, c in per_layer.items()
+                    if types[int(i)] == "full_attention"), None)
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    writer.add_feed_forward_length(
+        [cfg.intermediate_size * (2 if i >= first_shared else 1) for i in range(cfg.num_hidden_layers)]
+        if cfg.use_double_wide_mlp else cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv([raw["num_key_value_heads"] if t == "sliding_attention" else full_kv for t in types]
+                             if full_kv is not None else raw["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
+    writer.add_key_length_swa(raw["head_dim"])
+    writer.add_value_length_swa(raw["head_dim"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full_dim)
+    writer.add_rope_dimension_count_swa(raw["head_dim"])
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input or 0)
+    (vocab or add_tiny_bpe_vocab)(writer)
+    turning = int(full_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (full_dim // 2 - turning),
+                                                      dtype=np.float32))
+    if cfg.enable_moe_block:  # 26B-A4B
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.top_k_experts)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma4Model.modify_tensors
+            gguf_name = f"blk.{layer}.{'ffn_gate_inp' if name.endswith('router.scale') else 'ffn_down_exps'}.scale"
+        else:  # filter_tensors: `.weight` on the bare layer scalar and the stacked experts
+            bare = name.endswith("layer_scalar") or name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            gguf_name = gguf_family_name(name + ".weight" if bare else name, "gemma4", cfg.num_hidden_layers)
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gemma3n_gguf(path, model: transformers.PreTrainedModel, vocab=None) -> None:
+    """`model` (F32) as convert_hf_to_gguf's Gemma3NModel writes it: MLP widths and the sliding pattern per layer,
+    shared_kv_layers, AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as Phi^-1 of its
+    share, the AltUp projections stacked, the AltUp output scale as a `.weight`; norms as they are (w)."""
+    cfg = model.config
+    raw = cfg.to_dict()
+    rope = cfg.rope_parameters
+    writer = gguf.GGUFWriter(str(path), "gemma3n")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(list(raw["intermediate_size"]))
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(raw["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(raw["head_dim"])
+    writer.add_value_length(raw["head_dim"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if rope["full_attention"].get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_altup_active_idx(cfg.altup_active_idx)
+    writer.add_altup_num_inputs(cfg.altup_num_inputs)
+    writer.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input)
+    writer.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    normal = torch.distributions.normal.Normal(0, 1)
+    writer.add_activation_sparsity_scale([normal.icdf(torch.tensor(s, dtype=torch.float32)).item()
+                                          for s in cfg.activation_sparsity_pattern])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    (vocab or add_tiny_bpe_vocab)(writer)
+    state = model.state_dict()
+    for kind, gguf_base in (("altup_projections", "altup_proj"), ("altup_unembed_projections", "altup_unembd_proj")):
+        stack = torch.stack([state.pop(f"model.{kind}.{i}.weight") for i in range(cfg.altup_num_inputs - 1)])
+        writer.add_tensor(f"{gguf_base}.weight", stack.float().numpy())
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = name + ".weight" if name.endswith("_scale") else name
+        writer.add_tensor(gguf_family_name(name, "gemma3n", cfg.num_hidden_layers), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# A tiny vocabulary as convert_hf_to_gguf's Gemma4Model writes one (tokenizer model "gemma4": SentencePiece-style
+# pieces with U+2581 for spaces, explicit merges, byte fallback, newline runs as tokens).
+GEMMA4_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "\n", "\n\n", "\u2581h", "el", "lo",
+                 "\u2581hel", "\u2581hello", "\u2581w", "or", "ld", "\u2581wor", "\u2581world", "ab", "abc"]
+GEMMA4_MERGES = ["\u2581 h", "e l", "l o", "\u2581h el", "\u2581hel lo", "\u2581 w", "o r", "l d", "\u2581w or",
+                 "\u2581wor ld", "a b", "ab c"]
+
+
+def add_tiny_gemma4_vocab(writer: gguf.GGUFWriter) -> None:
+    """<pad> <eos> <bos> <unk>, a user-defined <|channel>, the pieces, then byte tokens (0x00..) to 256 tokens."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|channel>"] + GEMMA4_PIECES
+    types = [3, 3, 3, 2, 4] + [1] * len(GEMMA4_PIECES)
+    tokens += [f"<0x{b:02X}>" for b in range(256 - len(tokens))]
+    types += [6] * (256 - len(types))
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(GEMMA4_MERGES)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)

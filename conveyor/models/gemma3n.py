@@ -1,0 +1,81 @@
+"""Gemma 3n (text): what its config says, and the tensors its checkpoints hold (the model: gemma3n_model.py).
+
+Shared with Gemma 4 (gemma4.py): RMSNorms scaling by w, softmax scale 1 with q/k/v RMS-normed per head (v without a
+weight), the last `num_kv_shared_layers` layers reading earlier layers' K/V, per-layer embeddings (PLE). Its own:
+AltUp (the hidden state is `altup_num_inputs` streams; each layer runs on one, predicted from all by per-token
+coefficients, then corrects all by the layer's output), LAuReL (a low-rank branch beside attention), a per-layer
+MLP width, and activation sparsity (a gaussian top-k on the MLP gate of the first layers). Every layer shares one
+head dim; sliding and global layers rotate with their own bases.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from conveyor.models import gemma
+from conveyor.models.gemma4 import kv_sources
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("attention_bias"):
+        raise NotImplementedError("attention_bias")
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    types = raw.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                       for i in range(layers)]
+    widths = raw["intermediate_size"]
+    widths = tuple(int(w) for w in widths) if isinstance(widths, list) else (int(widths),) * layers
+    sparsity = raw.get("activation_sparsity_pattern")
+    if sparsity is None:
+        sparse = 10 if layers > 10 else 0
+        sparsity = [0.95] * sparse + [0.0] * (layers - sparse)
+    sparsity = tuple(float(s) for s in (sparsity if isinstance(sparsity, list) else [sparsity] * layers))
+    sources = kv_sources(list(types), int(raw.get("num_kv_shared_layers", 15) or 0))
+    streams = int(raw.get("altup_num_inputs", 4))
+    if not 0 <= int(raw.get("altup_active_idx", 0)) < streams:
+        raise ValueError(f"altup_active_idx {raw.get('altup_active_idx')} outside {streams} AltUp inputs")
+    params = raw.get("rope_parameters") or {}
+    if (params.get("sliding_attention") or {}).get("rope_type", "default") != "default":
+        raise NotImplementedError(f"sliding-layer rope_type {params['sliding_attention']['rope_type']!r}")
+    return dict(
+        hidden_act=gemma._activation(raw), norm_layout="sandwich", norm_weight_offset=0.0,
+        embedding_multiplier=math.sqrt(hidden), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        attention_scale=1.0, qk_norm=True, v_norm=True,
+        sliding_window=int(raw.get("sliding_window") or 512), layer_types=tuple(types),
+        final_logit_softcapping=raw.get("final_logit_softcapping", 30.0),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        head_dim=int(raw.get("head_dim") or 256), intermediate_size=widths[0],
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (),
+        kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        hidden_size_per_layer_input=int(raw.get("hidden_size_per_layer_input", 256)),
+        vocab_size_per_layer_input=int(raw.get("vocab_size_per_layer_input", 262_144)),
+        altup_num_inputs=streams, altup_active_idx=int(raw.get("altup_active_idx", 0)),
+        altup_correct_scale=bool(raw.get("altup_correct_scale", True)), laurel_rank=int(raw.get("laurel_rank", 64)),
+        activation_sparsity=sparsity if any(sparsity) else (),
+        **gemma._gemma3_rope(raw),
+    )
+
+
+def weight_names(config) -> list[str]:
+    """Every tensor a Gemma 3n text model loads, in Hugging Face naming, the token embeddings first."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "model.embed_tokens_per_layer.weight",
+             "model.per_layer_model_projection.weight", "model.per_layer_projection_norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for kind in ("altup_projections", "altup_unembed_projections"):
+        names += [f"model.{kind}.{i}.weight" for i in range(config.altup_num_inputs - 1)]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "self_attn.q_proj.weight", p + "self_attn.o_proj.weight", p + "self_attn.q_norm.weight"]
+        if config.kv_source(i) == i:
+            names += [p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight", p + "self_attn.k_norm.weight"]
+        names += [f"{p}mlp.{part}_proj.weight" for part in ("gate", "up", "down")]
+        names += [f"{p}{norm}.weight" for norm in config.layer_norm_names]
+        names += [p + "altup.correct_output_scale", p + "altup.correction_coefs.weight",
+                  p + "altup.prediction_coefs.weight", p + "altup.modality_router.weight",
+                  p + "altup.router_norm.weight"]
+        names += [p + "laurel.linear_left.weight", p + "laurel.linear_right.weight",
+                  p + "laurel.post_laurel_norm.weight"]
+        names += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
+                  p + "post_per_layer_input_norm.weight"]
+    return names
