@@ -771,7 +771,8 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
                     double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
-  const int64_t G = H / KVH, nb = D / kBlock;
+  // More than 4 query heads per KV head: sub-groups of G heads, as in attend_rows.
+  const int64_t NSUB = H / KVH / head_subgroup(H / KVH), G = H / KVH / NSUB, nb = D / kBlock;
   const int bs_shift = __builtin_ctzll(BS);
   const int64_t max_blocks = block_tables.size(1);
   const bool k_q8 = key_cache.scalar_type() == torch::kByte, v_q8 = value_cache.scalar_type() == torch::kByte;
@@ -790,7 +791,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const int64_t q_row = H * D;
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX2__) && defined(__FMA__)
-  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G) : nullptr;  // up to 8 query heads per KV head
+  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G) : nullptr;  // up to 8 query heads per KV head (4 after the split)
   const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G) : nullptr;
 #else
   const void* fast_qk = nullptr;
@@ -805,17 +806,17 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const void* plain_dp_qk = nullptr;
 #endif
 
-  conveyor_parallel::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(G * D), qd(G * nb), acc(G * D), denom(G), vf(D);
     std::vector<int8_t> qq(G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / KVH, kvh = task % KVH;
+      const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
       const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
       const int64_t first = window > 0 && visible > window ? visible - window : 0;
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
-      const scalar_t* q_heads = q + t * q_row + kvh * G * D;
+      const scalar_t* q_heads = q + t * q_row + vkv * G * D;
       // Pass 1: scores, in key order.
       if (k_q8) {
         quantize_query(q_heads, G, D, qq.data(), qd.data());
@@ -845,7 +846,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
           for (int64_t g = 0; g < G; ++g) scores[g * num_keys + j] = dot(qf.data() + g * D, k, D);
         }
       }
-      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + kvh * G : nullptr);  // pass 2
+      softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
 #if defined(__AVX2__) && defined(__FMA__)
       if (fast_sum != nullptr)
@@ -871,7 +872,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / denom[g];
-        scalar_t* og = o + t * q_row + (kvh * G + g) * D;
+        scalar_t* og = o + t * q_row + (vkv * G + g) * D;
         for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
       }
     }
