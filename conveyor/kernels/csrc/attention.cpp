@@ -256,33 +256,56 @@ void weighted_sum_avx2(const float* scores, int64_t first, int64_t num_keys, con
                        float* acc_out) {
   static_assert(DH % CH == 0, "chunks must tile the head");
   constexpr int D = 16 * DH;
+  // Keys go in tiles of kTile; every sweep runs over one tile while its value rows sit in L1 (a sweep
+  // per key range instead of per whole history, which re-read each row from L2 or memory once per
+  // sweep). Between tiles a sweep's accumulators wait in `parked`: each element is still one FMA
+  // chain in key order, so the bits are those of one sweep over all keys.
+  constexpr int64_t kTile = 32;
   const int bs_shift = __builtin_ctzll(BS);
-  for (int c0 = 0; c0 < DH; c0 += CH) {
-    __m256 even[G][CH], odd[G][CH];  // lane l: element 16c + 2l, and 16c + 2l + 1
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c) even[g][c] = odd[g][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < num_keys; ++j) {
-      const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset) + 16 * c0;
-      for (int c = 0; c < CH; ++c) {
-        __m256 e, o;
-        conveyor_vec::load_bf16_even_odd(v + 16 * c, e, o);
-        for (int g = 0; g < G; ++g) {
-          const __m256 p = _mm256_broadcast_ss(scores + g * num_keys + j);
-          even[g][c] = _mm256_fmadd_ps(p, e, even[g][c]);
-          odd[g][c] = _mm256_fmadd_ps(p, o, odd[g][c]);
+  alignas(32) float parked[DH / CH][G][CH][2][8] = {};
+  const c10::BFloat16* rows[kTile];
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, num_keys - j0);
+    for (int64_t j = 0; j < n; ++j) rows[j] = vc + cache_row(table, j0 + j + first, bs_shift, kv_block, kv_tok, kv_offset);
+    for (int64_t key = j0 + kTile; key < std::min<int64_t>(j0 + 2 * kTile, num_keys); ++key)  // the next tile
+      prefetch_row(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+    for (int c0 = 0; c0 < DH; c0 += CH) {
+      __m256 even[G][CH], odd[G][CH];  // lane l: element 16c + 2l, and 16c + 2l + 1
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) {
+          even[g][c] = _mm256_load_ps(parked[c0 / CH][g][c][0]);
+          odd[g][c] = _mm256_load_ps(parked[c0 / CH][g][c][1]);
+        }
+      for (int64_t j = 0; j < n; ++j) {
+        const c10::BFloat16* v = rows[j] + 16 * c0;
+        for (int c = 0; c < CH; ++c) {
+          __m256 e, o;
+          conveyor_vec::load_bf16_even_odd(v + 16 * c, e, o);
+          for (int g = 0; g < G; ++g) {
+            const __m256 p = _mm256_broadcast_ss(scores + g * num_keys + j0 + j);
+            even[g][c] = _mm256_fmadd_ps(p, e, even[g][c]);
+            odd[g][c] = _mm256_fmadd_ps(p, o, odd[g][c]);
+          }
         }
       }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) {
+          _mm256_store_ps(parked[c0 / CH][g][c][0], even[g][c]);
+          _mm256_store_ps(parked[c0 / CH][g][c][1], odd[g][c]);
+        }
     }
-    // Back in element order: pairs (0 1 2 3 | 8 9 10 11) and (4 5 6 7 | 12 13 14 15), then the halves.
+  }
+  // Back in element order: pairs (0 1 2 3 | 8 9 10 11) and (4 5 6 7 | 12 13 14 15), then the halves.
+  for (int c0 = 0; c0 < DH; c0 += CH)
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c) {
-        const __m256 lo = _mm256_unpacklo_ps(even[g][c], odd[g][c]);
-        const __m256 hi = _mm256_unpackhi_ps(even[g][c], odd[g][c]);
+        const __m256 even = _mm256_load_ps(parked[c0 / CH][g][c][0]), odd = _mm256_load_ps(parked[c0 / CH][g][c][1]);
+        const __m256 lo = _mm256_unpacklo_ps(even, odd);
+        const __m256 hi = _mm256_unpackhi_ps(even, odd);
         float* dst = acc_out + g * D + 16 * (c0 + c);
         _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
         _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
       }
-  }
 }
 
 template <int DH>
