@@ -224,8 +224,8 @@ def send(client: httpx.Client, path: str, body: bytes, report: FuzzReport, heade
         return
     report.statuses[response.status_code] += 1
     problem = check_response(path, body, response, stream)
-    if problem is not None:
-        report.failures.append(problem)
+    if problem is not None:  # with the request, so a failure can be replayed
+        report.failures.append(f"{problem}\n  request: {body[:2000]!r}")
 
 
 def run_fuzz(url: str, examples: int = QUICK_EXAMPLES, seed: int | None = 0, timeout_s: float = 30.0,

@@ -61,7 +61,7 @@ class RemoteRequest:
 
     @property
     def deterministic(self) -> bool:
-        return self.sampling.temperature == 0.0 or self.sampling.seed is not None
+        return self.sampling.greedy or self.sampling.seed is not None
 
     async def stream(self) -> AsyncIterator[RequestOutput]:
         """RequestOutput deltas (the last has finished=True); DispatchError before the first one."""

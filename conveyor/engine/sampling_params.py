@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     from conveyor.structured.grammar import GrammarSpec
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -38,7 +41,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_TEMPERATURE, logits / temperature overflow to +-inf (NaN in the softmax), so such a
+        # temperature means greedy, as in vLLM (its _SAMPLING_EPS).
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")

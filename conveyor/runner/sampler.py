@@ -109,7 +109,7 @@ class Sampler:
         return self._generator_for(row)
 
     def probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                                    device=self.device)[:, None]
         logits = logits / temperature
         logits = self._top_k_top_p(logits, params)
