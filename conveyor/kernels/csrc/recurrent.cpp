@@ -16,10 +16,12 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
 #include "parallel.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -86,33 +88,99 @@ void check_sequences(const torch::Tensor& starts, const torch::Tensor& slots, co
 // out[t, c] = sum_j w[c, j] * in[t - (K-1) + j, c] (+ bias), rounded to the dtype, then SiLU if asked
 // (rounded again: torch's conv then its activation). The state holds the last K-1 inputs (fp32,
 // exact copies of the dtype's values), oldest first.
+// Elementwise steps over a block of channels, the same function for every lane (a padded block's spare
+// lanes too), so a channel's bits never depend on where its block ends.
+template <typename scalar_t>
+inline void round_block(float* y, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+#if defined(__AVX512F__)
+    for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(y + j, conveyor_vec::round_bf16(_mm512_loadu_ps(y + j)));
+    return;
+#elif defined(CONVEYOR_AVX2)
+    for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, conveyor_vec::round_bf16(_mm256_loadu_ps(y + j)));
+    return;
+#endif
+  }
+  for (int64_t j = 0; j < n; ++j) y[j] = round_f<scalar_t>(y[j]);
+}
+
+// silu(y) = y / (1 + exp(-y)) on n (a multiple of 16) values: vec_math's exp_ps where there is one (~1 ulp of
+// std::exp, the same bits for every lane), else std::exp per element.
+inline void silu_block(float* y, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(y + j);
+    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_storeu_ps(y + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  }
+#elif defined(CONVEYOR_AVX2)
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(y + j);
+    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(y + j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) y[j] = silu(y[j]);
+#endif
+}
+
+// Tasks are (sequence, block of 64 channels): the block's window (K x 64 fp32) stays in registers / L1 while
+// the sequence's tokens pass, and every step is a plain loop over the block's channels (vectorized).
 template <typename scalar_t>
 void short_conv_impl(const scalar_t* x, const float* w, const float* bias, float* state, scalar_t* out,
                      const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
+  constexpr int64_t kBlock = 64;
   const int64_t W = K - 1;
   const int64_t slot_stride = C * W;
-  conveyor_parallel::parallel_for(0, seqs.num * C, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> window(K);
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
+  // Taps by row, (K, padded channels), zero past C: a block reads each tap's weights as one contiguous row.
+  std::vector<float> taps(K * padded, 0.f), bias_p(padded, 0.f);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) taps[j * padded + c] = w[c * K + j];
+    if (bias != nullptr) bias_p[c] = bias[c];
+  }
+  conveyor_parallel::parallel_for(0, seqs.num * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> window(K * kBlock);  // (K, kBlock): rows 0..W-1 the state, oldest first; row W the input
+    alignas(64) float acc[kBlock];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / C, c = task % C;
-      float* st = state + seqs.slots[s] * slot_stride + c * W;
-      for (int64_t j = 0; j < W; ++j) window[j] = seqs.reset[s] ? 0.f : st[j];
-      const float* wc = w + c * K;
+      const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock, cn = std::min(kBlock, C - c0);
+      float* st = state + seqs.slots[s] * slot_stride + c0 * W;
+      std::fill(window.begin(), window.end(), 0.f);
+      if (!seqs.reset[s])
+        for (int64_t c = 0; c < cn; ++c)
+          for (int64_t j = 0; j < W; ++j) window[j * kBlock + c] = st[c * W + j];
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
-        window[W] = static_cast<float>(x[(first + t) * C + c]);
-        float acc = 0.f;
-        for (int64_t j = 0; j < K; ++j) acc += wc[j] * window[j];
-        if (bias != nullptr) acc += bias[c];
-        float y = static_cast<float>(round_to<scalar_t>(acc));
-        if (apply_silu) y = silu(y);
-        out[(first + t) * C + c] = round_to<scalar_t>(y);
-        for (int64_t j = 0; j < W; ++j) window[j] = window[j + 1];
-        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + c * W, window.data(), W * sizeof(float));
+        const scalar_t* xr = x + (first + t) * C + c0;
+        float* input = window.data() + W * kBlock;
+        for (int64_t c = 0; c < cn; ++c) input[c] = static_cast<float>(xr[c]);
+        for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.f;
+        for (int64_t j = 0; j < K; ++j) {
+          const float* wj = taps.data() + j * padded + c0;
+          const float* xj = window.data() + j * kBlock;
+          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + wj[c] * xj[c];
+        }
+        if (bias != nullptr)
+          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + bias_p[c0 + c];
+        round_block<scalar_t>(acc, kBlock);
+        if (apply_silu) {
+          silu_block(acc, kBlock);
+          round_block<scalar_t>(acc, kBlock);
+        }
+        scalar_t* o = out + (first + t) * C + c0;
+        for (int64_t c = 0; c < cn; ++c) o[c] = round_to<scalar_t>(acc[c]);  // exact: already rounded
+        std::memmove(window.data(), window.data() + kBlock, W * kBlock * sizeof(float));
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap) {
+          float* dst = state + seqs.snap_slots[snap] * slot_stride + c0 * W;
+          for (int64_t c = 0; c < cn; ++c)
+            for (int64_t j = 0; j < W; ++j) dst[c * W + j] = window[j * kBlock + c];
+        }
       }
-      std::memcpy(st, window.data(), W * sizeof(float));
+      for (int64_t c = 0; c < cn; ++c)
+        for (int64_t j = 0; j < W; ++j) st[c * W + j] = window[j * kBlock + c];
     }
   });
 }
@@ -166,6 +234,38 @@ void l2norm_into(const scalar_t* x, float* out, int64_t n, float extra_scale) {
   }
 }
 
+// One token of one head on its state S (dk x dv), in place, in two row-major sweeps instead of four:
+//   1. S <- S * decay, and acc = S^T k accumulated row by row (acc: dv floats in L1);
+//   2. S <- S + k delta^T, and o = S^T q likewise.
+// Row-major sweeps stream the state from memory in order (the prefetcher's case); the second finds it in L2.
+// Per element the operations and their order are the plain loops' (fp32, rows in ascending order, multiply
+// then add: -ffp-contract=off), so vectorizing the inner loops changes no bit.
+inline void delta_rule_token(float* __restrict S, const float* __restrict kf, const float* __restrict qf,
+                             const float* __restrict vf, float* __restrict acc, float* __restrict o, float decay,
+                             float beta, int64_t dk, int64_t dv) {
+  for (int64_t j = 0; j < dv; ++j) acc[j] = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict Si = S + i * dv;
+    const float ki = kf[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      Si[j] = Si[j] * decay;
+      acc[j] = acc[j] + Si[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) {
+    acc[j] = (vf[j] - acc[j]) * beta;  // delta
+    o[j] = 0.f;
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict Si = S + i * dv;
+    const float ki = kf[i], qi = qf[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      Si[j] = Si[j] + ki * acc[j];
+      o[j] = o[j] + Si[j] * qi;
+    }
+  }
+}
+
 template <typename scalar_t>
 void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t* v, const scalar_t* a,
                            const scalar_t* b, const float* A_log, const float* dt_bias, float* state, scalar_t* out,
@@ -174,12 +274,12 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
   const int64_t group = Hv / Hk;
   const float q_scale = std::sqrt(static_cast<float>(dk));
   conveyor_parallel::parallel_for(0, seqs.num * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> S(dk * dv), qf(dk), kf(dk), delta(dv), o(dv);
+    std::vector<float> qf(dk), kf(dk), vf(dv), acc(dv), o(dv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Hv, h = task % Hv, hk = h / group;
-      float* st = state + seqs.slots[s] * slot_stride + h * dk * dv;
-      if (seqs.reset[s]) std::fill(S.begin(), S.end(), 0.f);
-      else std::memcpy(S.data(), st, dk * dv * sizeof(float));
+      // The slot's state is updated in place (no private copy): each token reads and writes it once.
+      float* S = state + seqs.slots[s] * slot_stride + h * dk * dv;
+      if (seqs.reset[s]) std::fill(S, S + dk * dv, 0.f);
       const float A = -std::exp(A_log[h]);
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
@@ -190,22 +290,13 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
         const float decay = std::exp(A * softplus(static_cast<float>(a[row * Hv + h]) + dt_bias[h]));
         const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * Hv + h]))));
         const scalar_t* vr = v + (row * Hv + h) * dv;
-        for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
-        for (int64_t j = 0; j < dv; ++j) delta[j] = 0.f;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) delta[j] += S[i * dv + j] * kf[i];
-        for (int64_t j = 0; j < dv; ++j) delta[j] = (static_cast<float>(vr[j]) - delta[j]) * beta;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += kf[i] * delta[j];
-        for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) o[j] += S[i * dv + j] * qf[i];
         scalar_t* orow = out + (row * Hv + h) * dv;
+        for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vr[j]);
+        delta_rule_token(S, kf.data(), qf.data(), vf.data(), acc.data(), o.data(), decay, beta, dk, dv);
         for (int64_t j = 0; j < dv; ++j) orow[j] = round_to<scalar_t>(o[j]);
         for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S.data(), dk * dv * sizeof(float));
+          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S, dk * dv * sizeof(float));
       }
-      std::memcpy(st, S.data(), dk * dv * sizeof(float));
     }
   });
 }
