@@ -7,7 +7,8 @@ Usage:
   PYTHONPATH=$PWD python benchmarks/hybrid_profile.py FILE.gguf [--concurrency 16] [--steps 24] [--threads 0]
 
 Prints one markdown table: per label, calls per step and the median / mean ms per step over the timed steps.
-Timers cost ~1 us per call (a few hundred per step); on a shared machine compare medians of A/B runs.
+Timers cost ~1 us per call (a few hundred per step). On a shared machine wall times swing with the load;
+--cpu-time runs one thread and reads its CPU time, the figure to compare in A/B runs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ BACKEND_OPS = ("short_conv", "gated_delta_rule", "gated_rms_norm", "sigmoid_mul"
 class Timers:
     """Nested timers: each label's total and self (total minus the timers inside it) per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.stack: list[list] = []  # [label, start, child time]
         self.self_ms: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -49,12 +51,12 @@ class Timers:
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            self.stack.append([label, time.perf_counter(), 0.0])
+            self.stack.append([label, self.clock(), 0.0])
             try:
                 return fn(*args, **kwargs)
             finally:
                 name, start, child = self.stack.pop()
-                elapsed = time.perf_counter() - start
+                elapsed = self.clock() - start
                 self.self_ms[name] += (elapsed - child) * 1e3
                 self.calls[name] += 1
                 if self.stack:
@@ -102,10 +104,13 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=24, help="decode steps timed")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time: what a busy "
+                   "machine's scheduling does not inflate (the work itself, for A/B runs)")
     args = p.parse_args()
-    llm = LLM(model=args.file, parallel=args.concurrency, speculative_ngram=0, threads=args.threads,
+    threads = 1 if args.cpu_time else args.threads
+    llm = LLM(model=args.file, parallel=args.concurrency, speculative_ngram=0, threads=threads,
               ctx_size=args.concurrency * 512)
-    timers = Timers()
+    timers = Timers(time.thread_time if args.cpu_time else time.perf_counter)
     instrument(llm, timers)
     engine = llm.engine
     vocab = llm.tokenizer.vocab_size
@@ -126,7 +131,8 @@ def main() -> None:
     timers.on = False
     labels = sorted({k for s in steps for k in s}, key=lambda k: -statistics.median(s.get(k, 0.0) for s in steps))
     totals = [sum(s.values()) for s in steps]
-    print(f"{args.file}: C={args.concurrency}, {args.steps} decode steps, threads {torch.get_num_threads()}; "
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"{args.file}: C={args.concurrency}, {args.steps} decode steps, threads {torch.get_num_threads()}, {clock}; "
           f"step median {statistics.median(totals):.1f} ms, min {min(totals):.1f} ms")
     print("| part | calls / step | median ms / step | share |")
     print("|---|---|---|---|")

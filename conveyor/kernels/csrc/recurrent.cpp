@@ -237,12 +237,14 @@ void l2norm_into(const scalar_t* x, float* out, int64_t n, float extra_scale) {
 // One token of one head on its state S (dk x dv), in place, in two row-major sweeps instead of four:
 //   1. S <- S * decay, and acc = S^T k accumulated row by row (acc: dv floats in L1);
 //   2. S <- S + k delta^T, and o = S^T q likewise.
-// Row-major sweeps stream the state from memory in order (the prefetcher's case); the second finds it in L2.
+// Row-major sweeps stream the state from memory in order (the prefetcher's case); the second finds it in L2,
+// and meanwhile fetches `next` (the next task's state, or null) so that its first sweep finds it in cache:
+// at 16 sequences the states (16 MiB a layer) stream from memory, and the wait was most of the time.
 // Per element the operations and their order are the plain loops' (fp32, rows in ascending order, multiply
 // then add: -ffp-contract=off), so vectorizing the inner loops changes no bit.
 inline void delta_rule_token(float* __restrict S, const float* __restrict kf, const float* __restrict qf,
                              const float* __restrict vf, float* __restrict acc, float* __restrict o, float decay,
-                             float beta, int64_t dk, int64_t dv) {
+                             float beta, int64_t dk, int64_t dv, const float* next) {
   for (int64_t j = 0; j < dv; ++j) acc[j] = 0.f;
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
@@ -259,6 +261,8 @@ inline void delta_rule_token(float* __restrict S, const float* __restrict kf, co
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
     const float ki = kf[i], qi = qf[i];
+    if (next != nullptr)
+      for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(next + i * dv + j);  // one 64-byte line per 16 floats
     for (int64_t j = 0; j < dv; ++j) {
       Si[j] = Si[j] + ki * acc[j];
       o[j] = o[j] + Si[j] * qi;
@@ -292,7 +296,12 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
         const scalar_t* vr = v + (row * Hv + h) * dv;
         scalar_t* orow = out + (row * Hv + h) * dv;
         for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vr[j]);
-        delta_rule_token(S, kf.data(), qf.data(), vf.data(), acc.data(), o.data(), decay, beta, dk, dv);
+        const float* next = nullptr;  // on the last token, the next task's state (see delta_rule_token)
+        if (t == n - 1 && task + 1 < end) {
+          const int64_t s2 = (task + 1) / Hv, h2 = (task + 1) % Hv;
+          if (!seqs.reset[s2]) next = state + seqs.slots[s2] * slot_stride + h2 * dk * dv;
+        }
+        delta_rule_token(S, kf.data(), qf.data(), vf.data(), acc.data(), o.data(), decay, beta, dk, dv, next);
         for (int64_t j = 0; j < dv; ++j) orow[j] = round_to<scalar_t>(o[j]);
         for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
           std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S, dk * dv * sizeof(float));
@@ -423,29 +432,39 @@ torch::Tensor ssm_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor B, torch
 // norm_before_gate (Qwen3.5, Falcon-H1's option): out = (w * round(x * rsqrt(mean x^2 + eps))) * silu(gate).
 // gate first (Mamba2):                          h = x * silu(gate) [fp32], then per group of `group`
 //                                               columns: out = w * round(h * rsqrt(mean h^2 + eps)).
+// Row by row; each step is a loop over the whole row, padded to 16 lanes (the SiLU is silu_block's), and each
+// group's sum of squares runs in index order, so a row's bits depend only on the row.
 template <typename x_t, typename scalar_t>
 void gated_rms_norm_impl(const x_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
                          int64_t n, int64_t group, float eps, bool norm_before_gate) {
+  const int64_t padded = (n + 15) / 16 * 16;
   conveyor_parallel::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n);
+    std::vector<float> h(padded, 0.f), sg(padded, 0.f), wf(padded, 0.f);
+    for (int64_t j = 0; j < n; ++j) wf[j] = static_cast<float>(w[j]);
     for (int64_t r = begin; r < end; ++r) {
       const x_t* xr = x + r * n;
       const scalar_t* gr = gate + r * n;
       scalar_t* o = out + r * n;
       for (int64_t j = 0; j < n; ++j) {
         h[j] = static_cast<float>(xr[j]);
-        if (!norm_before_gate) h[j] = h[j] * silu(static_cast<float>(gr[j]));
+        sg[j] = static_cast<float>(gr[j]);
       }
+      silu_block(sg.data(), padded);
+      if (!norm_before_gate)
+        for (int64_t j = 0; j < n; ++j) h[j] = h[j] * sg[j];
       for (int64_t g0 = 0; g0 < n; g0 += group) {
         float sum = 0.f;
         for (int64_t j = g0; j < g0 + group; ++j) sum += h[j] * h[j];
         const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
-        for (int64_t j = g0; j < g0 + group; ++j) {
-          const float normed = round_f<x_t>(h[j] * inv);
-          const float scaled = round_f<x_t>(static_cast<float>(w[j]) * normed);
-          o[j] = norm_before_gate ? round_to<scalar_t>(scaled * silu(static_cast<float>(gr[j]))) : round_to<scalar_t>(scaled);
-        }
+        for (int64_t j = g0; j < g0 + group; ++j) h[j] = h[j] * inv;
       }
+      round_block<x_t>(h.data(), padded);  // normed
+      for (int64_t j = 0; j < padded; ++j) h[j] = wf[j] * h[j];
+      round_block<x_t>(h.data(), padded);  // scaled
+      if (norm_before_gate)
+        for (int64_t j = 0; j < padded; ++j) h[j] = h[j] * sg[j];
+      round_block<scalar_t>(h.data(), padded);
+      for (int64_t j = 0; j < n; ++j) o[j] = round_to<scalar_t>(h[j]);  // exact: already rounded
     }
   });
 }
