@@ -84,6 +84,18 @@ void check_sequences(const torch::Tensor& starts, const torch::Tensor& slots, co
     }
 }
 
+// A (T, ...) input whose rows may lie apart, as a column slice of a wider projection does: rows `stride(0)`
+// elements apart, each row's own elements contiguous. Anything else is made contiguous first. Reading the
+// slice in place saves the copy torch would make (at decode sizes, a parallel region and its wake-ups).
+torch::Tensor rows_apart(const torch::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return t.contiguous();
+    expected *= t.size(d);
+  }
+  return t.dim() >= 1 && t.size(0) > 1 && t.stride(0) < expected ? t.contiguous() : t;
+}
+
 // ---- causal short convolution -------------------------------------------------------------------
 // out[t, c] = sum_j w[c, j] * in[t - (K-1) + j, c] (+ bias), rounded to the dtype, then SiLU if asked
 // (rounded again: torch's conv then its activation). The state holds the last K-1 inputs (fp32,
@@ -129,8 +141,8 @@ inline void silu_block(float* y, int64_t n) {
 // Tasks are (sequence, block of 64 channels): the block's window (K x 64 fp32) stays in registers / L1 while
 // the sequence's tokens pass, and every step is a plain loop over the block's channels (vectorized).
 template <typename scalar_t>
-void short_conv_impl(const scalar_t* x, const float* w, const float* bias, float* state, scalar_t* out,
-                     const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
+void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const float* bias, float* state,
+                     scalar_t* out, const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
   constexpr int64_t kBlock = 64;
   const int64_t W = K - 1;
   const int64_t slot_stride = C * W;
@@ -154,7 +166,7 @@ void short_conv_impl(const scalar_t* x, const float* w, const float* bias, float
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* xr = x + (first + t) * C + c0;
+        const scalar_t* xr = x + (first + t) * x_stride + c0;
         float* input = window.data() + W * kBlock;
         for (int64_t c = 0; c < cn; ++c) input[c] = static_cast<float>(xr[c]);
         for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.f;
@@ -189,7 +201,7 @@ torch::Tensor short_conv(torch::Tensor x, torch::Tensor weight, c10::optional<to
                          torch::Tensor starts, torch::Tensor slots, torch::Tensor reset, torch::Tensor snap_starts,
                          torch::Tensor snap_counts, torch::Tensor snap_slots, bool apply_silu) {
   TORCH_CHECK(x.dim() == 2, "short_conv: x must be (T, C)");
-  x = x.contiguous();
+  x = rows_apart(x);
   const int64_t C = x.size(1);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.dtype() == torch::kFloat32 && weight.is_contiguous(),
               "short_conv: weight must be contiguous float32 (C, K)");
@@ -205,10 +217,10 @@ torch::Tensor short_conv(torch::Tensor x, torch::Tensor weight, c10::optional<to
     b = bias->data_ptr<float>();
   }
   check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, x.size(0), state.size(0));
-  auto out = torch::empty_like(x);
+  auto out = torch::empty(x.sizes(), x.options());
   const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv", [&] {
-    short_conv_impl<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), b, state.data_ptr<float>(),
+    short_conv_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<float>(), b, state.data_ptr<float>(),
                               out.data_ptr<scalar_t>(), seqs, C, K, apply_silu);
   });
   return out;
@@ -272,8 +284,10 @@ inline void delta_rule_token(float* __restrict S, const float* __restrict kf, co
 
 template <typename scalar_t>
 void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t* v, const scalar_t* a,
-                           const scalar_t* b, const float* A_log, const float* dt_bias, float* state, scalar_t* out,
-                           const Sequences& seqs, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) {
+                           const scalar_t* b, const int64_t* strides, const float* A_log, const float* dt_bias,
+                           float* state, scalar_t* out, const Sequences& seqs, int64_t Hk, int64_t Hv, int64_t dk,
+                           int64_t dv) {
+  const int64_t sq = strides[0], sk = strides[1], sv = strides[2], sa = strides[3], sb = strides[4];  // rows apart
   const int64_t slot_stride = Hv * dk * dv;
   const int64_t group = Hv / Hk;
   const float q_scale = std::sqrt(static_cast<float>(dk));
@@ -289,11 +303,11 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t row = first + t;
-        l2norm_into(q + (row * Hk + hk) * dk, qf.data(), dk, q_scale);
-        l2norm_into(k + (row * Hk + hk) * dk, kf.data(), dk, 1.f);
-        const float decay = std::exp(A * softplus(static_cast<float>(a[row * Hv + h]) + dt_bias[h]));
-        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * Hv + h]))));
-        const scalar_t* vr = v + (row * Hv + h) * dv;
+        l2norm_into(q + row * sq + hk * dk, qf.data(), dk, q_scale);
+        l2norm_into(k + row * sk + hk * dk, kf.data(), dk, 1.f);
+        const float decay = std::exp(A * softplus(static_cast<float>(a[row * sa + h]) + dt_bias[h]));
+        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * sb + h]))));
+        const scalar_t* vr = v + row * sv + h * dv;
         scalar_t* orow = out + (row * Hv + h) * dv;
         for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vr[j]);
         const float* next = nullptr;  // on the last token, the next task's state (see delta_rule_token)
@@ -316,7 +330,7 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                torch::Tensor snap_counts, torch::Tensor snap_slots) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "gated_delta_rule: q, k (T, Hk, dk) and v (T, Hv, dv)");
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); a = a.contiguous(); b = b.contiguous();
+  q = rows_apart(q); k = rows_apart(k); v = rows_apart(v); a = rows_apart(a); b = rows_apart(b);
   const int64_t T = q.size(0), Hk = q.size(1), dk = q.size(2), Hv = v.size(1), dv = v.size(2);
   TORCH_CHECK(Hv % Hk == 0, "gated_delta_rule: value heads must be a multiple of key heads");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
@@ -331,11 +345,12 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                   state.dtype() == torch::kFloat32 && state.is_contiguous(),
               "gated_delta_rule: state must be contiguous float32 (slots, Hv, dk, dv)");
   check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, T, state.size(0));
-  auto out = torch::empty_like(v);
+  auto out = torch::empty(v.sizes(), v.options());
   const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
+  const int64_t strides[5] = {q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gated_delta_rule", [&] {
     gated_delta_rule_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                    a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), A_log.data_ptr<float>(),
+                                    a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), strides, A_log.data_ptr<float>(),
                                     dt_bias.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
                                     seqs, Hk, Hv, dk, dv);
   });
@@ -434,16 +449,18 @@ torch::Tensor ssm_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor B, torch
 //                                               columns: out = w * round(h * rsqrt(mean h^2 + eps)).
 // Row by row; each step is a loop over the whole row, padded to 16 lanes (the SiLU is silu_block's), and each
 // group's sum of squares runs in index order, so a row's bits depend only on the row.
+// Row r of x (and of the gate) is head r % heads of token r / heads: token rows x_stride (gate_stride) apart.
 template <typename x_t, typename scalar_t>
-void gated_rms_norm_impl(const x_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
-                         int64_t n, int64_t group, float eps, bool norm_before_gate) {
+void gated_rms_norm_impl(const x_t* x, int64_t x_stride, const scalar_t* gate, int64_t gate_stride,
+                         const scalar_t* w, scalar_t* out, int64_t rows, int64_t heads, int64_t n, int64_t group,
+                         float eps, bool norm_before_gate) {
   const int64_t padded = (n + 15) / 16 * 16;
   conveyor_parallel::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(padded, 0.f), sg(padded, 0.f), wf(padded, 0.f);
     for (int64_t j = 0; j < n; ++j) wf[j] = static_cast<float>(w[j]);
     for (int64_t r = begin; r < end; ++r) {
-      const x_t* xr = x + r * n;
-      const scalar_t* gr = gate + r * n;
+      const x_t* xr = x + (r / heads) * x_stride + (r % heads) * n;
+      const scalar_t* gr = gate + (r / heads) * gate_stride + (r % heads) * n;
       scalar_t* o = out + r * n;
       for (int64_t j = 0; j < n; ++j) {
         h[j] = static_cast<float>(xr[j]);
@@ -471,25 +488,26 @@ void gated_rms_norm_impl(const x_t* x, const scalar_t* gate, const scalar_t* w, 
 
 torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor weight, double eps, int64_t group,
                              bool norm_before_gate) {
-  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.numel() == x.size(1),
-              "gated_rms_norm: x and gate (R, n), weight (n,)");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && gate.sizes() == x.sizes() && weight.numel() == x.size(-1),
+              "gated_rms_norm: x and gate (R, n) or (T, heads, n), weight (n,)");
   TORCH_CHECK(weight.scalar_type() == gate.scalar_type() &&
                   (x.scalar_type() == gate.scalar_type() || x.scalar_type() == torch::kFloat32),
               "gated_rms_norm: gate and weight must share a dtype, x that one or float32");
-  TORCH_CHECK(group > 0 && x.size(1) % group == 0, "gated_rms_norm: group must divide the row");
-  x = x.contiguous(); gate = gate.contiguous(); weight = weight.contiguous();
-  auto out = torch::empty_like(gate);
+  TORCH_CHECK(group > 0 && x.size(-1) % group == 0, "gated_rms_norm: group must divide the row");
+  x = rows_apart(x); gate = rows_apart(gate); weight = weight.contiguous();
+  auto out = torch::empty(gate.sizes(), gate.options());
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1, n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_rms_norm", [&] {
     const scalar_t* g = gate.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const float e = static_cast<float>(eps);
     if (x.scalar_type() == torch::kFloat32)
-      gated_rms_norm_impl<float, scalar_t>(x.data_ptr<float>(), g, w, o, x.size(0), x.size(1), group, e,
-                                           norm_before_gate);
+      gated_rms_norm_impl<float, scalar_t>(x.data_ptr<float>(), x.stride(0), g, gate.stride(0), w, o, rows, heads, n,
+                                           group, e, norm_before_gate);
     else
-      gated_rms_norm_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), g, w, o, x.size(0), x.size(1), group, e,
-                                              norm_before_gate);
+      gated_rms_norm_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), g, gate.stride(0), w, o, rows,
+                                              heads, n, group, e, norm_before_gate);
   });
   return out;
 }
