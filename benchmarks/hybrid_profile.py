@@ -85,7 +85,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
         prefix = f"{kinds[int(match.group(1))]}." if match else ""
         if isinstance(module, RowInvariantLinear):
             module.forward = timers.wrap(f"gemm {prefix}{_kind(name)}", module.forward)
-            module.forward_split = timers.wrap(f"gemm {prefix}{_kind(name)}", module.forward_split)
+            if hasattr(module, "forward_split"):  # (absent before it was added: A/B runs against older code)
+                module.forward_split = timers.wrap(f"gemm {prefix}{_kind(name)}", module.forward_split)
         elif match and re.fullmatch(r"mixers\.\d+", match.group(2) or ""):
             module.forward = timers.wrap(f"glue {prefix}{type(module).__name__}", module.forward)
         elif match and match.group(2) is None:

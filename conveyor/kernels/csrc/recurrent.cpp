@@ -2,12 +2,13 @@
 // convolution (LFM2, Mamba2's and gated DeltaNet's conv1d), the gated delta rule (Qwen3.5 /
 // Qwen3-Next linear attention), the Mamba2 selective scan, and the gated norms and gates around them.
 //
-// Batch invariance: each (sequence, channel) or (sequence, head) is one task that walks its own
-// tokens one by one in a fixed order, so a row's bits never depend on its batch-mates, and a
+// Batch invariance: each (sequence, block of channels) or (sequence, head) is one task that walks its
+// own tokens one by one in a fixed order, so a row's bits never depend on its batch-mates, and a
 // prefill chunk of any size gives bitwise the state and outputs of token-by-token decoding (the
-// chunked form *is* the recurrence, run in C++). Every nonlinearity is a scalar std:: call per
-// element: torch's vectorized exp/sigmoid would round differently in a tensor's tail, whose
-// position depends on the batch. Reductions run in fp32 in index order.
+// chunked form *is* the recurrence, run in C++). Every nonlinearity is a function of its element
+// alone: a scalar std:: call, or (the SiLUs of the short conv and the gated norm) vec_math's exp_ps
+// on every lane of a zero-padded block. torch's vectorized exp/sigmoid would round differently in a
+// tensor's tail, whose position depends on the batch. Reductions run in fp32 in index order.
 //
 // Snapshots: a task copies its state into other slots after given token counts (CSR per
 // sequence), so prefix caching and speculation can resume from a block boundary or the last
