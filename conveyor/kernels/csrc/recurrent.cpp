@@ -149,7 +149,13 @@ void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const 
   const int64_t slot_stride = C * W;
   const int64_t num_blocks = (C + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
   // Taps by row, (K, padded channels), zero past C: a block reads each tap's weights as one contiguous row.
-  std::vector<float> taps(K * padded, 0.f), bias_p(padded, 0.f);
+  // Buffers kept per calling thread: a fresh 100 KB allocation per call cost page faults at one sequence.
+  thread_local std::vector<float> taps_buf, bias_buf;
+  taps_buf.assign(K * padded, 0.f);
+  bias_buf.assign(padded, 0.f);
+  // NOTE: plain pointers for the helpers: a thread_local named inside the lambda would be each helper's own.
+  float* const taps = taps_buf.data();
+  float* const bias_p = bias_buf.data();
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t j = 0; j < K; ++j) taps[j * padded + c] = w[c * K + j];
     if (bias != nullptr) bias_p[c] = bias[c];
@@ -172,7 +178,7 @@ void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const 
         for (int64_t c = 0; c < cn; ++c) input[c] = static_cast<float>(xr[c]);
         for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.f;
         for (int64_t j = 0; j < K; ++j) {
-          const float* wj = taps.data() + j * padded + c0;
+          const float* wj = taps + j * padded + c0;
           const float* xj = window.data() + j * kBlock;
           for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + wj[c] * xj[c];
         }
