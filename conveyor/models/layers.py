@@ -170,8 +170,9 @@ class RowInvariantLinear(nn.Module):
         """forward(x).split(sizes, -1), but parts that each lie inside one GGML segment are views of that
         segment's own output: a fused projection in two types (Q4_K_M's Q6_K qkv beside Q4_K z, b, a) skips
         joining its outputs only to split them again."""
-        if len(self.segments) < 2 or (self.row_tile is not None and x.shape[0] > self.row_tile):
-            return list(self.forward(x).split(sizes, dim=-1))
+        if (len(self.segments) < 2 or sum(sizes) != self.out_features
+                or (self.row_tile is not None and x.shape[0] > self.row_tile)):
+            return list(self.forward(x).split(sizes, dim=-1))  # (split raises on sizes that do not add up)
         bounds, first = [], 0
         for size in sizes:
             seg = next((s for s in self.segments if s.start <= first and first + size <= s.start + s.rows), None)
