@@ -192,7 +192,8 @@ class KernelBackend:
 
     def short_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
                    meta: StateMetadata, apply_silu: bool) -> torch.Tensor:
-        """Causal depthwise conv over each sequence's rows: x (T, C), weight (C, K) fp32, state (slots, C, K-1) fp32."""
+        """Causal depthwise conv over each sequence's rows: x (T, C), weight (C, K) fp32, state (slots, C, K-1) fp32.
+        x's rows may lie apart (a column slice of a projection): the kernel reads them in place."""
         if self._runs_recurrent(x):
             return self.recurrent.short_conv(x, weight, bias, state, *meta.args(), apply_silu)
         return reference_short_conv(x, weight, bias, state, meta, apply_silu)
@@ -200,7 +201,8 @@ class KernelBackend:
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                          meta: StateMetadata) -> torch.Tensor:
-        """Gated DeltaNet: q, k (T, Hk, dk), v (T, Hv, dv), raw a, b (T, Hv) -> (T, Hv, dv)."""
+        """Gated DeltaNet: q, k (T, Hk, dk), v (T, Hv, dv), raw a, b (T, Hv) -> (T, Hv, dv); inputs may be column
+        slices of a wider projection (rows apart, each row contiguous), read in place."""
         if self._runs_recurrent(q):
             return self.recurrent.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, *meta.args())
         return reference_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta)
@@ -215,10 +217,13 @@ class KernelBackend:
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
                        norm_before_gate: bool) -> torch.Tensor:
-        """x (R, n) in gate's dtype or fp32 -> gate's dtype; RMSNorm over groups of `group` columns with a SiLU gate."""
+        """x (R, n) or (T, heads, n) in gate's dtype or fp32 -> gate's dtype, the same shape; RMSNorm over groups of
+        `group` columns of each row of n, with a SiLU gate. Token rows may lie apart (a slice of a projection)."""
         if self._runs_recurrent(x):
             return self.recurrent.gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
-        return reference_gated_rms_norm(x, gate, weight, eps, group, norm_before_gate)
+        n = x.shape[-1]
+        return reference_gated_rms_norm(x.reshape(-1, n), gate.reshape(-1, n), weight, eps, group,
+                                        norm_before_gate).view(gate.shape)
 
     def silu_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x (gate's dtype or fp32) * silu(gate) -> gate's dtype, rounded where torch's two ops would."""

@@ -122,19 +122,21 @@ class GatedDeltaNetMixer(nn.Module):
         return StateSpec(((self.conv_size, self.width - 1), (self.num_v_heads, self.k_dim, self.v_dim)))
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        # Every part below is a view of the projection's output, read in place by the kernels (rows apart), so
+        # the glue copies nothing: at decode sizes each torch copy is a parallel region of its own.
         T = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split([self.conv_size, self.value_size, self.num_v_heads, self.num_v_heads], -1)
+        qkv, z, b, a = self.in_proj.forward_split(
+            x, [self.conv_size, self.value_size, self.num_v_heads, self.num_v_heads])
         conv_state, ssm_state = ctx.caches[self.cache_index]
-        mixed = self.ops.short_conv(qkv.contiguous(), self.conv_weight, None, conv_state, ctx.meta.state,
-                                    apply_silu=True)
+        mixed = self.ops.short_conv(qkv, self.conv_weight, None, conv_state, ctx.meta.state, apply_silu=True)
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        core = self.ops.gated_delta_rule(q.reshape(T, self.num_k_heads, self.k_dim),
-                                         k.reshape(T, self.num_k_heads, self.k_dim),
-                                         v.reshape(T, self.num_v_heads, self.v_dim), a.contiguous(), b.contiguous(),
+        core = self.ops.gated_delta_rule(q.view(T, self.num_k_heads, self.k_dim),
+                                         k.view(T, self.num_k_heads, self.k_dim),
+                                         v.view(T, self.num_v_heads, self.v_dim), a, b,
                                          self.A_log, self.dt_bias, ssm_state, ctx.meta.state)  # (T, Hv, dv)
-        normed = self.ops.gated_rms_norm(core.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim), self.norm_weight,
-                                         self.eps, self.v_dim, norm_before_gate=True)
-        return self.out_proj(normed.reshape(T, self.value_size))
+        normed = self.ops.gated_rms_norm(core, z.view(T, self.num_v_heads, self.v_dim), self.norm_weight,
+                                         self.eps, self.v_dim, norm_before_gate=True)  # (T, Hv, dv)
+        return self.out_proj(normed.view(T, self.value_size))
 
     def load(self, get: Getter, prefix: str, names: dict[str, str], loader: WeightLoader, norm: NormGetter) -> None:
         try:  # Qwen3.5, and Qwen3-Next from GGUF

@@ -166,6 +166,24 @@ class RowInvariantLinear(nn.Module):
                 for s in self.segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def forward_split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """forward(x).split(sizes, -1), but parts that each lie inside one GGML segment are views of that
+        segment's own output: a fused projection in two types (Q4_K_M's Q6_K qkv beside Q4_K z, b, a) skips
+        joining its outputs only to split them again."""
+        if (len(self.segments) < 2 or sum(sizes) != self.out_features
+                or (self.row_tile is not None and x.shape[0] > self.row_tile)):
+            return list(self.forward(x).split(sizes, dim=-1))  # (split raises on sizes that do not add up)
+        bounds, first = [], 0
+        for size in sizes:
+            seg = next((s for s in self.segments if s.start <= first and first + size <= s.start + s.rows), None)
+            if seg is None:  # a part straddles two segments
+                return list(self.forward(x).split(sizes, dim=-1))
+            bounds.append((seg, first - seg.start, size))
+            first += size
+        outs = {id(s): self.ops.quantized_linear(x, s.packed, s.qtype, s.rows, self.in_features, s.bias_f32)
+                for s in {id(s): s for s, _, _ in bounds}.values()}
+        return [outs[id(seg)].narrow(-1, offset, size) for seg, offset, size in bounds]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         tile = self.row_tile
         if tile is None or x.shape[0] <= tile:

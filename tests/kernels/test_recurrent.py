@@ -13,8 +13,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 SLOTS = 6
 
 
-def _conv_case(dtype, T, gen, silu=True):
-    C, K = 24, 4
+def _conv_case(dtype, T, gen, silu=True, C=24):
+    K = 4
     x = torch.randn(T, C, generator=gen).to(dtype)
     w = torch.randn(C, K, generator=gen)
     bias = torch.randn(C, generator=gen)
@@ -24,8 +24,8 @@ def _conv_case(dtype, T, gen, silu=True):
     return (x,), state, run, ref
 
 
-def _delta_case(dtype, T, gen):
-    Hk, Hv, dk, dv = 2, 4, 8, 6
+def _delta_case(dtype, T, gen, dk=8, dv=6):
+    Hk, Hv = 2, 4
     q, k = (torch.randn(T, Hk, dk, generator=gen).to(dtype) for _ in range(2))
     v = torch.randn(T, Hv, dv, generator=gen).to(dtype)
     a, b = (torch.randn(T, Hv, generator=gen).to(dtype) for _ in range(2))
@@ -49,7 +49,10 @@ def _ssm_case(dtype, T, gen):
     return (x, dt, B, C), state, run, ref
 
 
-CASES = {"short_conv": _conv_case, "gated_delta_rule": _delta_case, "ssm_scan": _ssm_case}
+CASES = {"short_conv": _conv_case, "gated_delta_rule": _delta_case, "ssm_scan": _ssm_case,
+         # wider than one block of the kernels' loops, with a tail: 64-channel conv blocks, 16-lane rows
+         "short_conv_wide": lambda dtype, T, gen: _conv_case(dtype, T, gen, C=150),
+         "gated_delta_rule_wide": lambda dtype, T, gen: _delta_case(dtype, T, gen, dk=32, dv=40)}
 
 
 def _rows(inputs, start, end):
@@ -109,14 +112,15 @@ def test_chunking_batch_mates_and_snapshots_are_exact(case, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("x_fp32", [False, True])
-@pytest.mark.parametrize("norm_before_gate,group", [(True, 16), (False, 8), (False, 16)])
-def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, x_fp32, norm_before_gate, group):
+@pytest.mark.parametrize("norm_before_gate,group,n", [(True, 16, 16), (False, 8, 16), (False, 16, 16), (True, 20, 20),
+                                                      (False, 10, 40)])
+def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, x_fp32, norm_before_gate, group, n):
     """x in the model dtype (Qwen3.5) or fp32 (a Mamba2 scan's output); gate, weight and output in the model dtype."""
     gen = torch.Generator().manual_seed(3)
-    x, gate = (torch.randn(7, 16, generator=gen).to(dtype) for _ in range(2))
+    x, gate = (torch.randn(7, n, generator=gen).to(dtype) for _ in range(2))
     if x_fp32:
-        x = torch.randn(7, 16, generator=gen)
-    weight = torch.randn(16, generator=gen).to(dtype)
+        x = torch.randn(7, n, generator=gen)
+    weight = torch.randn(n, generator=gen).to(dtype)
     ours = kernels.gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
     want = reference_gated_rms_norm(x, gate, weight, 1e-6, group, norm_before_gate)
     assert ours.dtype == dtype == want.dtype
@@ -125,6 +129,34 @@ def test_gated_rms_norm_matches_reference_and_rows_are_independent(dtype, x_fp32
     for r in (0, 6):
         assert torch.equal(kernels.gated_rms_norm(x[r:r + 1], gate[r:r + 1], weight, 1e-6, group, norm_before_gate),
                            ours[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_slices_of_a_projection_are_read_in_place(dtype):
+    """Inputs that are column slices of one wide projection (rows apart), as Qwen3.5's DeltaNet passes them,
+    give bitwise what their contiguous copies give, outputs and states."""
+    gen = torch.Generator().manual_seed(7)
+    T, Hk, Hv, dk, dv, C = 5, 2, 4, 8, 12, 40
+    meta = StateMetadata.build([2, 3], [1, 4], [False, True])
+    wide = torch.randn(T, C + 2 * Hk * dk + Hv * dv + 2 * Hv + 3, generator=gen).to(dtype)
+    x, q, k, v, a, b, _ = wide.split([C, Hk * dk, Hk * dk, Hv * dv, Hv, Hv, 3], dim=-1)
+    q, k, v = q.view(T, Hk, dk), k.view(T, Hk, dk), v.view(T, Hv, dv)
+    assert not x.is_contiguous() and not q.is_contiguous() and not a.is_contiguous()
+    w, state = torch.randn(C, 4, generator=gen), torch.randn(SLOTS, C, 3, generator=gen)
+    conv = [kernels.short_conv(xx, w, None, st, *meta.args(), True) for xx, st in ((x, state.clone()),
+                                                                                  (x.contiguous(), state.clone()))]
+    assert torch.equal(conv[0], conv[1])
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen)
+    states = [torch.randn(SLOTS, Hv, dk, dv, generator=torch.Generator().manual_seed(8)) for _ in range(2)]
+    outs = [kernels.gated_delta_rule(*args, A_log, dt_bias, st, *meta.args())
+            for args, st in (((q, k, v, a, b), states[0]), (tuple(t.contiguous() for t in (q, k, v, a, b)), states[1]))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
+    gate = v  # (T, Hv, dv), rows apart
+    weight = torch.randn(dv, generator=gen).to(dtype)
+    normed = kernels.gated_rms_norm(outs[0], gate, weight, 1e-6, dv, True)
+    assert normed.shape == (T, Hv, dv)
+    flat = kernels.gated_rms_norm(outs[0].reshape(-1, dv), gate.reshape(-1, dv), weight, 1e-6, dv, True)
+    assert torch.equal(normed.view(-1, dv), flat)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

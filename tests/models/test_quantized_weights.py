@@ -83,6 +83,13 @@ def test_mixed_types_run_as_segments_in_one_linear(tmp_path) -> None:
     model = _build(checkpoint)
     qkv = model.layers[0].self_attn.qkv_proj
     assert [(s.type_name, s.start, s.rows) for s in qkv.segments] == [("Q4_K", 0, 384), ("Q6_K", 384, 128)]
+    x = torch.randn(5, qkv.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = qkv(x)
+    for sizes in ([384, 128], [256, 128, 128], [200, 184, 128], [300, 212]):  # the last straddles the two types
+        parts = qkv.forward_split(x, sizes)
+        assert [p.shape[1] for p in parts] == sizes
+        assert all(torch.equal(p, w) for p, w in zip(parts, whole.split(sizes, dim=-1)))
+    assert qkv.forward_split(x, [384, 128])[1].is_contiguous()  # the Q6_K segment's own output: nothing joined
     assert [s.type_name for s in model.layers[0].mlp.gate_up_proj.segments] == ["Q4_K"]  # one fused GEMM
     assert [s.type_name for s in model.lm_head.segments] == ["Q6_K"] and model.embed_tokens.segment.type_name == "Q8_0"
     dense = _build(checkpoint, "bf16")

@@ -2,12 +2,13 @@
 // convolution (LFM2, Mamba2's and gated DeltaNet's conv1d), the gated delta rule (Qwen3.5 /
 // Qwen3-Next linear attention), the Mamba2 selective scan, and the gated norms and gates around them.
 //
-// Batch invariance: each (sequence, channel) or (sequence, head) is one task that walks its own
-// tokens one by one in a fixed order, so a row's bits never depend on its batch-mates, and a
+// Batch invariance: each (sequence, block of channels) or (sequence, head) is one task that walks its
+// own tokens one by one in a fixed order, so a row's bits never depend on its batch-mates, and a
 // prefill chunk of any size gives bitwise the state and outputs of token-by-token decoding (the
-// chunked form *is* the recurrence, run in C++). Every nonlinearity is a scalar std:: call per
-// element: torch's vectorized exp/sigmoid would round differently in a tensor's tail, whose
-// position depends on the batch. Reductions run in fp32 in index order.
+// chunked form *is* the recurrence, run in C++). Every nonlinearity is a function of its element
+// alone: a scalar std:: call, or (the SiLUs of the short conv and the gated norm) vec_math's exp_ps
+// on every lane of a zero-padded block. torch's vectorized exp/sigmoid would round differently in a
+// tensor's tail, whose position depends on the batch. Reductions run in fp32 in index order.
 //
 // Snapshots: a task copies its state into other slots after given token counts (CSR per
 // sequence), so prefix caching and speculation can resume from a block boundary or the last
@@ -16,10 +17,12 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
 #include "parallel.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -82,37 +85,121 @@ void check_sequences(const torch::Tensor& starts, const torch::Tensor& slots, co
     }
 }
 
+// A (T, ...) input whose rows may lie apart, as a column slice of a wider projection does: rows `stride(0)`
+// elements apart, each row's own elements contiguous. Anything else is made contiguous first. Reading the
+// slice in place saves the copy torch would make (at decode sizes, a parallel region and its wake-ups).
+torch::Tensor rows_apart(const torch::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return t.contiguous();
+    expected *= t.size(d);
+  }
+  return t.dim() >= 1 && t.size(0) > 1 && t.stride(0) < expected ? t.contiguous() : t;
+}
+
 // ---- causal short convolution -------------------------------------------------------------------
 // out[t, c] = sum_j w[c, j] * in[t - (K-1) + j, c] (+ bias), rounded to the dtype, then SiLU if asked
 // (rounded again: torch's conv then its activation). The state holds the last K-1 inputs (fp32,
 // exact copies of the dtype's values), oldest first.
+// Elementwise steps over a block of channels, the same function for every lane (a padded block's spare
+// lanes too), so a channel's bits never depend on where its block ends.
 template <typename scalar_t>
-void short_conv_impl(const scalar_t* x, const float* w, const float* bias, float* state, scalar_t* out,
-                     const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
+inline void round_block(float* y, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+#if defined(__AVX512F__)
+    for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(y + j, conveyor_vec::round_bf16(_mm512_loadu_ps(y + j)));
+    return;
+#elif defined(CONVEYOR_AVX2)
+    for (int64_t j = 0; j < n; j += 8) _mm256_storeu_ps(y + j, conveyor_vec::round_bf16(_mm256_loadu_ps(y + j)));
+    return;
+#endif
+  }
+  for (int64_t j = 0; j < n; ++j) y[j] = round_f<scalar_t>(y[j]);
+}
+
+// silu(y) = y / (1 + exp(-y)) on n (a multiple of 16) values: vec_math's exp_ps where there is one (~1 ulp of
+// std::exp, the same bits for every lane), else std::exp per element.
+inline void silu_block(float* y, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(y + j);
+    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_storeu_ps(y + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  }
+#elif defined(CONVEYOR_AVX2)
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(y + j);
+    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(y + j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) y[j] = silu(y[j]);
+#endif
+}
+
+// Tasks are (sequence, block of 64 channels): the block's window (K x 64 fp32) stays in registers / L1 while
+// the sequence's tokens pass, and every step is a plain loop over the block's channels (vectorized).
+template <typename scalar_t>
+void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const float* bias, float* state,
+                     scalar_t* out, const Sequences& seqs, int64_t C, int64_t K, bool apply_silu) {
+  constexpr int64_t kBlock = 64;
   const int64_t W = K - 1;
   const int64_t slot_stride = C * W;
-  conveyor_parallel::parallel_for(0, seqs.num * C, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> window(K);
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
+  // Taps by row, (K, padded channels), zero past C: a block reads each tap's weights as one contiguous row.
+  // Buffers kept per calling thread: a fresh 100 KB allocation per call cost page faults at one sequence.
+  thread_local std::vector<float> taps_buf, bias_buf;
+  taps_buf.assign(K * padded, 0.f);
+  bias_buf.assign(padded, 0.f);
+  // NOTE: plain pointers for the helpers: a thread_local named inside the lambda would be each helper's own.
+  float* const taps = taps_buf.data();
+  float* const bias_p = bias_buf.data();
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) taps[j * padded + c] = w[c * K + j];
+    if (bias != nullptr) bias_p[c] = bias[c];
+  }
+  conveyor_parallel::parallel_for(0, seqs.num * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> window(K * kBlock);  // (K, kBlock): rows 0..W-1 the state, oldest first; row W the input
+    alignas(64) float acc[kBlock];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / C, c = task % C;
-      float* st = state + seqs.slots[s] * slot_stride + c * W;
-      for (int64_t j = 0; j < W; ++j) window[j] = seqs.reset[s] ? 0.f : st[j];
-      const float* wc = w + c * K;
+      const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock, cn = std::min(kBlock, C - c0);
+      float* st = state + seqs.slots[s] * slot_stride + c0 * W;
+      std::fill(window.begin(), window.end(), 0.f);
+      if (!seqs.reset[s])
+        for (int64_t c = 0; c < cn; ++c)
+          for (int64_t j = 0; j < W; ++j) window[j * kBlock + c] = st[c * W + j];
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
-        window[W] = static_cast<float>(x[(first + t) * C + c]);
-        float acc = 0.f;
-        for (int64_t j = 0; j < K; ++j) acc += wc[j] * window[j];
-        if (bias != nullptr) acc += bias[c];
-        float y = static_cast<float>(round_to<scalar_t>(acc));
-        if (apply_silu) y = silu(y);
-        out[(first + t) * C + c] = round_to<scalar_t>(y);
-        for (int64_t j = 0; j < W; ++j) window[j] = window[j + 1];
-        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + c * W, window.data(), W * sizeof(float));
+        const scalar_t* xr = x + (first + t) * x_stride + c0;
+        float* input = window.data() + W * kBlock;
+        for (int64_t c = 0; c < cn; ++c) input[c] = static_cast<float>(xr[c]);
+        for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.f;
+        for (int64_t j = 0; j < K; ++j) {
+          const float* wj = taps + j * padded + c0;
+          const float* xj = window.data() + j * kBlock;
+          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + wj[c] * xj[c];
+        }
+        if (bias != nullptr)
+          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + bias_p[c0 + c];
+        round_block<scalar_t>(acc, kBlock);
+        if (apply_silu) {
+          silu_block(acc, kBlock);
+          round_block<scalar_t>(acc, kBlock);
+        }
+        scalar_t* o = out + (first + t) * C + c0;
+        for (int64_t c = 0; c < cn; ++c) o[c] = round_to<scalar_t>(acc[c]);  // exact: already rounded
+        std::memmove(window.data(), window.data() + kBlock, W * kBlock * sizeof(float));
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap) {
+          float* dst = state + seqs.snap_slots[snap] * slot_stride + c0 * W;
+          for (int64_t c = 0; c < cn; ++c)
+            for (int64_t j = 0; j < W; ++j) dst[c * W + j] = window[j * kBlock + c];
+        }
       }
-      std::memcpy(st, window.data(), W * sizeof(float));
+      for (int64_t c = 0; c < cn; ++c)
+        for (int64_t j = 0; j < W; ++j) st[c * W + j] = window[j * kBlock + c];
     }
   });
 }
@@ -121,7 +208,7 @@ torch::Tensor short_conv(torch::Tensor x, torch::Tensor weight, c10::optional<to
                          torch::Tensor starts, torch::Tensor slots, torch::Tensor reset, torch::Tensor snap_starts,
                          torch::Tensor snap_counts, torch::Tensor snap_slots, bool apply_silu) {
   TORCH_CHECK(x.dim() == 2, "short_conv: x must be (T, C)");
-  x = x.contiguous();
+  x = rows_apart(x);
   const int64_t C = x.size(1);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.dtype() == torch::kFloat32 && weight.is_contiguous(),
               "short_conv: weight must be contiguous float32 (C, K)");
@@ -137,10 +224,10 @@ torch::Tensor short_conv(torch::Tensor x, torch::Tensor weight, c10::optional<to
     b = bias->data_ptr<float>();
   }
   check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, x.size(0), state.size(0));
-  auto out = torch::empty_like(x);
+  auto out = torch::empty(x.sizes(), x.options());
   const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "short_conv", [&] {
-    short_conv_impl<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<float>(), b, state.data_ptr<float>(),
+    short_conv_impl<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<float>(), b, state.data_ptr<float>(),
                               out.data_ptr<scalar_t>(), seqs, C, K, apply_silu);
   });
   return out;
@@ -166,46 +253,80 @@ void l2norm_into(const scalar_t* x, float* out, int64_t n, float extra_scale) {
   }
 }
 
+// One token of one head on its state S (dk x dv), in place, in two row-major sweeps instead of four:
+//   1. S <- S * decay, and acc = S^T k accumulated row by row (acc: dv floats in L1);
+//   2. S <- S + k delta^T, and o = S^T q likewise.
+// Row-major sweeps stream the state from memory in order (the prefetcher's case); the second finds it in L2,
+// and meanwhile fetches `next` (the next task's state, or null) so that its first sweep finds it in cache:
+// at 16 sequences the states (16 MiB a layer) stream from memory, and the wait was most of the time.
+// Per element the operations and their order are the plain loops' (fp32, rows in ascending order, multiply
+// then add: -ffp-contract=off), so vectorizing the inner loops changes no bit.
+inline void delta_rule_token(float* __restrict S, const float* __restrict kf, const float* __restrict qf,
+                             const float* __restrict vf, float* __restrict acc, float* __restrict o, float decay,
+                             float beta, int64_t dk, int64_t dv, const float* next) {
+  for (int64_t j = 0; j < dv; ++j) acc[j] = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict Si = S + i * dv;
+    const float ki = kf[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      Si[j] = Si[j] * decay;
+      acc[j] = acc[j] + Si[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) {
+    acc[j] = (vf[j] - acc[j]) * beta;  // delta
+    o[j] = 0.f;
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict Si = S + i * dv;
+    const float ki = kf[i], qi = qf[i];
+    if (next != nullptr)
+      for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(next + i * dv + j);  // one 64-byte line per 16 floats
+    for (int64_t j = 0; j < dv; ++j) {
+      Si[j] = Si[j] + ki * acc[j];
+      o[j] = o[j] + Si[j] * qi;
+    }
+  }
+}
+
 template <typename scalar_t>
 void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t* v, const scalar_t* a,
-                           const scalar_t* b, const float* A_log, const float* dt_bias, float* state, scalar_t* out,
-                           const Sequences& seqs, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) {
+                           const scalar_t* b, const int64_t* strides, const float* A_log, const float* dt_bias,
+                           float* state, scalar_t* out, const Sequences& seqs, int64_t Hk, int64_t Hv, int64_t dk,
+                           int64_t dv) {
+  const int64_t sq = strides[0], sk = strides[1], sv = strides[2], sa = strides[3], sb = strides[4];  // rows apart
   const int64_t slot_stride = Hv * dk * dv;
   const int64_t group = Hv / Hk;
   const float q_scale = std::sqrt(static_cast<float>(dk));
   conveyor_parallel::parallel_for(0, seqs.num * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> S(dk * dv), qf(dk), kf(dk), delta(dv), o(dv);
+    std::vector<float> qf(dk), kf(dk), vf(dv), acc(dv), o(dv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Hv, h = task % Hv, hk = h / group;
-      float* st = state + seqs.slots[s] * slot_stride + h * dk * dv;
-      if (seqs.reset[s]) std::fill(S.begin(), S.end(), 0.f);
-      else std::memcpy(S.data(), st, dk * dv * sizeof(float));
+      // The slot's state is updated in place (no private copy): each token reads and writes it once.
+      float* S = state + seqs.slots[s] * slot_stride + h * dk * dv;
+      if (seqs.reset[s]) std::fill(S, S + dk * dv, 0.f);
       const float A = -std::exp(A_log[h]);
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t row = first + t;
-        l2norm_into(q + (row * Hk + hk) * dk, qf.data(), dk, q_scale);
-        l2norm_into(k + (row * Hk + hk) * dk, kf.data(), dk, 1.f);
-        const float decay = std::exp(A * softplus(static_cast<float>(a[row * Hv + h]) + dt_bias[h]));
-        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * Hv + h]))));
-        const scalar_t* vr = v + (row * Hv + h) * dv;
-        for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
-        for (int64_t j = 0; j < dv; ++j) delta[j] = 0.f;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) delta[j] += S[i * dv + j] * kf[i];
-        for (int64_t j = 0; j < dv; ++j) delta[j] = (static_cast<float>(vr[j]) - delta[j]) * beta;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += kf[i] * delta[j];
-        for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
-        for (int64_t i = 0; i < dk; ++i)
-          for (int64_t j = 0; j < dv; ++j) o[j] += S[i * dv + j] * qf[i];
+        l2norm_into(q + row * sq + hk * dk, qf.data(), dk, q_scale);
+        l2norm_into(k + row * sk + hk * dk, kf.data(), dk, 1.f);
+        const float decay = std::exp(A * softplus(static_cast<float>(a[row * sa + h]) + dt_bias[h]));
+        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * sb + h]))));
+        const scalar_t* vr = v + row * sv + h * dv;
         scalar_t* orow = out + (row * Hv + h) * dv;
+        for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vr[j]);
+        const float* next = nullptr;  // on the last token, the next task's state (see delta_rule_token)
+        if (t == n - 1 && task + 1 < end) {
+          const int64_t s2 = (task + 1) / Hv, h2 = (task + 1) % Hv;
+          if (!seqs.reset[s2]) next = state + seqs.slots[s2] * slot_stride + h2 * dk * dv;
+        }
+        delta_rule_token(S, kf.data(), qf.data(), vf.data(), acc.data(), o.data(), decay, beta, dk, dv, next);
         for (int64_t j = 0; j < dv; ++j) orow[j] = round_to<scalar_t>(o[j]);
         for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S.data(), dk * dv * sizeof(float));
+          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S, dk * dv * sizeof(float));
       }
-      std::memcpy(st, S.data(), dk * dv * sizeof(float));
     }
   });
 }
@@ -216,7 +337,7 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                torch::Tensor snap_counts, torch::Tensor snap_slots) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "gated_delta_rule: q, k (T, Hk, dk) and v (T, Hv, dv)");
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); a = a.contiguous(); b = b.contiguous();
+  q = rows_apart(q); k = rows_apart(k); v = rows_apart(v); a = rows_apart(a); b = rows_apart(b);
   const int64_t T = q.size(0), Hk = q.size(1), dk = q.size(2), Hv = v.size(1), dv = v.size(2);
   TORCH_CHECK(Hv % Hk == 0, "gated_delta_rule: value heads must be a multiple of key heads");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
@@ -231,11 +352,12 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                   state.dtype() == torch::kFloat32 && state.is_contiguous(),
               "gated_delta_rule: state must be contiguous float32 (slots, Hv, dk, dv)");
   check_sequences(starts, slots, reset, snap_starts, snap_counts, snap_slots, T, state.size(0));
-  auto out = torch::empty_like(v);
+  auto out = torch::empty(v.sizes(), v.options());
   const Sequences seqs(starts, slots, reset, snap_starts, snap_counts, snap_slots);
+  const int64_t strides[5] = {q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gated_delta_rule", [&] {
     gated_delta_rule_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                    a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), A_log.data_ptr<float>(),
+                                    a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), strides, A_log.data_ptr<float>(),
                                     dt_bias.data_ptr<float>(), state.data_ptr<float>(), out.data_ptr<scalar_t>(),
                                     seqs, Hk, Hv, dk, dv);
   });
@@ -332,54 +454,67 @@ torch::Tensor ssm_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor B, torch
 // norm_before_gate (Qwen3.5, Falcon-H1's option): out = (w * round(x * rsqrt(mean x^2 + eps))) * silu(gate).
 // gate first (Mamba2):                          h = x * silu(gate) [fp32], then per group of `group`
 //                                               columns: out = w * round(h * rsqrt(mean h^2 + eps)).
+// Row by row; each step is a loop over the whole row, padded to 16 lanes (the SiLU is silu_block's), and each
+// group's sum of squares runs in index order, so a row's bits depend only on the row.
+// Row r of x (and of the gate) is head r % heads of token r / heads: token rows x_stride (gate_stride) apart.
 template <typename x_t, typename scalar_t>
-void gated_rms_norm_impl(const x_t* x, const scalar_t* gate, const scalar_t* w, scalar_t* out, int64_t rows,
-                         int64_t n, int64_t group, float eps, bool norm_before_gate) {
+void gated_rms_norm_impl(const x_t* x, int64_t x_stride, const scalar_t* gate, int64_t gate_stride,
+                         const scalar_t* w, scalar_t* out, int64_t rows, int64_t heads, int64_t n, int64_t group,
+                         float eps, bool norm_before_gate) {
+  const int64_t padded = (n + 15) / 16 * 16;
   conveyor_parallel::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n);
+    std::vector<float> h(padded, 0.f), sg(padded, 0.f), wf(padded, 0.f);
+    for (int64_t j = 0; j < n; ++j) wf[j] = static_cast<float>(w[j]);
     for (int64_t r = begin; r < end; ++r) {
-      const x_t* xr = x + r * n;
-      const scalar_t* gr = gate + r * n;
+      const x_t* xr = x + (r / heads) * x_stride + (r % heads) * n;
+      const scalar_t* gr = gate + (r / heads) * gate_stride + (r % heads) * n;
       scalar_t* o = out + r * n;
       for (int64_t j = 0; j < n; ++j) {
         h[j] = static_cast<float>(xr[j]);
-        if (!norm_before_gate) h[j] = h[j] * silu(static_cast<float>(gr[j]));
+        sg[j] = static_cast<float>(gr[j]);
       }
+      silu_block(sg.data(), padded);
+      if (!norm_before_gate)
+        for (int64_t j = 0; j < n; ++j) h[j] = h[j] * sg[j];
       for (int64_t g0 = 0; g0 < n; g0 += group) {
         float sum = 0.f;
         for (int64_t j = g0; j < g0 + group; ++j) sum += h[j] * h[j];
         const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
-        for (int64_t j = g0; j < g0 + group; ++j) {
-          const float normed = round_f<x_t>(h[j] * inv);
-          const float scaled = round_f<x_t>(static_cast<float>(w[j]) * normed);
-          o[j] = norm_before_gate ? round_to<scalar_t>(scaled * silu(static_cast<float>(gr[j]))) : round_to<scalar_t>(scaled);
-        }
+        for (int64_t j = g0; j < g0 + group; ++j) h[j] = h[j] * inv;
       }
+      round_block<x_t>(h.data(), padded);  // normed
+      for (int64_t j = 0; j < padded; ++j) h[j] = wf[j] * h[j];
+      round_block<x_t>(h.data(), padded);  // scaled
+      if (norm_before_gate)
+        for (int64_t j = 0; j < padded; ++j) h[j] = h[j] * sg[j];
+      round_block<scalar_t>(h.data(), padded);
+      for (int64_t j = 0; j < n; ++j) o[j] = round_to<scalar_t>(h[j]);  // exact: already rounded
     }
   });
 }
 
 torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor weight, double eps, int64_t group,
                              bool norm_before_gate) {
-  TORCH_CHECK(x.dim() == 2 && gate.sizes() == x.sizes() && weight.numel() == x.size(1),
-              "gated_rms_norm: x and gate (R, n), weight (n,)");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && gate.sizes() == x.sizes() && weight.numel() == x.size(-1),
+              "gated_rms_norm: x and gate (R, n) or (T, heads, n), weight (n,)");
   TORCH_CHECK(weight.scalar_type() == gate.scalar_type() &&
                   (x.scalar_type() == gate.scalar_type() || x.scalar_type() == torch::kFloat32),
               "gated_rms_norm: gate and weight must share a dtype, x that one or float32");
-  TORCH_CHECK(group > 0 && x.size(1) % group == 0, "gated_rms_norm: group must divide the row");
-  x = x.contiguous(); gate = gate.contiguous(); weight = weight.contiguous();
-  auto out = torch::empty_like(gate);
+  TORCH_CHECK(group > 0 && x.size(-1) % group == 0, "gated_rms_norm: group must divide the row");
+  x = rows_apart(x); gate = rows_apart(gate); weight = weight.contiguous();
+  auto out = torch::empty(gate.sizes(), gate.options());
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1, n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "gated_rms_norm", [&] {
     const scalar_t* g = gate.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const float e = static_cast<float>(eps);
     if (x.scalar_type() == torch::kFloat32)
-      gated_rms_norm_impl<float, scalar_t>(x.data_ptr<float>(), g, w, o, x.size(0), x.size(1), group, e,
-                                           norm_before_gate);
+      gated_rms_norm_impl<float, scalar_t>(x.data_ptr<float>(), x.stride(0), g, gate.stride(0), w, o, rows, heads, n,
+                                           group, e, norm_before_gate);
     else
-      gated_rms_norm_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), g, w, o, x.size(0), x.size(1), group, e,
-                                              norm_before_gate);
+      gated_rms_norm_impl<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), g, gate.stride(0), w, o, rows,
+                                              heads, n, group, e, norm_before_gate);
   });
   return out;
 }
