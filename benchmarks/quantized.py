@@ -30,6 +30,7 @@ unchanged whatever format conveyor keeps the weights in.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib.util
 import json
@@ -251,32 +252,43 @@ def prefill_macs_per_token(path: Path) -> int:
     """Multiply-accumulates of one prompt token through the weight matrices: the 2-D tensors but the token
     embedding and the lm_head (prefill runs the head for the last token only), expert stacks at the share a
     token routes to. What prefill is compared with the int8 peak on."""
-    reader = gguf.GGUFReader(path)
+    tensors, active = _tensor_table(path)
     skip = {"token_embd.weight", "output.weight"}
-    active = _active_expert_share(reader)
-    return int(sum(int(t.n_elements) * (active if _is_expert_stack(t.name) else 1.0) for t in reader.tensors
-                   if t.name not in skip and len(t.shape) >= 2))
+    return int(sum(t.num_elements * (active if _is_expert_stack(name) else 1.0) for name, t in tensors.items()
+                   if name not in skip and t.num_dims >= 2))
 
 
 def weight_bytes_per_token(path: Path) -> int:
     """Bytes one decode step reads: all tensors but the token embedding, unless it doubles as the lm_head;
     of an MoE file's expert stacks only the routed share (expert_used_count / expert_count)."""
-    reader = gguf.GGUFReader(path)
-    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
+    tensors, active = _tensor_table(path)
     skip = {"token_embd.weight"} if "output.weight" in tensors else set()
-    active = _active_expert_share(reader)
-    return int(sum(n * (active if _is_expert_stack(name) else 1.0) for name, n in tensors.items() if name not in skip))
+    return int(sum(t.num_bytes * (active if _is_expert_stack(name) else 1.0) for name, t in tensors.items()
+                   if name not in skip))
+
+
+@dataclass(frozen=True)
+class _TensorSize:
+    num_bytes: int
+    num_elements: int
+    num_dims: int
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_table(path: Path) -> tuple[dict[str, _TensorSize], float]:
+    """Each tensor's size and the routed share of the experts, read once per file (parsing a 200k-token
+    vocabulary takes GGUFReader a minute on a busy machine)."""
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: _TensorSize(int(t.n_bytes), int(t.n_elements), len(t.shape)) for t in reader.tensors}
+    arch = _field(reader, "general.architecture")
+    active = 1.0
+    if f"{arch}.expert_count" in reader.fields:
+        active = _field(reader, f"{arch}.expert_used_count") / _field(reader, f"{arch}.expert_count")
+    return tensors, active
 
 
 def _is_expert_stack(name: str) -> bool:
     return name.endswith(("_exps.weight", "_exps.bias"))  # shared experts (_shexp) run for every token
-
-
-def _active_expert_share(reader: gguf.GGUFReader) -> float:
-    arch = _field(reader, "general.architecture")
-    if f"{arch}.expert_count" not in reader.fields:
-        return 1.0
-    return _field(reader, f"{arch}.expert_used_count") / _field(reader, f"{arch}.expert_count")
 
 
 def context_length(path: Path) -> int:
