@@ -4,8 +4,9 @@ same file; issue #25).
 Laid out as llama.cpp's convert_hf_to_gguf.py writes openai/gpt-oss-20b with `--outtype q8_0` (conversion/
 gpt_oss.py): the experts stay MXFP4 (repacked, not requantized), every other matrix is Q8_0 (attention, the
 token embedding and the untied output), the router (`ffn_gate_inp`), the norms, sinks and all biases F32. That is
-also what `llama-quantize ... MXFP4_MOE` makes (src/llama-quant.cpp: MoE tensors MXFP4, the rest Q8_0) and what
-the ~12.1 GB ggml-org release holds; `--outtype bf16` would leave attention and embeddings in bf16 (~13.8 GB).
+also what `llama-quantize ... MXFP4_MOE` makes (src/llama-quant.cpp: MoE tensors MXFP4, the rest Q8_0), and its
+12.10 GB match the size listed for ggml-org's gpt-oss-20b-mxfp4.gguf (12.1 GB; `--outtype bf16`, the converter's
+default for the bf16 checkpoint, would make 13.8 GB with attention and embeddings in bf16).
 
 Blocks are written as random bits directly, one tensor at a time, so no full-precision copy ever exists: MXFP4
 codes uniform over all 16 E2M1 values with E8M0 scales 118..122 (weights up to about +-0.1, as gpt-oss's are);
