@@ -10,10 +10,13 @@ Usage:
 Models (cached under --models-dir, not in the repo): a synthetic Llama with Llama-3.2-1B's shapes
 (hidden 2048, 16 layers, 32 heads / 8 KV heads, FFN 8192, tied embeddings), random weights and
 SmolLM2's tokenizer, written in F16 and quantized by `llama-quantize` to Q4_K_M, Q4_0 and Q8_0;
-plus the bundled SmolLM2-135M Q4_1. Bandwidth: a small C program (cc -O3 -march=native -fopenmp)
-streams a buffer much larger than L3 on every core. The limit of a file is bandwidth / the bytes of
-weights one decode step reads (every tensor except the token embedding; a tied embedding is read
-once, as the lm_head). At concurrency C the weights are shared, so only C=1 is compared with it.
+plus the bundled SmolLM2-135M Q4_1; `gpt-oss-20b`: a GPT-OSS-20B-shaped file with random MXFP4
+experts (benchmarks/gpt_oss_gguf.py, ~12.1 GB, written on first use), served at 4096 tokens per
+slot (its own 131072 x 16 slots would not fit). Bandwidth: a small C program (cc -O3 -march=native
+-fopenmp) streams a buffer much larger than L3 on every core. The limit of a file is bandwidth / the
+bytes of weights one decode step reads (every tensor except the token embedding; a tied embedding is
+read once, as the lm_head; of MoE expert stacks only the routed share, expert_used_count /
+expert_count). At concurrency C the weights are shared, so only C=1 is compared with it.
 
 For each level and file it starts `conveyor serve --parallel 16 --speculative-ngram 0` (with
 CONVEYOR_REQUIRE_KERNELS=1) and then `llama-server -np 16 -t <cores>` on the same file and context
@@ -27,6 +30,7 @@ unchanged whatever format conveyor keeps the weights in.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib.util
 import json
@@ -51,6 +55,9 @@ LEVEL_ENV = {
     "avx2": {"CONVEYOR_KERNEL_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 SYNTH_NAME = "synthetic-llama-1b"
+GPT_OSS_NAME = "gpt-oss-20b"
+# Context per slot where the file's own is far too big to give 16 slots (131072 x 16 tokens of K/V).
+SLOT_CTX = {GPT_OSS_NAME: 4096}
 QUANTS = {"q4_k_m": "Q4_K_M", "q4_0": "Q4_0", "q8_0": "Q8_0"}
 # CMake flags of the two llama.cpp builds (option names of the llama.cpp vendored in llama-cpp-python 0.3.36).
 CMAKE_COMMON = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -243,17 +250,45 @@ def measure_int8_peak(level: str, threads: int) -> tuple[float, str]:
 
 def prefill_macs_per_token(path: Path) -> int:
     """Multiply-accumulates of one prompt token through the weight matrices: the 2-D tensors but the token
-    embedding and the lm_head (prefill runs the head for the last token only). What prefill is compared
-    with the int8 peak on."""
+    embedding and the lm_head (prefill runs the head for the last token only), expert stacks at the share a
+    token routes to. What prefill is compared with the int8 peak on."""
+    tensors, active = _tensor_table(path)
     skip = {"token_embd.weight", "output.weight"}
-    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors if t.name not in skip and len(t.shape) >= 2)
+    return int(sum(t.num_elements * (active if _is_expert_stack(name) else 1.0) for name, t in tensors.items()
+                   if name not in skip and t.num_dims >= 2))
 
 
 def weight_bytes_per_token(path: Path) -> int:
-    """Bytes one decode step reads: all tensors but the token embedding, unless it doubles as the lm_head."""
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    """Bytes one decode step reads: all tensors but the token embedding, unless it doubles as the lm_head;
+    of an MoE file's expert stacks only the routed share (expert_used_count / expert_count)."""
+    tensors, active = _tensor_table(path)
     skip = {"token_embd.weight"} if "output.weight" in tensors else set()
-    return sum(n for name, n in tensors.items() if name not in skip)
+    return int(sum(t.num_bytes * (active if _is_expert_stack(name) else 1.0) for name, t in tensors.items()
+                   if name not in skip))
+
+
+@dataclass(frozen=True)
+class _TensorSize:
+    num_bytes: int
+    num_elements: int
+    num_dims: int
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_table(path: Path) -> tuple[dict[str, _TensorSize], float]:
+    """Each tensor's size and the routed share of the experts, read once per file (parsing a 200k-token
+    vocabulary takes GGUFReader a minute on a busy machine)."""
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: _TensorSize(int(t.n_bytes), int(t.n_elements), len(t.shape)) for t in reader.tensors}
+    arch = _field(reader, "general.architecture")
+    active = 1.0
+    if f"{arch}.expert_count" in reader.fields:
+        active = _field(reader, f"{arch}.expert_used_count") / _field(reader, f"{arch}.expert_count")
+    return tensors, active
+
+
+def _is_expert_stack(name: str) -> bool:
+    return name.endswith(("_exps.weight", "_exps.bias"))  # shared experts (_shexp) run for every token
 
 
 def context_length(path: Path) -> int:
@@ -359,8 +394,16 @@ def ensure_models(names: list[str], models_dir: Path, quantize: str, threads: in
         if name.endswith(".gguf"):
             paths[Path(name).stem] = Path(name)
             continue
+        if name == GPT_OSS_NAME:  # GPT-OSS-20B-shaped, random MXFP4 experts (benchmarks/gpt_oss_gguf.py; ~12 GB)
+            from gpt_oss_gguf import GptOssShape, write
+            paths[name] = models_dir / f"{name}-shaped-MXFP4.gguf"
+            if not paths[name].exists():
+                print(f"writing {paths[name]}", flush=True)
+                write(paths[name], GptOssShape())
+            continue
         if name not in QUANTS and name != "f16":
-            raise SystemExit(f"unknown file {name!r}: use {', '.join([*QUANTS, 'f16', 'smollm2', 'gemma3-270m'])} "
+            raise SystemExit(f"unknown file {name!r}: use "
+                             f"{', '.join([*QUANTS, 'f16', 'smollm2', 'gemma3-270m', GPT_OSS_NAME])} "
                              "or a .gguf path")
         if not f16.exists():
             print(f"writing {f16}", flush=True)
@@ -624,7 +667,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", default="q4_k_m,q4_0,q8_0,smollm2",
                    help="comma list of q4_k_m, q4_0, q8_0, f16 (the synthetic 1B), smollm2, gemma3-270m, "
-                        "or .gguf paths")
+                        f"{GPT_OSS_NAME} (GPT-OSS-20B-shaped MXFP4, written if missing), or .gguf paths")
     p.add_argument("--levels", default="native,avx2", help="comma list of native, avx2")
     p.add_argument("--servers", default="conveyor,llama-server", help="comma list of conveyor, llama-server")
     p.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")])
@@ -684,7 +727,7 @@ def main() -> None:
     runs = []
     for level in args.levels.split(","):
         for name, path in files.items():
-            ctx = args.ctx or context_length(path)
+            ctx = args.ctx or SLOT_CTX.get(name) or context_length(path)
             for server in args.servers.split(","):
                 run = Run(level, server, name)
                 env = {**os.environ}
@@ -696,7 +739,7 @@ def main() -> None:
                 bench_server(run, cmd, env, args, log_dir / f"{args.tag}_{level}_{name}_{server}.log")
                 runs.append(run)
     lines = []
-    context = args.ctx or "the file's"
+    context = args.ctx or "the file's" + "".join(f" ({n}: {SLOT_CTX[n]})" for n in files if n in SLOT_CTX)
     for level in args.levels.split(","):
         header, rows = level_table(level, runs, files, bandwidth, args.concurrency, peaks[level][0])
         caption = (f"Level **{level}**, run {args.tag}. Machine: {host}. Read bandwidth {bandwidth:.1f} GB/s "

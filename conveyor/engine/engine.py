@@ -30,6 +30,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
+from conveyor.loading.heap import trim_heap
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
@@ -124,6 +125,7 @@ class EngineCore:
         model = build_model(checkpoint.config, progress.track(checkpoint.weights), self.dtype, self.device,
                             config.batch_invariant, config.weight_dtype, ops=self.backend,
                             release=checkpoint.release_pages)
+        trim_heap()  # packing's freed temporaries: without this RSS stays ~1.3x the weights of a big file
         # Bytes as kept (GGML blocks, packed bf16, int8): what the weights cost, for the KV pool plan.
         self.weight_formats = weight_bytes_by_format(model)
         weight_bytes = sum(self.weight_formats.values())

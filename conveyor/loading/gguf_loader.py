@@ -9,8 +9,6 @@ one warning per type; a type gguf-py cannot dequantize either is a LoadError up 
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 import mmap
 import os
@@ -27,6 +25,7 @@ from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, 
 from conveyor.loading.gguf_config import config_from_gguf, field_value
 from conveyor.loading.gguf_hybrid import HYBRID_GGUF_ARCHITECTURES, HybridTensors
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
+from conveyor.loading.heap import return_freed_heap
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
@@ -181,7 +180,7 @@ def load_gguf(path: str) -> Checkpoint:
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     mapping.release_all()  # metadata and vocabulary pages
     del reader
-    _return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
+    return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
                       source=path, name=model_name(path), release_pages=mapping.release)
 
@@ -335,15 +334,6 @@ def _unpermute(arch: str, config: ModelConfig, name: str, weight: Weight, releas
     permuted = rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
     release(rows)
     return QuantizedTensor(weight.qtype, weight.shape, permuted) if isinstance(weight, QuantizedTensor) else permuted
-
-
-def _return_freed_heap() -> None:
-    """glibc keeps freed small blocks for reuse; give them back so RSS shows what the model holds."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class _FileMapping:
