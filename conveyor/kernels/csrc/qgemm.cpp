@@ -936,38 +936,83 @@ inline __m256i sb_chunk_q4k(const __m256i* w, const int8_t* x, __m256i sc, __m25
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
 }
 
-// Rows [r0, r0 + MR) x the halves [h0, h1) of one group, superblock by superblock.
+// The superblock's float step for half h and rows [r0, r0 + MR): acc += (dx d) S - (dx dmin) sum_c mn_c bx_c.
 template <int MR>
-void tile_sb_q4k(const uint8_t* wg, int h0, int h1, int64_t n_sb, const QuantRows& xr, int64_t r0,
-                 __m256 (*acc)[MR]) {
+inline void sb_q4k_step(const uint8_t* sbp, int h, const __m256i* isum, const QuantRows& xr, int64_t r0, int64_t s,
+                        __m256* acc) {
+  const __m256 d = load_half8(sbp + 16 * h), dmin = load_half8(sbp + 32 + 16 * h);
+  __m256i mnp[4];  // mins of sub-blocks (2j, 2j + 1) as int16 pairs
+  for (int j = 0; j < 4; ++j) mnp[j] = interleave_u8(sbp + 192 + 16 * (2 * j) + 8 * h, sbp + 192 + 16 * (2 * j + 1) + 8 * h);
+  for (int r = 0; r < MR; ++r) {
+    const int32_t* b = xr.b + (r0 + r) * xr.chunks + 8 * s;  // |b| <= 32 x 127: fits int16
+    __m256i mins = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[j], int16_pair(b[2 * j], b[2 * j + 1])));
+    const __m256 dx = _mm256_set1_ps(xr.sd[(r0 + r) * (xr.k / 256) + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, dmin), _mm256_cvtepi32_ps(mins), acc[r]);
+  }
+}
+
+// More rows: rows [r0, r0 + MR) x half h of one group, superblock by superblock.
+template <int MR>
+void tile_sb_q4k_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int64_t r0, __m256 (*acc)[MR]) {
   constexpr TypeInfo t = type_info(kQ4_K);
-  constexpr int64_t sbb = sb_bytes(t);
-  const int64_t n_sd = xr.k / 256;
   for (int64_t s = 0; s < n_sb; ++s) {
-    const uint8_t* sbp = wg + s * sbb;
-    for (int h = h0; h < h1; ++h) {
-      __m256i isum[MR];
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-        if (h == h0) prefetch_ahead(ch, chunk_bytes(t));
-        __m256i w[8];
-        unpack<kQ4_K>(ch, h, w);
-        const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
-        for (int r = 0; r < MR; ++r) isum[r] = sb_chunk_q4k(w, xr.q + (r0 + r) * xr.k + 256 * s + 32 * c, sc, isum[r]);
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      if (h == 0) prefetch_ahead(ch, chunk_bytes(t));
+      __m256i w[8];
+      unpack<kQ4_K>(ch, h, w);
+      const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
+      for (int r = 0; r < MR; ++r) isum[r] = sb_chunk_q4k(w, xr.q + (r0 + r) * xr.k + 256 * s + 32 * c, sc, isum[r]);
+    }
+    sb_q4k_step<MR>(sbp, h, isum, xr, r0, s, acc[h]);
+  }
+}
+
+// Few rows (decode): both halves per chunk in one pass, each activation broadcast once for both
+// (1.05-1.10x at M = 1-2 over walking the superblock once per half, measured; the same bits).
+template <int MR>
+void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, __m256 (*acc)[MR]) {
+  constexpr TypeInfo t = type_info(kQ4_K);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m256i isum[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));
+      __m256i p[2][MR];  // int16 pair sums, as in sb_chunk_q4k
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < MR; ++r) p[h][r] = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 64 * v + 32 * h));
+          lo[h] = _mm256_and_si256(raw, m4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
+          const __m256i xa = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 4 * v))));
+          const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 16 + 4 * v))));
+          for (int h = 0; h < 2; ++h) {
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(lo[h], xa));
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(hi[h], xb));
+          }
+        }
       }
-      const __m256 d = load_half8(sbp + 16 * h), dmin = load_half8(sbp + 32 + 16 * h);
-      __m256i mnp[4];  // mins of sub-blocks (2j, 2j + 1) as int16 pairs
-      for (int j = 0; j < 4; ++j) mnp[j] = interleave_u8(sbp + 192 + 16 * (2 * j) + 8 * h, sbp + 192 + 16 * (2 * j + 1) + 8 * h);
-      for (int r = 0; r < MR; ++r) {
-        const int32_t* b = xr.b + (r0 + r) * xr.chunks + 8 * s;  // |b| <= 32 x 127: fits int16
-        __m256i mins = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[j], int16_pair(b[2 * j], b[2 * j + 1])));
-        const __m256 dx = _mm256_set1_ps(xr.sd[(r0 + r) * n_sd + s]);
-        acc[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, d), _mm256_cvtepi32_ps(isum[r]), acc[h][r]);
-        acc[h][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, dmin), _mm256_cvtepi32_ps(mins), acc[h][r]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
+        for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_add_epi32(isum[h][r], _mm256_madd_epi16(p[h][r], sc));
       }
     }
+    for (int h = 0; h < 2; ++h) sb_q4k_step<MR>(sbp, h, isum[h], xr, r0, s, acc[h]);
   }
 }
 
@@ -979,10 +1024,10 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
     if constexpr (MR <= kBothHalvesRows) {
-      tile_sb_q4k<MR>(wg, 0, 2, n_sb, xr, r0, acc);
+      tile_sb_q4k_both<MR>(wg, n_sb, xr, r0, acc);
     } else {
-      tile_sb_q4k<MR>(wg, 0, 1, n_sb, xr, r0, acc);
-      if (cols > 8) tile_sb_q4k<MR>(wg, 1, 2, n_sb, xr, r0, acc);
+      tile_sb_q4k_half<MR>(wg, 0, n_sb, xr, r0, acc);
+      if (cols > 8) tile_sb_q4k_half<MR>(wg, 1, n_sb, xr, r0, acc);
     }
     store_rows8(acc[0], MR, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
     if (cols > 8) store_rows8(acc[1], MR, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
