@@ -110,15 +110,20 @@ constexpr int kGroup = 16;  // columns per group
 bool supported(int qt) { return type_info(qt).sb != 0; }
 
 // The weights stream from memory once per step: ask for what comes ~3 KB after this chunk (the
-// hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured).
+// hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured). Hint 3
+// (prefetcht0) where a tile reuses the bytes for more rows; the decode walks (1-2 rows, each byte
+// used once) take prefetchnta (hint 0): 1.07-1.3x at M = 1-2 on a Zen 2 core, AVX2 level, measured
+// (benchmarks/results.md, "Issue #26: qgemm round 2"); t0 stayed better from 16 rows.
+template <int Hint = 3>
 inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
 #if defined(__GNUC__)
-  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(chunk + 3072 + line, 0, 3);
+  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(chunk + 3072 + line, 0, Hint);
 #else
   (void)chunk;
   (void)bytes;
 #endif
 }
+inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead<0>(chunk, bytes); }
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
@@ -842,7 +847,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
     }
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
+      prefetch_stream(ch, chunk_bytes(t));
       const int64_t kc = s * cpb + c;
       for (int h = 0; h < 2; ++h) {
         __m256i w[8];
@@ -986,7 +991,7 @@ void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int6
       for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
+      prefetch_stream(ch, chunk_bytes(t));
       __m256i p[2][MR];  // int16 pair sums, as in sb_chunk_q4k
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < MR; ++r) p[h][r] = _mm256_setzero_si256();
