@@ -112,7 +112,7 @@ bool supported(int qt) { return type_info(qt).sb != 0; }
 // The weights stream from memory once per step: ask for what comes ~3 KB after this chunk (the
 // hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured). Hint 3
 // (prefetcht0) where a tile reuses the bytes for more rows; the decode walks (1-2 rows, each byte
-// used once) take prefetchnta (hint 0): 1.07-1.3x at M = 1-2 on a Zen 2 core, AVX2 level, measured
+// used once) take prefetchnta (hint 0): 1.07-1.3x at M = 1-2 on a Zen 2 core, plain AVX2 level, measured
 // (benchmarks/results.md, "Issue #26: qgemm round 2"); t0 stayed better from 16 rows.
 template <int Hint = 3>
 inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
@@ -123,7 +123,11 @@ inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
   (void)bytes;
 #endif
 }
+#if defined(__AVXVNNI__)
+inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead(chunk, bytes); }  // not measured there
+#else
 inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead<0>(chunk, bytes); }
+#endif
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
