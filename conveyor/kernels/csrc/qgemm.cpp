@@ -908,8 +908,8 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
 // sum_c sc_c S_c is exact, and its mins sum_c mn_c b_c too. One float step per superblock and row:
 // acc += (dx d) S - (dx dmin) M. Every row runs these same ops whatever M is, so rows stay
 // batch-invariant; only the activations' block differs from the other levels (one scale per 256,
-// as llama.cpp's Q8_K), within the same stated tolerance. Q4_K only: Q6_K measured slower this way
-// at M = 1 (benchmarks/results.md, "Issue #26: qgemm round 2"), Q5_K was not measured.
+// as llama.cpp's Q8_K), within the same stated tolerance. Q4_K only: Q6_K measured 0.83x this way
+// at M = 1 (benchmarks/results.md, issue #26, "Tried and not landed"); Q5_K was not measured.
 #if !defined(QG_AVXVNNI)
 constexpr bool kSuperblockQ4K = true;
 #else
