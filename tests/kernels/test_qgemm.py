@@ -54,10 +54,46 @@ def test_matches_dequantize_then_fp32_matmul(qtype, in_features, out_features, b
     got = backend.quantized_linear(x, packed, qtype, out_features, in_features, b)
     want = reference_linear(x, raw, qtype, b)
     assert got.dtype == torch.bfloat16 and got.shape == (11, out_features)
-    # Stated tolerance: activations are int8 per 32-block (relative error <= 1/254 of the block's max
-    # per element), output rounded once to bf16: within 2% of the output's scale.
+    # Stated tolerance: activations are int8 per 32-block (per 256 for Q4_K on the avx2 level; relative
+    # error <= 1/254 of the block's max per element), output rounded once to bf16: within 2% of the
+    # output's scale.
     scale = want.abs().max()
     assert (got.float() - want).abs().max() <= 0.02 * scale + 1e-3
+
+
+def _activation_block(qtype: int) -> int:
+    """Values per activation scale at this level (docs/kernels.md): 256 for Q4_K on plain AVX2, else 32."""
+    return 256 if qtype == Q.Q4_K and backend.qgemm.backend() == "avx2" else 32
+
+
+def _quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as the kernel rounds it: int8 per `block` values (scale amax/127, half to even), in float64."""
+    v = x.float().reshape(x.shape[0], -1, block)
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # fp32, as the kernel's 127.f / amax
+    q = torch.round(v * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_activation_rounding_is_the_levels_stated_block(qtype):
+    """The integer part is exact, so the output is the exact product of the rounded activations with the
+    weights, up to fp32 steps and one bf16 rounding: this pins which block the level quantizes by (32-blocks
+    whose scales differ 30x apart make per-32 and per-256 rounding far apart)."""
+    in_features, out_features = 512, 40
+    raw = random_raw(qtype, out_features, in_features, seed=5)
+    packed = backend.pack_quantized(raw, qtype, in_features)
+    gen = torch.Generator().manual_seed(6)
+    spread = torch.tensor([30.0, 1.0, 0.5, 3.0, 0.1, 1.0, 8.0, 0.3]).repeat_interleave(32).repeat(2)
+    x = (torch.randn(4, in_features, generator=gen) * spread).bfloat16()
+    got = backend.quantized_linear(x, packed, qtype, out_features, in_features, None).double()
+    weight = dequantize_raw(raw, qtype, in_features).double()
+    block = _activation_block(qtype)
+    want = _quantized_activations(x, block) @ weight.T
+    other = _quantized_activations(x, 288 - block) @ weight.T  # the other scheme, 32 <-> 256
+    tol = want.abs() * 2.0 ** -8 + 1e-4 * want.abs().max()  # bf16's half ulp, plus fp32 steps
+    assert ((got - want).abs() <= tol).all()
+    assert ((other - want).abs() > tol).any()  # the check can tell the two schemes apart
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)

@@ -110,15 +110,24 @@ constexpr int kGroup = 16;  // columns per group
 bool supported(int qt) { return type_info(qt).sb != 0; }
 
 // The weights stream from memory once per step: ask for what comes ~3 KB after this chunk (the
-// hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured).
+// hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured). Hint 3
+// (prefetcht0) where a tile reuses the bytes for more rows; the decode walks (1-2 rows, each byte
+// used once) take prefetchnta (hint 0): 1.07-1.3x at M = 1-2 on a Zen 2 core, plain AVX2 level, measured
+// (benchmarks/results.md, "Issue #26: qgemm round 2"); t0 stayed better from 16 rows.
+template <int Hint = 3>
 inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
 #if defined(__GNUC__)
-  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(chunk + 3072 + line, 0, 3);
+  for (int line = 0; line < bytes; line += 64) __builtin_prefetch(chunk + 3072 + line, 0, Hint);
 #else
   (void)chunk;
   (void)bytes;
 #endif
 }
+#if defined(__AVXVNNI__)
+inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead(chunk, bytes); }  // not measured there
+#else
+inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead<0>(chunk, bytes); }
+#endif
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
@@ -304,6 +313,7 @@ struct QuantRows {
   float* s;      // (M, K/32) scale * block sum
   int32_t* b;    // (M, K/32) block sum
   int32_t* b16;  // (M, K/16) half-block sums (Q6_K)
+  float* sd;     // (M, K/256) scale per 256-block, where the activations are quantized per superblock
   int64_t k, chunks;
 };
 
@@ -333,11 +343,39 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
   }
 }
 
+// The same row quantized with one scale per 256 values (llama.cpp's Q8_K): for the plain-AVX2
+// Q4_K path, which then sums a superblock's eight chunks exactly in int32. The 32-block sums are
+// still kept (the mins); d, s and b16 are unused.
+void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t* b) {
+  for (int64_t blk = 0; blk < k / 256; ++blk) {
+    float v[256];
+    float amax = 0.f;
+    for (int j = 0; j < 256; ++j) {
+      v[j] = widen_bf16(x[256 * blk + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    sd[blk] = amax / 127.f;
+    for (int c = 0; c < 8; ++c) {
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        float r = std::nearbyint(v[32 * c + j] * inv);
+        r = std::min(127.f, std::max(-127.f, r));
+        const int8_t qi = static_cast<int8_t>(r);
+        q[256 * blk + 32 * c + j] = qi;
+        sum += qi;
+      }
+      b[8 * blk + c] = sum;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Micro-kernels: MR rows x one group of columns, all superblocks. Each writes acc + bias as bf16.
 // ------------------------------------------------------------------------------------------
 #if defined(QG_AVX512)
 constexpr int kMaxRows = 8;
+inline bool superblock_acts(int) { return false; }
 
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x)))));
@@ -813,7 +851,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
     }
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
+      prefetch_stream(ch, chunk_bytes(t));
       const int64_t kc = s * cpb + c;
       for (int h = 0; h < 2; ++h) {
         __m256i w[8];
@@ -864,10 +902,145 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
   store_rows8(acc, MR, r0, bias, out, ldo, cols);
 }
 
+// ---- plain AVX2, Q4_K: activations per superblock, integer sums over the superblock ----
+// A chunk's products go through maddubs into int16 pair sums (as k_sums), then madd multiplies them
+// by the column's integer sub-block scale (instead of by ones) into int32: the superblock's
+// sum_c sc_c S_c is exact, and its mins sum_c mn_c b_c too. One float step per superblock and row:
+// acc += (dx d) S - (dx dmin) M. Every row runs these same ops whatever M is, so rows stay
+// batch-invariant; only the activations' block differs from the other levels (one scale per 256,
+// as llama.cpp's Q8_K), within the same stated tolerance. Q4_K only: Q6_K measured 0.83x this way
+// at M = 1 (benchmarks/results.md, issue #26, "Tried and not landed"); Q5_K was not measured.
+#if !defined(QG_AVXVNNI)
+constexpr bool kSuperblockQ4K = true;
+#else
+constexpr bool kSuperblockQ4K = false;  // dpbusd gives int32 chunk sums: the per-chunk path
+#endif
+
+inline bool superblock_acts(int qt) { return kSuperblockQ4K && qt == kQ4_K; }
+
+// Eight bytes (one per column) as int16 pairs: lanes 2i and 2i + 1 both hold byte i.
+inline __m256i pairs_u8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+// Two byte rows a, b (one per column) interleaved as int16 lanes (a_i, b_i).
+inline __m256i interleave_u8(const uint8_t* a, const uint8_t* b) {
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+}
+inline __m256i int16_pair(int32_t lo, int32_t hi) {
+  return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF)));
+}
+
+// acc + sc S(chunk), per column, exact: a lane's int16 sum is 8 maddubs pairs of 4-bit x int8
+// (|pair| <= 2 x 15 x 127 = 3810, 8 x 3810 < 32768), then madd by sc <= 63 into int32.
+inline __m256i sb_chunk_q4k(const __m256i* w, const int8_t* x, __m256i sc, __m256i acc) {
+  __m256i p = _mm256_setzero_si256();
+  for (int g = 0; g < 4; ++g) {
+    const __m256i xa = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 4 * g))));
+    const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 16 + 4 * g))));
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], xa));
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g + 4], xb));
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+}
+
+// The superblock's float step for half h and rows [r0, r0 + MR): acc += (dx d) S - (dx dmin) sum_c mn_c bx_c.
+template <int MR>
+inline void sb_q4k_step(const uint8_t* sbp, int h, const __m256i* isum, const QuantRows& xr, int64_t r0, int64_t s,
+                        __m256* acc) {
+  const __m256 d = load_half8(sbp + 16 * h), dmin = load_half8(sbp + 32 + 16 * h);
+  __m256i mnp[4];  // mins of sub-blocks (2j, 2j + 1) as int16 pairs
+  for (int j = 0; j < 4; ++j) mnp[j] = interleave_u8(sbp + 192 + 16 * (2 * j) + 8 * h, sbp + 192 + 16 * (2 * j + 1) + 8 * h);
+  for (int r = 0; r < MR; ++r) {
+    const int32_t* b = xr.b + (r0 + r) * xr.chunks + 8 * s;  // |b| <= 32 x 127: fits int16
+    __m256i mins = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[j], int16_pair(b[2 * j], b[2 * j + 1])));
+    const __m256 dx = _mm256_set1_ps(xr.sd[(r0 + r) * (xr.k / 256) + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dx, dmin), _mm256_cvtepi32_ps(mins), acc[r]);
+  }
+}
+
+// More rows: rows [r0, r0 + MR) x half h of one group, superblock by superblock.
+template <int MR>
+void tile_sb_q4k_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int64_t r0, __m256 (*acc)[MR]) {
+  constexpr TypeInfo t = type_info(kQ4_K);
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      if (h == 0) prefetch_ahead(ch, chunk_bytes(t));
+      __m256i w[8];
+      unpack<kQ4_K>(ch, h, w);
+      const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
+      for (int r = 0; r < MR; ++r) isum[r] = sb_chunk_q4k(w, xr.q + (r0 + r) * xr.k + 256 * s + 32 * c, sc, isum[r]);
+    }
+    sb_q4k_step<MR>(sbp, h, isum, xr, r0, s, acc[h]);
+  }
+}
+
+// Few rows (decode): both halves per chunk in one pass, each activation broadcast once for both
+// (1.05-1.10x at M = 1-2 over walking the superblock once per half, measured; the same bits).
+template <int MR>
+void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, __m256 (*acc)[MR]) {
+  constexpr TypeInfo t = type_info(kQ4_K);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m256i isum[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_stream(ch, chunk_bytes(t));
+      __m256i p[2][MR];  // int16 pair sums, as in sb_chunk_q4k
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < MR; ++r) p[h][r] = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ch + 64 * v + 32 * h));
+          lo[h] = _mm256_and_si256(raw, m4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
+          const __m256i xa = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 4 * v))));
+          const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 16 + 4 * v))));
+          for (int h = 0; h < 2; ++h) {
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(lo[h], xa));
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(hi[h], xb));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
+        for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_add_epi32(isum[h][r], _mm256_madd_epi16(p[h][r], sc));
+      }
+    }
+    for (int h = 0; h < 2; ++h) sb_q4k_step<MR>(sbp, h, isum[h], xr, r0, s, acc[h]);
+  }
+}
+
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
-  if constexpr (MR <= kBothHalvesRows) {
+  if constexpr (kSuperblockQ4K && QT == kQ4_K) {
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
+    if constexpr (MR <= kBothHalvesRows) {
+      tile_sb_q4k_both<MR>(wg, n_sb, xr, r0, acc);
+    } else {
+      tile_sb_q4k_half<MR>(wg, 0, n_sb, xr, r0, acc);
+      if (cols > 8) tile_sb_q4k_half<MR>(wg, 1, n_sb, xr, r0, acc);
+    }
+    store_rows8(acc[0], MR, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
+    if (cols > 8) store_rows8(acc[1], MR, r0, bias != nullptr ? bias + 8 : nullptr, out + 8, ldo, cols - 8);
+  } else if constexpr (MR <= kBothHalvesRows) {
     tile_both<QT, MR>(wg, n_sb, xr, r0, bias, out, ldo, cols);
   } else {
     tile_half<QT, MR>(wg, 0, n_sb, xr, r0, bias, out, ldo, std::min<int64_t>(cols, 8));
@@ -877,6 +1050,7 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
 
 #else  // portable C++: the same layout, lanes as arrays (the compiler vectorizes the 16-lane loops)
 constexpr int kMaxRows = 4;
+inline bool superblock_acts(int) { return false; }
 
 template <int QT>
 inline void unpack(const uint8_t* ch, uint8_t w[8][64]) {
@@ -1105,7 +1279,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   // AMX reads whole 16-row blocks: rows past M are zeros (quantized, they contribute nothing).
   const int64_t m_pad = use_amx ? (m + 15) / 16 * 16 : m;
   // The quantized rows: per-thread buffers at decode sizes, a tensor for the call at prefill sizes.
-  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8);
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8) + m_pad * (k / 256 + 1) * 4;
   thread_local std::vector<uint8_t> small;
   torch::Tensor big;
   uint8_t* buf;
@@ -1124,6 +1298,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   xr.s = xr.d + m_pad * chunks;
   xr.b = reinterpret_cast<int32_t*>(xr.s + m_pad * chunks);
   xr.b16 = xr.b + m_pad * chunks;
+  xr.sd = reinterpret_cast<float*>(xr.b16 + 2 * m_pad * chunks);
   for (int64_t r = m; r < m_pad; ++r) {
     std::memset(xr.q + r * k, 0, k);
     std::memset(xr.d + r * chunks, 0, chunks * sizeof(float));
@@ -1133,10 +1308,16 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
+  const bool per_superblock = superblock_acts(static_cast<int>(qt));
   auto quant = [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
-                   xr.b16 + 2 * r * chunks);
+    for (int64_t r = begin; r < end; ++r) {
+      if (per_superblock) {
+        quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks);
+      } else {
+        quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
+                     xr.b16 + 2 * r * chunks);
+      }
+    }
   };
   if (m * k < (1 << 15)) quant(0, m); else conveyor_parallel::parallel_for(0, m, 4, quant);
 
