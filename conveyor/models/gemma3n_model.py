@@ -21,7 +21,7 @@ from conveyor.models.config import ModelConfig
 from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, meta_embedding, ones_param
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, Rope
-from conveyor.models.weights import WeightLoader, tensor_getters
+from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 
 def _meta_param(*shape: int) -> nn.Parameter:
@@ -211,12 +211,7 @@ class Gemma3nForCausalLM(nn.Module):
         """HF-named tensors (models/gemma3n.py weight_names), one at a time; q|k|v and gate|up fused."""
         cfg = self.config
         get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
-        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
-        self.norm.weight = norm("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
-        else:
-            loader.linear(self.lm_head, [get("lm_head.weight")])
+        load_ends(self, weights, loader, get, norm)
         self.per_layer_inputs.load(loader, get, norm)
         for kind in ("altup_projections", "altup_unembed_projections"):
             for i, proj in enumerate(getattr(self, kind)):

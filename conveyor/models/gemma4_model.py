@@ -22,7 +22,7 @@ from conveyor.models.gemma4 import MOE_NORMS, shares_k_as_v
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, LlamaMLP, Rope
 from conveyor.models.moe import SparseMoeBlock
-from conveyor.models.weights import WeightLoader, tensor_getters
+from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 
 def meta_embedding(rows: int, width: int) -> nn.Embedding:
@@ -222,12 +222,7 @@ class Gemma4ForCausalLM(nn.Module):
         """HF-named tensors (models/gemma4.py weight_names), one at a time; q|k|v and gate|up fused."""
         cfg = self.config
         get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
-        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
-        self.norm.weight = norm("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
-        else:
-            loader.linear(self.lm_head, [get("lm_head.weight")])
+        load_ends(self, weights, loader, get, norm)
         if self.per_layer_inputs is not None:
             self.per_layer_inputs.load(loader, get, norm)
         for i, layer in enumerate(self.layers):

@@ -27,7 +27,7 @@ from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention
 from conveyor.models.mamba2_mixer import Mamba2Mixer
-from conveyor.models.weights import WeightLoader, tensor_getters
+from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 
 class AttentionMixer(LlamaAttention):
@@ -258,12 +258,7 @@ class HybridForCausalLM(nn.Module):
 
         get, norm = tensor_getters(weights, loader, cfg.norm_weight_offset)
 
-        self.embed_tokens = loader.embedding(get(embedding_name(cfg)))
-        self.norm.weight = norm(final_norm_name(cfg))
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
-        else:
-            loader.linear(self.lm_head, [get("lm_head.weight")])
+        load_ends(self, weights, loader, get, norm, embedding_name(cfg), final_norm_name(cfg))
         for i, layer in enumerate(self.layers):
             prefix = layer_prefix(cfg, i)
             for sub, layer_norm in zip(layer.plan, layer.norms):

@@ -23,7 +23,7 @@ from conveyor.models.apertus import XIELU_PARAMS
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
-from conveyor.models.weights import WeightLoader, tensor_getters
+from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 Rope = tuple[torch.Tensor, torch.Tensor]  # (T, 1, D) cos and signed sin
@@ -313,12 +313,7 @@ class LlamaForCausalLM(nn.Module):
                 return [get(prefix + fused_name)]
             return [get(prefix + n) for n in names]
 
-        self.embed_tokens = loader.embedding(get("model.embed_tokens.weight"))
-        self.norm.weight = norm("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.embed_tokens = loader.tie(self.lm_head, self.embed_tokens)
-        else:
-            loader.linear(self.lm_head, [get("lm_head.weight")])
+        load_ends(self, weights, loader, get, norm)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             self._load_attention(layer.self_attn, get, norm, p, loader, fused)

@@ -184,3 +184,16 @@ def tensor_getters(weights: Mapping[str, Weight], loader: WeightLoader,
         return weight
 
     return get, norm
+
+
+def load_ends(model: nn.Module, weights: Mapping[str, Weight], loader: WeightLoader, get: Callable[[str], Weight],
+              norm: Callable[[str], nn.Parameter], embedding: str = "model.embed_tokens.weight",
+              final_norm: str = "model.norm.weight") -> None:
+    """A decoder's two ends: the token embedding, the final norm and the head (tied to the embedding when the
+    config says so or the checkpoint has no lm_head.weight)."""
+    model.embed_tokens = loader.embedding(get(embedding))
+    model.norm.weight = norm(final_norm)
+    if model.config.tie_word_embeddings or "lm_head.weight" not in weights:
+        model.embed_tokens = loader.tie(model.lm_head, model.embed_tokens)
+    else:
+        loader.linear(model.lm_head, [get("lm_head.weight")])
