@@ -209,11 +209,14 @@ def compare(args: argparse.Namespace) -> None:
                     r = {"rss_start": quantized._proc_kb(proc.pid, "VmRSS")}
                     for i, c in enumerate(args.concurrency):
                         r[c], _, _ = quantized._measure(proc, url, c, i == 0, args, env, f"C={c}")
-                    r["ttft"] = long_prompt_ttft(url, args.long_prompt)
-                    print(f"  TTFT of a {args.long_prompt}-token prompt: {r['ttft']:.2f} s", flush=True)
-                    r["shared_wall"], r["shared_ttft"] = shared_prefix_run(url, args.system_tokens, args.parallel)
-                    print(f"  {args.parallel} requests sharing a {args.system_tokens}-token system prompt: "
-                          f"{r['shared_wall']:.2f} s, mean TTFT {r['shared_ttft']:.2f} s", flush=True)
+                    r["ttft"] = r["shared_wall"] = r["shared_ttft"] = float("nan")  # 0 tokens: not measured
+                    if args.long_prompt:
+                        r["ttft"] = long_prompt_ttft(url, args.long_prompt)
+                        print(f"  TTFT of a {args.long_prompt}-token prompt: {r['ttft']:.2f} s", flush=True)
+                    if args.system_tokens:
+                        r["shared_wall"], r["shared_ttft"] = shared_prefix_run(url, args.system_tokens, args.parallel)
+                        print(f"  {args.parallel} requests sharing a {args.system_tokens}-token system prompt: "
+                              f"{r['shared_wall']:.2f} s, mean TTFT {r['shared_ttft']:.2f} s", flush=True)
                     r["rss_peak"] = quantized._proc_kb(proc.pid, "VmHWM")
                     results[server] = r
                 finally:
@@ -248,8 +251,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16", type=lambda s: [int(c) for c in s.split(",")])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--long-context", type=int, default=4096, help="--offline: prompt of the long-context decode row")
-    p.add_argument("--long-prompt", type=int, default=1500, help="tokens of the TTFT prompt")
-    p.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
+    p.add_argument("--long-prompt", type=int, default=1500, help="tokens of the TTFT prompt (0: skip it)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt (0: skip)")
     p.add_argument("--parallel", type=int, default=16)
     p.add_argument("--ctx", type=int, default=4096, help="context per slot")
     p.add_argument("--threads", type=int, default=os.cpu_count())
