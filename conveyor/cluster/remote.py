@@ -22,6 +22,7 @@ from conveyor.cluster.registry import Node, Registry
 from conveyor.cluster.transport import PeerClosed
 from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import GREEDY_TEMPERATURE
 
 _BUSY_CODES = {"overloaded", "unavailable"}
 
@@ -61,7 +62,7 @@ class RemoteRequest:
 
     @property
     def deterministic(self) -> bool:
-        return self.sampling.greedy or self.sampling.seed is not None
+        return self.sampling.temperature < GREEDY_TEMPERATURE or self.sampling.seed is not None
 
     async def stream(self) -> AsyncIterator[RequestOutput]:
         """RequestOutput deltas (the last has finished=True); DispatchError before the first one."""
