@@ -18,7 +18,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
-from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, meta_embedding, ones_param
+from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, load_attention_mlp_norms, meta_embedding
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, Rope
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
@@ -221,19 +221,7 @@ class Gemma3nForCausalLM(nn.Module):
 
     @staticmethod
     def _load_layer(layer: Gemma3nDecoderLayer, p: str, get, norm, loader: WeightLoader) -> None:
-        attn = layer.self_attn
-        parts = "qkv" if attn.owns_kv else "q"
-        loader.linear(attn.qkv_proj, [get(f"{p}self_attn.{n}_proj.weight") for n in parts])
-        loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
-        attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
-        if attn.owns_kv:
-            attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
-        if attn.v_norm is not None:
-            attn.v_norm.weight = ones_param(attn.head_dim, loader)
-        loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
-        for name in layer.norm_names:
-            getattr(layer, name).weight = norm(p + name + ".weight")
+        load_attention_mlp_norms(layer, p, get, norm, loader)
         altup = layer.altup
         altup.router_norm.weight = norm(p + "altup.router_norm.weight")
         loader.linear(altup.modality_router, [get(p + "altup.modality_router.weight")])

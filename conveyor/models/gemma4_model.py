@@ -9,7 +9,7 @@ layers that compute K/V, and each reader attends over its source's cache (writte
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -132,6 +132,25 @@ class Gemma4Experts(nn.Module):
         self.block.expert_scale = loader.dense(get(prefix + "moe.router.per_expert_scale"))
 
 
+def load_attention_mlp_norms(layer: nn.Module, p: str, get: Callable[[str], Weight],
+                             norm: Callable[[str], nn.Parameter], loader: WeightLoader) -> None:
+    """What Gemma 4's and Gemma 3n's decoder layers load alike: the attention (q, plus k and v where the layer
+    owns its K/V; no v_proj where v is k), the GeGLU MLP and the layer's norms."""
+    attn = layer.self_attn
+    parts = "q" + ("" if not attn.owns_kv else "k" if attn.k_as_v else "kv")
+    loader.linear(attn.qkv_proj, [get(f"{p}self_attn.{n}_proj.weight") for n in parts])
+    loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
+    attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
+    if attn.owns_kv:
+        attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
+    if attn.v_norm is not None:
+        attn.v_norm.weight = ones_param(attn.head_dim, loader)
+    loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
+    for name in layer.norm_names:
+        getattr(layer, name).weight = norm(p + name + ".weight")
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int) -> None:
         super().__init__()
@@ -227,19 +246,7 @@ class Gemma4ForCausalLM(nn.Module):
             self.per_layer_inputs.load(loader, get, norm)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn = layer.self_attn
-            parts = "q" + ("" if not attn.owns_kv else "k" if attn.k_as_v else "kv")
-            loader.linear(attn.qkv_proj, [get(f"{p}self_attn.{n}_proj.weight") for n in parts])
-            loader.linear(attn.o_proj, [get(p + "self_attn.o_proj.weight")])
-            attn.q_norm.weight = norm(p + "self_attn.q_norm.weight")
-            if attn.owns_kv:
-                attn.k_norm.weight = norm(p + "self_attn.k_norm.weight")
-            if attn.v_norm is not None:
-                attn.v_norm.weight = ones_param(attn.head_dim, loader)
-            loader.linear(layer.mlp.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            loader.linear(layer.mlp.down_proj, [get(p + "mlp.down_proj.weight")])
-            for name in layer.norm_names:
-                getattr(layer, name).weight = norm(p + name + ".weight")
+            load_attention_mlp_norms(layer, p, get, norm, loader)
             layer.layer_scalar = loader.param(get(p + "layer_scalar"))
             if layer.moe is not None:
                 layer.moe.load(get, p, loader)
