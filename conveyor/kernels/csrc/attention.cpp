@@ -526,6 +526,15 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 }
 #endif
 
+// A task's G heads out: each head's weighted value sum over its softmax denominator, in the output dtype.
+template <typename scalar_t>
+inline void store_heads(const float* acc, const float* denom, int64_t G, int64_t D, scalar_t* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / denom[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+  }
+}
+
 // The query heads one task of attend_rows handles together: all of a KV head's G when G <= 4 (the
 // register-blocked passes go up to 4), else the largest of 4, 3, 2 that divides G (1 otherwise).
 inline int64_t head_subgroup(int64_t G) {
@@ -609,11 +618,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
           for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / denom[g];
-        scalar_t* og = o + t * q_row + (vkv * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
-      }
+      store_heads(acc.data(), denom.data(), G, D, o + t * q_row + vkv * G * D);
     }
   });
 }
@@ -893,11 +898,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
           for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / denom[g];
-        scalar_t* og = o + t * q_row + (vkv * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
-      }
+      store_heads(acc.data(), denom.data(), G, D, o + t * q_row + vkv * G * D);
     }
   });
 }
