@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from conveyor.engine import kv_cache_manager
 from conveyor.engine.block_keys import chain_hashes, key_hex
 from conveyor.engine.disk_store import SUFFIX, DiskStore, SpillWriter
 from conveyor.engine.llm import LLM
@@ -59,6 +60,22 @@ def test_restart_reads_the_prefix_back_bitwise(tiny_checkpoint, cold, tmp_path):
     assert results[0].num_cached_tokens >= 16 * 4  # adopted: no prefill of the system prompt
     again.engine.kv.check_integrity()
     again.engine.close()
+
+
+@pytest.mark.batch_invariant
+def test_a_restart_reads_in_batches_with_the_same_result(tiny_checkpoint, cold, tmp_path, monkeypatch):
+    """Blocks come back in runs of DISK_READ_BATCH (read on several threads, copied per tensor at once): runs
+    of 3 give what one run gives, bitwise, with the same hits."""
+    _run_and_close(tiny_checkpoint, tmp_path)
+    hits = {}
+    for batch in (1000, 3):
+        monkeypatch.setattr(kv_cache_manager, "DISK_READ_BATCH", batch)
+        llm = _engine(tiny_checkpoint, str(tmp_path))
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == cold
+        hits[batch] = llm.engine.disk_report()["hits"]
+        llm.engine.kv.check_integrity()
+        llm.engine.close()
+    assert hits[3] == hits[1000] > 3
 
 
 @pytest.mark.batch_invariant
