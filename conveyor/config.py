@@ -179,6 +179,9 @@ class ServerConfig:
     max_n: int = 16
     max_stop_strings: int = 16
     max_logit_bias: int = 300
+    # |priority| bound (body field or X-Priority): aging bounds a queued request's wait at (priority gap) x
+    # --priority-aging-s, so an unbounded priority would let one client hold everyone else back indefinitely.
+    max_priority: int = 100
     reasoning_parser: str = "auto"  # <think>...</think> -> reasoning_content: auto (if the template has it) | think | none
     chat_template_kwargs: str | None = None  # JSON object: extra chat-template variables for every request
 
@@ -188,6 +191,7 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
                      "max_stop_strings", "max_logit_bias"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        _require(self.max_priority >= 0, "max_priority must be >= 0")
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -437,6 +441,9 @@ FLAGS: list[Flag] = [
     Flag(("--max-n",), "max_n", int, "most choices (n) per request"),
     Flag(("--max-stop-strings",), "max_stop_strings", int, "most stop strings, and most stop_token_ids, per request"),
     Flag(("--max-logit-bias",), "max_logit_bias", int, "most logit_bias entries per request"),
+    Flag(("--max-priority",), "max_priority", int,
+         "largest |priority| a request may ask for (body or X-Priority; 400 beyond), which bounds how long "
+         "aging lets higher-priority traffic delay a queued request"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

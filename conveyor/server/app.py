@@ -22,7 +22,7 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import dashboard, errors, observability, slot_actions
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
-from conveyor.server.limits import RequestLimits, check_request, parse_json
+from conveyor.server.limits import RequestLimits, check_priority, check_request, parse_json
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.openai_serving import OpenAIServing
@@ -43,6 +43,12 @@ async def parse_body(request: Request, model: type[Body], limits: RequestLimits)
     except ValidationError as exc:
         raise errors.from_validation(exc) from None
     check_request(body, limits)
+    header = request.headers.get("x-priority")
+    if header is not None and getattr(body, "priority", None) is None:
+        try:
+            check_priority(int(header), "X-Priority", limits)
+        except ValueError:
+            pass  # not an integer: request_plan.priority() answers that with its own 400
     return body
 
 

@@ -33,11 +33,12 @@ class RequestLimits:
     max_n: int = ServerConfig.max_n
     max_stop_strings: int = ServerConfig.max_stop_strings
     max_logit_bias: int = ServerConfig.max_logit_bias
+    max_priority: int = ServerConfig.max_priority
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RequestLimits:
         return cls(config.max_request_bytes, config.max_json_depth, config.max_messages, config.max_prompt_chars,
-                   config.max_n, config.max_stop_strings, config.max_logit_bias)
+                   config.max_n, config.max_stop_strings, config.max_logit_bias, config.max_priority)
 
 
 def too_large(limit: int) -> APIError:
@@ -145,6 +146,14 @@ def check_request(body: Any, limits: RequestLimits) -> None:
     if bias is not None and len(bias) > limits.max_logit_bias:
         raise errors.invalid(f"at most {limits.max_logit_bias} logit_bias entries are allowed (--max-logit-bias)",
                              "logit_bias")
+    check_priority(getattr(body, "priority", None), "priority", limits)
+
+
+def check_priority(value: int | None, param: str, limits: RequestLimits) -> None:
+    """|priority| <= --max-priority, for the body field and the X-Priority header alike."""
+    if value is not None and abs(value) > limits.max_priority:
+        raise errors.invalid(f"{param} must be between -{limits.max_priority} and {limits.max_priority}, got {value} "
+                             "(--max-priority)", param)
 
 
 def _prompt_size(body: Any) -> tuple[int, str]:

@@ -96,10 +96,22 @@ def test_hostile_bodies_are_400_and_the_connection_survives(served, raw, param):
 
 
 def test_extreme_but_valid_numbers_are_served(served):
-    for fields in ({"top_k": 2 ** 70}, {"temperature": 1e300}, {"priority": -(2 ** 80)}, {"seed": -(2 ** 63)},
+    for fields in ({"top_k": 2 ** 70}, {"temperature": 1e300}, {"priority": -ServerConfig.max_priority}, {"seed": -(2 ** 63)},
                    {"repetition_penalty": 1e300, "temperature": 0.5}):
         r = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": MSG, "max_tokens": 3, **fields})
         assert r.status_code == 200, (fields, r.text)
+
+
+def test_priority_beyond_the_bound_is_a_400_in_body_and_header(served):
+    """Aging bounds a queued request's wait at (priority gap) x --priority-aging-s only for a bounded range."""
+    url, limit = f"{served.url}/v1/chat/completions", ServerConfig.max_priority
+    for priority in (limit + 1, -(2 ** 80)):
+        r = httpx.post(url, json={"messages": MSG, "max_tokens": 1, "priority": priority}, headers=AUTH)
+        assert _error(r.status_code, r.content, 400)["param"] == "priority"
+    r = httpx.post(url, json={"messages": MSG, "max_tokens": 1}, headers={**AUTH, "X-Priority": str(-limit - 1)})
+    assert _error(r.status_code, r.content, 400)["param"] == "X-Priority"
+    r = httpx.post(url, json={"messages": MSG, "max_tokens": 1}, headers={**AUTH, "X-Priority": str(limit)})
+    assert r.status_code == 200, r.text
 
 
 def test_unexpected_exception_is_a_clean_500_on_a_connection_that_stays_open(served, monkeypatch):
