@@ -94,6 +94,9 @@ def instrument(llm: LLM, timers: Timers) -> None:
     model.forward = timers.wrap("glue model (embedding, final norm, logits)", model.forward)
     for op in BACKEND_OPS:
         setattr(KernelBackend, op, timers.wrap(f"kernel {op}", getattr(KernelBackend, op)))
+    if hasattr(KernelBackend, "quantized_linear_grouped"):  # MoE experts in one call per projection (absent before)
+        KernelBackend.quantized_linear_grouped = timers.wrap("gemm experts, grouped",
+                                                             KernelBackend.quantized_linear_grouped)
     runner.execute = timers.wrap("runner (sampling, outputs)", runner.execute)
     runner.prepare_inputs = timers.wrap("runner prepare_inputs", runner.prepare_inputs)
     engine.step = timers.wrap("engine (schedule, update, detokenize)", engine.step)

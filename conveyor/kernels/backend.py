@@ -99,6 +99,14 @@ class KernelBackend:
         """x (M, K) bf16 -> (M, N) bf16; each output one fixed reduction whatever M (batch-invariant)."""
         return self.qgemm.linear(x, packed, int(qtype), out_features, in_features, bias_f32)
 
+    def quantized_linear_grouped(self, x: torch.Tensor, packed: list[torch.Tensor], qtype: int, out_features: int,
+                                 in_features: int, offsets: list[int],
+                                 bias_f32: list[torch.Tensor | None]) -> torch.Tensor:
+        """A MoE layer's experts in one call: x (T, K) bf16, rows [offsets[e], offsets[e + 1]) through expert e's
+        packed weight (+ bias_f32[e]; [] for none) -> (T, N) bf16, each row's bits as quantized_linear on its
+        expert's rows alone."""
+        return self.qgemm.linear_grouped(x, packed, int(qtype), out_features, in_features, offsets, bias_f32)
+
     def dequantize_rows(self, packed: torch.Tensor, qtype: int, out_features: int, in_features: int,
                         row_ids: torch.Tensor) -> torch.Tensor:
         """Rows `row_ids` of a packed weight as bf16 (R, K): embedding lookups, reference paths."""

@@ -5,7 +5,8 @@ biases, groups, renormalises and scales (`route`), and what its experts are (Swi
 with biases, or relu^2 without a gate).
 
     rows x (T, H) --router--> per row: k expert ids and k weights, by rank (r = 0 is the best expert)
-    assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> one GEMM per expert hit
+    assignment a = t*k + r, sorted by expert id:  | e0: a.. | e1: a.. | ... |  -> all experts' GEMMs in one call
+                                                   per projection (quantized experts), else two per expert hit
     outputs put back at t*k + r; per row y = w_0*o_0 + w_1*o_1 + ... in rank order (fp32), once rounded
 
 Batch invariance: every GEMM is row-invariant at any M (RowInvariantLinear), routing is computed per
@@ -27,6 +28,7 @@ from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ExpertNames, ModelConfig
 from conveyor.models.gpt_oss import clamped_swiglu
 from conveyor.models.layers import RowInvariantLinear
+from conveyor.models.moe_grouped import GroupedExperts, group_experts
 from conveyor.models.weights import WeightLoader
 
 
@@ -43,11 +45,17 @@ class ExpertMLP(nn.Module):
         self.down_proj = RowInvariantLinear(width, hidden_size, bias=bias, ops=ops)
         self.act_mul = ops.gelu_tanh_mul if gelu else ops.silu_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
-        gate_up = self.gate_up_proj(x)  # (M, 2I)
+    @property
+    def input_proj(self) -> RowInvariantLinear:
+        return self.gate_up_proj
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:  # (M, 2I) -> (M, I), elementwise per row
         if self.clamped is None:
-            return self.down_proj(self.act_mul(gate_up))
-        return self.down_proj(clamped_swiglu(gate_up, *self.clamped, self.ops.sigmoid))
+            return self.act_mul(gate_up)
+        return clamped_swiglu(gate_up, *self.clamped, self.ops.sigmoid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
 
 
 class SquaredReluMLP(nn.Module):
@@ -58,9 +66,17 @@ class SquaredReluMLP(nn.Module):
         self.up_proj = RowInvariantLinear(hidden_size, width, bias=False, ops=ops)
         self.down_proj = RowInvariantLinear(width, hidden_size, bias=False, ops=ops)
 
+    @property
+    def input_proj(self) -> RowInvariantLinear:
+        return self.up_proj
+
+    @staticmethod
+    def activate(up: torch.Tensor) -> torch.Tensor:  # (M, I) -> (M, I)
+        h = torch.relu(up)
+        return h * h  # an exactly rounded product: the same bits in any batch
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, H) -> (M, H)
-        h = torch.relu(self.up_proj(x))
-        return self.down_proj(h * h)  # an exactly rounded product: the same bits in any batch
+        return self.down_proj(self.activate(self.up_proj(x)))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool,
@@ -122,6 +138,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(expert(config.hidden_size, config.moe_intermediate_size, ops)
                                      for _ in range(config.num_experts))
         shared = config.shared_expert_intermediate_size
+        # All experts' GEMMs in one call per projection where they run quantized alike (set at load);
+        # None runs the per-expert loop (bf16 / HF weights, mixed types; tests set it to compare the two).
+        self.grouped: GroupedExperts | None = None
         self.shared_expert = expert(config.hidden_size, shared, ops) if shared else None
         self.shared_gate = bool(shared) and config.shared_expert_gate
         self.weight_input = config.moe_weight_input  # Llama 4: weights scale the experts' inputs
@@ -144,12 +163,7 @@ class SparseMoeBlock(nn.Module):
         inputs = x[order // k]  # (T*k, H): each assignment's row, grouped
         if self.weight_input:  # Llama 4: x * weight in the model dtype, as transformers' routed_in
             inputs = inputs * weights.flatten()[order].to(x.dtype)[:, None]
-        outputs = torch.empty_like(inputs)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                outputs[start:start + count] = expert(inputs[start:start + count])
-                start += count
+        outputs = self._run_experts(inputs, counts)  # (T*k, H)
         by_rank = torch.empty_like(outputs)
         by_rank[order] = outputs
         by_rank = by_rank.view(num_tokens, k, x.shape[1])  # (T, k, H)
@@ -163,6 +177,19 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert(x)
             y = y + (shared * self.ops.sigmoid(logits[:, self.num_experts:]) if self.shared_gate else shared)
         return y
+
+    def _run_experts(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:  # (A, H) grouped -> (A, H)
+        """`inputs`: rows grouped by expert, counts[e] for expert e: one grouped GEMM per projection where the
+        experts allow it (moe_grouped.py), else two GEMMs per expert hit; the same bits either way."""
+        if self.grouped is not None:
+            return self.grouped(inputs, counts)
+        outputs = torch.empty_like(inputs)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                outputs[start:start + count] = expert(inputs[start:start + count])
+                start += count
+        return outputs
 
     def load(self, get: Callable[[str], Weight], prefix: str, names: ExpertNames, loader: WeightLoader) -> None:
         """Router and experts from HF names under the layer's `prefix` (`model.layers.N.`)."""
@@ -181,6 +208,7 @@ class SparseMoeBlock(nn.Module):
             _load_expert(expert, [get(names.expert(prefix, e, part)) for part in self.parts], loader, biases)
         if self.use_expert_bias:  # fp32, as transformers keeps this buffer whatever the model dtype
             self.expert_bias = get(names.expert_bias(prefix)).to(loader.device, torch.float32)
+        self.grouped = group_experts(self.experts, self.ops)
 
 
 def _load_expert(expert: nn.Module, parts: list[Weight], loader: WeightLoader,

@@ -112,6 +112,46 @@ def test_rows_are_bitwise_independent_of_m_and_position(qtype):
                        single[20:45])
 
 
+# Rows per expert: empty experts, single rows, a 17-row expert past the 8-row tile (T from 1 to 40).
+EXPERT_ROWS = [[1], [0, 1], [3, 0, 1], [0, 17, 0], [17, 3, 0, 1, 17, 0, 2], [1, 1, 1, 1, 0, 3, 17, 3, 0, 13]]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4], ids=type_name)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_rows_equal_linear_on_each_experts_rows(qtype, bias):
+    """One grouped call over all experts gives each row the bits `linear` gives it on its expert's rows alone."""
+    in_features, out_features, num_experts = 256, 40, 10
+    gen = torch.Generator().manual_seed(8)
+    packed = [backend.pack_quantized(random_raw(qtype, out_features, in_features, seed=10 + e), qtype, in_features)
+              for e in range(num_experts)]
+    biases = [torch.randn(out_features, generator=gen) if bias and e % 3 else None for e in range(num_experts)]
+    for rows in EXPERT_ROWS:
+        offsets = [0]
+        for count in rows:
+            offsets.append(offsets[-1] + count)
+        x = torch.randn(offsets[-1], in_features, generator=gen).bfloat16()
+        got = backend.quantized_linear_grouped(x, packed[:len(rows)], qtype, out_features, in_features, offsets,
+                                               biases[:len(rows)] if bias else [])
+        assert got.shape == (offsets[-1], out_features)
+        for e, (start, end) in enumerate(zip(offsets, offsets[1:])):
+            want = backend.quantized_linear(x[start:end], packed[e], qtype, out_features, in_features,
+                                            biases[e] if bias else None)
+            assert torch.equal(got[start:end], want), (rows, e)
+
+
+def test_grouped_bad_calls_are_clear_errors():
+    packed = [backend.pack_quantized(random_raw(Q.Q4_0, 32, 64), Q.Q4_0, 64)] * 2
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="experts \\+ 1"):
+        backend.quantized_linear_grouped(x, packed, Q.Q4_0, 32, 64, [0, 3], [])
+    with pytest.raises(RuntimeError, match="from 0 to"):
+        backend.quantized_linear_grouped(x, packed, Q.Q4_0, 32, 64, [0, 1, 2], [])
+    with pytest.raises(RuntimeError, match="not decrease"):
+        backend.quantized_linear_grouped(x, packed, Q.Q4_0, 32, 64, [0, 4, 3], [])
+    with pytest.raises(RuntimeError, match="one bias per expert"):
+        backend.quantized_linear_grouped(x, packed, Q.Q4_0, 32, 64, [0, 1, 3], [None])
+
+
 def test_bad_calls_are_clear_errors():
     raw = random_raw(Q.Q4_0, 32, 64)
     packed = backend.pack_quantized(raw, Q.Q4_0, 64)

@@ -9,7 +9,7 @@ from conveyor.config import kernel_settings_from_env
 from conveyor.kernels import cpu_backend
 from conveyor.models.moe import SparseMoeBlock, route
 from conveyor.models.registry import build_model
-from conveyor.testing import tiny_moe_checkpoint
+from conveyor.testing import tiny_hybrid_checkpoint, tiny_moe_checkpoint
 
 ops = cpu_backend(kernel_settings_from_env())
 pytestmark = pytest.mark.batch_invariant
@@ -36,6 +36,36 @@ def test_rows_do_not_depend_on_batch_mates(architecture, weight_dtype):
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
     assert torch.equal(block(x[perm]), batched[perm])
     assert torch.equal(block(x[:5]), batched[:5])
+
+
+@pytest.mark.parametrize(("architecture", "weight_dtype"),
+                         [("qwen3_moe", "q8_0"), ("gpt_oss", "q4_0"), ("nemotron_h", "q8_0"), ("mixtral", "auto")])
+def test_grouped_experts_give_the_loops_bits(architecture, weight_dtype):
+    """Quantized experts run as one grouped GEMM per projection (SwiGLU; GPT-OSS's clamped, biased one; relu^2),
+    bitwise as the per-expert loop; bf16 experts keep the loop."""
+    if architecture == "nemotron_h":
+        checkpoint = tiny_hybrid_checkpoint(architecture)
+    else:
+        checkpoint = tiny_moe_checkpoint(architecture, num_experts=8, num_experts_per_tok=3)
+    model = build_model(checkpoint.config, checkpoint.weights, torch.bfloat16, torch.device("cpu"), True,
+                        weight_dtype, ops=ops)
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    if weight_dtype == "auto" or not ops.runs_quantized(8):
+        assert block.grouped is None
+        return
+    assert block.grouped is not None
+    if architecture == "gpt_oss":  # the biases ride along
+        assert block.grouped.first.bias_f32 and block.grouped.down.bias_f32
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 5, 16, 37):
+        x = torch.randn(rows, checkpoint.config.hidden_size, generator=gen).to(torch.bfloat16)
+        grouped = block(x)
+        block.grouped, saved = None, block.grouped  # force the per-expert loop
+        try:
+            loop = block(x)
+        finally:
+            block.grouped = saved
+        assert torch.equal(grouped, loop), rows
 
 
 def test_route_renormalises_top_k():

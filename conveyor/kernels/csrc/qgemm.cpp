@@ -1255,39 +1255,20 @@ torch::Tensor qgemm_pack(const torch::Tensor& raw, int64_t qt, int64_t k) {
   return packed;
 }
 
-torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t qt, int64_t n, int64_t k,
-                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "qgemm: x must be a 2-D bf16 tensor");
-  TORCH_CHECK(x.size(1) == k, "qgemm: x has ", x.size(1), " features, the weight ", k);
-  check_packed(packed, static_cast<int>(qt), n, k);
-  const TypeInfo t = type_info(static_cast<int>(qt));
-  const int64_t m = x.size(0);
-  auto out = torch::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return out;
-  torch::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    bias_f32 = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f32.numel() == n, "qgemm: bias must have out_features entries");
-  }
-  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t chunks = k / 32;
-#if defined(QG_AMX)
-  const bool use_amx = m >= kAmxMinRows && amx_enabled();
-#else
-  const bool use_amx = false;
-#endif
-  // AMX reads whole 16-row blocks: rows past M are zeros (quantized, they contribute nothing).
-  const int64_t m_pad = use_amx ? (m + 15) / 16 * 16 : m;
-  // The quantized rows: per-thread buffers at decode sizes, a tensor for the call at prefill sizes.
+namespace {
+
+// x's rows quantized (rows [m, m_pad) zeros: AMX reads whole 16-row blocks), in per-thread buffers at
+// decode sizes, in `big` (a tensor for the call) at prefill sizes.
+QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int qt, torch::Tensor& big) {
+  const int64_t k = xc.size(1), chunks = k / 32;
   const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8) + m_pad * (k / 256 + 1) * 4;
   thread_local std::vector<uint8_t> small;
-  torch::Tensor big;
   uint8_t* buf;
   if (need <= (1 << 20)) {
     if (static_cast<int64_t>(small.size()) < need) small.resize(need);
     buf = small.data();
   } else {
-    big = torch::empty({need}, x.options().dtype(at::kByte));
+    big = torch::empty({need}, xc.options().dtype(at::kByte));
     buf = big.data_ptr<uint8_t>();
   }
   QuantRows xr;
@@ -1308,7 +1289,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
-  const bool per_superblock = superblock_acts(static_cast<int>(qt));
+  const bool per_superblock = superblock_acts(qt);
   auto quant = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (per_superblock) {
@@ -1320,43 +1301,144 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
     }
   };
   if (m * k < (1 << 15)) quant(0, m); else conveyor_parallel::parallel_for(0, m, 4, quant);
+  return xr;
+}
 
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t groups = packed.size(0), n_sb = packed.size(1), group_bytes = n_sb * sb_bytes(t);
-  const float* bp = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+// The weight as the tiles read it: column groups of `group_bytes`, n_sb superblocks each.
+struct PackedW {
+  const uint8_t* w;
+  int64_t n_sb, group_bytes, groups;
+};
+
+PackedW packed_w(const torch::Tensor& packed, int qt) {
+  return {packed.data_ptr<uint8_t>(), packed.size(1), packed.size(1) * sb_bytes(type_info(qt)), packed.size(0)};
+}
+
+// Row block rb (of `row_blocks` over rows [base, base + m)) x column group g, on the non-AMX tiles: the
+// row partition `linear` uses at this M, wherever the rows sit in x.
+inline void run_item(int qt, const PackedW& pw, const QuantRows& xr, int64_t base, int64_t m, int64_t row_blocks,
+                     int64_t rb, int64_t g, const float* bias, uint16_t* out, int64_t n) {
+  const int64_t r_begin = block_start(m, row_blocks, rb), r_end = block_start(m, row_blocks, rb + 1);
+  const int64_t rows = r_end - r_begin, parts = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t c0 = g * kGroup, cols = std::min<int64_t>(kGroup, n - c0);
+  for (int64_t part = 0; part < parts; ++part) {
+    const int64_t rs = base + r_begin + block_start(rows, parts, part);
+    const int64_t mr = base + r_begin + block_start(rows, parts, part + 1) - rs;
+    tile_fn(qt, static_cast<int>(mr))(pw.w + g * pw.group_bytes, pw.n_sb, xr, rs,
+                                      bias != nullptr ? bias + c0 : nullptr, out + c0, n, cols);
+  }
+}
+
+torch::Tensor bias_f32(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  auto b = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(b.numel() == n, "qgemm: bias must have out_features entries");
+  return b;
+}
+
+bool uses_amx(int64_t m) {
+#if defined(QG_AMX)
+  return m >= kAmxMinRows && amx_enabled();
+#else
+  (void)m;
+  return false;
+#endif
+}
+
+}  // namespace
+
+torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t qt, int64_t n, int64_t k,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "qgemm: x must be a 2-D bf16 tensor");
+  TORCH_CHECK(x.size(1) == k, "qgemm: x has ", x.size(1), " features, the weight ", k);
+  check_packed(packed, static_cast<int>(qt), n, k);
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const torch::Tensor bf = bias_f32(bias, n);
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  const bool use_amx = uses_amx(m);
+  torch::Tensor big;
+  const QuantRows xr = quantize_rows(xc, m, use_amx ? (m + 15) / 16 * 16 : m, static_cast<int>(qt), big);
+  const PackedW pw = packed_w(packed, static_cast<int>(qt));
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #if defined(QG_AMX)
   if (use_amx) {
-    const int64_t row_blocks = m_pad / kAmxRows;
+    const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = pw.groups;
     const AmxFn fn = amx_fn(static_cast<int>(qt));
     conveyor_parallel::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
       amx_configure();
       for (int64_t item = begin; item < end; ++item) {
         const int64_t rb = item / groups, g = item % groups, c0 = g * kGroup;
-        fn(wp + g * group_bytes, n_sb, xr, rb * kAmxRows, static_cast<int>(std::min<int64_t>(kAmxRows, m - rb * kAmxRows)),
-           bp != nullptr ? bp + c0 : nullptr, op + c0, n, std::min<int64_t>(kGroup, n - c0));
+        fn(pw.w + g * pw.group_bytes, pw.n_sb, xr, rb * kAmxRows,
+           static_cast<int>(std::min<int64_t>(kAmxRows, m - rb * kAmxRows)), bp != nullptr ? bp + c0 : nullptr,
+           op + c0, n, std::min<int64_t>(kGroup, n - c0));
       }
       _tile_release();
     });
     return out;
   }
 #endif
-  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock, groups = pw.groups;
   // Work items (row block, column group), row block major: a thread keeps its rows' int8 in cache.
   conveyor_parallel::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t rb = item / groups, g = item % groups;
-      const int64_t r_begin = block_start(m, row_blocks, rb), r_end = block_start(m, row_blocks, rb + 1);
-      const int64_t rows = r_end - r_begin, parts = (rows + kMaxRows - 1) / kMaxRows;
-      const int64_t c0 = g * kGroup, cols = std::min<int64_t>(kGroup, n - c0);
-      for (int64_t part = 0; part < parts; ++part) {
-        const int64_t rs = r_begin + block_start(rows, parts, part);
-        const int64_t mr = r_begin + block_start(rows, parts, part + 1) - rs;
-        tile_fn(static_cast<int>(qt), static_cast<int>(mr))(wp + g * group_bytes, n_sb, xr, rs,
-                                                             bp != nullptr ? bp + c0 : nullptr, op + c0, n, cols);
-      }
+      run_item(static_cast<int>(qt), pw, xr, 0, m, row_blocks, item / groups, item % groups, bp, op, n);
     }
   });
+  return out;
+}
+
+// A MoE layer's experts in one call: rows [offsets[e], offsets[e + 1]) of x through expert e's weight
+// (all experts one type and shape), each row's bits those `linear` gives it on that expert's rows alone.
+// All rows are quantized once (quantize_row is per row); one parallel_for runs every expert's (row
+// block, column group) items with `linear`'s row partition at that expert's M. Experts that `linear`
+// would run on AMX (m >= kAmxMinRows) go through `linear` itself after it: the same bits either way
+// (see amx_tile), but AMX is the faster path at those sizes.
+torch::Tensor qgemm_linear_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed, int64_t qt,
+                                   int64_t n, int64_t k, const std::vector<int64_t>& offsets,
+                                   const std::vector<c10::optional<torch::Tensor>>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "qgemm: x must be a 2-D bf16 tensor");
+  TORCH_CHECK(x.size(1) == k, "qgemm: x has ", x.size(1), " features, the weight ", k);
+  const int64_t num_experts = static_cast<int64_t>(packed.size()), m_all = x.size(0);
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == num_experts + 1, "qgemm: offsets must have experts + 1 entries");
+  TORCH_CHECK(offsets.front() == 0 && offsets.back() == m_all, "qgemm: offsets must run from 0 to x's rows");
+  TORCH_CHECK(bias.empty() || static_cast<int64_t>(bias.size()) == num_experts, "qgemm: one bias per expert, or none");
+  auto out = torch::empty({m_all, n}, x.options());
+  if (m_all == 0 || n == 0) return out;
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  std::vector<PackedW> pws(num_experts);
+  std::vector<torch::Tensor> biases(num_experts);
+  std::vector<int64_t> first_item(num_experts + 1, 0);  // expert e's items: [first_item[e], first_item[e + 1])
+  std::vector<int64_t> row_blocks(num_experts, 0), amx_experts;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t m = offsets[e + 1] - offsets[e];
+    TORCH_CHECK(m >= 0, "qgemm: offsets must not decrease");
+    check_packed(packed[e], static_cast<int>(qt), n, k);
+    pws[e] = packed_w(packed[e], static_cast<int>(qt));
+    if (!bias.empty()) biases[e] = bias_f32(bias[e], n);
+    if (m > 0 && uses_amx(m)) amx_experts.push_back(e);
+    else row_blocks[e] = (m + kRowBlock - 1) / kRowBlock;
+    first_item[e + 1] = first_item[e] + row_blocks[e] * pws[e].groups;
+  }
+  torch::Tensor big;
+  const QuantRows xr = quantize_rows(xc, m_all, m_all, static_cast<int>(qt), big);
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  conveyor_parallel::parallel_for(0, first_item.back(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t local = item - first_item[e], groups = pws[e].groups;
+      const float* bp = biases[e].defined() ? biases[e].data_ptr<float>() : nullptr;
+      run_item(static_cast<int>(qt), pws[e], xr, offsets[e], offsets[e + 1] - offsets[e], row_blocks[e],
+               local / groups, local % groups, bp, op, n);
+    }
+  });
+  for (const int64_t e : amx_experts) {  // after the loop above: `linear` reuses this thread's row buffers
+    const int64_t m = offsets[e + 1] - offsets[e];
+    out.narrow(0, offsets[e], m).copy_(qgemm_linear(xc.narrow(0, offsets[e], m), packed[e], qt, n, k,
+                                                    bias.empty() ? c10::optional<torch::Tensor>() : bias[e]));
+  }
   return out;
 }
 
@@ -1423,5 +1505,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", [](int64_t qt) { return supported(static_cast<int>(qt)); }, "whether a GGML type runs natively");
   m.def("pack", &qgemm_pack, "raw GGML rows (N, row_bytes) uint8 -> the kernel's layout", release());
   m.def("linear", &qgemm_linear, "x (M, K) bf16 @ W^T (+ b) -> (M, N) bf16, batch-invariant", release());
+  m.def("linear_grouped", &qgemm_linear_grouped,
+        "x (T, K) bf16, rows [offsets[e], offsets[e+1]) through expert e's packed weight (+ bias) -> (T, N) bf16",
+        release());
   m.def("dequantize_rows", &qgemm_dequantize_rows, "rows of a packed weight as bf16 (R, K)", release());
 }
