@@ -33,7 +33,7 @@ from conveyor.kernels.backend import KernelBackend  # noqa: E402
 from conveyor.models.layers import RowInvariantLinear  # noqa: E402
 
 BACKEND_OPS = ("short_conv", "gated_delta_rule", "gated_rms_norm", "sigmoid_mul", "paged_attention", "rms_norm",
-               "add_rms_norm", "silu_mul", "rope_write_kv", "write_kv", "argmax", "sigmoid", "silu_gate")
+               "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope_write_kv", "write_kv", "argmax", "sigmoid", "silu_gate")
 
 
 class Timers:

@@ -73,9 +73,12 @@ def test_gelu_tanh_mul_matches_torch_and_rows_stand_alone(dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.gelu(gate, approximate="tanh") * up
     got = kernels.gelu_tanh_mul(gate_up)
-    if dtype == torch.bfloat16:  # std::tanh is not Sleef's: a bf16 step apart at most (absolute, near 0)
+    if dtype == torch.bfloat16:  # our tanh is not Sleef's: a bf16 step apart at most (absolute, near 0)
         torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
-        assert (got == want).float().mean() > 0.99
+        # The vector levels' tanh ((1 - e) / (1 + e), e = exp(-2|y|)) is ~2 fp32 ulps where Sleef's is 1, and
+        # 1 + tanh cancels for negative inputs in torch's formula as in ours, so more bf16 roundings differ
+        # (~97 % equal on this input) than with the generic level's std::tanh (> 99 %).
+        assert (got == want).float().mean() > (0.95 if kernels.isa() not in ("generic", "neon") else 0.99)
     else:  # a float step or two apart (std::tanh vs Sleef's)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(kernels.gelu_tanh_mul(gate_up[i:i + 1]), got[i:i + 1]) for i in (0, 17, 32))

@@ -316,13 +316,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f;  // sqrt(2 / pi), as torch rounds it
+
 // gelu_tanh(gate) * up over a fused (T, 2I) gate|up (Gemma's GeGLU), torch's tanh formula in fp32, rounded
-// where torch's two ops round. Scalar per element and parallel over whole rows: torch's own gelu splits its
+// where torch's two ops round (bf16 on the vector levels: below). Parallel over whole rows: torch's own gelu splits its
 // range at element counts (vector body vs scalar tail), so a row's bits could depend on the batch.
 template <typename scalar_t>
 void gelu_tanh_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi), as torch rounds it
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  constexpr float kBeta = kGeluBeta, kKappa = kGeluKappa;
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* g = gate_up + r * 2 * inter;
       const scalar_t* u = g + inter;
@@ -335,6 +337,69 @@ void gelu_tanh_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, in
     }
   });
 }
+
+// The bf16 rows on the vector levels: tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) with our exp_ps
+// (~1 ulp; no overflow, no cancellation that survives the bf16 rounding after 1 + tanh), the same ops for
+// every lane and the tail masked, so a row's bits stay its own. std::tanh per element cost ~20 ns: at 16
+// rows of Gemma 3 270M's 2,048-wide GeGLU that was ~0.6 ms a layer, a third of the C=16 decode step.
+#if defined(__AVX512F__)
+inline __m512 gelu_tanh_times(__m512 x, __m512 up) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), x3)));
+  const __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(inner)));
+  const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));  // tanh |inner|, in [0, 1]
+  const __m512 signed_th = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(th), _mm512_and_si512(_mm512_castps_si512(inner), _mm512_set1_epi32(INT32_MIN))));
+  const __m512 gelu = round_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, signed_th)));
+  return _mm512_mul_ps(gelu, up);
+}
+
+template <>
+void gelu_tanh_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = gate_up + r * 2 * inter;
+      const c10::BFloat16* u = g + inter;
+      for (int64_t j = 0; j < inter; j += 16) {
+        const __mmask16 mask = lanes_mask(inter - j);
+        store_bf16(out + r * inter + j, gelu_tanh_times(load_bf16(g + j, mask), load_bf16(u + j, mask)), mask);
+      }
+    }
+  });
+}
+#elif defined(CONVEYOR_AVX2)
+inline __m256 gelu_tanh_times(__m256 x, __m256 up) {  // the AVX-512 path's ops, 8 lanes
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), x3)));
+  const __m256 e = exp_ps(_mm256_mul_ps(_mm256_set1_ps(-2.f), _mm256_andnot_ps(sign, inner)));
+  const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 signed_th = _mm256_or_ps(th, _mm256_and_ps(inner, sign));
+  const __m256 gelu = round_bf16(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, signed_th)));
+  return _mm256_mul_ps(gelu, up);
+}
+
+template <>
+void gelu_tanh_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+    const int64_t len = inter;  // locals: the vector stores may alias the captures
+    const c10::BFloat16* const src = gate_up;
+    c10::BFloat16* const dst = out;
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = src + r * 2 * len;
+      const c10::BFloat16* u = g + len;
+      c10::BFloat16* o = dst + r * len;
+      int64_t j = 0;
+      for (; j + 8 <= len; j += 8) store_bf16(o + j, gelu_tanh_times(load_bf16(g + j), load_bf16(u + j)));
+      if (j < len)
+        store_bf16_tail(o + j, gelu_tanh_times(load_bf16_tail(g + j, len - j), load_bf16_tail(u + j, len - j)),
+                        len - j);
+    }
+  });
+}
+#endif
 
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_mul: expects (T, 2I)");
