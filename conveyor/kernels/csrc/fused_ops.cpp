@@ -173,32 +173,31 @@ void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t
   });
 }
 
+// out[r] = times(gate[r], up[r]) over the bf16 rows of a fused (T, 2I) gate|up, on the vector levels: every lane
+// runs the same ops and the tail is masked (AVX-512) or padded (AVX2), so a row's bits stay its own.
 #if defined(__AVX512F__)
-template <>
-void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+template <typename Times>
+void gated_rows_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter, Times times) {
   conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* g = gate_up + r * 2 * inter;
       const c10::BFloat16* u = g + inter;
       for (int64_t j = 0; j < inter; j += 16) {
         const __mmask16 mask = lanes_mask(inter - j);
-        const __m512 gf = load_bf16(g + j, mask);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gf));
-        const __m512 silu = round_bf16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(out + r * inter + j, _mm512_mul_ps(silu, load_bf16(u + j, mask)), mask);
+        store_bf16(out + r * inter + j, times(load_bf16(g + j, mask), load_bf16(u + j, mask)), mask);
       }
     }
   });
 }
-#elif defined(CONVEYOR_AVX2)
-inline __m256 silu_times(__m256 gf, __m256 up) {  // the AVX-512 path's ops, 8 lanes
-  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gf));
-  const __m256 silu = round_bf16(_mm256_div_ps(gf, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-  return _mm256_mul_ps(silu, up);
-}
 
-template <>
-void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+inline __m512 silu_times(__m512 gf, __m512 up) {
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gf));
+  const __m512 silu = round_bf16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  return _mm512_mul_ps(silu, up);
+}
+#elif defined(CONVEYOR_AVX2)
+template <typename Times>
+void gated_rows_bf16(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter, Times times) {
   conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
     const int64_t len = inter;  // locals: the vector stores may alias the captures
     const c10::BFloat16* const src = gate_up;
@@ -208,11 +207,24 @@ void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* o
       const c10::BFloat16* u = g + len;
       c10::BFloat16* o = dst + r * len;
       int64_t j = 0;
-      for (; j + 8 <= len; j += 8) store_bf16(o + j, silu_times(load_bf16(g + j), load_bf16(u + j)));
+      for (; j + 8 <= len; j += 8) store_bf16(o + j, times(load_bf16(g + j), load_bf16(u + j)));
       if (j < len)
-        store_bf16_tail(o + j, silu_times(load_bf16_tail(g + j, len - j), load_bf16_tail(u + j, len - j)), len - j);
+        store_bf16_tail(o + j, times(load_bf16_tail(g + j, len - j), load_bf16_tail(u + j, len - j)), len - j);
     }
   });
+}
+
+inline __m256 silu_times(__m256 gf, __m256 up) {  // the AVX-512 path's ops, 8 lanes
+  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gf));
+  const __m256 silu = round_bf16(_mm256_div_ps(gf, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  return _mm256_mul_ps(silu, up);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
+template <>
+void silu_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
+  gated_rows_bf16(gate_up, out, rows, inter, [](auto gate, auto up) { return silu_times(gate, up); });
 }
 #endif
 
@@ -355,19 +367,6 @@ inline __m512 gelu_tanh_times(__m512 x, __m512 up) {
   return _mm512_mul_ps(gelu, up);
 }
 
-template <>
-void gelu_tanh_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  conveyor_parallel::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* g = gate_up + r * 2 * inter;
-      const c10::BFloat16* u = g + inter;
-      for (int64_t j = 0; j < inter; j += 16) {
-        const __mmask16 mask = lanes_mask(inter - j);
-        store_bf16(out + r * inter + j, gelu_tanh_times(load_bf16(g + j, mask), load_bf16(u + j, mask)), mask);
-      }
-    }
-  });
-}
 #elif defined(CONVEYOR_AVX2)
 inline __m256 gelu_tanh_times(__m256 x, __m256 up) {  // the AVX-512 path's ops, 8 lanes
   const __m256 one = _mm256_set1_ps(1.f);
@@ -380,24 +379,12 @@ inline __m256 gelu_tanh_times(__m256 x, __m256 up) {  // the AVX-512 path's ops,
   const __m256 gelu = round_bf16(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, signed_th)));
   return _mm256_mul_ps(gelu, up);
 }
+#endif
 
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
 template <>
 void gelu_tanh_mul_rows<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
-    const int64_t len = inter;  // locals: the vector stores may alias the captures
-    const c10::BFloat16* const src = gate_up;
-    c10::BFloat16* const dst = out;
-    for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* g = src + r * 2 * len;
-      const c10::BFloat16* u = g + len;
-      c10::BFloat16* o = dst + r * len;
-      int64_t j = 0;
-      for (; j + 8 <= len; j += 8) store_bf16(o + j, gelu_tanh_times(load_bf16(g + j), load_bf16(u + j)));
-      if (j < len)
-        store_bf16_tail(o + j, gelu_tanh_times(load_bf16_tail(g + j, len - j), load_bf16_tail(u + j, len - j)),
-                        len - j);
-    }
-  });
+  gated_rows_bf16(gate_up, out, rows, inter, [](auto gate, auto up) { return gelu_tanh_times(gate, up); });
 }
 #endif
 
