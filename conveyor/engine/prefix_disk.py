@@ -87,10 +87,6 @@ class DiskTier:
         return torch.cat([t[block].reshape(-1).view(torch.uint8) for t in self.tensors]).cpu()
 
     # -- disk -> RAM -----------------------------------------------------------------------
-    def load(self, block: int, key: int, tokens: tuple[int, ...]) -> bool:
-        """Fill `block` with the stored K/V of (key, tokens); False when the file is absent or bad."""
-        return self.load_many([block], [key], [tokens]) == 1
-
     def load_many(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> int:
         """Fill blocks[i] with the stored K/V of (keys[i], tokens[i]) for the leading run the disk has intact;
         returns how many were filled. Each file is copied into its block on the thread that read it."""

@@ -28,6 +28,7 @@ from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.openai_serving import OpenAIServing
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from conveyor.server.reply import SSEResponse
+from conveyor.server.request_plan import header_priority
 from conveyor.server.responses import TokenText
 from conveyor.server.webui import add_webui_routes
 
@@ -43,12 +44,8 @@ async def parse_body(request: Request, model: type[Body], limits: RequestLimits)
     except ValidationError as exc:
         raise errors.from_validation(exc) from None
     check_request(body, limits)
-    header = request.headers.get("x-priority")
-    if header is not None and getattr(body, "priority", None) is None:
-        try:
-            check_priority(int(header), "X-Priority", limits)
-        except ValueError:
-            pass  # not an integer: request_plan.priority() answers that with its own 400
+    if hasattr(body, "priority") and body.priority is None:  # the header stands in for the field
+        check_priority(header_priority(request), "X-Priority", limits)
     return body
 
 

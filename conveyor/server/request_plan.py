@@ -121,9 +121,15 @@ def _grammar_renames(param: str | None) -> dict[str, str]:
 def priority(body: SamplingFields, http: HTTPRequest) -> int:
     if body.priority is not None:
         return body.priority
+    header = header_priority(http)
+    return 0 if header is None else header
+
+
+def header_priority(http: HTTPRequest) -> int | None:
+    """The X-Priority header as an int (None when absent); a 400 when it is not an integer."""
     header = http.headers.get("x-priority")
     if header is None:
-        return 0
+        return None
     try:
         return int(header)
     except ValueError:
