@@ -43,6 +43,8 @@ from conveyor.structured.masks import GrammarMasker, MaskJob
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# A tick with nothing to run waits this long at most for a prefix read from disk (then commands are drained).
+DISK_READ_POLL_S = 0.02
 
 
 def resolve_device(name: str) -> torch.device:
@@ -194,7 +196,7 @@ class EngineCore:
         self.disk: DiskTier | None = build_disk_tier(config, checkpoint, kv_tensors,
                                                      one_group=self.states is None and window is None)
         if self.disk is not None:
-            self.kv.disk = self.disk
+            self.kv.attach_disk(self.disk)
             if self.disk.writer is not None:
                 self.pool.on_evict = self.disk.on_evict
         # Slot id -> the request that last ran there, or the tokens a slot restore put there (llama-server's
@@ -335,6 +337,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Shutdown: the RAM prefix cache goes to the disk tier, and the writer finishes (engine thread)."""
+        if self.kv.disk_reads is not None:
+            self.kv.disk_reads.close()  # reads in flight end and are published first
         if self.disk is not None:
             self.disk.close(self.pool if self.disk.writer is not None else None)
 
@@ -420,6 +424,7 @@ class EngineCore:
         for slot, request in enumerate(self.scheduler.running):
             self.slot_contents[slot] = request
         if plan.is_empty and not plan.block_copies and not plan.window_block_copies and not plan.finished_request_ids:
+            self.kv.wait_for_disk_reads(DISK_READ_POLL_S)  # nothing to run until a prefix read ends
             return []
         started = time.perf_counter()
         masks = self._start_masks(plan)

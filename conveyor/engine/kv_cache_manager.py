@@ -6,13 +6,13 @@ both can serve. Without one, `window` is None and nothing else changes."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import ROOT_PARENT, BlockPool
 from conveyor.engine.outputs import SchedulerOutput
+from conveyor.engine.prefix_reads import DiskReads
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
 from conveyor.engine.window_blocks import WindowBlocks
@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from conveyor.engine.prefix_disk import DiskTier
 
 __all__ = ["CacheCounters", "KVCacheManager", "PrefixHit", "chain_hashes"]
-
-# Blocks read from the disk tier in one go (threads read and check them together; ~24 MiB of SmolLM2 K/V).
-DISK_READ_BATCH = 64
 
 
 @dataclass
@@ -53,7 +50,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.states = states
         self.window = window
-        self.disk = disk  # the prefix cache's disk tier (attention-only models with one block group)
+        self.disk: DiskTier | None = None  # the prefix cache's disk tier (attention-only models, one block group)
+        self.disk_reads: DiskReads | None = None
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
         self.req_slots: dict[str, int] = {}  # request -> its state slot (hybrid models)
@@ -63,11 +61,43 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
         self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) state slots, likewise
         self.pending_window_copies: list[tuple[int, int]] = []  # (src, dst) blocks of the sliding group
+        if disk is not None:
+            self.attach_disk(disk)
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        self.disk = disk
+        self.disk_reads = DiskReads(self.pool, disk, self.block_size, self.counters)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # -- admission ---------------------------------------------------------------------------
+    def prefix_ready(self, request: Request) -> bool:
+        """False while the request's prefix is on its way back from the disk tier: the read starts here when
+        the disk has blocks that RAM lacks (prefix_reads.py), and the request waits until it is published."""
+        reads = self.disk_reads
+        if reads is None or not self.disk.consult or not self.pool.enable_caching or not request.cache_prompt:
+            return True
+        if reads.in_flight(request.request_id):
+            return False
+        if reads.take_done(request.request_id):
+            return True  # as much as the disk had is in RAM now (find_prefix reads on for what a full pool left)
+        tokens = request.all_token_ids
+        keys = self.block_keys(request, len(tokens) // self.block_size)
+        return not reads.start(request.request_id, tokens, keys, self._ram_blocks(tokens, keys))
+
+    def reap_disk_reads(self) -> None:
+        if self.disk_reads is not None:
+            self.disk_reads.reap()
+
+    @property
+    def disk_reads_pending(self) -> bool:
+        return self.disk_reads is not None and self.disk_reads.pending
+
+    def wait_for_disk_reads(self, timeout: float) -> None:
+        if self.disk_reads is not None:
+            self.disk_reads.wait(timeout)
+
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request's tokens, in whole blocks; at least one token is left to run.
         Where RAM misses, the disk tier (if any) may bring the following blocks back first."""
@@ -78,7 +108,7 @@ class KVCacheManager:
         keys = self.block_keys(request, max_blocks)
         hit = PrefixHit(blocks=self._ram_blocks(tokens, keys))
         if self.disk is not None and self.disk.consult and len(hit.blocks) < max_blocks:
-            hit.blocks = self._load_from_disk(tokens, keys, hit.blocks)
+            hit.blocks = self.disk_reads.load_now(tokens, keys, hit.blocks)
         hit.num_matched_blocks = len(hit.blocks)
         if self.states is not None or self.window is not None:
             matched = len(hit.blocks)
@@ -128,46 +158,13 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def _load_from_disk(self, tokens: list[int], keys: list[int], blocks: list[int]) -> list[int]:
-        """Extend a RAM prefix with blocks read from the disk tier into fresh blocks, published as if computed
-        here, while the disk has the next one and the pool has room. Bounded by the prompt's own blocks."""
-        pool = self.pool
-        pool.share(blocks)  # the prefix found so far must not be evicted to make room for what is read
-        loaded: list[int] = []
-        i = len(blocks)
-        while i < len(keys):
-            # The next run of blocks the disk has, read together (bounded: its payloads sit in memory at once).
-            run = list(itertools.takewhile(lambda j: self.disk.contains(keys[j]),
-                                           range(i, min(len(keys), i + DISK_READ_BATCH))))
-            fresh = pool.allocate(min(len(run), pool.num_free_blocks)) if run else None
-            if not fresh:
-                break
-            run = run[:len(fresh)]
-            chunks = [self._chunk(tokens, j) for j in run]
-            filled = self.disk.load_many(fresh, [keys[j] for j in run], chunks)
-            for j, block, chunk in zip(run[:filled], fresh, chunks):
-                pool.cache_block(block, keys[j], chunk, parent=keys[j - 1] if j else ROOT_PARENT)
-                loaded.append(block)
-            if filled < len(fresh):
-                pool.free(fresh[filled:])
-                break
-            i += filled
-        out = blocks + loaded
-        pool.free(out)  # back to cached-free: admit() adopts them like any other hit
-        self.counters.disk_hit_tokens += len(loaded) * self.block_size
-        # The cold-cache budget may have dropped some as they were freed: the hit ends before the first.
-        for i, block in enumerate(out):
-            if pool.block_hashes[block] != keys[i]:
-                return out[:i]
-        return out
-
     def warm_prefix(self, token_ids: list[int]) -> int:
         """Slot restore: bring token_ids' whole blocks into the prefix cache from the disk tier (RAM hits are
         kept); returns how many tokens the cache now holds from the start."""
         keys = chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size)
         blocks = self._ram_blocks(token_ids, keys)
         if self.disk is not None and len(blocks) < len(keys):
-            blocks = self._load_from_disk(token_ids, keys, blocks)
+            blocks = self.disk_reads.load_now(token_ids, keys, blocks)
         return len(blocks) * self.block_size
 
     def cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -378,6 +375,8 @@ class KVCacheManager:
 
     # -- release -----------------------------------------------------------------------------
     def free(self, request: Request) -> None:
+        if self.disk_reads is not None:
+            self.disk_reads.forget(request.request_id)
         blocks = self.req_blocks.pop(request.request_id, None)
         self._req_hashes.pop(request.request_id, None)
         self._snapshot_targets.pop(request.request_id, None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 TAG_FORMAT = 1
 SAMPLE_BYTES = 1 << 20  # a weight file's first and last MiB go into its fingerprint
+# Blocks read from the disk in one go (threads read and check them together; ~24 MiB of SmolLM2 K/V): a run
+# stops at the first batch with a bad file.
+READ_BATCH = 64
+STAGING_BYTES = 64 << 20  # a batch's payloads wait in one staging array before they go to their blocks
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,8 @@ class DiskTier:
         self._views: list[np.ndarray | None] | None = None  # _host_views(), made on first use
         self.store = DiskStore(config.directory, tag, config.budget_bytes)
         self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
+        self._loader: ThreadPoolExecutor | None = None  # load_run_async's thread, made on first use
+        self._local = threading.local()  # each loading thread's staging array
 
     @property
     def consult(self) -> bool:
@@ -87,36 +95,69 @@ class DiskTier:
         return torch.cat([t[block].reshape(-1).view(torch.uint8) for t in self.tensors]).cpu()
 
     # -- disk -> RAM -----------------------------------------------------------------------
+    def load_run(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> int:
+        """load_many in batches (READ_BATCH blocks, at most STAGING_BYTES of them), up to the first short one;
+        returns how many lead intact."""
+        batch = max(1, min(READ_BATCH, STAGING_BYTES // max(self.block_bytes, 1)))
+        filled = 0
+        for start in range(0, len(blocks), batch):
+            end = min(start + batch, len(blocks))
+            count = self.load_many(blocks[start:end], keys[start:end], tokens[start:end])
+            filled += count
+            if count < end - start:
+                break
+        return filled
+
+    def load_run_async(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> Future:
+        """load_run on the loader thread (the step loop goes on meanwhile); the future gives its count."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-disk-loader")
+        return self._loader.submit(self.load_run, blocks, keys, tokens)
+
     def load_many(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> int:
         """Fill blocks[i] with the stored K/V of (keys[i], tokens[i]) for the leading run the disk has intact;
-        returns how many were filled. Each file is copied into its block on the thread that read it."""
+        returns how many were filled. Each file lands in a row of a staging array on the thread that read it
+        (one copy per file), then each KV tensor takes all the run's blocks in one copy: a few dozen copies
+        per run instead of one per file and tensor (thousands, each holding the GIL)."""
         wrong_size: set[int] = set()
+        staging = self._staging(len(blocks))
 
-        def copy_in(i: int, payload: memoryview) -> None:
+        def stage(i: int, payload: memoryview) -> None:
             if len(payload) != self.block_bytes:  # a tag match makes this unreachable; never trust it blindly
                 wrong_size.add(i)
                 return
-            self._copy_in(blocks[i], payload)
+            staging[i] = np.frombuffer(payload, dtype=np.uint8)
 
-        count = self.store.read_many(list(zip(keys, tokens)), copy_in)
+        count = self.store.read_many(list(zip(keys, tokens)), stage)
         if wrong_size and min(wrong_size) < count:
             bad = min(wrong_size)
             self.store.stats.num_corrupt += 1
             self.store.remove(keys[bad])
             count = bad
+        if count:
+            self._scatter(blocks[:count], staging[:count])
         return count
 
-    def _copy_in(self, block: int, payload: memoryview) -> None:
-        """One payload into its block, tensor by tensor: numpy row copies of the pool's CPU tensors (a torch
-        copy_ per tensor and block cost ~10x more for a restart's hundreds of blocks x every layer's K and V)."""
-        views = self._host_views()
-        src = np.frombuffer(payload, dtype=np.uint8)
+    def _staging(self, rows: int) -> np.ndarray:
+        """This thread's (rows, block_bytes) staging array, grown as needed (a slot restore on the engine thread
+        and the loader thread may read at once)."""
+        array = getattr(self._local, "staging", None)
+        if array is None or array.shape[0] < rows:
+            array = self._local.staging = np.empty((rows, self.block_bytes), dtype=np.uint8)
+        return array[:rows]
+
+    def _scatter(self, blocks: list[int], rows: np.ndarray) -> None:
+        """rows[i] (a block's payload: each KV tensor's bytes in turn) into blocks[i], one copy per KV tensor."""
+        index = np.asarray(blocks, dtype=np.int64)
         offset = 0
-        for tensor, view, size in zip(self.tensors, views, self._sizes):
+        for tensor, view, size in zip(self.tensors, self._host_views(), self._sizes):
+            part = rows[:, offset:offset + size]
             if view is not None:
-                view[block] = src[offset:offset + size]
-            else:
-                tensor[block].reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src[offset:offset + size]))
+                view[index] = part
+            else:  # off the CPU: one transfer of the run's rows of this tensor
+                flat = tensor.view(tensor.shape[0], -1).view(torch.uint8)
+                flat[torch.from_numpy(index).to(tensor.device)] = torch.from_numpy(np.ascontiguousarray(part)).to(
+                    tensor.device)
             offset += size
 
     def _host_views(self) -> list[np.ndarray | None]:
@@ -135,6 +176,8 @@ class DiskTier:
                 logger.info("prompt cache disk: writing %d cached blocks to %s", num, self.config.directory)
         if self.writer is not None:
             self.writer.close(timeout)
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         self.store.close()
 
     def report(self) -> dict:

@@ -79,7 +79,7 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=self._queue_key)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.kv.disk_reads_pending
 
     @property
     def num_waiting(self) -> int:
@@ -91,6 +91,7 @@ class Scheduler:
 
     # -- schedule --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.kv.reap_disk_reads()  # prefix blocks read from disk since the last tick join the cache first
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         decode_rows = sorted((r for r in self.running if _is_decode_row(r)),
@@ -191,6 +192,8 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) >= self.config.max_batch_size and not self._evict_for(request, out):
                 break
+            if not self.kv.prefix_ready(request):
+                break  # its prefix is being read from disk; FIFO: the rest (often the same prompt) wait too
             hit = self.kv.find_prefix(request)
             remaining = request.num_tokens - hit.num_tokens
             num_new = min(remaining, chunk)

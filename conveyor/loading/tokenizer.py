@@ -33,7 +33,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: the same ids at the same cost, but it lets go of the GIL (tokenizers'
+        # encode holds it throughout). A long prompt tokenized on the server thread otherwise starves the
+        # engine's step loop and the disk-tier readers: a restart's 90 MiB prefix read took 6.5 s instead of
+        # 50 ms beside a tokenizing thread (benchmarks/results.md, issue #27).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

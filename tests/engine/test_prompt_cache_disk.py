@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from conveyor.engine import kv_cache_manager
+from conveyor.engine import prefix_disk, prefix_reads
 from conveyor.engine.block_keys import chain_hashes, key_hex
 from conveyor.engine.disk_store import SUFFIX, DiskStore, SpillWriter
 from conveyor.engine.llm import LLM
@@ -64,12 +64,12 @@ def test_restart_reads_the_prefix_back_bitwise(tiny_checkpoint, cold, tmp_path):
 
 @pytest.mark.batch_invariant
 def test_a_restart_reads_in_batches_with_the_same_result(tiny_checkpoint, cold, tmp_path, monkeypatch):
-    """Blocks come back in runs of DISK_READ_BATCH (read on several threads, copied per tensor at once): runs
+    """Blocks come back in batches of READ_BATCH (read on several threads, copied per tensor at once): runs
     of 3 give what one run gives, bitwise, with the same hits."""
     _run_and_close(tiny_checkpoint, tmp_path)
     hits = {}
     for batch in (1000, 3):
-        monkeypatch.setattr(kv_cache_manager, "DISK_READ_BATCH", batch)
+        monkeypatch.setattr(prefix_disk, "READ_BATCH", batch)
         llm = _engine(tiny_checkpoint, str(tmp_path))
         assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == cold
         hits[batch] = llm.engine.disk_report()["hits"]
@@ -211,3 +211,72 @@ def test_quantized_kv_blocks_go_to_disk_as_they_are(tmp_path):
     bf16, _ = _run_and_close(checkpoint, tmp_path, prompts=PROMPTS[:1])
     report = bf16.engine.disk_report()
     assert report["hits"] == 0 and report["rejected"] >= 1
+
+
+def _hold_disk_reads(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(started, release): every disk read, once on the loader thread, waits for release (and every read
+    goes there: the tiny model's blocks would all be small enough to read inline)."""
+    monkeypatch.setattr(prefix_reads, "INLINE_READ_BYTES", 0)
+    started, release = threading.Event(), threading.Event()
+    real = prefix_disk.DiskTier.load_run
+
+    def held(self, *args):
+        if threading.current_thread().name.startswith("conveyor-disk-loader"):
+            started.set()
+            assert release.wait(60)
+        return real(self, *args)
+
+    monkeypatch.setattr(prefix_disk.DiskTier, "load_run", held)
+    return started, release
+
+
+@pytest.mark.batch_invariant
+def test_a_disk_read_does_not_stall_running_streams(tiny_checkpoint, cold, tmp_path, monkeypatch):
+    """A restart's read runs on the loader thread: a stream already decoding keeps stepping while the read
+    is held, the request waits, and then takes its prefix from RAM with the cold output; no block is lost."""
+    _run_and_close(tiny_checkpoint, tmp_path)
+    started, release = _hold_disk_reads(monkeypatch)
+    llm = _engine(tiny_checkpoint, str(tmp_path))
+    engine = llm.engine
+    other = engine.make_request(llm.tokenizer.encode("Rivers, hills and a long road. " * 3), GREEDY)
+    engine.add_request(other)
+    engine.step()  # the other prompt (never cached) is admitted before the disk hit arrives
+    hit = engine.make_request(llm.tokenizer.encode(PROMPTS[0]), GREEDY)
+    engine.add_request(hit)
+    steps = 0
+    while not started.is_set() or steps < 3:  # the read starts at the next schedule, then stays held
+        assert any(out.request_id == other.request_id for out in engine.step()), "the running stream stalled"
+        steps += 1
+    assert engine.kv.disk_reads.in_flight(hit.request_id) and hit.num_computed_tokens == 0
+    release.set()
+    tokens = {other.request_id: [], hit.request_id: []}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens[hit.request_id] == cold[0]
+    assert engine.disk_report()["hits"] > 0 and hit.num_cached_tokens >= 16 * 4
+    engine.kv.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.close()
+
+
+def test_an_aborted_request_s_read_still_returns_its_blocks(tiny_checkpoint, tmp_path, monkeypatch):
+    """Aborting the request whose read is in flight: the read ends, its blocks are published to the prefix
+    cache (they are valid), and the pool gets every block back."""
+    _run_and_close(tiny_checkpoint, tmp_path)
+    started, release = _hold_disk_reads(monkeypatch)
+    llm = _engine(tiny_checkpoint, str(tmp_path))
+    engine = llm.engine
+    request = engine.make_request(llm.tokenizer.encode(PROMPTS[0]), GREEDY)
+    engine.add_request(request)
+    engine.step()
+    assert started.wait(60) and engine.kv.disk_reads_pending
+    assert engine.abort(request.request_id) is not None
+    assert engine.has_work()  # the read still owns blocks: the loop keeps reaping
+    release.set()
+    while engine.has_work():
+        engine.step()
+    engine.kv.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.disk_report()["hits"] > 0
+    engine.close()
