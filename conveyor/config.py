@@ -43,6 +43,8 @@ class EngineConfig:
     # read back, and it survives restarts. None = RAM only.
     prompt_cache_dir: str | None = None
     prompt_cache_disk_budget: str = "8G"  # bytes of block files kept (K/M/G); none = unbounded
+    # Bytes of the disk tier's most recently used blocks read into the RAM prefix cache at start (K/M/G; 0 = off).
+    prompt_cache_preload: str = "1G"
     slot_save_path: str | None = None  # llama-server's slot persistence: where POST /slots/{id}?action=save writes
     # Hybrid models: recurrent-state snapshots kept at block boundaries of cached prompts (0: a hybrid's
     # prompts never hit the prefix cache, as its state can only resume where a snapshot was taken).
@@ -93,6 +95,7 @@ class EngineConfig:
         _require(not (self.kv_unified and self.no_kv_unified), "--kv-unified and --no-kv-unified contradict")
         parse_kv_budget(self.prompt_cache_budget)
         _require(parse_kv_budget(self.prompt_cache_disk_budget) != -1, "prompt_cache_disk_budget cannot be auto")
+        parse_preload_bytes(self.prompt_cache_preload)
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
         _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
                  f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
@@ -303,6 +306,15 @@ def parse_kv_budget(value: str) -> int | None:
     return int(number * scale)
 
 
+def parse_preload_bytes(value: str) -> int:
+    """--prompt-cache-preload: '0' / 'off' / 'none' -> 0, else a byte count as parse_kv_budget reads one."""
+    if str(value).strip().lower() in ("0", "off", "none"):
+        return 0
+    number = parse_kv_budget(value)
+    _require(number is not None and number > 0, f"prompt_cache_preload must be a byte count or 0, got {value!r}")
+    return number
+
+
 def _bool(text: str) -> bool:
     if str(text).lower() in ("1", "true", "yes", "on"):
         return True
@@ -366,6 +378,9 @@ FLAGS: list[Flag] = [
               "back on a RAM miss, also after a restart (attention-only models; none = RAM only)"),
     Flag(("--prompt-cache-disk-budget",), "prompt_cache_disk_budget",
          help="bytes of block files the disk tier keeps (K/M/G), least recently used out first; none = no cap"),
+    Flag(("--prompt-cache-preload",), "prompt_cache_preload",
+         help="bytes of the disk tier's most recently used blocks read into the RAM prefix cache at start, so a "
+              "restart's first requests hit RAM (K/M/G; 0 = off; bounded by the pool and --prompt-cache-budget)"),
     Flag(("--slot-save-path",), "slot_save_path",
          help="llama-server's slot persistence: POST /slots/{id}?action=save|restore|erase keep slot files here"),
     Flag(("--parallel", "--n-parallel", "-np"), "parallel", int, "request slots (-1 auto: 4 slots, unified KV)",

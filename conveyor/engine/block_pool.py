@@ -132,6 +132,9 @@ class BlockPool:
             return None
         return block
 
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._hash_to_block
+
     def cache_block(self, block: int, block_hash: int, tokens: tuple[int, ...], parent: int | None = None) -> None:
         """Publish a full block; `parent` (the previous block's key, ROOT_PARENT for a first block) also makes
         it findable by longest_partial."""

@@ -17,6 +17,7 @@ as corrupt and are removed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -102,20 +103,26 @@ class DiskStore:
     def read(self, key: int, tokens: Sequence[int]) -> bytes | None:
         """The block's payload, or None (absent, or a bad file: counted, logged and forgotten)."""
         got: list[bytes] = []
-        return got[0] if self.read_many([(key, tokens)], lambda _, payload: got.append(bytes(payload))) else None
+        return got[0] if self.read_many([(key, tokens)], lambda _, payload, __: got.append(bytes(payload))) else None
 
-    def read_many(self, blocks: Sequence[tuple[int, Sequence[int]]],
-                  consume: Callable[[int, memoryview], None]) -> int:
-        """Read a run of blocks; returns how many lead it intact. Each intact file's payload goes to
-        consume(i, payload) on a reader thread (a view valid only during the call); the files are read and
+    def recent_keys(self, limit: int) -> list[int]:
+        """Up to `limit` keys, most recently used first (a start's preload)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._index), limit))
+
+    def read_many(self, blocks: Sequence[tuple[int, Sequence[int] | None]],
+                  consume: Callable[[int, memoryview, tuple[int, ...]], None]) -> int:
+        """Read a run of blocks; returns how many lead it intact. A block's tokens must match its file's, unless
+        given as None (a preload: the file names them). Each intact file's payload and tokens go to
+        consume(i, payload, tokens) on a reader thread (the view is valid only during the call); the files are read and
         checksummed on a few threads at once (file reads, blake2b and copies release the GIL), each into a
         buffer its thread reuses: a restart's first hit reads hundreds. The count stops at the first file
         absent or bad (counted, logged and forgotten); what was read after it goes uncounted."""
         def fetch(i: int) -> str | None:
             key, tokens = blocks[i]
-            payload, fault = self._fetch(key, tokens)
+            payload, fault, names = self._fetch(key, tokens)
             if fault is None:
-                consume(i, payload)
+                consume(i, payload, names)
             return fault
 
         if len(blocks) > 1:
@@ -142,7 +149,7 @@ class DiskStore:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _fetch(self, key: int, tokens: Sequence[int]) -> tuple[memoryview | None, str | None]:
+    def _fetch(self, key: int, tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, tuple[int, ...]]:
         """Read and check one file into this thread's buffer (no bookkeeping: any thread). fault "missing"
         for a file that is gone."""
         try:
@@ -153,7 +160,7 @@ class DiskStore:
                     buffer = self._local.buffer = bytearray(size)
                 data = memoryview(buffer)[:f.readinto(memoryview(buffer)[:size])]
         except OSError:
-            return None, "missing"
+            return None, "missing", ()
         return self._check(data, key, tokens)
 
     def _accept(self, key: int, fault: str | None) -> bool:
@@ -177,25 +184,28 @@ class DiskStore:
         _touch(self.path(key))  # the LRU order survives a restart
         return True
 
-    def _check(self, data: memoryview, key: int, tokens: Sequence[int]) -> tuple[memoryview | None, str | None]:
+    def _check(self, data: memoryview, key: int,
+               tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, tuple[int, ...]]:
         if len(data) < len(MAGIC) + 4 + _DIGEST or data[:len(MAGIC)] != MAGIC:
-            return None, "corrupt: not a block file or truncated"
+            return None, "corrupt: not a block file or truncated", ()
         if _crc32(memoryview(data)[:-_DIGEST]) != bytes(data[-_DIGEST:]):
-            return None, "corrupt: checksum mismatch"
+            return None, "corrupt: checksum mismatch", ()
         (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4
         try:
             header = json.loads(bytes(data[start:start + header_len]))
         except ValueError:
-            return None, "corrupt: unreadable header"
+            return None, "corrupt: unreadable header", ()
         payload = data[start + header_len:-_DIGEST]
         if header.get("payload_bytes") != len(payload):
-            return None, "corrupt: payload length"
+            return None, "corrupt: payload length", ()
         if header.get("tag") != self.tag:
-            return None, f"rejected: tag {header.get('tag')} is not this engine's {self.tag}"
-        if header.get("key") != key_hex(key) or header.get("tokens") != list(tokens):
-            return None, "rejected: the file names another prefix"
-        return payload, None
+            return None, f"rejected: tag {header.get('tag')} is not this engine's {self.tag}", ()
+        names = header.get("tokens")
+        if header.get("key") != key_hex(key) or not isinstance(names, list) or (tokens is not None and
+                                                                                names != list(tokens)):
+            return None, "rejected: the file names another prefix", ()
+        return payload, None, tuple(names)
 
     # -- write (the writer thread, or a slot save) -----------------------------------------
     def write(self, key: int, tokens: Sequence[int], payload) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.config import EngineConfig, parse_kv_budget
+from conveyor.config import EngineConfig, parse_kv_budget, parse_preload_bytes
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.draft_setup import load_draft_model
@@ -197,6 +197,13 @@ class EngineCore:
                                                      one_group=self.states is None and window is None)
         if self.disk is not None:
             self.kv.attach_disk(self.disk)
+            preload = parse_preload_bytes(config.prompt_cache_preload)
+            if self.disk.consult and preload:
+                started = time.perf_counter()
+                count = self.disk.preload(self.pool, preload)
+                if count:
+                    logger.info("prompt cache disk: %d blocks (%.1f MiB) read into the RAM prefix cache in %.2f s",
+                                count, count * self.disk.block_bytes / 2**20, time.perf_counter() - started)
             if self.disk.writer is not None:
                 self.pool.on_evict = self.disk.on_evict
         # Slot id -> the request that last ran there, or the tokens a slot restore put there (llama-server's

@@ -53,6 +53,7 @@ class DiskTier:
         self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
         self._loader: ThreadPoolExecutor | None = None  # load_run_async's thread, made on first use
         self._local = threading.local()  # each loading thread's staging array
+        self.preloaded = 0  # blocks read in by preload() (not hits: no request asked for them yet)
 
     @property
     def consult(self) -> bool:
@@ -114,19 +115,23 @@ class DiskTier:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-disk-loader")
         return self._loader.submit(self.load_run, blocks, keys, tokens)
 
-    def load_many(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> int:
+    def load_many(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...] | None],
+                  names: list[tuple[int, ...]] | None = None) -> int:
         """Fill blocks[i] with the stored K/V of (keys[i], tokens[i]) for the leading run the disk has intact;
         returns how many were filled. Each file lands in a row of a staging array on the thread that read it
         (one copy per file), then each KV tensor takes all the run's blocks in one copy: a few dozen copies
-        per run instead of one per file and tensor (thousands, each holding the GIL)."""
+        per run instead of one per file and tensor (thousands, each holding the GIL). A None in tokens takes the
+        file's own (a preload); `names`, when given, receives each block's tokens."""
         wrong_size: set[int] = set()
         staging = self._staging(len(blocks))
 
-        def stage(i: int, payload: memoryview) -> None:
+        def stage(i: int, payload: memoryview, block_tokens: tuple[int, ...]) -> None:
             if len(payload) != self.block_bytes:  # a tag match makes this unreachable; never trust it blindly
                 wrong_size.add(i)
                 return
             staging[i] = np.frombuffer(payload, dtype=np.uint8)
+            if names is not None:
+                names[i] = block_tokens
 
         count = self.store.read_many(list(zip(keys, tokens)), stage)
         if wrong_size and min(wrong_size) < count:
@@ -137,6 +142,32 @@ class DiskTier:
         if count:
             self._scatter(blocks[:count], staging[:count])
         return count
+
+    def preload(self, pool: BlockPool, max_bytes: int) -> int:
+        """A start: read the most recently used blocks (up to max_bytes, the free blocks and the pool's
+        cold-cache budget) into the RAM prefix cache, as if computed here, so a restart's first requests hit
+        RAM; returns how many. The pool frees a list tail first, so with the newest first they are the last its
+        LRU drops."""
+        limit = min(max_bytes // max(self.block_bytes, 1), pool.num_free_blocks)
+        if pool.max_cached_free is not None:
+            limit = min(limit, pool.max_cached_free)
+        keys = [key for key in self.store.recent_keys(limit) if not pool.holds(key)]
+        blocks = pool.allocate(len(keys)) if keys else None
+        if not blocks:
+            return 0
+        filled = 0
+        for start in range(0, len(keys), READ_BATCH):  # a bad file skips only itself
+            end = min(start + READ_BATCH, len(keys))
+            while start < end:
+                names: list[tuple[int, ...]] = [()] * (end - start)
+                count = self.load_many(blocks[start:end], keys[start:end], [None] * (end - start), names)
+                for block, key, tokens in zip(blocks[start:start + count], keys[start:start + count], names):
+                    pool.cache_block(block, key, tokens)
+                filled += count
+                start += count + 1  # past the bad one (its block stays plain)
+        pool.free(blocks)
+        self.preloaded += filled
+        return filled
 
     def _staging(self, rows: int) -> np.ndarray:
         """This thread's (rows, block_bytes) staging array, grown as needed (a slot restore on the engine thread
@@ -185,7 +216,7 @@ class DiskTier:
         return {"enabled": True, "dir": self.config.directory, "spill": self.config.spill,
                 "consult": self.config.consult, "entries": stats.num_entries, "bytes": stats.num_bytes,
                 "budget_bytes": self.config.budget_bytes, "bytes_per_block": self.block_bytes,
-                "hits": stats.num_hits, "writes": stats.num_writes, "dropped": stats.num_dropped,
+                "hits": stats.num_hits, "preloaded": self.preloaded, "writes": stats.num_writes, "dropped": stats.num_dropped,
                 "rejected": stats.num_rejected, "corrupt": stats.num_corrupt, "evictions": stats.num_evictions,
                 "write_errors": stats.num_write_errors}
 

@@ -20,6 +20,7 @@ PROMPTS = [SYSTEM + "What is the capital of France?", SYSTEM + "Name a prime num
 
 
 def _engine(checkpoint, cache_dir=None, **fields) -> LLM:
+    fields.setdefault("prompt_cache_preload", "0")  # these tests read on demand; the preload has its own
     return LLM(checkpoint=checkpoint, parallel=2, ctx_size=2 * 1024, prompt_cache_dir=cache_dir, **fields)
 
 
@@ -280,3 +281,29 @@ def test_an_aborted_request_s_read_still_returns_its_blocks(tiny_checkpoint, tmp
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert engine.disk_report()["hits"] > 0
     engine.close()
+
+
+@pytest.mark.batch_invariant
+def test_a_start_preloads_recent_blocks_into_ram(tiny_checkpoint, cold, tmp_path):
+    """--prompt-cache-preload: a restart reads the newest blocks into the RAM prefix cache before any request,
+    so the first request hits RAM (no read on its way) with the cold output; a corrupt file is skipped alone."""
+    _run_and_close(tiny_checkpoint, tmp_path)
+    bad = _block_path(tmp_path, _engine(tiny_checkpoint), PROMPTS[1], 5)
+    with open(bad, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\x00\xff")
+    llm = _engine(tiny_checkpoint, str(tmp_path), prompt_cache_preload="64M")
+    report = llm.engine.disk_report()
+    entries = report["entries"] + report["corrupt"]  # the bad file was dropped from the index as it was read
+    assert report["preloaded"] == report["hits"] == entries - 1 and report["corrupt"] == 1
+    assert llm.engine.pool.num_cached_free_blocks == report["preloaded"]
+    results = llm.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == cold
+    assert llm.engine.disk_report()["hits"] == report["hits"]  # every hit came from RAM
+    assert results[0].num_cached_tokens >= 16 * 4
+    llm.engine.kv.check_integrity()
+    llm.engine.close()
+
+    small = _engine(tiny_checkpoint, str(tmp_path), prompt_cache_preload=str(2 * llm.engine.disk.block_bytes))
+    assert small.engine.disk_report()["preloaded"] == 2  # the byte bound holds
+    small.engine.close()
