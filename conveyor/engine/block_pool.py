@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Called with (block, key, tokens) just before a cached block loses its prefix (the disk tier copies it out).
-EvictHook = Callable[[int, int, tuple[int, ...]], None]
+EvictHook = Callable[[int, int, tuple[int, ...], "int | None"], None]  # (block, key, tokens, parent key)
 
 ROOT_PARENT = -1  # the parent key of a prompt's first block (block keys are non-negative)
 
@@ -170,7 +170,7 @@ class BlockPool:
 
     def _evict(self, block: int) -> None:
         if self.on_evict is not None:
-            self.on_evict(block, self.block_hashes[block], self.block_tokens[block])
+            self.on_evict(block, self.block_hashes[block], self.block_tokens[block], self.block_parents[block])
         self._forget(block)
         self.num_evictions += 1
 

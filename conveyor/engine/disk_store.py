@@ -111,10 +111,10 @@ class DiskStore:
             return list(itertools.islice(reversed(self._index), limit))
 
     def read_many(self, blocks: Sequence[tuple[int, Sequence[int] | None]],
-                  consume: Callable[[int, memoryview, tuple[int, ...]], None]) -> int:
+                  consume: Callable[[int, memoryview, dict], None]) -> int:
         """Read a run of blocks; returns how many lead it intact. A block's tokens must match its file's, unless
-        given as None (a preload: the file names them). Each intact file's payload and tokens go to
-        consume(i, payload, tokens) on a reader thread (the view is valid only during the call); the files are read and
+        given as None (a preload: the file names them). Each intact file's payload and header go to
+        consume(i, payload, header) on a reader thread (the view is valid only during the call); the files are read and
         checksummed on a few threads at once (file reads, blake2b and copies release the GIL), each into a
         buffer its thread reuses: a restart's first hit reads hundreds. The count stops at the first file
         absent or bad (counted, logged and forgotten); what was read after it goes uncounted."""
@@ -149,7 +149,7 @@ class DiskStore:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _fetch(self, key: int, tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, tuple[int, ...]]:
+    def _fetch(self, key: int, tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, dict]:
         """Read and check one file into this thread's buffer (no bookkeeping: any thread). fault "missing"
         for a file that is gone."""
         try:
@@ -160,7 +160,7 @@ class DiskStore:
                     buffer = self._local.buffer = bytearray(size)
                 data = memoryview(buffer)[:f.readinto(memoryview(buffer)[:size])]
         except OSError:
-            return None, "missing", ()
+            return None, "missing", {}
         return self._check(data, key, tokens)
 
     def _accept(self, key: int, fault: str | None) -> bool:
@@ -185,32 +185,33 @@ class DiskStore:
         return True
 
     def _check(self, data: memoryview, key: int,
-               tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, tuple[int, ...]]:
+               tokens: Sequence[int] | None) -> tuple[memoryview | None, str | None, dict]:
         if len(data) < len(MAGIC) + 4 + _DIGEST or data[:len(MAGIC)] != MAGIC:
-            return None, "corrupt: not a block file or truncated", ()
+            return None, "corrupt: not a block file or truncated", {}
         if _crc32(memoryview(data)[:-_DIGEST]) != bytes(data[-_DIGEST:]):
-            return None, "corrupt: checksum mismatch", ()
+            return None, "corrupt: checksum mismatch", {}
         (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4
         try:
             header = json.loads(bytes(data[start:start + header_len]))
         except ValueError:
-            return None, "corrupt: unreadable header", ()
+            return None, "corrupt: unreadable header", {}
         payload = data[start + header_len:-_DIGEST]
         if header.get("payload_bytes") != len(payload):
-            return None, "corrupt: payload length", ()
+            return None, "corrupt: payload length", {}
         if header.get("tag") != self.tag:
-            return None, f"rejected: tag {header.get('tag')} is not this engine's {self.tag}", ()
+            return None, f"rejected: tag {header.get('tag')} is not this engine's {self.tag}", {}
         names = header.get("tokens")
         if header.get("key") != key_hex(key) or not isinstance(names, list) or (tokens is not None and
                                                                                 names != list(tokens)):
-            return None, "rejected: the file names another prefix", ()
-        return payload, None, tuple(names)
+            return None, "rejected: the file names another prefix", {}
+        return payload, None, header
 
     # -- write (the writer thread, or a slot save) -----------------------------------------
-    def write(self, key: int, tokens: Sequence[int], payload) -> int:
-        """Write one block atomically (temp file + rename); returns the file's bytes."""
-        header = json.dumps({"key": key_hex(key), "tag": self.tag, "tokens": list(tokens),
+    def write(self, key: int, tokens: Sequence[int], payload, parent: int | None = None) -> int:
+        """Write one block atomically (temp file + rename); returns the file's bytes. `parent`: the key of the
+        block before it (-1 for a first block), when known."""
+        header = json.dumps({"key": key_hex(key), "tag": self.tag, "tokens": list(tokens), "parent": parent,
                              "payload_bytes": memoryview(payload).nbytes}).encode()
         head = MAGIC + struct.pack("<I", len(header)) + header
         digest = _crc32(payload, zlib.crc32(head))
@@ -278,10 +279,10 @@ class SpillWriter:
     def drop(self) -> None:
         self.store.stats.num_dropped += 1
 
-    def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False) -> bool:
+    def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False, parent: int | None = None) -> bool:
         """Queue a block (payload: a CPU tensor or bytes the caller no longer touches)."""
         try:
-            self._queue.put((key, tokens, payload), block=block)
+            self._queue.put((key, tokens, payload, parent), block=block)
         except queue.Full:
             self.drop()
             return False
@@ -310,9 +311,9 @@ class SpillWriter:
             try:
                 if item is None:
                     return
-                key, tokens, payload = item
+                key, tokens, payload, parent = item
                 try:
-                    self.store.write(key, tokens, _as_bytes(payload))
+                    self.store.write(key, tokens, _as_bytes(payload), parent)
                 except OSError as exc:
                     self.store.stats.num_write_errors += 1
                     logger.warning("prompt cache disk: writing %s failed: %s", self.store.path(key), exc)

@@ -63,7 +63,7 @@ class DiskTier:
         return self.store.contains(key)
 
     # -- RAM -> disk -----------------------------------------------------------------------
-    def on_evict(self, block: int, key: int, tokens: tuple[int, ...]) -> None:
+    def on_evict(self, block: int, key: int, tokens: tuple[int, ...], parent: int | None = None) -> None:
         """The pool's eviction hook (engine thread): the block is about to be reused, so its bytes are copied
         now and written later; a full queue drops it rather than wait."""
         writer = self.writer
@@ -72,7 +72,7 @@ class DiskTier:
         if not writer.has_room():
             writer.drop()
             return
-        writer.offer(key, tokens, self._copy_out(block))
+        writer.offer(key, tokens, self._copy_out(block), parent=parent)
 
     def spill_cached(self, pool: BlockPool) -> int:
         """At shutdown: queue every cached block the disk lacks, waiting for room (nothing steps any more)."""
@@ -82,7 +82,8 @@ class DiskTier:
         for block, key in enumerate(pool.block_hashes):
             if key is None or self.store.contains(key) or self.writer.is_queued(key):
                 continue
-            self.writer.offer(key, pool.block_tokens[block], self._copy_out(block), block=True)
+            self.writer.offer(key, pool.block_tokens[block], self._copy_out(block), block=True,
+                              parent=pool.block_parents[block])
             count += 1
         return count
 
@@ -116,22 +117,23 @@ class DiskTier:
         return self._loader.submit(self.load_run, blocks, keys, tokens)
 
     def load_many(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...] | None],
-                  names: list[tuple[int, ...]] | None = None) -> int:
+                  names: list[tuple[tuple[int, ...], int | None]] | None = None) -> int:
         """Fill blocks[i] with the stored K/V of (keys[i], tokens[i]) for the leading run the disk has intact;
         returns how many were filled. Each file lands in a row of a staging array on the thread that read it
         (one copy per file), then each KV tensor takes all the run's blocks in one copy: a few dozen copies
         per run instead of one per file and tensor (thousands, each holding the GIL). A None in tokens takes the
-        file's own (a preload); `names`, when given, receives each block's tokens."""
+        file's own (a preload); `names`, when given, receives each block's (tokens, parent key or None)."""
         wrong_size: set[int] = set()
         staging = self._staging(len(blocks))
 
-        def stage(i: int, payload: memoryview, block_tokens: tuple[int, ...]) -> None:
+        def stage(i: int, payload: memoryview, header: dict) -> None:
             if len(payload) != self.block_bytes:  # a tag match makes this unreachable; never trust it blindly
                 wrong_size.add(i)
                 return
             staging[i] = np.frombuffer(payload, dtype=np.uint8)
             if names is not None:
-                names[i] = block_tokens
+                parent = header.get("parent")
+                names[i] = (tuple(header["tokens"]), parent if isinstance(parent, int) else None)
 
         count = self.store.read_many(list(zip(keys, tokens)), stage)
         if wrong_size and min(wrong_size) < count:
@@ -159,10 +161,12 @@ class DiskTier:
         for start in range(0, len(keys), READ_BATCH):  # a bad file skips only itself
             end = min(start + READ_BATCH, len(keys))
             while start < end:
-                names: list[tuple[int, ...]] = [()] * (end - start)
+                names: list = [None] * (end - start)
                 count = self.load_many(blocks[start:end], keys[start:end], [None] * (end - start), names)
-                for block, key, tokens in zip(blocks[start:start + count], keys[start:start + count], names):
-                    pool.cache_block(block, key, tokens)
+                for block, key, (tokens, parent) in zip(blocks[start:start + count], keys[start:start + count],
+                                                        names):
+                    # The parent makes the block a partial-block candidate too (a prompt ending inside it).
+                    pool.cache_block(block, key, tokens, parent=parent)
                 filled += count
                 start += count + 1  # past the bad one (its block stays plain)
         pool.free(blocks)

@@ -167,10 +167,10 @@ class _StuckStore(DiskStore):
         super().__init__(*args, **kwargs)
         self.writing, self.release = threading.Event(), threading.Event()
 
-    def write(self, key, tokens, payload):
+    def write(self, key, tokens, payload, parent=None):
         self.writing.set()
         assert self.release.wait(60)
-        return super().write(key, tokens, payload)
+        return super().write(key, tokens, payload, parent)
 
 
 def test_a_full_writer_queue_drops_and_never_waits(tmp_path):
@@ -307,3 +307,21 @@ def test_a_start_preloads_recent_blocks_into_ram(tiny_checkpoint, cold, tmp_path
     small = _engine(tiny_checkpoint, str(tmp_path), prompt_cache_preload=str(2 * llm.engine.disk.block_bytes))
     assert small.engine.disk_report()["preloaded"] == 2  # the byte bound holds
     small.engine.close()
+
+
+@pytest.mark.batch_invariant
+def test_preloaded_blocks_serve_a_prompt_that_ends_inside_one(tiny_checkpoint, tmp_path):
+    """Block files carry their parent's key, so a preloaded block is a partial-block candidate too: a prompt
+    ending 7 tokens into a stored block adopts those tokens after a restart, with the no-cache output."""
+    _run_and_close(tiny_checkpoint, tmp_path)
+    llm = _engine(tiny_checkpoint, str(tmp_path), prompt_cache_preload="64M")
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    block_size = llm.engine.kv.block_size
+    prompt = ids[:(len(ids) // block_size - 1) * block_size + 7]  # ends 7 tokens into the last stored block
+    plain = _engine(tiny_checkpoint, enable_prefix_caching=False)
+    expected = plain.generate([prompt], GREEDY)[0].token_ids
+    result = llm.generate([prompt], GREEDY)[0]
+    assert result.token_ids == expected
+    assert llm.engine.kv.counters.partial_hit_tokens == 6  # the last prompt token always runs
+    assert result.num_cached_tokens == len(prompt) - 1
+    llm.engine.close()
