@@ -10,7 +10,7 @@
 The greedy outputs of warm and cold must be identical. The default model (SmolLM2, conveyor's default
 when no --model is given) unless --model says otherwise.
 
-Usage: python benchmarks/prompt_cache_disk.py [--model PATH] [--no-preload] [--system-tokens 4096] [--requests 16] [--out FILE]
+Usage: python benchmarks/prompt_cache_disk.py [--model PATH] [--no-preload] [--repeat N] [--system-tokens 4096] [--requests 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--ctx-size", type=int, default=8192)
     parser.add_argument("--parallel", type=int, default=16, help="server slots (16: every request runs at once)")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--repeat", type=int, default=1, help="whole comparisons to run (a noisy host: read the median)")
     parser.add_argument("--no-preload", action="store_true", help="--prompt-cache-preload 0 on every server")
     parser.add_argument("--out", help="write the JSON result here")
     args = parser.parse_args()
@@ -157,31 +158,44 @@ def main() -> None:
     tokenizer = load_checkpoint(args.model or default_model_path()).tokenizer
     system = system_prompt(tokenizer, args.system_tokens)
     questions = [f"Task {i}: summarise rule {i} in one sentence." for i in range(args.requests)]
-    with tempfile.TemporaryDirectory() as warm_dir, tempfile.TemporaryDirectory() as cold_dir, \
-            tempfile.TemporaryDirectory() as log_dir:
-        args.log_dir = log_dir
-        prime = phase(args, warm_dir, system, questions[:1], "prime")
-        warm = phase(args, warm_dir, system, questions, "warm")
-        cold = phase(args, cold_dir, system, questions, "cold")
-    identical = warm["texts"] == cold["texts"]
+    runs = [one_run(args, tokenizer, system, questions) for _ in range(args.repeat)]
+    ratios = [r["cold"]["ttft_mean_s"] / r["warm"]["ttft_mean_s"] for r in runs]
+    identical = all(r["outputs_identical"] for r in runs)
     result = {"cpu": lscpu_model(), "system_tokens": len(tokenizer.encode(system)), "requests": args.requests,
-              "prime": {k: v for k, v in prime.items() if k != "texts"},
-              "warm": {k: v for k, v in warm.items() if k != "texts"},
-              "cold": {k: v for k, v in cold.items() if k != "texts"}, "outputs_identical": identical}
+              "runs": runs, "mean_ttft_ratios": ratios, "median_ratio": statistics.median(ratios),
+              "outputs_identical": identical}
     print(json.dumps(result, indent=2))
-    print(f"\n| cache at restart | TTFT first | TTFT p50 | TTFT mean | TTFT max | burst wall | disk hits (preloaded) |\n"
-          f"|---|---|---|---|---|---|---|")
-    for p in (warm, cold):
-        print(f"| {'disk tier warm' if p is warm else 'empty'} | {p['ttft_first_s']:.2f} s | {p['ttft_p50_s']:.2f} s | "
-              f"{p['ttft_mean_s']:.2f} s | {p['ttft_max_s']:.2f} s | {p['wall_s']:.1f} s | {p['disk']['hits']} ({p['disk'].get('preloaded', 0)}) |")
-    print(f"\noutputs identical: {identical}; prime shutdown (spill) took {prime['stop_s']:.1f} s, "
-          f"{warm['disk']['entries']} blocks / {warm['disk']['bytes'] / 2**20:.1f} MiB on disk")
+    print(f"\n| run | cache at restart | TTFT first | TTFT p50 | TTFT mean | TTFT max | burst wall | disk hits (preloaded) "
+          f"| mean ratio |\n|---|---|---|---|---|---|---|---|---|")
+    for n, (run, ratio) in enumerate(zip(runs, ratios), 1):
+        for p in (run["warm"], run["cold"]):
+            warm = p is run["warm"]
+            print(f"| {n} | {'disk tier warm' if warm else 'empty'} | {p['ttft_first_s']:.2f} s | {p['ttft_p50_s']:.2f} s | "
+                  f"{p['ttft_mean_s']:.2f} s | {p['ttft_max_s']:.2f} s | {p['wall_s']:.1f} s | {p['disk']['hits']} "
+                  f"({p['disk'].get('preloaded', 0)}) | {'' if warm else f'**{ratio:.1f}x**'} |")
+    last = runs[-1]
+    print(f"\nmedian mean-TTFT ratio over {len(runs)} run(s): {statistics.median(ratios):.1f}x; outputs identical: "
+          f"{identical}; prime shutdown (spill) took {last['prime']['stop_s']:.1f} s, {last['warm']['disk']['entries']} "
+          f"blocks / {last['warm']['disk']['bytes'] / 2**20:.1f} MiB on disk")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     if not identical:
         sys.exit(1)
 
+
+def one_run(args, tokenizer, system: str, questions: list[str]) -> dict:
+    """prime, restart warm, cold: one comparison in fresh directories."""
+    with tempfile.TemporaryDirectory() as warm_dir, tempfile.TemporaryDirectory() as cold_dir, \
+            tempfile.TemporaryDirectory() as log_dir:
+        args.log_dir = log_dir
+        prime = phase(args, warm_dir, system, questions[:1], "prime")
+        warm = phase(args, warm_dir, system, questions, "warm")
+        cold = phase(args, cold_dir, system, questions, "cold")
+    return {"prime": {k: v for k, v in prime.items() if k != "texts"},
+            "warm": {k: v for k, v in warm.items() if k != "texts"},
+            "cold": {k: v for k, v in cold.items() if k != "texts"},
+            "outputs_identical": warm["texts"] == cold["texts"]}
 
 if __name__ == "__main__":
     main()
