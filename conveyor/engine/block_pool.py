@@ -12,7 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# Called with (block, key, tokens) just before a cached block loses its prefix (the disk tier copies it out).
+# Called with (block, key, tokens, parent key) just before a cached block loses its prefix (the disk tier copies
+# it out).
 EvictHook = Callable[[int, int, tuple[int, ...], "int | None"], None]  # (block, key, tokens, parent key)
 
 ROOT_PARENT = -1  # the parent key of a prompt's first block (block keys are non-negative)

@@ -114,8 +114,8 @@ class DiskStore:
                   consume: Callable[[int, memoryview, dict], None]) -> int:
         """Read a run of blocks; returns how many lead it intact. A block's tokens must match its file's, unless
         given as None (a preload: the file names them). Each intact file's payload and header go to
-        consume(i, payload, header) on a reader thread (the view is valid only during the call); the files are read and
-        checksummed on a few threads at once (file reads, blake2b and copies release the GIL), each into a
+        consume(i, payload, header) on a reader thread (the view is valid only during the call); the files are
+        read and checksummed on a few threads at once (file reads, CRC-32 and copies release the GIL), each into a
         buffer its thread reuses: a restart's first hit reads hundreds. The count stops at the first file
         absent or bad (counted, logged and forgotten); what was read after it goes uncounted."""
         def fetch(i: int) -> str | None:
@@ -279,7 +279,8 @@ class SpillWriter:
     def drop(self) -> None:
         self.store.stats.num_dropped += 1
 
-    def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False, parent: int | None = None) -> bool:
+    def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False,
+              parent: int | None = None) -> bool:
         """Queue a block (payload: a CPU tensor or bytes the caller no longer touches)."""
         try:
             self._queue.put((key, tokens, payload, parent), block=block)

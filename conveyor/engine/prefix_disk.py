@@ -53,7 +53,7 @@ class DiskTier:
         self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
         self._loader: ThreadPoolExecutor | None = None  # load_run_async's thread, made on first use
         self._local = threading.local()  # each loading thread's staging array
-        self.preloaded = 0  # blocks read in by preload() (not hits: no request asked for them yet)
+        self.preloaded = 0  # blocks read in by preload() (also counted among the store's hits)
 
     @property
     def consult(self) -> bool:
@@ -220,7 +220,8 @@ class DiskTier:
         return {"enabled": True, "dir": self.config.directory, "spill": self.config.spill,
                 "consult": self.config.consult, "entries": stats.num_entries, "bytes": stats.num_bytes,
                 "budget_bytes": self.config.budget_bytes, "bytes_per_block": self.block_bytes,
-                "hits": stats.num_hits, "preloaded": self.preloaded, "writes": stats.num_writes, "dropped": stats.num_dropped,
+                "hits": stats.num_hits, "preloaded": self.preloaded, "writes": stats.num_writes,
+                "dropped": stats.num_dropped,
                 "rejected": stats.num_rejected, "corrupt": stats.num_corrupt, "evictions": stats.num_evictions,
                 "write_errors": stats.num_write_errors}
 
