@@ -105,6 +105,9 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     priority: int | None = None  # higher runs first; overrides the X-Priority header
     cache_prompt: bool = True
+    # llama-server's slot pin (-1: any). The prefix cache here is shared by every slot, so any slot reuses what a
+    # pinned one would (a restored slot's blocks included): accepted, range-checked, otherwise ignored.
+    id_slot: int | None = Field(default=None, ge=-1)
     # Accepted and ignored: they change nothing about generation here.
     user: str | None = None
     metadata: dict | None = None

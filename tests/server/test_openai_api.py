@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
 import pytest
 
 CHAT = [{"role": "user", "content": "Tell me about continuous batching."}]
@@ -162,6 +163,17 @@ def test_extra_fields_and_priority_header(served):
                     "cache_prompt": False})
     assert r.usage.completion_tokens == 3
     assert r.usage.prompt_tokens_details.cached_tokens == 0  # cache_prompt false: nothing adopted
+
+
+def test_llama_server_slot_pin_is_accepted_and_range_checked(served):
+    """id_slot (llama-server) pins nothing here (every slot shares the prefix cache) but is not an unknown field."""
+    client = served.client()
+    r = client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2, temperature=0,
+                                       extra_body={"id_slot": 0})
+    assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2, extra_body={"id_slot": -2})
+    assert "id_slot" in str(err.value)
 
 
 def test_prefix_cache_reports_cached_tokens(served):
