@@ -110,8 +110,10 @@ def _disk_tier_metrics(disk: dict | None) -> Iterator:
     yield _gauge("conveyor_prompt_cache_disk_bytes", "Bytes of prefix block files on disk", disk.get("bytes", 0))
     yield _gauge("conveyor_prompt_cache_disk_budget_bytes", "Disk tier budget in bytes (0 = none or unbounded)",
                  disk.get("budget_bytes") or 0)
-    yield _counter("conveyor_prompt_cache_disk_hits", "Prefix blocks read back from disk on a RAM miss",
+    yield _counter("conveyor_prompt_cache_disk_hits", "Prefix blocks read back from disk (at start or on a RAM miss)",
                    disk.get("hits", 0))
+    yield _counter("conveyor_prompt_cache_disk_preloaded", "Of those, blocks read into RAM as the engine started",
+                   disk.get("preloaded", 0))
     yield _counter("conveyor_prompt_cache_disk_hit_tokens", "Prompt tokens whose blocks came back from disk",
                    disk.get("hit_tokens", 0))
     yield _counter("conveyor_prompt_cache_disk_writes", "Prefix blocks written to disk", disk.get("writes", 0))

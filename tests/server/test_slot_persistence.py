@@ -85,11 +85,11 @@ def test_cache_tiers_in_stats_and_metrics(slot_server):
     served, _ = slot_server
     _completion(served.url)
     disk = _cache(served.url)["tiers"]["disk"]
-    for field in ("entries", "bytes", "budget_bytes", "hits", "writes", "dropped", "rejected", "corrupt"):
+    for field in ("entries", "bytes", "budget_bytes", "hits", "preloaded", "writes", "dropped", "rejected", "corrupt"):
         assert field in disk
     assert disk["budget_bytes"] == 8 << 30
     text = httpx.get(f"{served.url}/metrics", timeout=30).text
-    for name in ("entries", "bytes", "budget_bytes", "hits_total", "writes_total", "dropped_total",
+    for name in ("entries", "bytes", "budget_bytes", "hits_total", "preloaded_total", "writes_total", "dropped_total",
                  "rejected_total", "corrupt_total"):
         assert f"conveyor_prompt_cache_disk_{name}" in text
 

@@ -327,7 +327,7 @@ function renderTiers(tiers) {
   $("tier-disk").hidden = !disk;
   if (disk) {
     $("tier-disk-text").textContent = `${disk.entries} blocks · ${mib(disk.bytes)} MiB (${budget(disk.budget_bytes)}) · ` +
-      `${disk.hits} hits · ${disk.writes} writes · ${disk.dropped} dropped · ${disk.rejected} rejected · ` +
+      `${disk.hits} hits (${disk.preloaded ?? 0} preloaded) · ${disk.writes} writes · ${disk.dropped} dropped · ${disk.rejected} rejected · ` +
       `${disk.corrupt} corrupt`;
   }
 }
