@@ -43,6 +43,7 @@ class DiskRead:
     chunks: list[tuple[int, ...]]
     blocks: list[int]
     filled: Future | None = None  # -> how many lead intact (None: read on the caller's thread)
+    orphaned: bool = False  # the request that started it is gone
 
 
 class DiskReads:
@@ -90,7 +91,8 @@ class DiskReads:
         for request_id, read in list(self._in_flight.items()):
             if read.filled.done():
                 del self._in_flight[request_id]
-                self._done.add(request_id)
+                if not read.orphaned:
+                    self._done.add(request_id)
                 self.finish(read, self._count(read))
 
     def wait(self, timeout: float) -> None:
@@ -108,6 +110,9 @@ class DiskReads:
     def forget(self, request_id: str) -> None:
         """The request is gone: a read it started still ends and is published; only its flag goes."""
         self._done.discard(request_id)
+        read = self._in_flight.get(request_id)
+        if read is not None:
+            read.orphaned = True
 
     # -- both paths ------------------------------------------------------------------------
     def load_now(self, tokens: list[int], keys: list[int], ram_blocks: list[int]) -> list[int]:

@@ -280,6 +280,7 @@ def test_an_aborted_request_s_read_still_returns_its_blocks(tiny_checkpoint, tmp
     engine.kv.check_integrity()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert engine.disk_report()["hits"] > 0
+    assert not engine.kv.disk_reads.take_done(request.request_id)  # nothing kept for a request that is gone
     engine.close()
 
 
