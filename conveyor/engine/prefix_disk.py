@@ -149,7 +149,8 @@ class DiskTier:
         """A start: read the most recently used blocks (up to max_bytes, the free blocks and the pool's
         cold-cache budget) into the RAM prefix cache, as if computed here, so a restart's first requests hit
         RAM; returns how many. The pool frees a list tail first, so with the newest first they are the last its
-        LRU drops."""
+        LRU drops. A corrupt file is skipped alone; a file of another model or KV layout ends the preload (the
+        directory is likely full of them: one warning, not one per file)."""
         limit = min(max_bytes // max(self.block_bytes, 1), pool.num_free_blocks)
         if pool.max_cached_free is not None:
             limit = min(limit, pool.max_cached_free)
@@ -162,13 +163,21 @@ class DiskTier:
             end = min(start + READ_BATCH, len(keys))
             while start < end:
                 names: list = [None] * (end - start)
+                rejected = self.store.stats.num_rejected
                 count = self.load_many(blocks[start:end], keys[start:end], [None] * (end - start), names)
                 for block, key, (tokens, parent) in zip(blocks[start:start + count], keys[start:start + count],
                                                         names):
                     # The parent makes the block a partial-block candidate too (a prompt ending inside it).
                     pool.cache_block(block, key, tokens, parent=parent)
                 filled += count
+                if self.store.stats.num_rejected > rejected:
+                    logger.warning("prompt cache disk: preload stopped at a file of another model or KV layout in %s",
+                                   self.config.directory)
+                    break
                 start += count + 1  # past the bad one (its block stays plain)
+            else:
+                continue
+            break
         pool.free(blocks)
         self.preloaded += filled
         return filled

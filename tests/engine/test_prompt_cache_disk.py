@@ -129,6 +129,11 @@ def test_another_kv_dtype_is_rejected_not_used(tiny_checkpoint, tmp_path):
     assert out == want
     report = llm.engine.disk_report()
     assert report["rejected"] == 1 and report["hits"] == 0
+    # A preload meeting another layout's files stops at the first one (one warning, not one per file).
+    other = _engine(tiny_checkpoint, str(tmp_path), dtype="float16", prompt_cache_preload="64M")
+    report = other.engine.disk_report()
+    assert report["entries"] > 1 and report["rejected"] == 1 and report["preloaded"] == 0
+    other.engine.close()
 
 
 def _tag(**overrides):
