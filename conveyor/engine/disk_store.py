@@ -120,9 +120,9 @@ class DiskStore:
         absent or bad (counted, logged and forgotten); what was read after it goes uncounted."""
         def fetch(i: int) -> str | None:
             key, tokens = blocks[i]
-            payload, fault, names = self._fetch(key, tokens)
+            payload, fault, header = self._fetch(key, tokens)
             if fault is None:
-                consume(i, payload, names)
+                consume(i, payload, header)
             return fault
 
         if len(blocks) > 1:

@@ -31,6 +31,7 @@ class PrefixHit:
     num_matched_blocks: int = 0  # blocks the K/V cache matched (a hybrid's hit may stop short, at a snapshot)
     window_blocks: list[int] = field(default_factory=list)  # the sliding group's table for the hit (NULL head)
     num_partial_tokens: int = 0  # of num_tokens, those from the leading part of a cached block
+    pending: bool = False  # the prefix is on its way back from the disk tier: the request waits (prefix_reads.py)
 
 
 @dataclass
@@ -72,20 +73,6 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- admission ---------------------------------------------------------------------------
-    def prefix_ready(self, request: Request) -> bool:
-        """False while the request's prefix is on its way back from the disk tier: the read starts here when
-        the disk has blocks that RAM lacks (prefix_reads.py), and the request waits until it is published."""
-        reads = self.disk_reads
-        if reads is None or not self.disk.consult or not self.pool.enable_caching or not request.cache_prompt:
-            return True
-        if reads.in_flight(request.request_id):
-            return False
-        if reads.take_done(request.request_id):
-            return True  # as much as the disk had is in RAM now (find_prefix reads on for what a full pool left)
-        tokens = request.all_token_ids
-        keys = self.block_keys(request, len(tokens) // self.block_size)
-        return not reads.start(request.request_id, tokens, keys, self._ram_blocks(tokens, keys))
-
     def reap_disk_reads(self) -> None:
         if self.disk_reads is not None:
             self.disk_reads.reap()
@@ -100,7 +87,8 @@ class KVCacheManager:
 
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request's tokens, in whole blocks; at least one token is left to run.
-        Where RAM misses, the disk tier (if any) may bring the following blocks back first."""
+        Where RAM misses, the disk tier (if any) brings the following blocks back first: inline when few, else
+        on the loader thread, and then the hit is `pending` (the request waits; prefix_reads.py)."""
         if not self.pool.enable_caching or not request.cache_prompt:
             return PrefixHit()
         tokens = request.all_token_ids
@@ -108,7 +96,10 @@ class KVCacheManager:
         keys = self.block_keys(request, max_blocks)
         hit = PrefixHit(blocks=self._ram_blocks(tokens, keys))
         if self.disk is not None and self.disk.consult and len(hit.blocks) < max_blocks:
-            hit.blocks = self.disk_reads.load_now(tokens, keys, hit.blocks)
+            blocks = self.disk_reads.extend(request.request_id, tokens, keys, hit.blocks)
+            if blocks is None:
+                return PrefixHit(pending=True)
+            hit.blocks = blocks
         hit.num_matched_blocks = len(hit.blocks)
         if self.states is not None or self.window is not None:
             matched = len(hit.blocks)

@@ -100,7 +100,7 @@ class DiskTier:
     def load_run(self, blocks: list[int], keys: list[int], tokens: list[tuple[int, ...]]) -> int:
         """load_many in batches (READ_BATCH blocks, at most STAGING_BYTES of them), up to the first short one;
         returns how many lead intact."""
-        batch = max(1, min(READ_BATCH, STAGING_BYTES // max(self.block_bytes, 1)))
+        batch = self._batch_blocks()
         filled = 0
         for start in range(0, len(blocks), batch):
             end = min(start + batch, len(blocks))
@@ -158,29 +158,28 @@ class DiskTier:
         blocks = pool.allocate(len(keys)) if keys else None
         if not blocks:
             return 0
-        filled = 0
-        for start in range(0, len(keys), READ_BATCH):  # a bad file skips only itself
-            end = min(start + READ_BATCH, len(keys))
-            while start < end:
-                names: list = [None] * (end - start)
-                rejected = self.store.stats.num_rejected
-                count = self.load_many(blocks[start:end], keys[start:end], [None] * (end - start), names)
-                for block, key, (tokens, parent) in zip(blocks[start:start + count], keys[start:start + count],
-                                                        names):
-                    # The parent makes the block a partial-block candidate too (a prompt ending inside it).
-                    pool.cache_block(block, key, tokens, parent=parent)
-                filled += count
-                if self.store.stats.num_rejected > rejected:
-                    logger.warning("prompt cache disk: preload stopped at a file of another model or KV layout in %s",
-                                   self.config.directory)
-                    break
-                start += count + 1  # past the bad one (its block stays plain)
-            else:
-                continue
-            break
+        filled = start = 0
+        while start < len(keys):
+            end = min(start + self._batch_blocks(), len(keys))
+            names: list = [None] * (end - start)
+            rejected = self.store.stats.num_rejected
+            count = self.load_many(blocks[start:end], keys[start:end], [None] * (end - start), names)
+            for block, key, (tokens, parent) in zip(blocks[start:start + count], keys[start:start + count], names):
+                # The parent makes the block a partial-block candidate too (a prompt ending inside it).
+                pool.cache_block(block, key, tokens, parent=parent)
+            filled += count
+            if self.store.stats.num_rejected > rejected:
+                logger.warning("prompt cache disk: preload stopped at a file of another model or KV layout in %s",
+                               self.config.directory)
+                break
+            start += count + (count < end - start)  # past a corrupt file (its block stays plain)
         pool.free(blocks)
         self.preloaded += filled
         return filled
+
+    def _batch_blocks(self) -> int:
+        """Blocks read together: READ_BATCH, fewer where that many would pass STAGING_BYTES."""
+        return max(1, min(READ_BATCH, STAGING_BYTES // max(self.block_bytes, 1)))
 
     def _staging(self, rows: int) -> np.ndarray:
         """This thread's (rows, block_bytes) staging array, grown as needed (a slot restore on the engine thread

@@ -57,20 +57,23 @@ class DiskReads:
         self._in_flight: dict[str, DiskRead] = {}  # by the request that started it
         self._done: set[str] = set()  # requests whose read was published since they last asked
 
-    # -- the scheduler's side --------------------------------------------------------------
-    def start(self, request_id: str, tokens: list[int], keys: list[int], ram_blocks: list[int]) -> bool:
-        """Start reading what the disk has past ram_blocks (the request's RAM hit); False when there is
-        nothing to read, no room for it (the request goes ahead without), or it was small enough to read
-        here and now."""
+    # -- admission's side --------------------------------------------------------------------
+    def extend(self, request_id: str, tokens: list[int], keys: list[int], ram_blocks: list[int]) -> list[int] | None:
+        """ram_blocks (the request's RAM hit) extended by what the disk has, or None while a read for the
+        request is in flight (started here when the run is large). After its read was published, what is
+        left (a full pool stopped it short) is read inline: the request does not wait twice."""
+        if request_id in self._in_flight:
+            return None
+        if self.take_done(request_id):
+            return self.load_now(tokens, keys, ram_blocks)
         read = self.plan(tokens, keys, ram_blocks)
         if read is None:
-            return False
+            return ram_blocks
         if len(read.blocks) * self.disk.block_bytes <= INLINE_READ_BYTES:
-            self.finish(read, self.disk.load_run(read.blocks, read.keys, read.chunks))
-            return False
+            return self.finish(read, self.disk.load_run(read.blocks, read.keys, read.chunks))
         read.filled = self.disk.load_run_async(read.blocks, read.keys, read.chunks)
         self._in_flight[request_id] = read
-        return True
+        return None
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight

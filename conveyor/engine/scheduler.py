@@ -190,11 +190,11 @@ class Scheduler:
         admitted = tokens = 0
         while self.waiting and admitted < self.config.max_batch_prefill:
             request = self.waiting[0]
-            if not self.kv.prefix_ready(request):
+            hit = self.kv.find_prefix(request)
+            if hit.pending:
                 break  # its prefix is being read from disk; FIFO: the rest (often the same prompt) wait too
             if len(self.running) >= self.config.max_batch_size and not self._evict_for(request, out):
                 break
-            hit = self.kv.find_prefix(request)
             remaining = request.num_tokens - hit.num_tokens
             num_new = min(remaining, chunk)
             if cap is not None and admitted and tokens + num_new > cap:
