@@ -62,7 +62,7 @@ using PassFn = void (*)(const float*, int64_t, int64_t, const scalar_t*, const i
 
 enum class Pass { kScores, kWeightedSum };
 
-#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
 // Pass 1 for bf16 straight from the bf16 query heads (G x D), the scale applied by the pass:
 // (q heads, scale, first key, num keys, K cache, V cache, block table, block size, block stride,
 // token stride, head offset, scores).
@@ -150,6 +150,47 @@ void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BF
   }
 }
 
+// Pass 3 for D = 256 (Gemma 3, Qwen3.5's attention layers), where G x 16 accumulators do not fit
+// the 32 registers: keys in tiles of 32 whose value rows stay in L1 while CH 16-element chunks
+// at a time are swept over them, the accumulators parked in acc_out between sweeps. Each element
+// is still one FMA chain in key order, so the bits are those of one sweep over all keys.
+template <int G, int DV, int CH>
+void weighted_sum_bf16_tiled(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                             const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                             float* acc_out) {
+  static_assert(DV % CH == 0, "chunks must tile the head");
+  constexpr int64_t kTile = 32, D = 16 * DV;
+  const int bs_shift = __builtin_ctzll(BS);
+  std::fill(acc_out, acc_out + G * D, 0.f);
+  const c10::BFloat16* rows[kTile];
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, num_keys - j0);
+    for (int64_t j = 0; j < n; ++j) rows[j] = vc + cache_row(table, j0 + j + first, bs_shift, kv_block, kv_tok, kv_offset);
+    for (int64_t key = j0 + kTile; key < std::min<int64_t>(j0 + 2 * kTile, num_keys); ++key)  // the next tile
+      prefetch_row(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+    for (int c0 = 0; c0 < DV; c0 += CH) {
+      __m512 acc[G][CH];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + 16 * (c0 + c));
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 vf[CH];
+        for (int c = 0; c < CH; ++c) vf[c] = load_bf16(rows[j] + 16 * (c0 + c));
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * num_keys + j0 + j]);
+          for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * (c0 + c), acc[g][c]);
+    }
+  }
+}
+
+template <int G>
+PassFn<c10::BFloat16> sum256_fn() {
+  return weighted_sum_bf16_tiled<G, 16, (G <= 2 ? 8 : 4)>;
+}
+
 template <Pass P, int G, int DV>
 PassFn<c10::BFloat16> pass_fn() {
   return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16<G, DV>;
@@ -171,6 +212,8 @@ template <Pass P>
 PassFn<c10::BFloat16> fast_pass(const c10::BFloat16*, int64_t G, int64_t D) {
   if (D == 64) return pick_pass<P, 4>(G);
   if (D == 128) return pick_pass<P, 8>(G);
+  if (D == 256 && P == Pass::kWeightedSum && G >= 1 && G <= 4)  // pass 1 at D = 256: wide_scores_fn
+    return G == 1 ? sum256_fn<1>() : G == 2 ? sum256_fn<2>() : G == 3 ? sum256_fn<3>() : sum256_fn<4>();
   return nullptr;
 }
 #elif defined(CONVEYOR_AVX2)
@@ -428,7 +471,7 @@ inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double so
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Pass 1 for bf16 with D = 32 * DH and G query heads per KV head, 16 keys at a time and no
 // horizontal sums: the 16 key rows are transposed in registers so that one vector holds one
 // (d, d+1) pair for all 16 keys, and vdpbf16ps adds q's matching pair into 16 key lanes at
@@ -461,6 +504,7 @@ inline void transpose16x16_epi32(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+#if defined(__AVX512BF16__)
 template <int G, int DH>
 void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
                    const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
@@ -524,6 +568,79 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   if (D == 128) return pick_dpbf16<4>(G);
   return nullptr;
 }
+#else
+// AVX-512 without BF16 (Skylake-SP to Ice Lake servers, and VMs that hide AVX512_BF16): the same
+// transposed 16-key layout, each (d, d+1) pair widened to fp32 (a shift for d, a mask for d + 1)
+// and multiplied by q's fp32 pair in two FMAs. Every score is one fixed chain of those products
+// in d order (even and odd pairs in two accumulators, added at the end, then scaled), wherever
+// the key sits in its group of 16. Replaced one horizontal reduce per key and head (scores_bf16)
+// and adds the K/V prefetch that pass lacked: 2.5x on decode at 2k keys (docs/kernels.md).
+template <int G, int DH>
+void scores_fma16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
+                  const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
+                  int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+  constexpr int D = 32 * DH;
+  const int bs_shift = __builtin_ctzll(BS);
+  float qf[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qf[g][d] = to_float(q_heads[g * D + d]);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    __m512 even[G], odd[G];
+    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // as scores_dpbf16
+      prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      if (key + 16 < first + num_keys)
+        prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+    }
+    for (int h = 0; h < DH; ++h) {
+      __m512i rows[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= n) {
+          rows[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const c10::BFloat16* k = kc + cache_row(table, first + j0 + i, bs_shift, kv_block, kv_tok, kv_offset);
+        rows[i] = _mm512_loadu_si512(k + 32 * h);
+      }
+      transpose16x16_epi32(rows);
+      for (int c = 0; c < 16; ++c) {
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(rows[c], 16));  // element 32h + 2c
+        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(rows[c], high));  // element 32h + 2c + 1
+        const int d = 32 * h + 2 * c;
+        for (int g = 0; g < G; ++g) {
+          __m512& acc = (c & 1) ? odd[g] : even[g];
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][d]), lo, acc);
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][d + 1]), hi, acc);
+        }
+      }
+    }
+    const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
+  }
+}
+
+template <int DH>
+ScoresBf16Fn pick_fma16(int64_t G) {
+  switch (G) {
+    case 1: return scores_fma16<1, DH>;
+    case 2: return scores_fma16<2, DH>;
+    case 3: return scores_fma16<3, DH>;
+    case 4: return scores_fma16<4, DH>;
+    default: return nullptr;
+  }
+}
+
+inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
+  if (D == 64) return pick_fma16<2>(G);
+  if (D == 128) return pick_fma16<4>(G);
+  if (D == 256) return pick_fma16<8>(G);  // Gemma 3, Qwen3.5's attention layers
+  return nullptr;
+}
+#endif
 #endif
 
 // A task's G heads out: each head's weighted value sum over its softmax denominator, in the output dtype.
@@ -566,7 +683,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const float fscale = static_cast<float>(scale);
   const auto fast_sum = fast_pass<Pass::kWeightedSum>(vc, G, D);
   const auto fast_qk = fast_pass<Pass::kScores>(kc, G, D);
-#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
   // Pass 1 straight from the bf16 query: vdpbf16ps (AVX-512 BF16) or scores_avx2.
   const ScoresBf16Fn dp_qk = std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
 #else
@@ -585,7 +702,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
       // Pass 1: scores, in key order.
-#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
       if (dp_qk != nullptr)
         dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, first, num_keys,
               reinterpret_cast<const c10::BFloat16*>(kc), reinterpret_cast<const c10::BFloat16*>(vc), table, BS,
@@ -828,7 +945,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   // The unquantized side of a mixed pair takes the bf16 path's own fast passes where it has them.
   const auto plain_sum = v_q8 ? nullptr : fast_pass<Pass::kWeightedSum>(vs, G, D);
   const auto plain_qk = k_q8 ? nullptr : fast_pass<Pass::kScores>(ks, G, D);
-#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
   const ScoresBf16Fn plain_dp_qk = !k_q8 && std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
 #else
   const void* plain_dp_qk = nullptr;
@@ -859,7 +976,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
         }
         for (int64_t i = 0; i < G * num_keys; ++i) scores[i] *= fscale;
       } else if (plain_dp_qk != nullptr) {
-#if defined(__AVX512BF16__) || defined(CONVEYOR_AVX2)
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
         const auto* kb = reinterpret_cast<const c10::BFloat16*>(ks);  // the K rows stand in for V's prefetch
         plain_dp_qk(reinterpret_cast<const c10::BFloat16*>(q_heads), fscale, first, num_keys, kb, kb, table, BS,
                     k_block, k_tok, kvh * k_row, scores.data());
