@@ -82,7 +82,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
     kinds = {i: ("deltanet" if "linear" in t else "attention") for i, t in enumerate(model.config.layer_types)}
     for name, module in model.named_modules():
         match = re.fullmatch(r"layers\.(\d+)(?:\.(.*))?", name)
-        prefix = f"{kinds[int(match.group(1))]}." if match else ""
+        prefix = f"{kinds.get(int(match.group(1)), 'attention')}." if match else ""
         if isinstance(module, RowInvariantLinear):
             module.forward = timers.wrap(f"gemm {prefix}{_kind(name)}", module.forward)
             if hasattr(module, "forward_split"):  # (absent before it was added: A/B runs against older code)
