@@ -393,4 +393,18 @@ def load_kernels(arch: str = "native") -> dict[str, KernelBuild]:
     for build in builds:
         if build.module is None:
             logger.warning("C++ kernel %r unavailable for -march=%s: %s", build.kernel, arch, build.error)
+    share_pool([b.module for b in builds if b.module is not None])
     return {b.kernel: b for b in builds}
+
+
+def share_pool(modules: list) -> None:
+    """Run every module's parallel loops on the first one's thread pool (csrc/parallel.h, def_pool_sharing):
+    one set of helper threads for a step's kernels instead of one per module. Modules of another compiler
+    or pool layout (pool_abi) keep their own."""
+    sharing = [m for m in modules if hasattr(m, "pool_handle")]
+    if len(sharing) < 2:
+        return
+    owner = sharing[0]
+    for module in sharing[1:]:
+        if module.pool_abi() == owner.pool_abi():
+            module.adopt_pool(owner.pool_handle())

@@ -2,7 +2,8 @@
 
 Which thread runs a chunk must never change a bit: the same results at 1 thread, 2, and more
 threads than cores (helpers parked most of the time), from concurrent callers, and in a forked
-child (whose pool has no helpers until it makes its own). Speed under load is measured in
+child (whose pool has no helpers until it makes its own). Every kernel module of a process runs on
+one pool (build.share_pool), so concurrent callers of different modules meet in it too. Speed under load is measured in
 benchmarks/kernel_contention.py, never asserted here.
 """
 
@@ -73,6 +74,15 @@ def test_concurrent_callers_get_their_own_results(restore_threads):
     for t in threads:
         t.join()
     assert not mismatches
+
+
+def test_every_kernel_module_runs_on_one_pool():
+    # One set of helpers for a step's kernels (build.share_pool): a pool per module left each module's
+    # helper asleep by the time the step came back to it, with the others' helpers still spinning.
+    full = kernel_backend("gemm", "qgemm", "attention", "fused_ops", "recurrent")
+    modules = [full.gemm, full.qgemm, full.attention, full.fused, full.recurrent]
+    assert len({m.pool_abi() for m in modules}) == 1
+    assert len({m.pool_handle() for m in modules}) == 1
 
 
 def test_attention_bits_do_not_depend_on_the_thread_count(restore_threads):

@@ -1067,5 +1067,6 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  conveyor_parallel::def_pool_sharing(m);
   m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", release());
 }

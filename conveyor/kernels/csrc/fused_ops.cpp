@@ -534,6 +534,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  conveyor_parallel::def_pool_sharing(m);
   m.def("rms_norm", &rms_norm, "RMSNorm with transformers' rounding (CPU)", release());
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());

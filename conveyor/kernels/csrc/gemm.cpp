@@ -669,6 +669,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  conveyor_parallel::def_pool_sharing(m);
   m.def("backend", &bf16_linear_backend,
         "bf16_linear's kernel in this process: amx, avx512_bf16, avx512, avx2 or generic");
   m.def("pack", &bf16_linear_pack, "pack a (N, K) bf16 weight for bf16_linear", release());

@@ -28,6 +28,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -173,6 +174,23 @@ Pool*& pool_slot() {
 }
 
 }  // namespace
+
+// One pool for every kernel module of a process: build.py's load_kernels hands the first module's pool
+// to the others (adopt_pool). With a pool per module, a decode step's kernels (GEMM, fused ops,
+// attention, in turn) each woke their own helper, which had fallen asleep since that module's last
+// call a layer ago, while the other modules' helpers still spun: more spinning threads than cores.
+// A C=1 decode step of SmolLM2 on 2 threads spent ~130 us per attention call waiting on that
+// (19 us on 1 thread). The modules are built from these same headers by one compiler (the build key
+// hashes every header), and pool_abi() lets the caller check it before sharing.
+template <typename Module>
+void def_pool_sharing(Module& m) {
+  m.def("pool_handle", [] { return reinterpret_cast<uintptr_t>(pool_slot()); },
+        "this module's parallel pool, for adopt_pool of the process's other kernel modules");
+  m.def("pool_abi", [] { return std::string(__VERSION__) + "/" + std::to_string(sizeof(Pool)) + "/1"; },
+        "the compiler and pool layout: modules share a pool only when these are equal");
+  m.def("adopt_pool", [](uintptr_t handle) { pool_slot() = reinterpret_cast<Pool*>(handle); },
+        "run this module's parallel loops on another module's pool (pool_handle)");
+}
 
 // at::parallel_for's contract (body(begin, end) over [begin, end), chunks of at least `grain`),
 // scheduled by claiming rather than by static shares.

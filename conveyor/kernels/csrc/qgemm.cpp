@@ -1501,6 +1501,7 @@ torch::Tensor qgemm_dequantize_rows(const torch::Tensor& packed, int64_t qt, int
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  conveyor_parallel::def_pool_sharing(m);
   m.def("backend", &level, "the quantized GEMM's path in this build: avx512_vnni, avx2_vnni, avx2 or generic");
   m.def("supports", [](int64_t qt) { return supported(static_cast<int>(qt)); }, "whether a GGML type runs natively");
   m.def("pack", &qgemm_pack, "raw GGML rows (N, row_bytes) uint8 -> the kernel's layout", release());

@@ -590,6 +590,7 @@ torch::Tensor sigmoid_tensor(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
+  conveyor_parallel::def_pool_sharing(m);
   m.def("short_conv", &short_conv, "causal depthwise conv1d over state slots (CPU)", release());
   m.def("gated_delta_rule", &gated_delta_rule, "gated delta rule over state slots (CPU)", release());
   m.def("ssm_scan", &ssm_scan, "Mamba2 selective scan over state slots (CPU)", release());
