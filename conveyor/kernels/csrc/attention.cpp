@@ -791,70 +791,225 @@ inline void add_row_q8(const float* scores, int64_t num_keys, int64_t j, const u
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// x86-64-v3 and every AVX-512 level: 256-bit integer code (AVX-512 machines run it as is).
-
-// The same tree as conveyor_vec::reduce_add8 (lane i = sum of v[i]'s lanes), for every level.
-inline __m256 reduce_add8_q8(const __m256 v[8]) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
+// x86-64-v3 and every AVX-512 level. Pass 1 puts keys in lanes (8 per ymm, 16 per zmm with AVX-512 VNNI):
+// each 32-block of a tile's key rows is transposed so that column t holds every key's bytes 4t..4t+3, and
+// a head's block sum S_b is 8 columns times its broadcast 4-byte words, an exact int32 per key and lane.
+// The float step is dot_q8's (s += (qd_b * dk_b) * S_b in block order, mul then add), so every level's
+// scores are the portable path's bits, and a key's score never depends on its lane or its tile.
 
 inline void prefetch_q8(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
-// Pass 1, 8 keys at a time: per block, 8 int32 lane sums of |k| x sign(q, k) (maddubs pairs stay below
-// 2 x 127 x 127, so never saturate: exact), times dq * dk into a float accumulator per head; then the
-// 8 keys' lanes in one fixed tree. Slots past the last key are zeros and never stored.
+inline int32_t q8_word(const int8_t* p) {  // 4 query bytes as one int32, to broadcast
+  int32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+inline uint16_t q8_scale_bits(const uint8_t* blk) {
+  uint16_t bits;
+  std::memcpy(&bits, blk, sizeof(bits));
+  return bits;
+}
+
+// Where V rows are prefetched: with VNNI pass 1 is short, and V prefetches issued there left L1's fill buffers
+// full while its K loads waited, so pass 3 fetches its own rows ahead; the longer pass 1 without VNNI hides them.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kValuesAheadInPass3 = true;
+#else
+constexpr bool kValuesAheadInPass3 = false;
+#endif
+
+// The key rows of one tile (lanes past the last key repeat key 0: read, never stored), the K rows two tiles
+// ahead prefetched, and this tile's V rows unless pass 3 fetches them (vc null: no V prefetch).
+template <int L>
+inline int q8_tile_rows(int64_t j0, int64_t first, int64_t num_keys, const uint8_t* kc, const uint8_t* vc,
+                        const int32_t* table, int bs_shift, int64_t k_block, int64_t k_tok, int64_t k_offset,
+                        int64_t v_block, int64_t v_tok, int64_t v_offset, int64_t row, const uint8_t* rows[L]) {
+  const int n = static_cast<int>(std::min<int64_t>(L, num_keys - j0));
+  for (int i = 0; i < L; ++i) {
+    const int64_t key = first + j0 + (i < n ? i : 0);
+    rows[i] = kc + cache_row(table, key, bs_shift, k_block, k_tok, k_offset);
+    if (i >= n) continue;
+    if (!kValuesAheadInPass3 && vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
+    if (j0 + i + 2 * L < num_keys) prefetch_q8(kc + cache_row(table, key + 2 * L, bs_shift, k_block, k_tok, k_offset), row);
+  }
+  return n;
+}
+
+constexpr int64_t kMaxQ8Blocks = 16;  // head_dim <= 512 on the vector passes
+constexpr int64_t kQ8Ahead = 16;      // how far ahead pass 3 prefetches V rows (kValuesAheadInPass3)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 rows' int32 (two ymm per zmm: rows i and i + 8) -> c[t] = int32 t of rows 0..15 (lane i = row i).
+inline void transpose16x8_epi32(const __m256i r[16], __m512i c[8]) {
+  __m512i z[8];
+  for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(r[i]), r[i + 8], 1);
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  const __m512i t4 = _mm512_unpacklo_epi32(z[4], z[5]), t5 = _mm512_unpackhi_epi32(z[4], z[5]);
+  const __m512i t6 = _mm512_unpacklo_epi32(z[6], z[7]), t7 = _mm512_unpackhi_epi32(z[6], z[7]);
+  const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);
+  const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);
+  const __m512i u4 = _mm512_unpacklo_epi64(t4, t6), u5 = _mm512_unpackhi_epi64(t4, t6);
+  const __m512i u6 = _mm512_unpacklo_epi64(t5, t7), u7 = _mm512_unpackhi_epi64(t5, t7);
+  // u0 = [rows 0-3 int 0 | rows 0-3 int 4 | rows 8-11 int 0 | rows 8-11 int 4], u4 the same for rows 4-7, 12-15.
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  c[0] = _mm512_permutex2var_epi64(u0, lo, u4), c[4] = _mm512_permutex2var_epi64(u0, hi, u4);
+  c[1] = _mm512_permutex2var_epi64(u1, lo, u5), c[5] = _mm512_permutex2var_epi64(u1, hi, u5);
+  c[2] = _mm512_permutex2var_epi64(u2, lo, u6), c[6] = _mm512_permutex2var_epi64(u2, hi, u6);
+  c[3] = _mm512_permutex2var_epi64(u3, lo, u7), c[7] = _mm512_permutex2var_epi64(u3, hi, u7);
+}
+
+// Pass 1, 16 keys per zmm: vpdpbusd takes the keys as unsigned (k + 128, a flip of the top bit) and the query
+// words as signed; the accumulator starts at -128 * (the block's query sum), so S_b = sum q * k exactly.
 template <int G>
-void scores_q8_avx2(const int8_t* qq, const float* qd, int64_t D, int64_t first, int64_t num_keys,
-                    const uint8_t* kc, const uint8_t* vc, const int32_t* table, int64_t BS, int64_t k_block,
-                    int64_t k_tok, int64_t k_offset, int64_t v_block, int64_t v_tok, int64_t v_offset,
-                    float* scores) {
+void scores_q8(const int8_t* qq, const float* qd, int64_t D, int64_t first, int64_t num_keys, const uint8_t* kc,
+               const uint8_t* vc, const int32_t* table, int64_t BS, int64_t k_block, int64_t k_tok, int64_t k_offset,
+               int64_t v_block, int64_t v_tok, int64_t v_offset, float* scores) {
+  constexpr int L = 16;
   const int bs_shift = __builtin_ctzll(BS);
   const int64_t nb = D / kBlock, row = nb * kBlockBytes;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 8) {
-    const int64_t n = std::min<int64_t>(8, num_keys - j0);
-    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // values for pass 3, keys two groups ahead
-      if (vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
-      if (key + 16 < first + num_keys) prefetch_q8(kc + cache_row(table, key + 16, bs_shift, k_block, k_tok, k_offset), row);
+  int32_t q_offset[G * kMaxQ8Blocks];
+  for (int g = 0; g < G; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) sum += qq[g * D + b * kBlock + i];
+      q_offset[g * nb + b] = -128 * sum;
     }
-    __m256 part[G][8];
-    for (int64_t i = 0; i < 8; ++i) {
-      __m256 acc[G];  // G is a template argument: the accumulators stay in registers
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-      if (i < n) {
-        const uint8_t* k = kc + cache_row(table, first + j0 + i, bs_shift, k_block, k_tok, k_offset);
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = k + b * kBlockBytes;
-          const __m256i kb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(blk)));
-          const __m256i ka = _mm256_sign_epi8(kb, kb);
-          const float dk = block_scale(blk);
-          for (int g = 0; g < G; ++g) {
-            const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * D + b * kBlock));
-            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ka, _mm256_sign_epi8(qb, kb)), ones);
-            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(qd[g * nb + b] * dk), acc[g]);
-          }
-        }
+  alignas(64) __m512i cols[kMaxQ8Blocks][8];
+  __m512 dk[kMaxQ8Blocks];
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j0 = 0; j0 < num_keys; j0 += L) {
+    const uint8_t* rows[L];
+    const int n = q8_tile_rows<L>(j0, first, num_keys, kc, vc, table, bs_shift, k_block, k_tok, k_offset, v_block,
+                                  v_tok, v_offset, row, rows);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i r[L];
+      alignas(32) uint16_t bits[L];
+      for (int i = 0; i < L; ++i) {
+        const uint8_t* blk = rows[i] + b * kBlockBytes;
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(blk)));
+        bits[i] = q8_scale_bits(blk);
       }
-      for (int g = 0; g < G; ++g) part[g][i] = acc[g];
+      transpose16x8_epi32(r, cols[b]);
+      for (int t = 0; t < 8; ++t) cols[b][t] = _mm512_xor_si512(cols[b][t], top);
+      dk[b] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bits)));
     }
     for (int g = 0; g < G; ++g) {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, reduce_add8_q8(part[g]));
-      std::memcpy(scores + g * num_keys + j0, tmp, n * sizeof(float));
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* qb = qq + g * D + b * kBlock;
+        __m512i acc = _mm512_set1_epi32(q_offset[g * nb + b]);
+        for (int t = 0; t < 8; ++t) acc = _mm512_dpbusd_epi32(acc, cols[b][t], _mm512_set1_epi32(q8_word(qb + 4 * t)));
+        const __m512 step = _mm512_mul_ps(dk[b], _mm512_set1_ps(qd[g * nb + b]));
+        s = _mm512_add_ps(s, _mm512_mul_ps(step, _mm512_cvtepi32_ps(acc)));
+      }
+      _mm512_mask_storeu_ps(scores + g * num_keys + j0, static_cast<__mmask16>((1u << n) - 1), s);
     }
   }
 }
+#else
+// Lane i = the sum of v[i]'s 8 int32 lanes (exact: any order gives the same integer).
+inline __m256i reduce_add8_epi32(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
 
+// Pass 1, 8 keys per ymm, without VNNI: per key row and block, |k| x sign(q, k) in maddubs pairs (below
+// 2 x 127 x 127 = 32,258, never saturated) widened by madd with ones, then the 8 keys' int32 lanes summed into
+// one lane each. Without vpdpbusd a transpose does not pay: the sign trick costs the same per byte either way.
+template <int G>
+void scores_q8(const int8_t* qq, const float* qd, int64_t D, int64_t first, int64_t num_keys, const uint8_t* kc,
+               const uint8_t* vc, const int32_t* table, int64_t BS, int64_t k_block, int64_t k_tok, int64_t k_offset,
+               int64_t v_block, int64_t v_tok, int64_t v_offset, float* scores) {
+  constexpr int L = 8;
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t nb = D / kBlock, row = nb * kBlockBytes;
+  __m256 dk[kMaxQ8Blocks];
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += L) {
+    const uint8_t* rows[L];
+    const int n = q8_tile_rows<L>(j0, first, num_keys, kc, vc, table, bs_shift, k_block, k_tok, k_offset, v_block,
+                                  v_tok, v_offset, row, rows);
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(16) uint16_t bits[L];
+      for (int i = 0; i < L; ++i) bits[i] = q8_scale_bits(rows[i] + b * kBlockBytes);
+      dk[b] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(bits)));
+    }
+    for (int g = 0; g < G; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * D + b * kBlock));
+        __m256i part[L];
+        for (int i = 0; i < L; ++i) {
+          const __m256i kb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(rows[i] + b * kBlockBytes)));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(kb, kb), _mm256_sign_epi8(qb, kb));
+          part[i] = _mm256_madd_epi16(pairs, ones);
+        }
+        const __m256 step = _mm256_mul_ps(dk[b], _mm256_set1_ps(qd[g * nb + b]));
+        s = _mm256_add_ps(s, _mm256_mul_ps(step, _mm256_cvtepi32_ps(reduce_add8_epi32(part))));
+      }
+      if (n == L) {
+        _mm256_storeu_ps(scores + g * num_keys + j0, s);
+      } else {
+        alignas(32) float tmp[L];
+        _mm256_store_ps(tmp, s);
+        std::memcpy(scores + g * num_keys + j0, tmp, n * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// Pass 3 with G query heads, 16 * CH elements (CH / 2 blocks) per sweep over the keys: each element one FMA
+// chain in key order, acc += (p_g * dv_b) * v, the same bits as the 256-bit pass below.
+template <int G, int CH>
+void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const uint8_t* vc, const int32_t* table,
+                     int64_t BS, int64_t v_block, int64_t v_tok, int64_t v_offset, int64_t D, float* acc_out) {
+  static_assert(CH % 2 == 0, "whole 32-blocks per sweep");
+  constexpr int NB = CH / 2;
+  const int bs_shift = __builtin_ctzll(BS);
+  for (int64_t c0 = 0; c0 < D; c0 += 16 * CH) {
+    const int64_t b0 = c0 / kBlock;
+    __m512 acc[G][CH];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const uint8_t* v = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b0 * kBlockBytes;
+      if (kValuesAheadInPass3 && j + kQ8Ahead < num_keys)
+        prefetch_q8(vc + cache_row(table, j + kQ8Ahead + first, bs_shift, v_block, v_tok, v_offset) + b0 * kBlockBytes,
+                    NB * kBlockBytes);
+      __m512 vf[CH];
+      float dv[NB];
+      for (int k = 0; k < NB; ++k) {
+        const uint8_t* blk = v + k * kBlockBytes;
+        dv[k] = _cvtsh_ss(q8_scale_bits(blk));
+        for (int h = 0; h < 2; ++h)
+          vf[2 * k + h] = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_values(blk) + 16 * h))));
+      }
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * num_keys + j];
+        for (int k = 0; k < NB; ++k) {
+          const __m512 w = _mm512_set1_ps(p * dv[k]);
+          for (int h = 0; h < 2; ++h) acc[g][2 * k + h] = _mm512_fmadd_ps(w, vf[2 * k + h], acc[g][2 * k + h]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc_out + g * D + c0 + 16 * c, acc[g][c]);
+  }
+}
+#else
 // Pass 3 with G query heads, CH vectors (8 * CH elements of one block) per sweep over the keys: the
 // G x CH accumulators stay in registers; each element is one FMA chain in key order.
 template <int G, int CH>
-void weighted_sum_q8_avx2(const float* scores, int64_t first, int64_t num_keys, const uint8_t* vc,
-                          const int32_t* table, int64_t BS, int64_t v_block, int64_t v_tok, int64_t v_offset,
-                          int64_t D, float* acc_out) {
+void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const uint8_t* vc, const int32_t* table,
+                     int64_t BS, int64_t v_block, int64_t v_tok, int64_t v_offset, int64_t D, float* acc_out) {
   const int bs_shift = __builtin_ctzll(BS);
   for (int64_t c0 = 0; c0 < D; c0 += 8 * CH) {
     const int64_t b = c0 / kBlock, within = c0 % kBlock;
@@ -863,7 +1018,7 @@ void weighted_sum_q8_avx2(const float* scores, int64_t first, int64_t num_keys, 
       for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < num_keys; ++j) {
       const uint8_t* blk = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b * kBlockBytes;
-      const float dv = block_scale(blk);
+      const float dv = _cvtsh_ss(q8_scale_bits(blk));
       const int8_t* vals = block_values(blk) + within;
       __m256 vf[CH];
       for (int c = 0; c < CH; ++c)
@@ -877,20 +1032,22 @@ void weighted_sum_q8_avx2(const float* scores, int64_t first, int64_t num_keys, 
       for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc_out + g * D + c0 + 8 * c, acc[g][c]);
   }
 }
+#endif
 
 using ScoresQ8Fn = void (*)(const int8_t*, const float*, int64_t, int64_t, int64_t, const uint8_t*, const uint8_t*,
                             const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 
-inline ScoresQ8Fn scores_q8_fn(int64_t G) {
+inline ScoresQ8Fn scores_q8_fn(int64_t G, int64_t D) {
+  if (D / kBlock > kMaxQ8Blocks) return nullptr;
   switch (G) {
-    case 1: return scores_q8_avx2<1>;
-    case 2: return scores_q8_avx2<2>;
-    case 3: return scores_q8_avx2<3>;
-    case 4: return scores_q8_avx2<4>;
-    case 5: return scores_q8_avx2<5>;
-    case 6: return scores_q8_avx2<6>;
-    case 7: return scores_q8_avx2<7>;
-    case 8: return scores_q8_avx2<8>;
+    case 1: return scores_q8<1>;
+    case 2: return scores_q8<2>;
+    case 3: return scores_q8<3>;
+    case 4: return scores_q8<4>;
+    case 5: return scores_q8<5>;
+    case 6: return scores_q8<6>;
+    case 7: return scores_q8<7>;
+    case 8: return scores_q8<8>;
     default: return nullptr;
   }
 }
@@ -898,14 +1055,27 @@ inline ScoresQ8Fn scores_q8_fn(int64_t G) {
 using SumQ8Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const int32_t*, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float*);
 
-inline SumQ8Fn weighted_sum_q8_fn(int64_t G) {
-  switch (G) {  // G x CH accumulators <= 12 of the 16 registers
-    case 1: return weighted_sum_q8_avx2<1, 4>;
-    case 2: return weighted_sum_q8_avx2<2, 4>;
-    case 3: return weighted_sum_q8_avx2<3, 4>;
-    case 4: return weighted_sum_q8_avx2<4, 2>;
+inline SumQ8Fn weighted_sum_q8_fn(int64_t G, int64_t D) {
+#if defined(__AVX512F__)
+  // G x CH accumulators + CH values <= 24 of the 32 registers; 64 elements per sweep where D allows.
+  const bool wide = D % 64 == 0;
+  switch (G) {
+    case 1: return wide ? weighted_sum_q8<1, 4> : weighted_sum_q8<1, 2>;
+    case 2: return wide ? weighted_sum_q8<2, 4> : weighted_sum_q8<2, 2>;
+    case 3: return wide ? weighted_sum_q8<3, 4> : weighted_sum_q8<3, 2>;
+    case 4: return wide ? weighted_sum_q8<4, 4> : weighted_sum_q8<4, 2>;
     default: return nullptr;
   }
+#else
+  (void)D;
+  switch (G) {  // G x CH accumulators <= 12 of the 16 registers
+    case 1: return weighted_sum_q8<1, 4>;
+    case 2: return weighted_sum_q8<2, 4>;
+    case 3: return weighted_sum_q8<3, 4>;
+    case 4: return weighted_sum_q8<4, 2>;
+    default: return nullptr;
+  }
+#endif
 }
 #endif
 
@@ -936,8 +1106,8 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const int64_t q_row = H * D;
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX2__) && defined(__FMA__)
-  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G) : nullptr;  // up to 8 query heads per KV head (4 after the split)
-  const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G) : nullptr;
+  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G, D) : nullptr;  // up to 8 query heads per KV head (4 after the split)
+  const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G, D) : nullptr;
 #else
   const void* fast_qk = nullptr;
   const void* fast_sum = nullptr;
