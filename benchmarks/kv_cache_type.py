@@ -1,6 +1,7 @@
 """q8_0 vs bf16 KV cache (--cache-type-k / --cache-type-v): decode speed at long context and KV bytes per token.
 
-Usage: python benchmarks/kv_cache_type.py --offline [--rows 16] [--context 2048] [--steps 24] [--out results.md]
+Usage: python benchmarks/kv_cache_type.py --offline [--rows 16] [--context 2048] [--steps 24] [--kernel-arch native]
+       [--out results.md]
 
 --offline: a ~1B-shaped Llama (Llama 3.2 1B's layer shapes: hidden 2048, 16 layers, 32 heads / 8 KV heads of
 64, intermediate 8192; SmolLM2's vocabulary) with random bf16 weights, through the engine. Each of --rows
@@ -125,7 +126,8 @@ def offline(args: argparse.Namespace) -> None:
                                 name="random-llama-1b-shape", release_pages=_drop)
         cores[kind] = EngineCore(EngineConfig(parallel=args.rows, ctx_size=args.rows * (args.context + 256),
                                               kv_cache_budget="none", speculative_ngram=0,
-                                              weight_dtype=args.weight_dtype, cache_type_k=kind, cache_type_v=kind),
+                                              weight_dtype=args.weight_dtype, cache_type_k=kind, cache_type_v=kind,
+                                              kernel_arch=args.kernel_arch),
                                  checkpoint=checkpoint)
         del checkpoint
         start_rows(cores[kind], args.rows, args.context, args.steps)
@@ -148,8 +150,8 @@ def offline(args: argparse.Namespace) -> None:
     header = ["K and V cache type", "KV bytes per token", "decode ms/step", f"decode tok/s ({args.rows} rows)",
               "attention, one layer (ms)"]
     caption = (f"KV cache types: {args.rows} sequences decoding at {args.context} tokens of context, a ~1B-shaped "
-               f"Llama (16 layers, 32/8 heads of 64, hidden 2048), random weights as {args.weight_dtype}; median of "
-               f"{args.steps} steps, the engines' steps interleaved. Machine: {machine()}.")
+               f"Llama (16 layers, 32/8 heads of 64, hidden 2048), random weights as {args.weight_dtype}, kernels "
+               f"-march={args.kernel_arch}; median of {args.steps} steps, the engines' steps interleaved. Machine: {machine()}.")
     emit_table(caption, header, rows, args.out)
 
 
@@ -161,6 +163,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--weight-dtype", default="bf16", help="--weight-dtype of the model (bf16, q8_0, q4_0)")
+    p.add_argument("--kernel-arch", default="native",
+                   help="-march of the kernels (x86-64-v3: the AVX2 level; also set ATEN_CPU_CAPABILITY=avx2 "
+                        "ONEDNN_MAX_CPU_ISA=AVX2 to cap torch there)")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     args = p.parse_args()
     if not args.offline:
