@@ -103,8 +103,8 @@ def test_fused_rope_write_quantizes_the_rotated_key():
 
 
 # (heads, kv_heads, head_dim): the vector paths (1-4 query heads per KV head, 8 on pass 1) and the portable
-# one (10 per KV head), one to four 32-blocks per row.
-SHAPES = [(6, 2, 32), (9, 3, 64), (4, 2, 128), (8, 2, 64), (8, 1, 64), (10, 1, 32), (16, 2, 64)]
+# one (10 per KV head), one to eight 32-blocks per row (Gemma 3's 256: pass 1's tile holds 8 blocks per key).
+SHAPES = [(6, 2, 32), (9, 3, 64), (4, 2, 128), (8, 2, 64), (8, 1, 64), (10, 1, 32), (16, 2, 64), (4, 1, 256)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
@@ -136,7 +136,7 @@ def test_soft_capping_with_q8_0():
 
 
 @pytest.mark.batch_invariant
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (10, 1, 32), (12, 2, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (10, 1, 32), (12, 2, 64), (4, 1, 256)])
 def test_rows_alone_equal_rows_in_a_batch_of_16(heads, kv_heads, head_dim):
     seq_lens = [7 + 37 * i for i in range(16)]
     kc, vc, meta = _sequences(seq_lens, [1] * 16, kv_heads, head_dim)
