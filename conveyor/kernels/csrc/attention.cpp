@@ -747,6 +747,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 // acc[d] += (p_j * dv_jb) * v_jd, one chain per element in key order. Both orders depend only on the
 // row's own keys, so rows stay batch- and chunk-invariant exactly as on the bf16 path.
 using conveyor_q8::block_scale;
+using conveyor_q8::scale_bits;
 using conveyor_q8::block_values;
 using conveyor_q8::kBlock;
 using conveyor_q8::kBlockBytes;
@@ -791,11 +792,10 @@ inline void add_row_q8(const float* scores, int64_t num_keys, int64_t j, const u
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// x86-64-v3 and every AVX-512 level. Pass 1 puts keys in lanes (8 per ymm, 16 per zmm with AVX-512 VNNI):
-// each 32-block of a tile's key rows is transposed so that column t holds every key's bytes 4t..4t+3, and
-// a head's block sum S_b is 8 columns times its broadcast 4-byte words, an exact int32 per key and lane.
-// The float step is dot_q8's (s += (qd_b * dk_b) * S_b in block order, mul then add), so every level's
-// scores are the portable path's bits, and a key's score never depends on its lane or its tile.
+// x86-64-v3 and every AVX-512 level. Pass 1 scores a tile of keys at once, one key per lane (16 per zmm with
+// AVX-512 VNNI, 8 per ymm otherwise), each block sum S_b an exact int32; the float step is dot_q8's
+// (s += (qd_b * dk_b) * S_b in block order, mul then add), so every level's scores are the portable path's
+// bits, and a key's score never depends on its lane or its tile.
 
 inline void prefetch_q8(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
@@ -805,12 +805,6 @@ inline int32_t q8_word(const int8_t* p) {  // 4 query bytes as one int32, to bro
   int32_t w;
   std::memcpy(&w, p, sizeof(w));
   return w;
-}
-
-inline uint16_t q8_scale_bits(const uint8_t* blk) {
-  uint16_t bits;
-  std::memcpy(&bits, blk, sizeof(bits));
-  return bits;
 }
 
 // Where V rows are prefetched: with VNNI pass 1 is short, and V prefetches issued there left L1's fill buffers
@@ -891,7 +885,7 @@ void scores_q8(const int8_t* qq, const float* qd, int64_t D, int64_t first, int6
       for (int i = 0; i < L; ++i) {
         const uint8_t* blk = rows[i] + b * kBlockBytes;
         r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_values(blk)));
-        bits[i] = q8_scale_bits(blk);
+        bits[i] = scale_bits(blk);
       }
       transpose16x8_epi32(r, cols[b]);
       for (int t = 0; t < 8; ++t) cols[b][t] = _mm512_xor_si512(cols[b][t], top);
@@ -936,7 +930,7 @@ void scores_q8(const int8_t* qq, const float* qd, int64_t D, int64_t first, int6
                                   v_tok, v_offset, row, rows);
     for (int64_t b = 0; b < nb; ++b) {
       alignas(16) uint16_t bits[L];
-      for (int i = 0; i < L; ++i) bits[i] = q8_scale_bits(rows[i] + b * kBlockBytes);
+      for (int i = 0; i < L; ++i) bits[i] = scale_bits(rows[i] + b * kBlockBytes);
       dk[b] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(bits)));
     }
     for (int g = 0; g < G; ++g) {
@@ -987,7 +981,7 @@ void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const
       float dv[NB];
       for (int k = 0; k < NB; ++k) {
         const uint8_t* blk = v + k * kBlockBytes;
-        dv[k] = _cvtsh_ss(q8_scale_bits(blk));
+        dv[k] = _cvtsh_ss(scale_bits(blk));
         for (int h = 0; h < 2; ++h)
           vf[2 * k + h] = _mm512_cvtepi32_ps(
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_values(blk) + 16 * h))));
@@ -1018,7 +1012,7 @@ void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const
       for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < num_keys; ++j) {
       const uint8_t* blk = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b * kBlockBytes;
-      const float dv = _cvtsh_ss(q8_scale_bits(blk));
+      const float dv = _cvtsh_ss(scale_bits(blk));
       const int8_t* vals = block_values(blk) + within;
       __m256 vf[CH];
       for (int c = 0; c < CH; ++c)
@@ -1044,11 +1038,7 @@ inline ScoresQ8Fn scores_q8_fn(int64_t G, int64_t D) {
     case 2: return scores_q8<2>;
     case 3: return scores_q8<3>;
     case 4: return scores_q8<4>;
-    case 5: return scores_q8<5>;
-    case 6: return scores_q8<6>;
-    case 7: return scores_q8<7>;
-    case 8: return scores_q8<8>;
-    default: return nullptr;
+    default: return nullptr;  // head_subgroup never leaves more than 4 query heads per task
   }
 }
 
@@ -1106,7 +1096,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const int64_t q_row = H * D;
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX2__) && defined(__FMA__)
-  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G, D) : nullptr;  // up to 8 query heads per KV head (4 after the split)
+  const ScoresQ8Fn fast_qk = k_q8 ? scores_q8_fn(G, D) : nullptr;  // up to 4 query heads per task (head_subgroup)
   const SumQ8Fn fast_sum = v_q8 ? weighted_sum_q8_fn(G, D) : nullptr;
 #else
   const void* fast_qk = nullptr;

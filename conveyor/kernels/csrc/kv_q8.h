@@ -45,10 +45,15 @@ inline void quantize_row(const scalar_t* x, uint8_t* dst, int64_t D) {
   }
 }
 
-inline float block_scale(const uint8_t* blk) {
+// A block's fp16 scale as stored (vector code converts several at once), and as fp32.
+inline uint16_t scale_bits(const uint8_t* blk) {
   uint16_t bits;
   std::memcpy(&bits, blk, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  return bits;
+}
+
+inline float block_scale(const uint8_t* blk) {
+  return static_cast<float>(c10::Half(scale_bits(blk), c10::Half::from_bits()));
 }
 
 inline const int8_t* block_values(const uint8_t* blk) { return reinterpret_cast<const int8_t*>(blk + 2); }
