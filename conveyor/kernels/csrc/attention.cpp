@@ -7,6 +7,7 @@
 // split into chunks (prefill partition invariance).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -999,31 +1000,52 @@ void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const
   }
 }
 #else
-// Pass 3 with G query heads, CH vectors (8 * CH elements of one block) per sweep over the keys: the
-// G x CH accumulators stay in registers; each element is one FMA chain in key order.
+// The 256-bit pass 3 runs in key tiles: a tile's V rows (32 x 68 B at head dim 64, 32 x 272 B at 256) stay in
+// L1 while every sweep of the head's elements runs over them, where one sweep over the whole history re-read
+// each row from L2 or memory once per sweep (head dim 64 with 4 query heads: four sweeps). 1.04-1.19x on
+// x86-64-v3 decode, measured; the 512-bit pass keeps one sweep over all keys (one sweep at head dim 64, and
+// tiles measured ~0.95x there: benchmarks/results.md, issue #26, session 7).
+constexpr int64_t kQ8SumTile = 32;
+
+inline int64_t q8_sum_rows(int64_t j0, int64_t first, int64_t num_keys, const uint8_t* vc, const int32_t* table,
+                           int bs_shift, int64_t v_block, int64_t v_tok, int64_t v_offset,
+                           const uint8_t* rows[kQ8SumTile]) {
+  const int64_t n = std::min<int64_t>(kQ8SumTile, num_keys - j0);
+  for (int64_t j = 0; j < n; ++j) rows[j] = vc + cache_row(table, j0 + j + first, bs_shift, v_block, v_tok, v_offset);
+  return n;
+}
+
+// Pass 3 with G query heads, CH vectors (8 * CH elements of one block) per sweep, in key tiles (kQ8SumTile):
+// the G x CH accumulators stay in registers through a tile and wait in acc_out between tiles; each element
+// is still one FMA chain in key order, the bits of one sweep over all keys.
 template <int G, int CH>
 void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const uint8_t* vc, const int32_t* table,
                      int64_t BS, int64_t v_block, int64_t v_tok, int64_t v_offset, int64_t D, float* acc_out) {
   const int bs_shift = __builtin_ctzll(BS);
-  for (int64_t c0 = 0; c0 < D; c0 += 8 * CH) {
-    const int64_t b = c0 / kBlock, within = c0 % kBlock;
-    __m256 acc[G][CH];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < num_keys; ++j) {
-      const uint8_t* blk = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b * kBlockBytes;
-      const float dv = _cvtsh_ss(scale_bits(blk));
-      const int8_t* vals = block_values(blk) + within;
-      __m256 vf[CH];
-      for (int c = 0; c < CH; ++c)
-        vf[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vals + 8 * c))));
-      for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(scores[g * num_keys + j] * dv);
-        for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_fmadd_ps(w, vf[c], acc[g][c]);
+  std::fill(acc_out, acc_out + G * D, 0.0f);
+  const uint8_t* rows[kQ8SumTile];
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kQ8SumTile) {
+    const int64_t n = q8_sum_rows(j0, first, num_keys, vc, table, bs_shift, v_block, v_tok, v_offset, rows);
+    for (int64_t c0 = 0; c0 < D; c0 += 8 * CH) {
+      const int64_t b = c0 / kBlock, within = c0 % kBlock;
+      __m256 acc[G][CH];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_loadu_ps(acc_out + g * D + c0 + 8 * c);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* blk = rows[j] + b * kBlockBytes;
+        const float dv = _cvtsh_ss(scale_bits(blk));
+        const int8_t* vals = block_values(blk) + within;
+        __m256 vf[CH];
+        for (int c = 0; c < CH; ++c)
+          vf[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vals + 8 * c))));
+        for (int g = 0; g < G; ++g) {
+          const __m256 w = _mm256_set1_ps(scores[g * num_keys + j0 + j] * dv);
+          for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_fmadd_ps(w, vf[c], acc[g][c]);
+        }
       }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc_out + g * D + c0 + 8 * c, acc[g][c]);
     }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc_out + g * D + c0 + 8 * c, acc[g][c]);
   }
 }
 #endif
