@@ -7,7 +7,7 @@ weight GB/s, the ratio of the first variant's time to its own, and whether the o
 bits. `--stream` first measures one core's streaming read (an AVX2 pass over 256 MiB), the limit
 M = 1 decode is measured against.
 
-    python benchmarks/qgemm_ab.py "main:/tmp/main.cpp:;new::" --types Q4_K,Q6_K --rows 1,16 --stream
+    python benchmarks/qgemm_ab.py "main:/tmp/main.cpp:;new::" --types Q4_K,Q6_K --rows 1,16 --stream [--arch x86-64-v3]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ Q = gguf.GGMLQuantizationType
 LAYER = [(2048, 3072), (2048, 16384), (8192, 2048)]  # (in_features, out_features): qkv, gate|up, down
 
 
-def _build(src: Path, defines: list[str]):
-    flags = compile_flags("native") + [f"-D{d}" for d in defines]
+def _build(src: Path, defines: list[str], arch: str = "native"):
+    flags = compile_flags(arch) + [f"-D{d}" for d in defines]
     tag = hashlib.sha1((src.read_text() + str(flags)).encode()).hexdigest()[:8]
     return load(name=f"qab_{tag}", sources=[str(src)], extra_cflags=flags, extra_include_paths=[str(CSRC)],
                 extra_ldflags=["-fopenmp"], verbose=False)
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_K")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--arch", default="native", help="-march level of every variant (e.g. x86-64-v3: plain AVX2)")
     parser.add_argument("--stream", action="store_true", help="measure one core's read bandwidth first")
     parser.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in LAYER),
                         help="in x out features per matrix (default: a 1B layer; Gemma 3 270M's head: 640x262144)")
@@ -91,7 +92,7 @@ def main() -> None:
     mods = {}
     for spec in args.variants.split(";"):
         name, path, defs = (spec.split(":") + ["", ""])[:3]
-        mods[name] = _build(Path(path) if path else CSRC / "qgemm.cpp", [d for d in defs.split(",") if d])
+        mods[name] = _build(Path(path) if path else CSRC / "qgemm.cpp", [d for d in defs.split(",") if d], args.arch)
     if args.stream:
         print(f"one core's streaming read: {stream_gbs(False):.1f} GB/s (hardware prefetch), "
               f"{stream_gbs(True):.1f} GB/s (+ prefetchnta 3 KB ahead)", flush=True)

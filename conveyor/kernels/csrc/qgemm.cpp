@@ -313,11 +313,20 @@ struct QuantRows {
   float* s;      // (M, K/32) scale * block sum
   int32_t* b;    // (M, K/32) block sum
   int32_t* b16;  // (M, K/16) half-block sums (Q6_K)
+  // (M, K/32, 3) the type's offset times minus the activation sums under each int16 lane of a maddubs
+  // (k % 4 in {0, 1}: low half of the word, {2, 3}: high half), for k 0..15, 16..31 and the whole chunk:
+  // the plain-AVX2 k_sums start their int16 sums there, so they end at S - offset b (see k_sums).
+  int32_t* seed;
   float* sd;     // (M, K/256) scale per 256-block, where the activations are quantized per superblock
   int64_t k, chunks;
 };
 
-void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16) {
+inline int32_t int16_pair_word(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF));
+}
+
+void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16,
+                  int32_t* seed, int offset) {
   for (int64_t c = 0; c < k / 32; ++c) {
     float v[32];
     float amax = 0.f;
@@ -328,18 +337,22 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t lo = 0, hi = 0;
+    int32_t lane[2][2] = {};  // [k / 16][k % 4 / 2]
     for (int j = 0; j < 32; ++j) {
       float r = std::nearbyint(v[j] * inv);
       r = std::min(127.f, std::max(-127.f, r));
       const int8_t qi = static_cast<int8_t>(r);
       q[32 * c + j] = qi;
       (j < 16 ? lo : hi) += qi;
+      lane[j / 16][j % 4 / 2] += qi;
     }
     d[c] = scale;
     b[c] = lo + hi;
     s[c] = scale * static_cast<float>(lo + hi);
     b16[2 * c] = lo;
     b16[2 * c + 1] = hi;
+    for (int h = 0; h < 2; ++h) seed[3 * c + h] = int16_pair_word(-offset * lane[h][0], -offset * lane[h][1]);
+    seed[3 * c + 2] = int16_pair_word(-offset * (lane[0][0] + lane[1][0]), -offset * (lane[0][1] + lane[1][1]));
   }
 }
 
@@ -676,13 +689,56 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* x, bool wide) {
 #endif
 }
 
-// A chunk's two half sums (k 0..15 and 16..31) of one row for 8 columns, exact int32.
+// How plain AVX2 (maddubs, no dpbusd) sums a chunk of a type: kInt16Chunk, all eight k-groups in one int16
+// lane per (column, k % 4 / 2) and one madd; kInt16Halves, one such sum per 16-k half (Q6_K, whose halves
+// have their own scales). Both start the lane at QuantRows::seed, minus the offset times the activations
+// under it, so a lane ends at its share of S - offset b: the true value fits int16 ((q - o) x over 16 k,
+// |q - o| <= 16 and |x| <= 127: <= 32512; Q6_K 8 k of |q - 32| <= 32), so paddw's wrap-around on the way
+// there cancels, and each maddubs itself stays exact (<= 2 x 63 x 127). Q4_1 needs no offset (16 x 15 x 127
+// fits). The same integers as the per-four-groups sums, one or two madds per chunk instead of two to four.
+// kNone: Q5_1, Q5_K (5-bit values without an offset overflow a 16-k lane) and Q8_0 (the sign trick).
+enum class Int16Sums { kNone, kInt16Chunk, kInt16Halves };
+#if !defined(QG_AVXVNNI)
+constexpr Int16Sums int16_sums(const TypeInfo& t) {
+  if (t.bytes8) return Int16Sums::kNone;
+  if (t.kind == Kind::kK6) return Int16Sums::kInt16Halves;
+  if (t.kind == Kind::kOffset || (t.kind == Kind::kMin && t.planes == 0)) return Int16Sums::kInt16Chunk;
+  return Int16Sums::kNone;
+}
+#else
+constexpr Int16Sums int16_sums(const TypeInfo&) { return Int16Sums::kNone; }  // dpbusd sums in int32
+#endif
+// Whether k_sums already took the offset out of S (combine8 then must not).
+constexpr bool offset_in_sums(const TypeInfo& t) { return int16_sums(t) != Int16Sums::kNone && t.offset != 0; }
+
+// A chunk's two half sums (k 0..15 and 16..31) of one row for 8 columns, exact int32 (kInt16Chunk: their
+// total in s0, zero in s1; with the offset taken out where offset_in_sums). `seed`: the row's
+// QuantRows::seed words of this chunk.
 template <int QT>
-inline void k_sums(const __m256i* w, const int8_t* x, __m256i& s0, __m256i& s1) {
+inline void k_sums(const __m256i* w, const int8_t* x, const int32_t* seed, __m256i& s0, __m256i& s1) {
   constexpr TypeInfo t = type_info(QT);
   s0 = _mm256_setzero_si256();
   s1 = _mm256_setzero_si256();
 #if !defined(QG_AVXVNNI)
+  if constexpr (int16_sums(t) != Int16Sums::kNone) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    constexpr bool halves = int16_sums(t) == Int16Sums::kInt16Halves;
+    __m256i p0 = _mm256_set1_epi32(t.offset != 0 ? seed[halves ? 0 : 2] : 0);
+    __m256i p1 = halves ? _mm256_set1_epi32(seed[1]) : _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i xa = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 4 * g))));
+      const __m256i xb = _mm256_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x + 16 + 4 * g))));
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[g], xa));
+      if constexpr (halves) {
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[g + 4], xb));
+      } else {
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[g + 4], xb));
+      }
+    }
+    s0 = _mm256_madd_epi16(p0, ones);
+    if constexpr (halves) s1 = _mm256_madd_epi16(p1, ones);
+    return;
+  }
   if constexpr (!t.bytes8) {
     // maddubs products summed in int16 before one madd: exact while the sum fits, |q x| pair sums
     // being <= 2 x 127 x (15, 31, 63) for 4-, 5-, 6-bit values: 4, 4 and 2 of them per int16 lane
@@ -799,14 +855,16 @@ inline __m256 combine8(__m256 acc, __m256i s0, __m256i s1, const QuantRows& xr, 
   constexpr TypeInfo t = type_info(QT);
   const __m256 dx = _mm256_set1_ps(xr.d[row * xr.chunks + kc]);
   if constexpr (t.kind == Kind::kK6) {
-    const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
-    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
-    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * b16[1]));
+    if constexpr (!offset_in_sums(t)) {
+      const int32_t* b16 = xr.b16 + row * xr.chunks * 2 + 2 * kc;
+      s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * b16[0]));
+      s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * b16[1]));
+    }
     acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(s0), acc);
     return _mm256_fmadd_ps(_mm256_mul_ps(dx, ds2), _mm256_cvtepi32_ps(s1), acc);
   } else {
     __m256i sum = _mm256_add_epi32(s0, s1);
-    if constexpr (t.kind == Kind::kOffset && !(t.bytes8 && kSignedDot8)) {
+    if constexpr (t.kind == Kind::kOffset && !(t.bytes8 && kSignedDot8) && !offset_in_sums(t)) {
       sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(t.offset * xr.b[row * xr.chunks + kc]));
     }
     acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, ds), _mm256_cvtepi32_ps(sum), acc);
@@ -860,7 +918,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
         chunk_scales8<QT>(sbp, c, h, d[h], m[h], ds, dm, ds2);
         for (int r = 0; r < MR; ++r) {
           __m256i s0, s1;
-          k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, s0, s1);
+          k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, xr.seed + ((r0 + r) * xr.chunks + kc) * 3, s0, s1);
           acc[h][r] = combine8<QT>(acc[h][r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
         }
       }
@@ -894,7 +952,7 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
       chunk_scales8<QT>(sbp, c, h, d, m, ds, dm, ds2);
       for (int r = 0; r < MR; ++r) {
         __m256i s0, s1;
-        k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, s0, s1);
+        k_sums<QT>(w, xr.q + (r0 + r) * xr.k + 32 * kc, xr.seed + ((r0 + r) * xr.chunks + kc) * 3, s0, s1);
         acc[r] = combine8<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
       }
     }
@@ -928,9 +986,7 @@ inline __m256i interleave_u8(const uint8_t* a, const uint8_t* b) {
   return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
 }
-inline __m256i int16_pair(int32_t lo, int32_t hi) {
-  return _mm256_set1_epi32(static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF)));
-}
+inline __m256i int16_pair(int32_t lo, int32_t hi) { return _mm256_set1_epi32(int16_pair_word(lo, hi)); }
 
 // acc + sc S(chunk), per column, exact: a lane's int16 sum is 8 maddubs pairs of 4-bit x int8
 // (|pair| <= 2 x 15 x 127 = 3810, 8 x 3810 < 32768), then madd by sc <= 63 into int32.
@@ -1261,7 +1317,7 @@ namespace {
 // decode sizes, in `big` (a tensor for the call) at prefill sizes.
 QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int qt, torch::Tensor& big) {
   const int64_t k = xc.size(1), chunks = k / 32;
-  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8) + m_pad * (k / 256 + 1) * 4;
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12) + m_pad * (k / 256 + 1) * 4;
   thread_local std::vector<uint8_t> small;
   uint8_t* buf;
   if (need <= (1 << 20)) {
@@ -1279,13 +1335,15 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   xr.s = xr.d + m_pad * chunks;
   xr.b = reinterpret_cast<int32_t*>(xr.s + m_pad * chunks);
   xr.b16 = xr.b + m_pad * chunks;
-  xr.sd = reinterpret_cast<float*>(xr.b16 + 2 * m_pad * chunks);
+  xr.seed = xr.b16 + 2 * m_pad * chunks;
+  xr.sd = reinterpret_cast<float*>(xr.seed + 3 * m_pad * chunks);
   for (int64_t r = m; r < m_pad; ++r) {
     std::memset(xr.q + r * k, 0, k);
     std::memset(xr.d + r * chunks, 0, chunks * sizeof(float));
     std::memset(xr.s + r * chunks, 0, chunks * sizeof(float));
     std::memset(xr.b + r * chunks, 0, chunks * sizeof(int32_t));
     std::memset(xr.b16 + 2 * r * chunks, 0, 2 * chunks * sizeof(int32_t));
+    std::memset(xr.seed + 3 * r * chunks, 0, 3 * chunks * sizeof(int32_t));
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
@@ -1296,7 +1354,7 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
         quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks);
       } else {
         quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
-                     xr.b16 + 2 * r * chunks);
+                     xr.b16 + 2 * r * chunks, xr.seed + 3 * r * chunks, type_info(qt).offset);
       }
     }
   };
