@@ -5,6 +5,7 @@ mixers' and layers' self time is the Python/torch glue between kernels.
 
 Usage:
   PYTHONPATH=$PWD python benchmarks/hybrid_profile.py FILE.gguf [--concurrency 16] [--steps 24] [--threads 0]
+      [--kernel-arch native] [--prefill --prompt-tokens 1480]
 
 Prints one markdown table: per label, calls per step and the median / mean ms per step over the timed steps.
 Timers cost ~1 us per call (a few hundred per step). On a shared machine wall times swing with the load;
@@ -109,12 +110,18 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=24, help="decode steps timed")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--kernel-arch", default="native", help="-march of conveyor's kernels (x86-64-v3: the AVX2 level; "
+                   "LLM() takes it from here, not from CONVEYOR_KERNEL_ARCH)")
+    p.add_argument("--prefill", action="store_true", help="time the prefill of one --prompt-tokens prompt instead "
+                   "(all its chunks, summed) of the decode steps")
     p.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time: what a busy "
                    "machine's scheduling does not inflate (the work itself, for A/B runs)")
     args = p.parse_args()
     threads = 1 if args.cpu_time else args.threads
-    llm = LLM(model=args.file, parallel=args.concurrency, speculative_ngram=0, threads=threads,
-              ctx_size=args.concurrency * 512)
+    if args.prefill:
+        args.concurrency = 1
+    llm = LLM(model=args.file, parallel=args.concurrency, speculative_ngram=0, threads=threads, kernel_arch=args.kernel_arch,
+              ctx_size=args.concurrency * max(512, args.prompt_tokens + args.steps + 16))
     timers = Timers(time.thread_time if args.cpu_time else time.perf_counter)
     instrument(llm, timers)
     engine = llm.engine
@@ -123,6 +130,9 @@ def main() -> None:
     for i in range(args.concurrency):
         ids = [(7919 * (i * args.prompt_tokens + j)) % (vocab - 100) + 50 for j in range(args.prompt_tokens)]
         engine.add_request(engine.make_request(ids, params))
+    if args.prefill:
+        report_prefill(args, engine, timers)
+        return
     # Prefill and the first decode steps untimed (the last prefill may share a tick with decode rows).
     while any(len(r.output_token_ids) < 3 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -137,7 +147,8 @@ def main() -> None:
     labels = sorted({k for s in steps for k in s}, key=lambda k: -statistics.median(s.get(k, 0.0) for s in steps))
     totals = [sum(s.values()) for s in steps]
     clock = "thread CPU time" if args.cpu_time else "wall time"
-    print(f"{args.file}: C={args.concurrency}, {args.steps} decode steps, threads {torch.get_num_threads()}, {clock}; "
+    print(f"{args.file}: C={args.concurrency}, {args.steps} decode steps, -march={args.kernel_arch}, threads "
+          f"{torch.get_num_threads()}, {clock}; "
           f"step median {statistics.median(totals):.1f} ms, min {min(totals):.1f} ms")
     print("| part | calls / step | median ms / step | share |")
     print("|---|---|---|---|")
@@ -145,6 +156,31 @@ def main() -> None:
     for label in labels:
         med = statistics.median(s.get(label, 0.0) for s in steps)
         print(f"| {label} | {calls.get(label, 0)} | {med:.2f} | {med / median_total:.1%} |")
+
+
+def report_prefill(args: argparse.Namespace, engine, timers: Timers) -> None:
+    """The prompt's prefill chunks timed as one total (each part summed over the chunks)."""
+    timers.on = True
+    total: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    chunks = 0
+    while not any(r.output_token_ids for r in engine.scheduler.running):
+        engine.step()
+        step, step_calls = timers.take()
+        chunks += 1
+        for label, ms in step.items():
+            total[label] += ms
+            calls[label] += step_calls.get(label, 0)
+    timers.on = False
+    whole = sum(total.values())
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"{args.file}: prefill of {args.prompt_tokens} tokens in {chunks} steps, -march={args.kernel_arch}, threads "
+          f"{torch.get_num_threads()}, "
+          f"{clock}; {whole / 1e3:.2f} s ({args.prompt_tokens / whole * 1e3:.0f} tok/s)")
+    print("| part | calls | ms | share |")
+    print("|---|---|---|---|")
+    for label in sorted(total, key=lambda k: -total[k]):
+        print(f"| {label} | {calls[label]} | {total[label]:.1f} | {total[label] / whole:.1%} |")
 
 
 if __name__ == "__main__":
