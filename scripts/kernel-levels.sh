@@ -24,9 +24,15 @@ if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi
 # The kernel tests and the engine tests whose assertions go through the kernels' arithmetic
 # (batch/chunk invariance, prefix hits, preemption, speculation, quantized and hybrid models).
 # Not the build machinery's own tests (locks, caches, level decisions): the same at every level.
+# Since LLM() takes CONVEYOR_KERNEL_ARCH (session 7; before, these engine tests ran the native kernels at
+# every level), the engine tests cost a level's real speed: x86-64-v3, the AVX2 laptops' level, runs all of
+# them; the portable x86-64 and skylake-avx512 levels run the kernel tests and the plain and quantized engine
+# invariance tests (their hybrid, speculation and KV-pressure tests added ~100 s to make test).
 LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py
              tests/engine/test_hybrid_engine.py tests/engine/test_kv_pressure_and_prefix.py
              --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
+SHORT_LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_quantized_engine.py
+                   --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
 
 if [ "$(uname -m)" != x86_64 ]; then
   echo "kernel levels: $(uname -m) host, only the native level (tested by the main run)"
@@ -51,20 +57,22 @@ same_as_native() {  # arch, torch capability
 }
 
 level_archs=()
-run_level() {  # arch, torch capability, oneDNN cap
+run_level() {  # arch, torch capability, oneDNN cap, [short: SHORT_LEVEL_TESTS]
   if same_as_native "$1" "$2"; then
     echo "== kernel level $1: skipped: same kernel build as native (the main run tested it) =="
     [ $PREPARE = 1 ] || record "level $1" 0 "skipped: same kernel build as native"
     return
   fi
   if [ $PREPARE = 1 ]; then level_archs+=("$1"); return; fi
+  local tests=("${LEVEL_TESTS[@]}")
+  if [ "${4:-}" = short ]; then tests=("${SHORT_LEVEL_TESTS[@]}"); fi
   echo "== kernel level $1 (torch $2, oneDNN $3) =="
   timed "level $1" env CONVEYOR_REQUIRE_KERNELS=1 CONVEYOR_KERNEL_ARCH="$1" ATEN_CPU_CAPABILITY="$2" \
-    ONEDNN_MAX_CPU_ISA="$3" "$PY" -m pytest -q -x -p no:cacheprovider "${LEVEL_TESTS[@]}"
+    ONEDNN_MAX_CPU_ISA="$3" "$PY" -m pytest -q -x -p no:cacheprovider "${tests[@]}"
 }
 
 run_level x86-64-v3 avx2 AVX2
-run_level x86-64 default SSE41
+run_level x86-64 default SSE41 short
 # The quantized GEMM has its own AVX-VNNI path (AVX2 + vpdpbusd, Alder Lake / Zen 5 laptops):
 # tested where this CPU has AVX-VNNI, else compile-checked below.
 if grep -qw avx_vnni /proc/cpuinfo; then
@@ -80,7 +88,7 @@ else
   vnni_compile=(--arch alderlake)
 fi
 if grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
-  run_level skylake-avx512 avx512 AVX512_CORE
+  run_level skylake-avx512 avx512 AVX512_CORE short
   compile_only=(--arch sapphirerapids "${vnni_compile[@]}")
 else
   compile_only=(--arch skylake-avx512 --arch sapphirerapids "${vnni_compile[@]}")
