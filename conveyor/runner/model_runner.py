@@ -98,7 +98,10 @@ class ModelRunner:
                              if (p := proposals.get(plan.chunks[i].request_id)) is not None and p.probs is not None}
         plain = [j for j, i in enumerate(inputs.sample_chunk_indices) if i not in rejected_by_chunk]
         if plain:
-            self._sample_plain(plan, logits[plain], [inputs.sample_chunk_indices[j] for j in plain], out, masks)
+            # All rows (the usual case): the logits as they are; a list index would copy them (16 rows of a
+            # 262k vocabulary: 16 MB, ~4 % of a Gemma 3 270M C=16 step on 2 AVX2 cores, measured).
+            rows = logits if len(plain) == logits.shape[0] else logits[plain]
+            self._sample_plain(plan, rows, [inputs.sample_chunk_indices[j] for j in plain], out, masks)
         for i in sorted(rejected_by_chunk):
             rows = [j for j, c in enumerate(inputs.sample_chunk_indices) if c == i]
             self._verify_sampled(plan.chunks[i], logits[rows], proposals[plan.chunks[i].request_id], out)
