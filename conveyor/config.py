@@ -619,10 +619,14 @@ def load_configs(args: argparse.Namespace | None = None, env: dict[str, str] | N
     return (_from_sources(EngineConfig, args, env, overrides), _from_sources(ServerConfig, args, env, overrides))
 
 
+def engine_config_from_env(env: dict[str, str] | None = None) -> EngineConfig:
+    """EngineConfig as the environment alone sets it (no command line, no overrides)."""
+    return _from_sources(EngineConfig, None, dict(os.environ) if env is None else env, {})
+
+
 def kernel_settings_from_env(env: dict[str, str] | None = None) -> "KernelSettings":
     """The kernel knobs as CONVEYOR_KERNEL_ARCH / _REQUIRE_KERNELS / _DISABLE_KERNEL set them (tests, tools)."""
-    env = dict(os.environ) if env is None else env
-    return _from_sources(EngineConfig, None, env, {}).kernel_settings
+    return engine_config_from_env(env).kernel_settings
 
 
 def load_cluster_config(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from conveyor.config import EngineConfig, kernel_settings_from_env
+from conveyor.config import EngineConfig, engine_config_from_env
 from conveyor.engine.engine import EngineCore
 from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
@@ -36,9 +36,10 @@ KERNEL_FIELDS = ("kernel_arch", "require_kernels", "disable_kernel")
 class LLM:
     def __init__(self, model: str | None = None, checkpoint: Checkpoint | None = None,
                  draft_checkpoint: Checkpoint | None = None, **config_fields) -> None:
-        kernels = kernel_settings_from_env()
-        from_env = {"kernel_arch": kernels.arch, "require_kernels": kernels.require, "disable_kernel": kernels.disable}
-        config_fields = {**{k: from_env[k] for k in KERNEL_FIELDS if config_fields.get(k) is None}, **config_fields}
+        from_env = engine_config_from_env()
+        for name in KERNEL_FIELDS:
+            if config_fields.get(name) is None:
+                config_fields[name] = getattr(from_env, name)
         self.engine = EngineCore(EngineConfig(model=model, **config_fields), checkpoint, draft_checkpoint)
         self.tokenizer = self.engine.tokenizer
 
