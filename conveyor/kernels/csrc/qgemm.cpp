@@ -315,7 +315,8 @@ struct QuantRows {
   int32_t* b16;  // (M, K/16) half-block sums (Q6_K)
   // (M, K/32, 3) the type's offset times minus the activation sums under each int16 lane of a maddubs
   // (k % 4 in {0, 1}: low half of the word, {2, 3}: high half), for k 0..15, 16..31 and the whole chunk:
-  // the plain-AVX2 k_sums start their int16 sums there, so they end at S - offset b (see k_sums).
+  // the plain-AVX2 k_sums start their int16 sums there, so they end at S - offset b (see k_sums). Filled
+  // only for the types and level that read it (seeded_sums).
   int32_t* seed;
   float* sd;     // (M, K/256) scale per 256-block, where the activations are quantized per superblock
   int64_t k, chunks;
@@ -325,6 +326,7 @@ inline int32_t int16_pair_word(int32_t lo, int32_t hi) {
   return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF));
 }
 
+// `seed` (QuantRows::seed, the type's `offset`): only where the tiles read it (seeded_sums), else null.
 void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16,
                   int32_t* seed, int offset) {
   for (int64_t c = 0; c < k / 32; ++c) {
@@ -337,20 +339,21 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t lo = 0, hi = 0;
-    int32_t lane[2][2] = {};  // [k / 16][k % 4 / 2]
     for (int j = 0; j < 32; ++j) {
       float r = std::nearbyint(v[j] * inv);
       r = std::min(127.f, std::max(-127.f, r));
       const int8_t qi = static_cast<int8_t>(r);
       q[32 * c + j] = qi;
       (j < 16 ? lo : hi) += qi;
-      lane[j / 16][j % 4 / 2] += qi;
     }
     d[c] = scale;
     b[c] = lo + hi;
     s[c] = scale * static_cast<float>(lo + hi);
     b16[2 * c] = lo;
     b16[2 * c + 1] = hi;
+    if (seed == nullptr) continue;
+    int32_t lane[2][2] = {};  // [k / 16][k % 4 / 2]
+    for (int j = 0; j < 32; ++j) lane[j / 16][j % 4 / 2] += q[32 * c + j];
     for (int h = 0; h < 2; ++h) seed[3 * c + h] = int16_pair_word(-offset * lane[h][0], -offset * lane[h][1]);
     seed[3 * c + 2] = int16_pair_word(-offset * (lane[0][0] + lane[1][0]), -offset * (lane[0][1] + lane[1][1]));
   }
@@ -389,6 +392,7 @@ void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t
 #if defined(QG_AVX512)
 constexpr int kMaxRows = 8;
 inline bool superblock_acts(int) { return false; }
+inline bool seeded_sums(int) { return false; }
 
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
   return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(rd32(reinterpret_cast<const uint8_t*>(x)))));
@@ -710,6 +714,8 @@ constexpr Int16Sums int16_sums(const TypeInfo&) { return Int16Sums::kNone; }  //
 #endif
 // Whether k_sums already took the offset out of S (combine8 then must not).
 constexpr bool offset_in_sums(const TypeInfo& t) { return int16_sums(t) != Int16Sums::kNone && t.offset != 0; }
+// Whether quantize_rows fills QuantRows::seed for a type (the tiles read it only where the offset is in the sums).
+inline bool seeded_sums(int qt) { return offset_in_sums(type_info(qt)); }
 
 // A chunk's two half sums (k 0..15 and 16..31) of one row for 8 columns, exact int32 (kInt16Chunk: their
 // total in s0, zero in s1; with the offset taken out where offset_in_sums). `seed`: the row's
@@ -1107,6 +1113,7 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
 #else  // portable C++: the same layout, lanes as arrays (the compiler vectorizes the 16-lane loops)
 constexpr int kMaxRows = 4;
 inline bool superblock_acts(int) { return false; }
+inline bool seeded_sums(int) { return false; }
 
 template <int QT>
 inline void unpack(const uint8_t* ch, uint8_t w[8][64]) {
@@ -1347,14 +1354,14 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
-  const bool per_superblock = superblock_acts(qt);
+  const bool per_superblock = superblock_acts(qt), seeded = seeded_sums(qt);
   auto quant = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (per_superblock) {
         quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks);
       } else {
         quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
-                     xr.b16 + 2 * r * chunks, xr.seed + 3 * r * chunks, type_info(qt).offset);
+                     xr.b16 + 2 * r * chunks, seeded ? xr.seed + 3 * r * chunks : nullptr, type_info(qt).offset);
       }
     }
   };
