@@ -111,9 +111,12 @@ bool supported(int qt) { return type_info(qt).sb != 0; }
 
 // The weights stream from memory once per step: ask for what comes ~3 KB after this chunk (the
 // hardware prefetcher alone left the batched decode ~15% slower on a 1B model, measured). Hint 3
-// (prefetcht0) where a tile reuses the bytes for more rows; the decode walks (1-2 rows, each byte
-// used once) take prefetchnta (hint 0): 1.07-1.3x at M = 1-2 on a Zen 2 core, plain AVX2 level, measured
-// (benchmarks/results.md, "Issue #26: qgemm round 2"); t0 stayed better from 16 rows.
+// (prefetcht0) where a tile reuses the bytes for more rows. The decode walks (1-2 rows, each byte used
+// once) take a hint by CPU vendor, measured at the plain AVX2 level: prefetchnta on AMD (1.07-1.3x over
+// t0 at M = 1-2 on a Zen 2 core; benchmarks/results.md, "Issue #26: qgemm round 2"), prefetcht1 elsewhere
+// (on an Intel Xeon, family 6 model 207, nta ran the 1B model's decode step 1.3x slower than t1 and the
+// hardware prefetcher alone as slow as nta; t0 ~1.04x slower; "Issue #26, session 8"). t0 stayed better
+// from 16 rows on both.
 template <int Hint = 3>
 inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
 #if defined(__GNUC__)
@@ -123,10 +126,30 @@ inline void prefetch_ahead(const uint8_t* chunk, int bytes) {
   (void)bytes;
 #endif
 }
-#if defined(__AVXVNNI__)
-inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead(chunk, bytes); }  // not measured there
+
+// Whether this CPU's decode walks prefetch non-temporally (above); QG_STREAM_NTA=0/1 fixes it at build
+// time (benchmarks/qgemm_ab.py's A/B variants).
+inline bool stream_nta() {
+#if defined(QG_STREAM_NTA)
+  return QG_STREAM_NTA != 0;
+#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
 #else
-inline void prefetch_stream(const uint8_t* chunk, int bytes) { prefetch_ahead<0>(chunk, bytes); }
+  return false;
+#endif
+}
+
+#if defined(__AVXVNNI__)
+inline void prefetch_stream(const uint8_t* chunk, int bytes, bool) { prefetch_ahead(chunk, bytes); }  // not measured there
+#else
+inline void prefetch_stream(const uint8_t* chunk, int bytes, bool nta) {
+  if (nta) {
+    prefetch_ahead<0>(chunk, bytes);
+  } else {
+    prefetch_ahead<2>(chunk, bytes);
+  }
+}
 #endif
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
@@ -905,6 +928,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
   __m256 acc[2][MR];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < MR; ++r) acc[h][r] = _mm256_setzero_ps();
+  const bool nta = stream_nta();
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sbb;
     __m256 d[2], m[2];
@@ -915,7 +939,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
     }
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_stream(ch, chunk_bytes(t));
+      prefetch_stream(ch, chunk_bytes(t), nta);
       const int64_t kc = s * cpb + c;
       for (int h = 0; h < 2; ++h) {
         __m256i w[8];
@@ -1050,6 +1074,7 @@ template <int MR>
 void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, __m256 (*acc)[MR]) {
   constexpr TypeInfo t = type_info(kQ4_K);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const bool nta = stream_nta();
   for (int64_t s = 0; s < n_sb; ++s) {
     const uint8_t* sbp = wg + s * sb_bytes(t);
     __m256i isum[2][MR];
@@ -1057,7 +1082,7 @@ void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int6
       for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_stream(ch, chunk_bytes(t));
+      prefetch_stream(ch, chunk_bytes(t), nta);
       __m256i p[2][MR];  // int16 pair sums, as in sb_chunk_q4k
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < MR; ++r) p[h][r] = _mm256_setzero_si256();
