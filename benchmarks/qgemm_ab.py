@@ -39,15 +39,19 @@ _STREAM_SRC = """
 #include <torch/extension.h>
 #include <immintrin.h>
 // Reads every byte once: 8 independent 256-bit xor chains over 256 B per step (no compute to hide),
-// with the kernel's decode prefetch (prefetchnta 3 KB ahead) or with the hardware prefetcher alone.
-int64_t stream_read(const torch::Tensor& buf, bool prefetch) {
+// with the hardware prefetcher alone (hint < 0) or with a software prefetch 3 KB ahead, as the kernel's
+// decode walks do (hint 0: prefetchnta, AMD's; 2: prefetcht1, the others').
+int64_t stream_read(const torch::Tensor& buf, int64_t hint) {
   const auto* p = reinterpret_cast<const __m256i*>(buf.data_ptr<uint8_t>());
   const int64_t n = buf.numel() / 256;
   __m256i a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_si256();
   for (int64_t i = 0; i < n; ++i) {
-    if (prefetch)
-      for (int line = 0; line < 256; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + 8 * i) + 3072 + line, 0, 0);
+    const char* ahead = reinterpret_cast<const char*>(p + 8 * i) + 3072;
+    if (hint == 0)
+      for (int line = 0; line < 256; line += 64) __builtin_prefetch(ahead + line, 0, 0);
+    else if (hint == 2)
+      for (int line = 0; line < 256; line += 64) __builtin_prefetch(ahead + line, 0, 2);
     for (int j = 0; j < 8; ++j) a[j] = _mm256_xor_si256(a[j], _mm256_load_si256(p + 8 * i + j));
   }
   for (int j = 1; j < 8; ++j) a[0] = _mm256_xor_si256(a[0], a[j]);
@@ -56,15 +60,15 @@ int64_t stream_read(const torch::Tensor& buf, bool prefetch) {
 """
 
 
-def stream_gbs(prefetch: bool, repeats: int = 7) -> float:
-    """One core's streaming read: best of `repeats` AVX2 passes over 256 MiB (CPU time)."""
+def stream_gbs(hint: int, repeats: int = 7) -> float:
+    """One core's streaming read: best of `repeats` AVX2 passes over 256 MiB (CPU time); `hint` as stream_read's."""
     mod = load_inline("qgemm_ab_stream", cpp_sources=[_STREAM_SRC], functions=["stream_read"],
                       extra_cflags=compile_flags("native"), verbose=False)
     buf = torch.ones(256 << 20, dtype=torch.uint8)
     best = float("inf")
     for _ in range(repeats):
         start = time.thread_time()
-        mod.stream_read(buf, prefetch)
+        mod.stream_read(buf, hint)
         best = min(best, time.thread_time() - start)
     return buf.numel() / best / 1e9
 
@@ -94,8 +98,8 @@ def main() -> None:
         name, path, defs = (spec.split(":") + ["", ""])[:3]
         mods[name] = _build(Path(path) if path else CSRC / "qgemm.cpp", [d for d in defs.split(",") if d], args.arch)
     if args.stream:
-        print(f"one core's streaming read: {stream_gbs(False):.1f} GB/s (hardware prefetch), "
-              f"{stream_gbs(True):.1f} GB/s (+ prefetchnta 3 KB ahead)", flush=True)
+        print(f"one core's streaming read: {stream_gbs(-1):.1f} GB/s (hardware prefetch), "
+              f"{stream_gbs(0):.1f} GB/s (+ prefetchnta 3 KB ahead), {stream_gbs(2):.1f} GB/s (+ prefetcht1)", flush=True)
     for tname in args.types.split(","):
         qt = int(Q[tname])
         raws = [(random_raw(qt, n, k), n, k) for k, n in shapes]
