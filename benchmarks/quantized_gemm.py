@@ -50,7 +50,8 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
     backend = cpu_backend(kernel_settings_from_env())
     rows = [int(m) for m in args.rows.split(",")]
-    print(f"quantized GEMM {backend.qgemm.backend()}, bf16 GEMM {backend.gemm.backend()}, "
+    print(f"quantized GEMM {backend.qgemm.backend()} (decode prefetch {backend.qgemm.decode_prefetch()}), "
+          f"bf16 GEMM {backend.gemm.backend()}, "
           f"{torch.get_num_threads()} thread(s), {'CPU' if args.cpu_time else 'wall'} time")
     print("| weights | M | ms / layer | weight GB/s | x bf16 |")
     print("|---|---|---|---|---|")

@@ -46,6 +46,8 @@ def collect(config: EngineConfig) -> dict:
         # GGUF tensors of these types stay quantized (--weight-dtype auto); others are dequantized at load.
         "quantized_weight_types": [type_name(t) for t in sorted(NATIVE_TYPES) if backend.runs_quantized(t)],
         "quantized_kernel": backend.qgemm.backend() if backend.qgemm is not None else None,
+        # AVX2's decode walks pick their weight-stream prefetch by CPU vendor (docs/kernels.md).
+        "quantized_decode_prefetch": backend.qgemm.decode_prefetch() if backend.qgemm is not None else None,
         "kernel_arch": settings.arch,
         "arch_needs_missing_cpu_features": missing,
         "cpu": {"model": cpu_model(), "machine": platform.machine(),
@@ -72,7 +74,8 @@ def render(info: dict) -> str:
         status = level if level is not None else f"MISSING: {kernels['errors'].get(name)}"
         lines.append(f"  kernel {name:<10} {status}")
     quantized = info["quantized_weight_types"]
-    lines.append("quantized weights " + (f"{' '.join(quantized)} kept quantized (kernel {info['quantized_kernel']})"
+    lines.append("quantized weights " + (f"{' '.join(quantized)} kept quantized (kernel {info['quantized_kernel']}, "
+                                         f"decode prefetch {info['quantized_decode_prefetch']})"
                                          if quantized else "none kept: GGUF blocks are dequantized at load"))
     if info["arch_needs_missing_cpu_features"]:
         lines.append(f"  -march={info['kernel_arch']} needs: {', '.join(info['arch_needs_missing_cpu_features'])}")

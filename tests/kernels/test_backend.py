@@ -90,3 +90,5 @@ def test_conveyor_env_reports_the_backend():
     info = json.loads(out.stdout)
     assert info["conveyor"]["backend"] and "batch_invariant" in info["conveyor"]
     assert info["torch"]["version"] == torch.__version__ and info["cpu"]["machine"]
+    if info["quantized_kernel"] is not None:  # the decode walks' prefetch hint, for bug reports and benchmarks
+        assert info["quantized_decode_prefetch"] in ("prefetchnta", "prefetcht1", "prefetcht0", "none")

@@ -29,6 +29,19 @@ def test_every_native_type_is_supported(qtype):
     assert backend.qgemm.backend() in ("amx_int8", "avx512_vnni", "avx2_vnni", "avx2", "generic")
 
 
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+
+
+def test_decode_prefetch_follows_the_level_and_the_cpu_vendor():
+    # Plain AVX2's decode walks stream with prefetchnta on AMD and prefetcht1 elsewhere (measured on each).
+    level = backend.qgemm.backend()
+    expected = {"avx2": "prefetchnta" if _cpu_vendor() == "AuthenticAMD" else "prefetcht1",
+                "generic": "none"}.get(level, "prefetcht0")
+    assert backend.qgemm.decode_prefetch() == expected
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_dequantized_rows_equal_gguf_py(qtype, in_features, out_features):

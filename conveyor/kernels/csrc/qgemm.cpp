@@ -1289,6 +1289,17 @@ inline int64_t block_start(int64_t n, int64_t parts, int64_t i) {
 constexpr int64_t kRowBlock = 64;  // rows per work item at large M (their int8 rows stay in L2)
 constexpr int64_t kAmxMinRows = 8;  // from here on, AMX blocks of 16 rows (measured: benchmarks/results.md)
 
+// The prefetch hint of the 1-2-row decode walks in this build on this CPU (see prefetch_stream).
+std::string decode_prefetch() {
+#if defined(QG_AVX2) && !defined(QG_AVXVNNI)
+  return stream_nta() ? "prefetchnta" : "prefetcht1";
+#elif defined(QG_GENERIC)
+  return "none";
+#else
+  return "prefetcht0";
+#endif
+}
+
 std::string level() {
 #if defined(QG_AMX)
   return amx_enabled() ? "amx_int8" : "avx512_vnni";
@@ -1593,6 +1604,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
   conveyor_parallel::def_pool_sharing(m);
   m.def("backend", &level, "the quantized GEMM's path in this build: avx512_vnni, avx2_vnni, avx2 or generic");
+  m.def("decode_prefetch", &decode_prefetch,
+        "the weight-stream prefetch of the 1-2-row decode walks here: prefetchnta (AVX2 on AMD), prefetcht1 (AVX2 "
+        "elsewhere), prefetcht0 (AVX-512, AVX-VNNI) or none (portable C++)");
   m.def("supports", [](int64_t qt) { return supported(static_cast<int>(qt)); }, "whether a GGML type runs natively");
   m.def("pack", &qgemm_pack, "raw GGML rows (N, row_bytes) uint8 -> the kernel's layout", release());
   m.def("linear", &qgemm_linear, "x (M, K) bf16 @ W^T (+ b) -> (M, N) bf16, batch-invariant", release());
