@@ -28,11 +28,10 @@ if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi
 # every level), the engine tests cost a level's real speed: x86-64-v3, the AVX2 laptops' level, runs all of
 # them; the portable x86-64 and skylake-avx512 levels run the kernel tests and the plain and quantized engine
 # invariance tests (their hybrid, speculation and KV-pressure tests added ~100 s to make test).
-LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_speculative.py tests/engine/test_quantized_engine.py
-             tests/engine/test_hybrid_engine.py tests/engine/test_kv_pressure_and_prefix.py
-             --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
 SHORT_LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_quantized_engine.py
                    --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
+LEVEL_TESTS=("${SHORT_LEVEL_TESTS[@]}" tests/engine/test_speculative.py tests/engine/test_hybrid_engine.py
+             tests/engine/test_kv_pressure_and_prefix.py)
 
 if [ "$(uname -m)" != x86_64 ]; then
   echo "kernel levels: $(uname -m) host, only the native level (tested by the main run)"
