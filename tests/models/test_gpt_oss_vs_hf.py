@@ -13,6 +13,7 @@ from conveyor.loading.checkpoint import select_weights
 from conveyor.loading.hf_loader import rename_weights
 from conveyor.models.config import ModelConfig
 from conveyor.models.moe import SparseMoeBlock
+from tests.oracle import private_name
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +90,7 @@ def test_mxfp4_hub_experts_load_as_ggml_blocks(tmp_path):
     """The released checkpoints keep experts as MXFP4 `*_blocks` / `*_scales`: they load as GGML MXFP4 blocks holding
     exactly transformers' dequantized values, and the model then matches transformers run on those values."""
     from safetensors.torch import save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    convert_moe_packed_tensors = private_name("transformers.integrations.mxfp4:convert_moe_packed_tensors")
 
     from conveyor.loading.checkpoint import QuantizedTensor
 
