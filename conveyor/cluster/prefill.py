@@ -219,7 +219,8 @@ def token_frame(out: RequestOutput, node: str, finished: bool | None = None) -> 
     return TokenFrame(request_id=out.request_id, token_ids=list(out.new_token_ids), text=out.new_text, finished=done,
                       finish_reason=out.finish_reason if done else None, num_prompt_tokens=out.num_prompt_tokens,
                       num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
-                      error=out.error, node=node, logprobs=logprobs_to_wire(out.logprobs))
+                      error=out.error, node=node, logprobs=logprobs_to_wire(out.logprobs),
+                      stop_sequence=out.stop_sequence if done else None)
 
 
 def error_token_frame(request_id: str, message: str, code: str | None = None) -> TokenFrame:

@@ -153,7 +153,7 @@ def _output(request_id: str, frame: TokenFrame, num_output_tokens: int) -> Reque
                          num_prompt_tokens=frame.num_prompt_tokens,
                          num_output_tokens=max(frame.num_output_tokens, num_output_tokens),
                          num_cached_tokens=frame.num_cached_tokens, error=frame.error,
-                         logprobs=logprobs_from_wire(frame.logprobs))
+                         logprobs=logprobs_from_wire(frame.logprobs), stop_sequence=frame.stop_sequence)
 
 
 def _error_output(request_id: str, message: str, num_output_tokens: int) -> RequestOutput:

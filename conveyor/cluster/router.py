@@ -33,15 +33,14 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
+from conveyor.server.apis import add_agent_routes
 from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
-from conveyor.server.metrics import CONTENT_TYPE
+from conveyor.server.metrics import CONTENT_TYPE, api_requests_counter
 from conveyor.server.middleware import BodySizeLimit, CatchAll
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.server.reply import respond
-from conveyor.server.request_plan import RequestPlan, plan_chat_request, plan_completion_request, priority
-from conveyor.server.responses import TokenText
+from conveyor.server.front import ServingFront
+from conveyor.server.request_plan import RequestPlan, priority
 from conveyor.server.webui import add_webui_routes
 
 logger = logging.getLogger(__name__)
@@ -59,6 +58,7 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.prometheus)
         self.finished = Counter("conveyor_router_requests_finished", "Routed requests by finish_reason",
                                 ["finish_reason"], registry=self.prometheus)
+        self.api_requests = api_requests_counter(self.prometheus)
 
     def render(self) -> bytes:
         return generate_latest(self.prometheus)
@@ -86,37 +86,17 @@ class _RegistryCollector:
             yield CounterMetricFamily(f"conveyor_router_{name}", f"Router routing count: {name}", value=value)
 
 
-class RouterServing:
+class RouterServing(ServingFront):
+    """Plans exactly as a node plans (server/front.py, request_plan.py); starts on the cluster's nodes."""
+
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
                  max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto",
                  template_kwargs: dict | None = None) -> None:
+        super().__init__(tokenizer, model_id, model_name, reasoning_parser, template_kwargs)
         self.registry = registry
-        self.reasoning_parser = reasoning_parser
-        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
-        self.tokenizer = tokenizer
-        self.model_id = model_id
-        self.model_names = {model_id, model_name}
         self.max_queue_depth = max_queue_depth
         self.metrics = metrics
-        self.token_text = TokenText(tokenizer)
         self.num_awaiting_first_token = 0
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
-                           "invalid_request_error", "model", "model_not_found")
-
-    # -- endpoints: planned exactly as a node plans them (server/request_plan.py) -------------
-    async def chat(self, http: Request, body: ChatCompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
-        plan = plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id,
-                                 self.template_kwargs)
-        return await self._run(http, plan, arrival)
-
-    async def completion(self, http: Request, body: CompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
-        plan = plan_completion_request(body, self.tokenizer, self.model_id)
-        return await self._run(http, plan, arrival)
 
     # -- running ---------------------------------------------------------------------------
     def _admit(self, num_requests: int = 1) -> None:
@@ -153,14 +133,13 @@ class RouterServing:
                                              priority=rank, cache_prompt=body.cache_prompt))
         return remotes
 
-    async def _run(self, http: Request, plan: RequestPlan, arrival: float) -> Response:
+    async def start(self, http: Request, plan: RequestPlan, arrival: float) -> RemoteGroup:
         remotes = self._remotes(http, plan)
         self._admit(len(remotes))
         self.registry.stats.num_requests += len(remotes)
         group = RemoteGroup(self, remotes, arrival)
         await group.start(plan)  # 4xx/5xx here, before any response byte
-        body = plan.body
-        return await respond(http, group, plan.header, self.token_text, body.stream, body.include_usage, plan.n)
+        return group
 
 
 class RemoteGroup:
@@ -309,6 +288,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
         add_webui_routes(app)
     api = APIRouter()
     add_openai_routes(api, serving, limits, model_card)
+    add_agent_routes(api, serving, limits, server)
     # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
     add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)
     add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)

@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 
 MAGIC = b"CNVY"
-VERSION = 1
+VERSION = 2  # 2: TokenFrame.stop_sequence (frames refuse unknown fields, so peers must agree)
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
 MAX_FRAME_BYTES = 1 << 30
 # TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
@@ -117,6 +117,7 @@ class TokenFrame(msgspec.Struct, tag="tokens", forbid_unknown_fields=True):
     node: str = ""  # the role that produced it: "prefill" or "decode"
     logprobs: list[LogprobWire] = []  # one per token in token_ids, when the request asked for them
     error_code: str | None = None  # DECODE_LOST, or None
+    stop_sequence: str | None = None  # the stop string that ended the request (RequestOutput.stop_sequence)
 
 
 class ErrorFrame(msgspec.Struct, tag="error", forbid_unknown_fields=True):

@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text so far (after stop truncation)
         self.emitted = 0  # chars of self.text already streamed
         self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.matched_stop: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def add_token(self, token_id: int) -> bool:
         """Append a token; returns True when a stop string has ended the text."""
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
             index = self.text.find(stop, search_from)
             if index != -1:
                 self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
+                self.matched_stop = stop
                 return True
         return False
 

@@ -508,7 +508,8 @@ class EngineCore:
         return RequestOutput(request.request_id, new_text=text, finished=finished,
                              finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=len(request.output_token_ids),
-                             num_cached_tokens=request.num_cached_tokens, error=request.error)
+                             num_cached_tokens=request.num_cached_tokens, error=request.error,
+                             stop_sequence=detok.matched_stop if finished and detok is not None else None)
 
 
 def _note_context_cap(model: ModelConfig, config: EngineConfig, num_slots: int) -> None:

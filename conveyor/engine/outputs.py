@@ -93,5 +93,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    stop_sequence: str | None = None  # on the last delta, the stop string that ended the request (if one did)
     # Prefill role only: the sequence left this engine after its first token (engine/kv_transfer.py).
     kv_handoff: object | None = None

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import dashboard, errors, observability, slot_actions
+from conveyor.server.apis import add_agent_routes
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
 from conveyor.server.limits import RequestLimits, check_priority, check_request, parse_json
@@ -50,12 +51,15 @@ async def parse_body(request: Request, model: type[Body], limits: RequestLimits)
 
 
 def _api_key_check(api_key: str | None):
+    """--api-key: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
     async def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return check
 
@@ -95,6 +99,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     if config.webui:
         add_webui_routes(app)
     api = _api_router(engine, serving, model_id, limits)
+    add_agent_routes(api, serving, limits, config)
     add_dashboard_routes(api, lambda: dashboard.engine_snapshot(engine, metrics, model_id),
                           lambda: serving.draining or not engine.is_alive)
     app.include_router(api, dependencies=[Depends(_api_key_check(config.api_key))])
@@ -121,11 +126,13 @@ def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_c
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
+        serving.metrics.api_requests.labels("chat_completions").inc()
         return await serving.chat(request, await parse_body(request, ChatCompletionRequest, limits), arrival)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
+        serving.metrics.api_requests.labels("completions").inc()
         return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
 
     @router.get("/v1/models")

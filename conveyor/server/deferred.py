@@ -51,7 +51,7 @@ class DeferredApp:
             return JSONResponse({"status": "loading", "progress": self.progress.view()}, status_code=503,
                                 headers={"Retry-After": "1"})
         return errors.APIError(503, f"the model is loading ({self.progress.stage}); retry shortly", "unavailable",
-                               code="loading", headers={"Retry-After": "1"}).response()
+                               code="loading", headers={"Retry-After": "1"}).response(scope["path"])
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} for every failure path."""
+"""Errors in the shape of the API that was called, for every failure path: OpenAI's
+{"error": {"message", "type", "param", "code"}}, and Anthropic's {"type": "error", "error": {"type",
+"message"}} under /v1/messages (so a Messages client reads a 401, 404, 413 or 503 there too)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 RETRY_AFTER_SECONDS = 1
+ANTHROPIC_PATH = "/v1/messages"
+# HTTP status -> Anthropic's error type (its API reference, "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 OVERLOADED_MESSAGE = "Server is busy. Retry later."
 
 
@@ -25,11 +32,15 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The error as the API at `path` writes it (OpenAI's shape unless it is Anthropic's)."""
+        if path.startswith(ANTHROPIC_PATH):
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return _ErrorResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 class _ErrorResponse(JSONResponse):
@@ -83,11 +94,11 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response()
+        return from_validation(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -99,5 +110,5 @@ def install_handlers(app: FastAPI) -> None:
                              "invalid_request_error", code="method_not_allowed")
         else:
             error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return error.response()
+        return error.response(request.url.path)
     # Anything else that escapes a route becomes a 500 in middleware.CatchAll (the connection stays open).

@@ -152,6 +152,18 @@ class RequestTiming:
     last_token: float | None = None
 
 
+# The wire APIs a request can arrive through (the `api` label of conveyor_api_requests).
+WIRE_APIS = ("chat_completions", "completions", "messages", "responses")
+
+
+def api_requests_counter(registry: CollectorRegistry) -> Counter:
+    """Requests received per wire API, counted before validation (a node's and the router's)."""
+    counter = Counter("conveyor_api_requests", "HTTP requests received, by wire API", ["api"], registry=registry)
+    for api in WIRE_APIS:
+        counter.labels(api)  # every series from zero
+    return counter
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -167,6 +179,7 @@ class ServerMetrics:
                                 ["reason"], registry=self.registry)
         for reason in ("overloaded", "shutting_down", "engine_dead"):
             self.rejected.labels(reason)
+        self.api_requests = api_requests_counter(self.registry)
 
     def observe(self, timing: RequestTiming, out: RequestOutput) -> None:
         now = time.monotonic()

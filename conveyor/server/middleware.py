@@ -33,7 +33,7 @@ class BodySizeLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _send_error(send, too_large(self.max_bytes))
+            await _send_error(send, too_large(self.max_bytes), scope["path"])
             return
         received = 0
 
@@ -50,7 +50,7 @@ class BodySizeLimit:
 
 
 class CatchAll:
-    """Any exception that escapes the routes becomes an OpenAI-shaped 500 on a connection that stays open."""
+    """Any exception that escapes the routes becomes a 500 (in the called API's error shape) on a connection that stays open."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -74,11 +74,11 @@ class CatchAll:
             if started:
                 raise  # half a response went out: closing the connection is the only honest end
             await _send_error(send, APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
-                                             code="internal_error"))
+                                             code="internal_error"), scope["path"])
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()  # ensure_ascii: valid whatever the message holds
+async def _send_error(send: Send, error: APIError, path: str) -> None:
+    body = json.dumps(error.body(path)).encode()  # ensure_ascii: valid whatever the message holds
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

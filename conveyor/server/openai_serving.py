@@ -12,51 +12,30 @@ import asyncio
 import uuid
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.request import Request
 from conveyor.errors import InvalidRequestError
 from conveyor.server import errors
-from conveyor.server.errors import APIError
 from conveyor.server.metrics import ServerMetrics
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
-from conveyor.server.reply import respond
-from conveyor.server.request_plan import RequestPlan, plan_chat_request, plan_completion_request, priority
-from conveyor.server.responses import TokenText
+from conveyor.server.front import ServingFront
+from conveyor.server.request_plan import RequestPlan, priority
 from conveyor.server.streams import RequestGroup
 
 
-class OpenAIServing:
+class OpenAIServing(ServingFront):
     def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics,
                  reasoning_parser: str = "auto", template_kwargs: dict | None = None) -> None:
+        super().__init__(engine.core.tokenizer, model_id, engine.core.model_name, reasoning_parser, template_kwargs)
         self.engine = engine
-        self.reasoning_parser = reasoning_parser
-        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
         self.core = engine.core
-        self.model_id = model_id
-        self.model_names = {model_id, self.core.model_name}
         self.metrics = metrics
-        self.token_text = TokenText(self.core.tokenizer)
         self.active: set[RequestGroup] = set()
         self.draining = False
 
-    # -- endpoints -------------------------------------------------------------------------
-    async def chat(self, http: HTTPRequest, body: ChatCompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
-        plan = plan_chat_request(body, self.core.tokenizer, self.reasoning_parser, self.model_id,
-                                 self.template_kwargs)
-        return await self._run(http, plan, arrival)
-
-    async def completion(self, http: HTTPRequest, body: CompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
-        plan = plan_completion_request(body, self.core.tokenizer, self.model_id)
-        return await self._run(http, plan, arrival)
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
-                           "invalid_request_error", "model", "model_not_found")
+    async def start(self, http: HTTPRequest, plan: RequestPlan, arrival: float) -> RequestGroup:
+        requests = await self._make_requests(plan, priority(plan.body, http))
+        return self.admit(requests, arrival)
 
     # -- plan -> engine requests -----------------------------------------------------------
     async def _make_requests(self, plan: RequestPlan, priority: int) -> list[Request]:
@@ -110,9 +89,3 @@ class OpenAIServing:
         for group in groups:
             group.abort()
         return len(groups)
-
-    async def _run(self, http: HTTPRequest, plan: RequestPlan, arrival: float) -> Response:
-        requests = await self._make_requests(plan, priority(plan.body, http))
-        group = self.admit(requests, arrival)
-        body = plan.body
-        return await respond(http, group, plan.header, self.token_text, body.stream, body.include_usage, plan.n)

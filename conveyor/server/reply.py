@@ -20,6 +20,7 @@ from conveyor.server import errors
 from conveyor.server.responses import (ChoiceState, ResponseHeader, TokenText, chunk, full_response, sse,
                                        tool_finish_reason, usage_chunk)
 from conveyor.server.streams import wait_for_disconnect
+from conveyor.structured.output import ChatDelta, ChatParsing
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
 
@@ -66,6 +67,15 @@ async def respond(http: HTTPRequest, group: DeltaGroup, header: ResponseHeader, 
 
 async def complete(http: HTTPRequest, group: DeltaGroup, header: ResponseHeader, token_text: TokenText,
                    n: int) -> Response:
+    choices = await collect_choices(http, group)
+    if choices is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(full_response(header, choices, token_text, n))
+
+
+async def collect_choices(http: HTTPRequest, group: DeltaGroup) -> list[ChoiceState] | None:
+    """Every choice's whole output (a non-streamed reply, any API); None when the client left first
+    (the group is closed at once). A choice that failed raises the 500 its API answers with."""
     collect = asyncio.create_task(_collect(group))
     gone = asyncio.create_task(wait_for_disconnect(http.receive))
     try:
@@ -77,12 +87,29 @@ async def complete(http: HTTPRequest, group: DeltaGroup, header: ResponseHeader,
             collect.cancel()
             group.close()  # frees the KV blocks now, not when the cancellation lands
     if client_left:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return None
     choices = collect.result()
     failed = next((c for c in choices if c.finish_reason == "error"), None)
     if failed is not None:
         raise errors.generation_failed(failed.error or "generation failed")
-    return JSONResponse(full_response(header, choices, token_text, n))
+    return choices
+
+
+async def parsed_deltas(group: DeltaGroup, parsing: ChatParsing | None) -> AsyncIterator[tuple[ChatDelta,
+                                                                                                RequestOutput]]:
+    """A one-choice group's deltas, each with its reply parsed (content / reasoning / tool calls) as it
+    streams; the last one also carries what the parser held back. The Messages and Responses streams
+    are written from these. The caller closes the group (its generator's finally)."""
+    parser = parsing.parser() if parsing is not None and parsing.enabled else None
+    while not group.done:
+        _, out = await group.next()
+        if parser is None:
+            delta = ChatDelta(content=out.new_text)
+        else:
+            delta = parser.feed(out.new_text)
+            if out.finished:
+                delta += parser.finish(truncated=out.finish_reason == "length")
+        yield delta, out
 
 
 async def _collect(group: DeltaGroup) -> list[ChoiceState]:

@@ -58,6 +58,7 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    stop_sequence: str | None = None
 
     def add(self, out: RequestOutput, keep: bool = True) -> None:
         if keep:
@@ -67,7 +68,7 @@ class ChoiceState:
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.error, self.stop_sequence = out.finish_reason, out.error, out.stop_sequence
 
 
 def usage(choices: list[ChoiceState], n: int) -> dict:

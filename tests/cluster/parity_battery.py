@@ -142,3 +142,76 @@ def spliced(result: dict) -> dict:
             merged["finish_reason"] = choice["finish_reason"] or merged["finish_reason"]
         out[key] = merged
     return out
+
+
+# -- the agent APIs (Anthropic Messages, OpenAI Responses) ----------------------------------------------------
+MESSAGES = "/v1/messages"
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def agent_battery(model: str) -> dict[str, tuple[str, dict]]:
+    """Messages requests covering text, streaming, stop sequences, forced tools, a tool-result turn and a
+    thinking prompt (the topology's template opens <think> on "/think")."""
+    history = ASK + [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                        "input": {"city": "Paris", "unit": "c"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": '{"temp": 21}'}]}]
+    think = [{"role": "user", "content": "Plan a trip. /think"}]
+
+    def _messages(messages: list[dict], **body) -> tuple[str, dict]:
+        return MESSAGES, {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, **body}
+    return {
+        "messages-plain": _messages(ASK, system="Be brief."),
+        "messages-streamed": _messages(ASK, stream=True),
+        "messages-stop": _messages(ASK, stop_sequences=[" a", "e"], max_tokens=30),
+        "messages-tool-forced": _messages(ASK, tools=ANTHROPIC_TOOLS, max_tokens=80,
+                                          tool_choice={"type": "tool", "name": "get_weather"}),
+        "messages-tool-any-streamed": _messages(ASK, tools=ANTHROPIC_TOOLS, max_tokens=80, stream=True,
+                                                tool_choice={"type": "any"}),
+        "messages-tool-result": _messages(history, tools=ANTHROPIC_TOOLS),
+        "messages-think": _messages(think, max_tokens=20),
+        "messages-think-streamed": _messages(think, max_tokens=20, stream=True),
+    }
+
+
+# Random ids of the agent APIs' objects, and the prefix-cache split of a prompt (a node's history).
+_AGENT_IDS = [(re.compile(r'"(msg|toolu|resp|fc|call|rs)_[0-9a-f]{20,32}"'), r'"\1_<id>"'),
+              (re.compile(r'"created_at":\d+'), '"created_at":0')]
+
+
+def fetch_agent(base: str, path: str, body: dict) -> dict:
+    """A Messages / Responses answer with ids and times replaced and each usage's cached share folded into
+    its input count: a JSON body, or the SSE stream as its list of (event, data)."""
+    with httpx.Client(base_url=base, timeout=120) as client:
+        if not body.get("stream"):
+            r = client.post(path, json=body)
+            return {"status": r.status_code, "body": _agent_normalized(r.text)}
+        events, name = [], None
+        with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, _agent_normalized(line[6:])))
+        return {"events": events}
+
+
+def _agent_normalized(text: str) -> object:
+    for pattern, replacement in _AGENT_IDS:
+        text = pattern.sub(replacement, text)
+    return _fold_cached(json.loads(text))
+
+
+def _fold_cached(value: object) -> object:
+    if isinstance(value, dict):
+        value = {k: _fold_cached(v) for k, v in value.items()}
+        if "cache_read_input_tokens" in value:  # Anthropic: input_tokens excludes the cache's share
+            value["input_tokens"] += value.pop("cache_read_input_tokens")
+        details = value.get("input_tokens_details")
+        if isinstance(details, dict) and "cached_tokens" in details:  # Responses
+            details["cached_tokens"] = 0
+    elif isinstance(value, list):
+        value = [_fold_cached(v) for v in value]
+    return value

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cluster_harness import call, free_port, start, wait_for, wait_healthy
-from parity_battery import ASK, CHAT, SCHEMA, THINK_TEMPLATE, battery, fetch, spliced
+from parity_battery import ASK, CHAT, SCHEMA, THINK_TEMPLATE, agent_battery, battery, fetch, fetch_agent, spliced
 from conveyor.cluster import wire
 from conveyor.testing import write_tiny_model_dir
 
@@ -116,6 +116,25 @@ def test_router_answers_the_battery_as_a_node_does(topo):
     assert body["text-choice"]["choices"][0]["text"] in ("yes", "no", "maybe")
 
 
+def test_router_answers_the_agent_apis_as_a_node_does(topo):
+    """Anthropic Messages (and OpenAI Responses) through the router: the node's answers, event for event, but
+    for ids, times and the prefix cache's share of the prompt (each node's own history)."""
+    model = httpx.get(f"{topo['single'].url}/v1/models", timeout=10).json()["data"][0]["id"]
+    work = agent_battery(model)
+    with ThreadPoolExecutor(8) as pool:
+        reference = dict(zip(work, pool.map(lambda w: fetch_agent(topo["single"].url, *w), work.values())))
+        routed = dict(zip(work, pool.map(lambda w: fetch_agent(topo["router"].url, *w), work.values())))
+    for name in work:
+        assert routed[name] == reference[name], f"{name}: {_first_difference(routed[name], reference[name])}"
+    body = {name: r["body"] for name, r in reference.items() if "body" in r}
+    assert all(r["status"] == 200 for name, r in reference.items() if "body" in r)
+    assert body["messages-tool-forced"]["stop_reason"] == "tool_use"
+    assert [b["type"] for b in body["messages-think"]["content"]][0] == "thinking"
+    assert body["messages-stop"]["stop_reason"] in ("stop_sequence", "end_turn", "max_tokens")
+    events = [name for name, _ in reference["messages-tool-any-streamed"]["events"]]
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "ping" in events
+
+
 def _first_difference(a, b):
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
@@ -198,9 +217,9 @@ def _raw(address: str, payload: bytes) -> wire.Frame | None:
 @pytest.mark.parametrize("payload", [
     b"GET / HTTP/1.1\r\n\r\n",  # not our magic
     struct.pack(">4sBI", b"CNVY", 99, 2) + b"{}",  # unknown version
-    struct.pack(">4sBI", b"CNVY", 1, 1 << 31),  # longer than the limit
-    struct.pack(">4sBI", b"CNVY", 1, 50) + b"short",  # truncated body
-    struct.pack(">4sBI", b"CNVY", 1, 3) + b"\x81\xa1x",  # msgpack, but no known frame
+    struct.pack(">4sBI", b"CNVY", wire.VERSION, 1 << 31),  # longer than the limit
+    struct.pack(">4sBI", b"CNVY", wire.VERSION, 50) + b"short",  # truncated body
+    struct.pack(">4sBI", b"CNVY", wire.VERSION, 3) + b"\x81\xa1x",  # msgpack, but no known frame
     wire.encode(wire.TokenFrame(request_id="r", token_ids=[], text="")),  # a frame, but the wrong kind
 ], ids=["magic", "version", "length", "truncated", "unknown", "wrong-kind"])
 def test_malformed_frames_are_rejected_without_harm(topo, payload):

@@ -25,9 +25,9 @@ def test_frames_round_trip_and_are_length_checked():
     with pytest.raises(wire.WireError, match="magic"):
         wire.parse_header(b"HTTP/" + data[5:9])
     with pytest.raises(wire.WireError, match="version"):
-        wire.parse_header(struct.pack(">4sBI", b"CNVY", 2, 5))
+        wire.parse_header(struct.pack(">4sBI", b"CNVY", wire.VERSION + 1, 5))
     with pytest.raises(wire.WireError, match="limit"):
-        wire.parse_header(struct.pack(">4sBI", b"CNVY", 1, wire.MAX_FRAME_BYTES + 1))
+        wire.parse_header(struct.pack(">4sBI", b"CNVY", wire.VERSION, wire.MAX_FRAME_BYTES + 1))
     with pytest.raises(wire.WireError, match="malformed"):
         wire.decode(data[9:-3])
     with pytest.raises(wire.WireError, match="malformed"):  # unknown fields are refused, not ignored
@@ -82,7 +82,7 @@ def test_read_frame_reports_truncation_and_clean_close():
         with pytest.raises(wire.WireError, match="header"):
             await feed(b"CNV")
         with pytest.raises(wire.WireError, match="truncated"):
-            await feed(struct.pack(">4sBI", b"CNVY", 1, 20) + b"abc")
+            await feed(struct.pack(">4sBI", b"CNVY", wire.VERSION, 20) + b"abc")
         ok = wire.ErrorFrame(status=503, message="busy", code="overloaded")
         assert await feed(wire.encode(ok)) == ok
 

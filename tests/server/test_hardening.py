@@ -205,6 +205,8 @@ def test_api_key_is_enforced_on_every_route_but_health_and_metrics(small):
                                   headers={"Content-Type": "application/json"})
                 if path in exempt:
                     assert r.status_code == 200, (method, path)
+                elif path.startswith("/v1/messages"):  # Anthropic's clients read Anthropic's error shape
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
                 else:
                     assert _error(r.status_code, r.content, 401)["code"] == "invalid_api_key", (method, path)
             checked += 1

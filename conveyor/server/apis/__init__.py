@@ -1,0 +1,28 @@
+"""The wire APIs beside chat/completions, each a thin adapter over the one request front (server/front.py).
+
+Each module parses its API's body, turns it into the chat request the server already plans
+(request_plan.py: template, tools, grammar, reasoning, limits), starts it through `ServingFront.start`
+(a node's engine or the router's cluster), and writes the deltas back in its own shapes and errors:
+
+  messages.py        Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
+  responses_api.py   OpenAI Responses: POST /v1/responses, GET / DELETE /v1/responses/{id}
+  response_store.py  the Responses API's bounded store (previous_response_id, GET)
+
+chat/completions and completions, the native shapes, are app.py's `add_openai_routes`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from conveyor.config import ServerConfig
+from conveyor.server.front import ServingFront
+from conveyor.server.limits import RequestLimits
+
+
+def add_agent_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, config: ServerConfig) -> None:
+    """The Messages and Responses routes, on a node and on the cluster router alike."""
+    from conveyor.server.apis import messages, responses_api
+
+    messages.add_routes(router, serving, limits)
+    responses_api.add_routes(router, serving, limits, config)

@@ -1,0 +1,64 @@
+"""The one request front every wire API goes through, on a node and on the cluster router.
+
+An API adapter (chat/completions and completions in app.py; Anthropic Messages and OpenAI Responses in
+server/apis/) turns its body into a RequestPlan here (`plan_chat`, `plan_completion`: the chat template,
+tools, grammar, reasoning, limits and 400s of request_plan.py) and asks `start()` for the running
+group of deltas, which it writes back in its own shapes. A node starts the group on its engine
+(OpenAIServing), the router on its prefill and decode nodes (cluster/router.py's RouterServing).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from conveyor.loading import Tokenizer
+from conveyor.server.errors import APIError
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.server.reply import DeltaGroup, respond
+from conveyor.server.request_plan import RequestPlan, plan_chat_request, plan_completion_request
+from conveyor.server.responses import TokenText
+
+
+class ServingFront(ABC):
+    """Planning shared by a node and the router; subclasses say how a plan starts running."""
+
+    def __init__(self, tokenizer: Tokenizer, model_id: str, model_name: str, reasoning_parser: str = "auto",
+                 template_kwargs: dict | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.model_names = {model_id, model_name}
+        self.reasoning_parser = reasoning_parser
+        self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
+        self.token_text = TokenText(tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
+        self.check_model(body.model)
+        return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs)
+
+    def plan_completion(self, body: CompletionRequest) -> RequestPlan:
+        self.check_model(body.model)
+        return plan_completion_request(body, self.tokenizer, self.model_id)
+
+    @abstractmethod
+    async def start(self, http: HTTPRequest, plan: RequestPlan, arrival: float) -> DeltaGroup:
+        """Validate, admit (503 when full) and start the plan's requests; 4xx/5xx before any response byte."""
+
+    # -- the OpenAI endpoints -------------------------------------------------------------------
+    async def chat(self, http: HTTPRequest, body: ChatCompletionRequest, arrival: float) -> Response:
+        return await self._respond(http, self.plan_chat(body), arrival)
+
+    async def completion(self, http: HTTPRequest, body: CompletionRequest, arrival: float) -> Response:
+        return await self._respond(http, self.plan_completion(body), arrival)
+
+    async def _respond(self, http: HTTPRequest, plan: RequestPlan, arrival: float) -> Response:
+        group = await self.start(http, plan, arrival)
+        body = plan.body
+        return await respond(http, group, plan.header, self.token_text, body.stream, body.include_usage, plan.n)

@@ -1,0 +1,263 @@
+"""Anthropic Messages over a real socket, driven by the official `anthropic` SDK (and raw SSE where the SDK
+hides the wire: event order, pings)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import anthropic
+import httpx
+import pytest
+
+from conveyor.config import EngineConfig, ServerConfig
+
+TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+CHAT = [{"role": "user", "content": "Tell me about continuous batching."}]
+
+
+def _client(served, **kwargs) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, **kwargs)
+
+
+def _chat_text(served, messages: list[dict], max_tokens: int = 12, **extra) -> str:
+    r = served.client().chat.completions.create(model=served.model, messages=messages, max_tokens=max_tokens,
+                                                temperature=0, **extra)
+    return r.choices[0].message.content
+
+
+def _events(served, body: dict) -> list[tuple[str, dict]]:
+    """The raw SSE stream as (event name, data) pairs; each data's type must equal its event name."""
+    events = []
+    with httpx.stream("POST", f"{served.url}/v1/messages?beta=true", json={**body, "stream": True},
+                      headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"},
+                      timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                assert data["type"] == name
+                events.append((name, data))
+    return events
+
+
+def test_greedy_message_equals_chat_completions(served):
+    message = _client(served).messages.create(model=served.model, max_tokens=12, messages=CHAT,
+                                              extra_body={"temperature": 0})
+    assert message.type == "message" and message.role == "assistant" and message.model == served.model
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == _chat_text(served, CHAT)
+    assert message.stop_reason == "max_tokens" and message.stop_sequence is None
+    assert message.usage.output_tokens == 12
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > 10
+
+
+def test_system_blocks_and_string_are_one_prompt(served):
+    client = _client(served)
+    as_string = client.messages.create(model=served.model, max_tokens=6, system="You are terse.", messages=CHAT,
+                                       extra_body={"temperature": 0})
+    as_blocks = client.messages.create(model=served.model, max_tokens=6, messages=CHAT, extra_body={"temperature": 0},
+                                       system=[{"type": "text", "text": "You are ", "cache_control": {"type": "ephemeral"}},
+                                               {"type": "text", "text": "terse."}])
+    assert as_string.content[0].text == as_blocks.content[0].text == \
+        _chat_text(served, [{"role": "system", "content": "You are terse."}, *CHAT], max_tokens=6)
+
+
+def test_stream_event_sequence_and_sdk_stream(served):
+    body = {"model": served.model, "max_tokens": 8, "messages": CHAT, "temperature": 0}
+    events = _events(served, body)
+    names = [name for name, _ in events]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert all(d["delta"]["type"] == "text_delta" and d["index"] == 0 for n, d in events if n == "content_block_delta")
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 8
+    assert text == _chat_text(served, CHAT, max_tokens=8)
+    with _client(served).messages.stream(model=served.model, max_tokens=8, messages=CHAT,
+                                         extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == final.content[0].text == text and final.stop_reason == "max_tokens"
+
+
+def test_stop_sequence_is_reported(served):
+    full = _chat_text(served, CHAT, max_tokens=16)
+    stop = full[4:7]
+    assert stop.strip(), full
+    message = _client(served).messages.create(model=served.model, max_tokens=16, messages=CHAT, stop_sequences=[stop],
+                                              extra_body={"temperature": 0})
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == full[:full.index(stop)]
+    events = _events(served, {"model": served.model, "max_tokens": 16, "messages": CHAT, "temperature": 0,
+                              "stop_sequences": [stop]})
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
+def test_forced_tool_call_then_tool_result_turn(served):
+    client = _client(served)
+    first = client.messages.create(model=served.model, max_tokens=60, tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather in Paris?"}], tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert calls and calls[0].name == "get_weather" and isinstance(calls[0].input, dict)
+    assert calls[0].id.startswith("toolu_") and "city" in calls[0].input
+    turn = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 21 C"},
+                                         {"type": "text", "text": "Thanks. Summarize."}]}]
+    second = client.messages.create(model=server_model(served), max_tokens=6, tools=TOOLS, messages=turn,
+                                    extra_body={"temperature": 0})
+    assert second.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    # The same turn through chat/completions: the tool result is the same tool message.
+    chat_turn = [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0].id, "type": "function", "function": {
+                     "name": "get_weather", "arguments": json.dumps(calls[0].input)}}]},
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"},
+                 {"role": "user", "content": "Thanks. Summarize."}]
+    chat = served.client().chat.completions.create(
+        model=served.model, max_tokens=6, temperature=0, messages=chat_turn,
+        tools=[{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                 "parameters": t["input_schema"]}} for t in TOOLS])
+    text = "".join(b.text for b in second.content if b.type == "text")
+    assert text == (chat.choices[0].message.content or "")
+
+
+def server_model(served) -> str:
+    return served.model
+
+
+def test_streamed_tool_use_has_input_json_delta(served):
+    events = _events(served, {"model": served.model, "max_tokens": 60, "tools": TOOLS,
+                              "tool_choice": {"type": "any"},
+                              "messages": [{"role": "user", "content": "Weather in Oslo?"}]})
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    tool = next(b for b in starts if b["type"] == "tool_use")
+    assert tool["name"] == "get_weather" and tool["input"] == {}
+    partial = "".join(d["delta"]["partial_json"] for n, d in events
+                      if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    assert "city" in json.loads(partial)
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    with _client(served).messages.stream(model=served.model, max_tokens=60, tools=TOOLS, tool_choice={"type": "any"},
+                                         messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+        final = stream.get_final_message()
+    assert any(b.type == "tool_use" and "city" in b.input for b in final.content)
+
+
+def test_count_tokens_is_the_prompt_that_runs(served):
+    client = _client(served)
+    counted = client.messages.count_tokens(model=served.model, messages=CHAT, system="Be brief.")
+    ran = client.messages.create(model=served.model, max_tokens=1, messages=CHAT, system="Be brief.")
+    assert counted.input_tokens == ran.usage.input_tokens + ran.usage.cache_read_input_tokens > 0
+
+
+def test_shared_system_prompt_reads_the_prefix_cache(served):
+    system = "You are a coding agent. " + " ".join(f"Rule {i}: keep tool calls small and exact." for i in range(60))
+    client = _client(served)
+    first = client.messages.create(model=served.model, max_tokens=2, system=system, messages=CHAT)
+
+    async def many() -> list:
+        async with anthropic.AsyncAnthropic(base_url=served.url, api_key="unused", max_retries=0) as aclient:
+            return list(await asyncio.gather(*(aclient.messages.create(
+                model=served.model, max_tokens=2, system=system,
+                messages=[{"role": "user", "content": f"Task {i}"}]) for i in range(8))))
+    later = asyncio.run(many())
+    assert first.usage.input_tokens > 300
+    for reply in later:
+        assert reply.usage.cache_read_input_tokens > 300  # the system prompt's full blocks
+
+
+def test_sixteen_concurrent_greedy_equal_one_at_a_time(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=16, max_queue_depth=64)) as served:
+        conversations = [[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 5)}] for i in range(16)]
+        alone = [_chat_text(served, c, max_tokens=10) for c in conversations]
+
+        async def together() -> list[str]:
+            async with anthropic.AsyncAnthropic(base_url=served.url, api_key="unused", max_retries=0) as client:
+                replies = await asyncio.gather(*(client.messages.create(
+                    model=served.model, max_tokens=10, messages=c, extra_body={"temperature": 0})
+                    for c in conversations))
+            return [r.content[0].text for r in replies]
+        assert asyncio.run(together()) == alone
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"messages": CHAT}, "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
+    ({"max_tokens": 4, "messages": CHAT, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     "web_search"),
+    ({"max_tokens": 4, "messages": CHAT, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]}, "toolu_nope"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "nonsense"}]}]}, "nonsense"),
+    ({"max_tokens": 4, "messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"max_tokens": "4", "messages": CHAT}, "max_tokens"),
+    ({"max_tokens": 4, "messages": CHAT, "surprise": 1}, "surprise"),
+    ({"max_tokens": 4, "messages": CHAT, "tool_choice": {"type": "tool", "name": "absent"}, "tools": TOOLS}, "absent"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                                 "citations": [{"type": "char_location"}]}]}]},
+     "citations"),
+])
+def test_bad_input_is_a_400_in_anthropic_shape(served, body, where):
+    r = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert where in error["error"]["message"] or where in json.dumps(error), error
+
+
+def test_sdk_errors_and_unknown_model(served):
+    client = _client(served)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model=served.model, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}])
+    assert "toolu_x" in bad.value.message
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=CHAT)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+
+
+def test_fuzzed_bodies_never_5xx(served):
+    rng = random.Random(7)
+    base = {"model": served.model, "max_tokens": 3, "messages": CHAT, "tools": TOOLS, "system": "s",
+            "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 2}}
+    junk = [None, 0, -1, 1.5, "", "x", [], {}, [1], {"type": "text"}, True, 10**12]
+    statuses = set()
+    for _ in range(60):
+        body = json.loads(json.dumps(base))
+        target = body
+        path = rng.choice([["max_tokens"], ["messages"], ["messages", 0], ["messages", 0, "content"], ["tools", 0],
+                           ["tools", 0, "input_schema"], ["tool_choice"], ["thinking"], ["system"], ["model"]])
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = rng.choice(junk)
+        r = httpx.post(f"{served.url}/v1/messages", json=body, timeout=60)
+        statuses.add(r.status_code)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert r.json()["type"] == "error"
+    assert 400 in statuses
+    assert _client(served).messages.create(model=served.model, max_tokens=2, messages=CHAT).usage.output_tokens == 2
+
+
+def test_x_api_key_and_metrics(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(api_key="sekret", metrics=True)) as served:
+        ok = anthropic.Anthropic(base_url=served.url, api_key="sekret", max_retries=0)
+        assert ok.messages.create(model=served.model, max_tokens=2, messages=CHAT).usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0).messages.create(
+                model=served.model, max_tokens=2, messages=CHAT)
+        assert denied.value.body["error"]["type"] == "authentication_error"
+        metrics = httpx.get(f"{served.url}/metrics").text
+        assert 'conveyor_api_requests_total{api="messages"} 1.0' in metrics
+        assert 'conveyor_api_requests_total{api="chat_completions"} 0.0' in metrics
