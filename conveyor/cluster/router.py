@@ -33,8 +33,8 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
-from conveyor.server.apis import add_agent_routes
-from conveyor.server.app import _api_key_check, add_dashboard_routes, add_openai_routes, add_tokenizer_routes
+from conveyor.server.apis import add_agent_routes, chat_completions
+from conveyor.server.app import _api_key_check, add_dashboard_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.metrics import CONTENT_TYPE, api_requests_counter
@@ -287,7 +287,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     if server.webui:
         add_webui_routes(app)
     api = APIRouter()
-    add_openai_routes(api, serving, limits, model_card)
+    chat_completions.add_routes(api, serving, limits, model_card)
     add_agent_routes(api, serving, limits, server)
     # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
     add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)

@@ -8,47 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import dashboard, errors, observability, slot_actions
-from conveyor.server.apis import add_agent_routes
+from conveyor.server.apis import add_agent_routes, chat_completions
+from conveyor.server.apis.body import parse_body
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
-from conveyor.server.limits import RequestLimits, check_priority, check_request, parse_json
+from conveyor.server.limits import RequestLimits
 from conveyor.server.metrics import CONTENT_TYPE, ServerMetrics
 from conveyor.server.middleware import BodySizeLimit, CatchAll
 from conveyor.server.openai_serving import OpenAIServing
-from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from conveyor.server.protocol import DetokenizeRequest, TokenizeRequest
 from conveyor.server.reply import SSEResponse
-from conveyor.server.request_plan import header_priority
 from conveyor.server.responses import TokenText
 from conveyor.server.webui import add_webui_routes
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-async def parse_body(request: Request, model: type[Body], limits: RequestLimits) -> Body:
-    data = parse_json(await request.body(), limits)
-    if not isinstance(data, dict):
-        raise errors.invalid("The request body must be a JSON object")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        raise errors.from_validation(exc) from None
-    check_request(body, limits)
-    if hasattr(body, "priority") and body.priority is None:  # the header stands in for the field
-        check_priority(header_priority(request), "X-Priority", limits)
-    return body
-
 
 def _api_key_check(api_key: str | None):
     """--api-key: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
@@ -119,32 +99,6 @@ def add_dashboard_routes(router: APIRouter, snapshot: Callable[[], dict], stop: 
         return SSEResponse(dashboard.snapshot_stream(snapshot, stop))
 
 
-def add_openai_routes(router: APIRouter, serving, limits: RequestLimits, model_card: Callable[[], dict]) -> None:
-    """The OpenAI routes a single node and the cluster router share; `serving` has chat(), completion()
-    and check_model() (OpenAIServing here, the router's dispatcher in conveyor/cluster/router.py)."""
-
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        serving.metrics.api_requests.labels("chat_completions").inc()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest, limits), arrival)
-
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        serving.metrics.api_requests.labels("completions").inc()
-        return await serving.completion(request, await parse_body(request, CompletionRequest, limits), arrival)
-
-    @router.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
-
-    @router.get("/v1/models/{name:path}")
-    async def model(name: str) -> dict:
-        serving.check_model(name)
-        return model_card()
-
-
 def add_tokenizer_routes(router: APIRouter, token_text: TokenText, vocab_size: int, limits: RequestLimits) -> None:
     """/tokenize and /detokenize: a node's, and the router's (which has the tokenizer but not the model)."""
     tokenizer = token_text.tokenizer
@@ -178,7 +132,7 @@ def _api_router(engine: AsyncEngine, serving: OpenAIServing, model_id: str, limi
                          "n_ctx_train": cfg.max_position_embeddings, "architecture": cfg.architecture,
                          **core.layers_report()}}
 
-    add_openai_routes(router, serving, limits, model_card)
+    chat_completions.add_routes(router, serving, limits, model_card)
     add_tokenizer_routes(router, serving.token_text, core.model_config.vocab_size, limits)
 
     @router.get("/slots")

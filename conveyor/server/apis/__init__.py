@@ -1,14 +1,14 @@
-"""The wire APIs beside chat/completions, each a thin adapter over the one request front (server/front.py).
+"""The wire APIs, side by side, each a thin adapter over the one request front (server/front.py).
 
 Each module parses its API's body, turns it into the chat request the server already plans
 (request_plan.py: template, tools, grammar, reasoning, limits), starts it through `ServingFront.start`
 (a node's engine or the router's cluster), and writes the deltas back in its own shapes and errors:
 
-  messages.py        Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
-  responses_api.py   OpenAI Responses: POST /v1/responses, GET / DELETE /v1/responses/{id}
-  response_store.py  the Responses API's bounded store (previous_response_id, GET)
-
-chat/completions and completions, the native shapes, are app.py's `add_openai_routes`.
+  chat_completions.py  OpenAI chat/completions and completions (the native shapes), /v1/models
+  messages.py          Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
+  responses_api.py     OpenAI Responses: POST /v1/responses, GET / DELETE /v1/responses/{id}
+  response_store.py    the Responses API's bounded store (previous_response_id, GET)
+  body.py              a body parsed under the server's limits (shared)
 """
 
 from __future__ import annotations

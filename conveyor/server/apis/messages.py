@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server import errors
 from conveyor.server.front import ServingFront
-from conveyor.server.limits import RequestLimits, check_request, parse_json
+from conveyor.server.apis.body import json_object, validated
+from conveyor.server.limits import RequestLimits, check_request
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.reply import CLIENT_CLOSED_REQUEST, SSEResponse, collect_choices, parsed_deltas
 from conveyor.server.request_plan import RequestPlan
@@ -197,14 +198,9 @@ def _list(value: Any) -> list:
 
 
 async def _parse(request: Request, model: type[MessagesRequest], limits: RequestLimits) -> MessagesRequest:
-    data = parse_json(await request.body(), limits)
-    if not isinstance(data, dict):
-        raise errors.invalid("The request body must be a JSON object")
+    data = await json_object(request, limits)
     _refused_fields(data)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise errors.from_validation(exc) from None
+    return validated(model, data)
 
 
 # -- request -> chat ------------------------------------------------------------------------------

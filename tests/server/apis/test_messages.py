@@ -14,7 +14,8 @@ import pytest
 from conveyor.config import EngineConfig, ServerConfig
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                           "required": ["city"]}}]  # a short city: the forced call fits max_tokens whatever is sampled
 CHAT = [{"role": "user", "content": "Tell me about continuous batching."}]
 
 
@@ -106,7 +107,8 @@ def test_stop_sequence_is_reported(served):
 def test_forced_tool_call_then_tool_result_turn(served):
     client = _client(served)
     first = client.messages.create(model=served.model, max_tokens=60, tools=TOOLS, messages=[
-        {"role": "user", "content": "Weather in Paris?"}], tool_choice={"type": "tool", "name": "get_weather"})
+        {"role": "user", "content": "Weather in Paris?"}], tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0})
     assert first.stop_reason == "tool_use"
     calls = [b for b in first.content if b.type == "tool_use"]
     assert calls and calls[0].name == "get_weather" and isinstance(calls[0].input, dict)
@@ -115,7 +117,7 @@ def test_forced_tool_call_then_tool_result_turn(served):
             {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 21 C"},
                                          {"type": "text", "text": "Thanks. Summarize."}]}]
-    second = client.messages.create(model=server_model(served), max_tokens=6, tools=TOOLS, messages=turn,
+    second = client.messages.create(model=served.model, max_tokens=6, tools=TOOLS, messages=turn,
                                     extra_body={"temperature": 0})
     assert second.stop_reason in ("max_tokens", "end_turn", "tool_use")
     # The same turn through chat/completions: the tool result is the same tool message.
@@ -132,12 +134,8 @@ def test_forced_tool_call_then_tool_result_turn(served):
     assert text == (chat.choices[0].message.content or "")
 
 
-def server_model(served) -> str:
-    return served.model
-
-
 def test_streamed_tool_use_has_input_json_delta(served):
-    events = _events(served, {"model": served.model, "max_tokens": 60, "tools": TOOLS,
+    events = _events(served, {"model": served.model, "max_tokens": 60, "tools": TOOLS, "temperature": 0,
                               "tool_choice": {"type": "any"},
                               "messages": [{"role": "user", "content": "Weather in Oslo?"}]})
     starts = [d["content_block"] for n, d in events if n == "content_block_start"]
@@ -148,7 +146,8 @@ def test_streamed_tool_use_has_input_json_delta(served):
     assert "city" in json.loads(partial)
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
     with _client(served).messages.stream(model=served.model, max_tokens=60, tools=TOOLS, tool_choice={"type": "any"},
-                                         messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+                                         messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                         extra_body={"temperature": 0}) as stream:
         final = stream.get_final_message()
     assert any(b.type == "tool_use" and "city" in b.input for b in final.content)
 
