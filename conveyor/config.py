@@ -187,12 +187,15 @@ class ServerConfig:
     max_priority: int = 100
     reasoning_parser: str = "auto"  # <think>...</think> -> reasoning_content: auto (if the template has it) | think | none
     chat_template_kwargs: str | None = None  # JSON object: extra chat-template variables for every request
+    # The Responses API's store (server/apis/response_store.py): the oldest are dropped past either bound.
+    responses_store_max: int = 1000
+    responses_store_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _require(self.reasoning_parser in ("auto", "think", "none"), "reasoning_parser must be auto, think or none")
         self.template_kwargs  # a bad --chat-template-kwargs fails at startup, not on the first request
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
-                     "max_stop_strings", "max_logit_bias"):
+                     "max_stop_strings", "max_logit_bias", "responses_store_max", "responses_store_max_bytes"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
         _require(self.max_priority >= 0, "max_priority must be >= 0")
 
@@ -459,6 +462,10 @@ FLAGS: list[Flag] = [
     Flag(("--max-priority",), "max_priority", int,
          "largest |priority| a request may ask for (body or X-Priority; 400 beyond), which bounds how long "
          "aging lets higher-priority traffic delay a queued request"),
+    Flag(("--responses-store-max",), "responses_store_max", int,
+         "most responses /v1/responses keeps for previous_response_id and GET (the oldest dropped)"),
+    Flag(("--responses-store-max-bytes",), "responses_store_max_bytes", int,
+         "most bytes of stored responses and their conversations (the oldest dropped)"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

@@ -80,6 +80,17 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
     assert max(gained) >= 5 * 192 and min(gained) == 0, gained
 
 
+def test_agent_apis_pass_through_the_gateway(gateway):
+    """Anthropic Messages through SMG reach a replica and come back as the replica answers them."""
+    url, replicas = gateway
+    body = {"model": "tiny-model", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "question for the agents"}]}
+    direct = httpx.post(f"{replicas[0].url}/v1/messages", json=body, timeout=60)
+    routed = httpx.post(f"{url}/v1/messages", json=body, timeout=60)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["content"] == direct.json()["content"] and routed.json()["type"] == "message"
+
+
 def _completed(replica) -> int:
     return httpx.get(f"{replica.url}/health", timeout=5).json()["batch"]["total_completed"]
 

@@ -7,6 +7,8 @@ Each module parses its API's body, turns it into the chat request the server alr
   chat_completions.py  OpenAI chat/completions and completions (the native shapes), /v1/models
   messages.py          Anthropic Messages: POST /v1/messages, /v1/messages/count_tokens
   responses_api.py     OpenAI Responses: POST /v1/responses, GET / DELETE /v1/responses/{id}
+  responses_input.py   its body and input items -> the chat request
+  responses_output.py  its output items, Response object and SSE events
   response_store.py    the Responses API's bounded store (previous_response_id, GET)
   body.py              a body parsed under the server's limits (shared)
 """
