@@ -145,14 +145,17 @@ def spliced(result: dict) -> dict:
 
 
 # -- the agent APIs (Anthropic Messages, OpenAI Responses) ----------------------------------------------------
-MESSAGES = "/v1/messages"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                   for t in TOOLS]
+
 
 def agent_battery(model: str) -> dict[str, tuple[str, dict]]:
-    """Messages requests covering text, streaming, stop sequences, forced tools, a tool-result turn and a
-    thinking prompt (the topology's template opens <think> on "/think")."""
+    """Messages and Responses requests covering text, streaming, stop sequences, forced tools, a tool-result
+    turn, structured output and a thinking prompt (the topology's template opens <think> on "/think")."""
     history = ASK + [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                                         "input": {"city": "Paris", "unit": "c"}}]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
@@ -161,6 +164,10 @@ def agent_battery(model: str) -> dict[str, tuple[str, dict]]:
 
     def _messages(messages: list[dict], **body) -> tuple[str, dict]:
         return MESSAGES, {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, **body}
+
+    def _responses(given: str | list[dict], **body) -> tuple[str, dict]:  # store=False: each app has its own store
+        return RESPONSES, {"model": model, "input": given, "max_output_tokens": 12, "temperature": 0,
+                           "store": False, **body}
     return {
         "messages-plain": _messages(ASK, system="Be brief."),
         "messages-streamed": _messages(ASK, stream=True),
@@ -172,12 +179,25 @@ def agent_battery(model: str) -> dict[str, tuple[str, dict]]:
         "messages-tool-result": _messages(history, tools=ANTHROPIC_TOOLS),
         "messages-think": _messages(think, max_tokens=20),
         "messages-think-streamed": _messages(think, max_tokens=20, stream=True),
+        "responses-plain": _responses("What is the weather in Paris?", instructions="Be brief."),
+        "responses-streamed": _responses("What is the weather in Paris?", stream=True),
+        "responses-tool-forced-streamed": _responses(
+            "What is the weather in Paris?", stream=True, max_output_tokens=80, tools=RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "get_weather"}),
+        "responses-tool-output": _responses([
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris", "unit": "c"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": '{"temp": 21}'}], tools=RESPONSES_TOOLS),
+        "responses-json": _responses("Describe a pet.", max_output_tokens=60, text={"format": {
+            "type": "json_schema", "name": "pet", "schema": SCHEMA}}),
+        "responses-think": _responses("Plan a trip. /think", max_output_tokens=20),
     }
 
 
 # Random ids of the agent APIs' objects, and the prefix-cache split of a prompt (a node's history).
 _AGENT_IDS = [(re.compile(r'"(msg|toolu|resp|fc|call|rs)_[0-9a-f]{20,32}"'), r'"\1_<id>"'),
-              (re.compile(r'"created_at":\d+'), '"created_at":0')]
+              (re.compile(r'"(created_at|completed_at)": ?\d+'), r'"\1":0')]
 
 
 def fetch_agent(base: str, path: str, body: dict) -> dict:

@@ -89,6 +89,12 @@ def test_agent_apis_pass_through_the_gateway(gateway):
     routed = httpx.post(f"{url}/v1/messages", json=body, timeout=60)
     assert direct.status_code == routed.status_code == 200, routed.text
     assert routed.json()["content"] == direct.json()["content"] and routed.json()["type"] == "message"
+    body = {"model": "tiny-model", "max_output_tokens": 8, "temperature": 0, "input": "question for the agents",
+            "store": False}
+    direct = httpx.post(f"{replicas[0].url}/v1/responses", json=body, timeout=60)
+    routed = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["output"][-1]["content"][0]["text"] == direct.json()["output"][-1]["content"][0]["text"]
 
 
 def _completed(replica) -> int:

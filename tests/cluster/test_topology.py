@@ -133,6 +133,12 @@ def test_router_answers_the_agent_apis_as_a_node_does(topo):
     assert body["messages-stop"]["stop_reason"] in ("stop_sequence", "end_turn", "max_tokens")
     events = [name for name, _ in reference["messages-tool-any-streamed"]["events"]]
     assert events[0] == "message_start" and events[-1] == "message_stop" and "ping" in events
+    assert json.loads(body["responses-json"]["output"][-1]["content"][0]["text"]).keys() == {"kind", "n", "tags"}
+    assert body["responses-think"]["output"][0]["type"] == "reasoning"
+    assert body["responses-tool-output"]["status"] in ("completed", "incomplete")
+    events = [name for name, _ in reference["responses-tool-forced-streamed"]["events"]]
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in events
 
 
 def _first_difference(a, b):

@@ -147,6 +147,7 @@ class MessagesRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    priority: int | None = None  # ours (and vLLM's; SMG forwards it): higher runs first, as chat's
     # Accepted and ignored: they change nothing about generation here.
     metadata: dict | None = None
     service_tier: str | None = None
@@ -220,7 +221,7 @@ def to_chat(body: MessagesRequest, limits: RequestLimits) -> ChatCompletionReque
             messages.extend(_user_turn(blocks, calls, i))
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
                             "stream": body.stream}
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.stop_sequences:

@@ -161,6 +161,11 @@ class ResponsesRequest(_Body):
     store: bool | None = None  # None = true, as OpenAI stores by default
     metadata: dict[str, str] | None = None  # echoed back
     truncation: Literal["auto", "disabled"] | None = None
+    # vLLM's extensions, as chat's fields (SGLang's gateway, SMG, adds them to every Responses body it forwards)
+    priority: int | None = None  # higher runs first
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     # Accepted and ignored: they change nothing about generation here.
     user: str | None = None
     include: list[str] | None = None
@@ -311,7 +316,8 @@ def to_chat(body: ResponsesRequest, items: list[InputItem], first_input: int, to
         messages.insert(0, {"role": "system", "content": body.instructions})
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
     for name, field in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                        ("parallel_tool_calls", "parallel_tool_calls")):
+                        ("parallel_tool_calls", "parallel_tool_calls"), ("priority", "priority"),
+                        ("top_k", "top_k"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
         if getattr(body, name) is not None:
             chat[field] = getattr(body, name)
     if tools:
