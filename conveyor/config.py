@@ -165,6 +165,9 @@ class EngineConfig:
         return self.draft_kind in ("auto", "draft-model") and self.draft_model is not None
 
 
+HOSTED_TOOLS = ("refuse", "ignore")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -190,9 +193,13 @@ class ServerConfig:
     # The Responses API's store (server/apis/response_store.py): the oldest are dropped past either bound.
     responses_store_max: int = 1000
     responses_store_max_bytes: int = 64 << 20
+    # Hosted tools (web_search, code execution...) offered in /v1/responses or /v1/messages: refuse (a 400 naming
+    # them) or ignore (left out of the prompt: the model cannot call them, as nothing here could run them).
+    hosted_tools: str = "refuse"
 
     def __post_init__(self) -> None:
         _require(self.reasoning_parser in ("auto", "think", "none"), "reasoning_parser must be auto, think or none")
+        _require(self.hosted_tools in HOSTED_TOOLS, f"hosted_tools must be one of {', '.join(HOSTED_TOOLS)}")
         self.template_kwargs  # a bad --chat-template-kwargs fails at startup, not on the first request
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
                      "max_stop_strings", "max_logit_bias", "responses_store_max", "responses_store_max_bytes"):
@@ -466,6 +473,9 @@ FLAGS: list[Flag] = [
          "most responses /v1/responses keeps for previous_response_id and GET (the oldest dropped)"),
     Flag(("--responses-store-max-bytes",), "responses_store_max_bytes", int,
          "most bytes of stored responses and their conversations (the oldest dropped)"),
+    Flag(("--hosted-tools",), "hosted_tools", choices=HOSTED_TOOLS,
+         help="provider-hosted tools a client offers (web_search, code execution...; Codex offers web_search): "
+              "refuse with a 400 naming them, or ignore them (the model is not shown them)"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

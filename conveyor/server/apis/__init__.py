@@ -26,5 +26,5 @@ def add_agent_routes(router: APIRouter, serving: ServingFront, limits: RequestLi
     """The Messages and Responses routes, on a node and on the cluster router alike."""
     from conveyor.server.apis import messages, responses_api
 
-    messages.add_routes(router, serving, limits)
+    messages.add_routes(router, serving, limits, config)
     responses_api.add_routes(router, serving, limits, config)

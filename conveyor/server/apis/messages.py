@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from conveyor.config import ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server import errors
 from conveyor.server.front import ServingFront
@@ -168,16 +169,19 @@ class CountTokensRequest(MessagesRequest):
 
 
 # -- errors ---------------------------------------------------------------------------------------
-def _refused_fields(data: dict) -> None:
-    """Hosted tools, files and citations: a 400 that names them, before any other validation."""
+def _refused_fields(data: dict, ignore_hosted: bool) -> None:
+    """Hosted tools, files and citations: a 400 that names them, before any other validation (server tools
+    are left out instead with --hosted-tools ignore)."""
     for name in ("container", "mcp_servers"):
         if data.get(name):
             raise errors.invalid(f"{name} is not supported by this server (Anthropic-hosted feature)", name)
+    if ignore_hosted and isinstance(data.get("tools"), list):
+        data["tools"] = [t for t in data["tools"] if not isinstance(t, dict) or t.get("type") in (None, "custom")]
     for i, tool in enumerate(_list(data.get("tools"))):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind not in (None, "custom"):
             raise errors.invalid(f"server tool {kind!r} is not supported: only custom tools (name, description, "
-                                 f"input_schema) run here", f"tools.[{i}].type")
+                                 f"input_schema) run here (--hosted-tools ignore leaves them out)", f"tools.[{i}].type")
     for i, message in enumerate(_list(data.get("messages"))):
         content = message.get("content") if isinstance(message, dict) else None
         for j, block in enumerate(_list(content)):
@@ -198,9 +202,10 @@ def _list(value: Any) -> list:
     return value if isinstance(value, list) else []  # anything else is pydantic's 400 below
 
 
-async def _parse(request: Request, model: type[MessagesRequest], limits: RequestLimits) -> MessagesRequest:
+async def _parse(request: Request, model: type[MessagesRequest], limits: RequestLimits,
+                 ignore_hosted: bool) -> MessagesRequest:
     data = await json_object(request, limits)
-    _refused_fields(data)
+    _refused_fields(data, ignore_hosted)
     return validated(model, data)
 
 
@@ -435,15 +440,16 @@ async def _stream(serving: ServingFront, group, plan: RequestPlan) -> AsyncItera
 
 
 # -- routes ---------------------------------------------------------------------------------------
-def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, config=None) -> None:
+def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, config: ServerConfig) -> None:
     """`anthropic-version` / `anthropic-beta` headers and `?beta=true` are accepted (nothing here depends
     on them); every error under /v1/messages is answered in Anthropic's shape (errors.APIError.body)."""
+    ignore_hosted = config.hosted_tools == "ignore"
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         arrival = time.monotonic()
         serving.metrics.api_requests.labels("messages").inc()
-        body = await _parse(request, MessagesRequest, limits)
+        body = await _parse(request, MessagesRequest, limits, ignore_hosted)
         plan = serving.plan_chat(to_chat(body, limits))
         if not body.stream:
             return await _complete(request, serving, plan, arrival)
@@ -452,5 +458,5 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        body = await _parse(request, CountTokensRequest, limits)
+        body = await _parse(request, CountTokensRequest, limits, ignore_hosted)
         return JSONResponse({"input_tokens": len(serving.plan_chat(to_chat(body, limits)).prompts[0])})

@@ -93,7 +93,8 @@ class _Turn:
         return response
 
 
-def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, limits: RequestLimits) -> _Turn:
+def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, limits: RequestLimits,
+           ignore_hosted: bool) -> _Turn:
     """The earlier conversation (previous_response_id) and this input, planned as one chat request."""
     refused_fields(body)
     earlier: list[dict] = []
@@ -102,7 +103,7 @@ def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, 
         if stored is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         earlier = stored.conversation
-    new, tools = parse_items(body.input), parse_tools(body.tools)
+    new, tools = parse_items(body.input), parse_tools(body.tools, ignore_hosted)
     items = parse_items(earlier, "previous_response_id") + new
     try:  # count limits and planning 400s name chat's fields: renamed to this API's
         plan = serving.plan_chat(to_chat(body, items, len(items) - len(new), tools, limits))
@@ -164,7 +165,7 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits,
         serving.metrics.api_requests.labels("responses").inc()
         body = validated_at(ResponsesRequest, await json_object(request, limits), "")
         check_priority(header_priority(request), "X-Priority", limits)
-        turn = _begin(body, store, serving, limits)
+        turn = _begin(body, store, serving, limits, config.hosted_tools == "ignore")
         try:
             group = await serving.start(request, turn.plan, arrival)
         except APIError as exc:

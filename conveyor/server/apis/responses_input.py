@@ -16,7 +16,9 @@ from conveyor.server import errors
 from conveyor.server.limits import RequestLimits, check_request
 from conveyor.server.protocol import ChatCompletionRequest
 
-_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # chat's function-name rule, checked here so a 400 names tools.[i].name
+# OpenAI's function-name rule (chat's, without its dot: "namespace.name" is how a namespaced function is shown
+# to the model), checked here so a 400 names tools.[i].name
+_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 _STATUS = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -106,6 +108,16 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
+NAMESPACE_SEP = "."  # tool names allow dots; a namespaced function is "namespace.name" to the model
+
+
+class NamespaceTool(_Body):
+    type: Literal["namespace"]
+    name: Annotated[str, Field(pattern=_NAME)]
+    description: str | None = None
+    tools: list[dict]
+
+
 class FunctionChoice(_Body):
     type: Literal["function"]
     name: str
@@ -176,6 +188,7 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
+    client_metadata: dict | None = None  # Codex's turn and window ids
     top_logprobs: Literal[0] | None = None
     # Refused by name when set (refused_fields): OpenAI-hosted features.
     background: bool | None = None
@@ -260,16 +273,35 @@ def _check_parts(data: dict, where: str) -> None:
                                  param)
 
 
-def parse_tools(raw: list[dict] | None) -> list[FunctionTool]:
+def parse_tools(raw: list[dict] | None, ignore_hosted: bool = False) -> list[FunctionTool]:
+    """Function tools; a namespace's functions join them as `namespace.name` (NAMESPACE_SEP), the name the
+    model sees and calls (output items split it back: responses_output.function_call_item). Hosted tools
+    are a 400, or left out with --hosted-tools ignore."""
     tools = []
     for i, tool in enumerate(raw or []):
-        kind = tool.get("type")
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            tools += _namespace_tools(tool, i, ignore_hosted)
+            continue
+        if kind != "function" and ignore_hosted and isinstance(kind, str):
+            continue
         if kind != "function":
             raise errors.invalid(f"tool type {kind!r} is not supported: only function tools run here (built-in "
                                  "tools such as web_search, file_search, code_interpreter, computer_use, mcp and "
-                                 "image_generation are OpenAI-hosted)", f"tools.[{i}].type")
+                                 "image_generation are OpenAI-hosted; --hosted-tools ignore leaves them out)",
+                                 f"tools.[{i}].type")
         tools.append(validated_at(FunctionTool, tool, f"tools.[{i}]"))
     return tools
+
+
+def _namespace_tools(tool: dict, index: int, ignore_hosted: bool) -> list[FunctionTool]:
+    group = validated_at(NamespaceTool, tool, f"tools.[{index}]")
+    inner = parse_tools(group.tools, ignore_hosted)
+    return [t.model_copy(update={"name": qualified_name(group.name, t.name)}) for t in inner]
+
+
+def qualified_name(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
 
 
 def _tool_choice(choice: str | dict | None) -> str | dict | None:
@@ -292,8 +324,8 @@ def chat_messages(items: list[InputItem], first_input: int = 0) -> list[dict]:
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             calls.add(item.call_id)
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
-                                                                         "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function", "function": {
+                "name": qualified_name(item.namespace, item.name), "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant":  # the text and the calls of one turn
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:

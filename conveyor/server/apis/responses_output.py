@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from conveyor.server.apis.responses_input import NAMESPACE_SEP
 from conveyor.server.responses import ChoiceState
 from conveyor.structured.output import ChatDelta
 from conveyor.structured.tools import ToolCall
@@ -92,8 +93,11 @@ def reasoning_item(item_id: str, text: str, summary: bool) -> dict:
 
 
 def function_call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict:
-    return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
-            "call_id": call.id, "name": call.name, "arguments": call.arguments if arguments is None else arguments}
+    """A call of a namespaced function ("namespace.name" to the model) carries its namespace apart."""
+    namespace, _, name = call.name.rpartition(NAMESPACE_SEP)
+    item = {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
+            "call_id": call.id, "name": name, "arguments": call.arguments if arguments is None else arguments}
+    return {**item, "namespace": namespace} if namespace else item
 
 
 def output_items(parsed: ChatDelta, truncated: bool, summary: bool) -> list[dict]:

@@ -260,3 +260,14 @@ def test_x_api_key_and_metrics(serve_tiny):
         metrics = httpx.get(f"{served.url}/metrics").text
         assert 'conveyor_api_requests_total{api="messages"} 1.0' in metrics
         assert 'conveyor_api_requests_total{api="chat_completions"} 0.0' in metrics
+
+
+def test_hosted_tools_ignored_when_the_server_says_so(serve_tiny):
+    body = {"max_tokens": 4, "temperature": 0, "messages": CHAT,
+            "tools": [*TOOLS, {"type": "web_search_20250305", "name": "web_search"}]}
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(hosted_tools="ignore")) as served:
+        r = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        plain = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, **body, "tools": TOOLS},
+                           timeout=60)
+        assert r.json()["content"] == plain.json()["content"]  # the same prompt: the hosted tool is not shown

@@ -372,3 +372,36 @@ def test_requests_are_counted(served):
     before = count()
     served.client().responses.create(model=served.model, input="x", max_output_tokens=1, store=False)
     assert count() == before + 1
+
+
+def test_namespace_tools_are_called_by_namespace(served):
+    """A namespace's functions (as Codex sends its sub-agent tools) are offered as "namespace.name" and a
+    call comes back as its name with its namespace; sent back, it is the same turn."""
+    group = {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": TOOLS}
+    client = served.client()
+    first = client.responses.create(model=served.model, input=ASK, tools=[group], temperature=0,
+                                    max_output_tokens=60, tool_choice="required")
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.namespace == "weather"
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["parameters"])
+    reply = client.responses.create(model=served.model, tools=[group], temperature=0, max_output_tokens=6, input=[
+        {"role": "user", "content": ASK}, *first.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    chat = _chat(served, [{"role": "user", "content": ASK}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "weather.get_weather",
+                                                              "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}], max_tokens=6,
+        tools=[{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "name": "weather.get_weather"}}])
+    assert reply.output_text == (chat.content or "")
+
+
+def test_hosted_tools_ignored_when_the_server_says_so():
+    """Codex offers web_search on every request: refused by default (a 400 naming it), left out of the prompt
+    with --hosted-tools ignore."""
+    body = {"input": ASK, "temperature": 0, "max_output_tokens": 4, "store": False}
+    with serve(tiny_checkpoint(), EngineConfig(parallel=2), ServerConfig(hosted_tools="ignore")) as served:
+        hosted = [*TOOLS, {"type": "web_search", "external_web_access": False}]
+        r = httpx.post(f"{served.url}/v1/responses", json={**body, "tools": hosted}, timeout=60)
+        assert r.status_code == 200, r.text
+        plain = httpx.post(f"{served.url}/v1/responses", json={**body, "tools": TOOLS}, timeout=60).json()
+        assert r.json()["output"] == [{**item, "id": r.json()["output"][0]["id"]} for item in plain["output"]]
