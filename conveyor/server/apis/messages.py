@@ -24,6 +24,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.server import errors
 from conveyor.server.front import ServingFront
 from conveyor.server.apis.body import json_object, validated
+from conveyor.server.apis.turns import merged_turns
 from conveyor.server.limits import RequestLimits, check_request
 from conveyor.server.protocol import ChatCompletionRequest
 from conveyor.server.reply import CLIENT_CLOSED_REQUEST, SSEResponse, collect_choices, parsed_deltas
@@ -224,7 +225,7 @@ def to_chat(body: MessagesRequest, limits: RequestLimits) -> ChatCompletionReque
             messages.append(_assistant_turn(blocks, calls, i))
         else:
             messages.extend(_user_turn(blocks, calls, i))
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+    chat: dict[str, Any] = {"model": body.model, "messages": merged_turns(messages), "max_tokens": body.max_tokens,
                             "stream": body.stream}
     for name in ("temperature", "top_p", "top_k", "priority"):
         if getattr(body, name) is not None:

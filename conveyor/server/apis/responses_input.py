@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from conveyor.server import errors
+from conveyor.server.apis.turns import merged_turns
 from conveyor.server.limits import RequestLimits, check_request
 from conveyor.server.protocol import ChatCompletionRequest
 
@@ -346,6 +347,7 @@ def to_chat(body: ResponsesRequest, items: list[InputItem], first_input: int, to
         raise errors.invalid("input is empty: give a string or a list of items (or previous_response_id)", "input")
     if body.instructions:  # the request's own; earlier responses' instructions are not carried over
         messages.insert(0, {"role": "system", "content": body.instructions})
+    messages = merged_turns(messages)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
     for name, field in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                         ("parallel_tool_calls", "parallel_tool_calls"), ("priority", "priority"),
