@@ -176,6 +176,9 @@ class ServerConfig:
     metrics: bool = False
     webui: bool = True  # the chat + live dashboard page at / (server/webui.py, static/)
     served_model_name: str | None = None
+    # With one model served, a request's `model` may name anything (llama-server's and the seeds' behaviour:
+    # agents send their own default names); strict answers 404 unless it is the served or checkpoint name.
+    strict_model_name: bool = False
     shutdown_grace_seconds: float = 30.0
     # Request limits (server/limits.py): refused with 413 / 400 before anything is tokenized.
     max_request_bytes: int = 8 << 20
@@ -457,6 +460,9 @@ FLAGS: list[Flag] = [
     Flag(("--metrics",), "metrics", switch=True, help="expose Prometheus /metrics"),
     Flag(("--no-webui",), "webui", switch=True, negate=True, help="do not serve the chat and dashboard page at /"),
     Flag(("--served-model-name", "--alias"), "served_model_name", help="model id reported by /v1/models"),
+    Flag(("--strict-model-name",), "strict_model_name", switch=True,
+         help="404 for a request whose model names neither the served nor the checkpoint name (default: the one "
+              "model served answers any name, as llama-server does)"),
     Flag(("--shutdown-grace-seconds",), "shutdown_grace_seconds", float, "in-flight grace period on SIGTERM"),
     Flag(("--max-request-bytes",), "max_request_bytes", int, "largest request body in bytes (HTTP 413 beyond)"),
     Flag(("--max-json-depth",), "max_json_depth", int, "deepest nesting of arrays/objects in a request body"),

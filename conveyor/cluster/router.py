@@ -91,8 +91,8 @@ class RouterServing(ServingFront):
 
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
                  max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto",
-                 template_kwargs: dict | None = None) -> None:
-        super().__init__(tokenizer, model_id, model_name, reasoning_parser, template_kwargs)
+                 template_kwargs: dict | None = None, strict_model_name: bool = False) -> None:
+        super().__init__(tokenizer, model_id, model_name, reasoning_parser, template_kwargs, strict_model_name)
         self.registry = registry
         self.max_queue_depth = max_queue_depth
         self.metrics = metrics
@@ -246,7 +246,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     metrics = RouterMetrics(registry)
     model_id = server.served_model_name or model_name
     serving = RouterServing(registry, tokenizer, model_id, model_name, max_queue_depth, metrics,
-                            server.reasoning_parser, server.template_kwargs)
+                            server.reasoning_parser, server.template_kwargs, server.strict_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

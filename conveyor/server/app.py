@@ -48,7 +48,8 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     config = server_config or ServerConfig()
     model_id = config.served_model_name or engine.core.model_name
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, model_id, metrics, config.reasoning_parser, config.template_kwargs)
+    serving = OpenAIServing(engine, model_id, metrics, config.reasoning_parser, config.template_kwargs,
+                            config.strict_model_name)
     lifecycle = Lifecycle(engine, serving, config.shutdown_grace_seconds)
 
     @asynccontextmanager

@@ -26,16 +26,20 @@ class ServingFront(ABC):
     """Planning shared by a node and the router; subclasses say how a plan starts running."""
 
     def __init__(self, tokenizer: Tokenizer, model_id: str, model_name: str, reasoning_parser: str = "auto",
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, strict_model_name: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.model_names = {model_id, model_name}
+        self.strict_model_name = strict_model_name  # --strict-model-name
         self.reasoning_parser = reasoning_parser
         self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
         self.token_text = TokenText(tokenizer)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None, strict: bool | None = None) -> None:
+        """A request may name any model (the one served answers) unless --strict-model-name; a lookup of
+        /v1/models/{id} is always strict."""
+        strict = self.strict_model_name if strict is None else strict
+        if strict and name is not None and name not in self.model_names:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            "invalid_request_error", "model", "model_not_found")
 

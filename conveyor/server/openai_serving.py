@@ -25,8 +25,10 @@ from conveyor.server.streams import RequestGroup
 
 class OpenAIServing(ServingFront):
     def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics,
-                 reasoning_parser: str = "auto", template_kwargs: dict | None = None) -> None:
-        super().__init__(engine.core.tokenizer, model_id, engine.core.model_name, reasoning_parser, template_kwargs)
+                 reasoning_parser: str = "auto", template_kwargs: dict | None = None,
+                 strict_model_name: bool = False) -> None:
+        super().__init__(engine.core.tokenizer, model_id, engine.core.model_name, reasoning_parser, template_kwargs,
+                         strict_model_name)
         self.engine = engine
         self.core = engine.core
         self.metrics = metrics

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from conveyor.config import ServerConfig
+from conveyor.config import EngineConfig, ServerConfig
 from conveyor.server import create_app
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -86,12 +86,16 @@ def test_bad_priority_header(served):
     assert _error(r, 400)["param"] == "X-Priority"
 
 
-def test_unknown_model_is_404(served):
-    error = _error(_chat(served, model="gpt-17"), 404)
-    assert error["code"] == "model_not_found" and error["param"] == "model"
-    assert _error(httpx.get(f"{served.url}/v1/models/gpt-17"), 404)
-    # Both the served name and the checkpoint's own name are accepted.
-    assert _chat(served, model=served.core.model_name).status_code == 200
+def test_any_model_name_is_answered_unless_strict(served, serve_tiny):
+    # One model served: any name is answered by it (llama-server's behaviour), and the reply names the model.
+    r = _chat(served, model="gpt-17")
+    assert r.status_code == 200 and r.json()["model"] == served.model
+    assert _error(httpx.get(f"{served.url}/v1/models/gpt-17"), 404)  # a lookup is exact
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(strict_model_name=True)) as strict:
+        error = _error(_chat(strict, model="gpt-17"), 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        # Both the served name and the checkpoint's own name are accepted.
+        assert _chat(strict, model=strict.core.model_name).status_code == 200
 
 
 def test_unknown_route_is_404_json(served):
@@ -101,7 +105,7 @@ def test_unknown_route_is_404_json(served):
 
 def test_validation_never_reaches_the_engine(served):
     before = served.core.scheduler.stats.num_completed
-    for fields in ({"temperature": -1}, {"max_tokens": 0}, {"model": "nope"}):
+    for fields in ({"temperature": -1}, {"max_tokens": 0}, {"top_p": 7}):  # (any model name is served here)
         assert _chat(served, **fields).status_code in (400, 404)
     assert served.core.scheduler.stats.num_completed == before
 

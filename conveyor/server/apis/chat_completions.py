@@ -35,5 +35,5 @@ def add_routes(router: APIRouter, serving, limits: RequestLimits, model_card: Ca
 
     @router.get("/v1/models/{name:path}")
     async def model(name: str) -> dict:
-        serving.check_model(name)
+        serving.check_model(name, strict=True)
         return model_card()

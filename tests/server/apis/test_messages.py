@@ -221,9 +221,15 @@ def test_sdk_errors_and_unknown_model(served):
         client.messages.create(model=served.model, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}])
     assert "toolu_x" in bad.value.message
-    with pytest.raises(anthropic.NotFoundError) as missing:
-        client.messages.create(model="no-such-model", max_tokens=4, messages=CHAT)
-    assert missing.value.body["error"]["type"] == "not_found_error"
+    # An agent's own default model name is answered by the one model served, unless --strict-model-name.
+    assert client.messages.create(model="claude-sonnet-4-5", max_tokens=2, messages=CHAT).model == served.model
+
+
+def test_strict_model_name_is_a_404_in_anthropic_shape(serve_tiny):
+    with serve_tiny(EngineConfig(parallel=2), ServerConfig(strict_model_name=True)) as served:
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            _client(served).messages.create(model="no-such-model", max_tokens=4, messages=CHAT)
+        assert missing.value.body["error"]["type"] == "not_found_error"
 
 
 def test_fuzzed_bodies_never_5xx(served):
