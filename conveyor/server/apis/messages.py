@@ -94,8 +94,9 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a system message in the conversation (text only)
     content: str | list[Block]
+    output_config: dict | None = None  # Claude Code sets it on a system message; nothing here reads it
 
 
 class Tool(_CacheControlled):
@@ -223,6 +224,8 @@ def to_chat(body: MessagesRequest, limits: RequestLimits) -> ChatCompletionReque
             else message.content
         if message.role == "assistant":
             messages.append(_assistant_turn(blocks, calls, i))
+        elif message.role == "system":
+            messages += _system_turn(blocks, i)
         else:
             messages.extend(_user_turn(blocks, calls, i))
     chat: dict[str, Any] = {"model": body.model, "messages": merged_turns(messages), "max_tokens": body.max_tokens,
@@ -266,6 +269,13 @@ def _assistant_turn(blocks: list, calls: set[str], index: int) -> dict:
     if tool_calls:
         turn["tool_calls"] = tool_calls
     return turn
+
+
+def _system_turn(blocks: list, index: int) -> list[dict]:
+    if any(not isinstance(block, TextBlock) for block in blocks):
+        raise errors.invalid("a system message holds text blocks only", f"messages.[{index}].content")
+    text = "".join(block.text for block in blocks)
+    return [{"role": "system", "content": text}] if text else []  # an empty one says nothing
 
 
 def _user_turn(blocks: list, calls: set[str], index: int) -> list[dict]:

@@ -277,3 +277,17 @@ def test_hosted_tools_ignored_when_the_server_says_so(serve_tiny):
         plain = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, **body, "tools": TOOLS},
                            timeout=60)
         assert r.json()["content"] == plain.json()["content"]  # the same prompt: the hosted tool is not shown
+
+
+def test_system_messages_in_the_conversation(served):
+    """The API's system role inside `messages` (Claude Code sends one, empty, with an output_config) is a
+    system turn; runs of system text merge with the top-level system, as chat's one system message."""
+    client = _client(served)
+    reply = client.messages.create(model=served.model, max_tokens=6, system="You are terse.", messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]}, *CHAT,
+        {"role": "system", "content": [], "output_config": {"effort": "medium"}}], extra_body={"temperature": 0})
+    assert reply.content[0].text == _chat_text(
+        served, [{"role": "system", "content": "You are terse.\n\nAnswer in English."}, *CHAT], max_tokens=6)
+    r = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, "max_tokens": 2, "messages": [
+        {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "?"}]}, *CHAT]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
