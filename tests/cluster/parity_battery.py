@@ -179,6 +179,8 @@ def agent_battery(model: str) -> dict[str, tuple[str, dict]]:
         "messages-tool-result": _messages(history, tools=ANTHROPIC_TOOLS),
         "messages-think": _messages(think, max_tokens=20),
         "messages-think-streamed": _messages(think, max_tokens=20, stream=True),
+        "messages-think-budget-streamed": _messages(think, max_tokens=20, stream=True,
+                                                    thinking={"type": "enabled", "budget_tokens": 4}),
         "responses-plain": _responses("What is the weather in Paris?", instructions="Be brief."),
         "responses-streamed": _responses("What is the weather in Paris?", stream=True),
         "responses-tool-forced-streamed": _responses(

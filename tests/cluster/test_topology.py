@@ -131,6 +131,9 @@ def test_router_answers_the_agent_apis_as_a_node_does(topo):
     assert body["messages-tool-forced"]["stop_reason"] == "tool_use"
     assert [b["type"] for b in body["messages-think"]["content"]][0] == "thinking"
     assert body["messages-stop"]["stop_reason"] in ("stop_sequence", "end_turn", "max_tokens")
+    blocks = [d["content_block"]["type"] for n, d in reference["messages-think-budget-streamed"]["events"]
+              if n == "content_block_start"]
+    assert blocks[:2] == ["thinking", "text"]  # the budget closed the thinking, the answer followed
     events = [name for name, _ in reference["messages-tool-any-streamed"]["events"]]
     assert events[0] == "message_start" and events[-1] == "message_stop" and "ping" in events
     assert json.loads(body["responses-json"]["output"][-1]["content"][0]["text"]).keys() == {"kind", "n", "tags"}

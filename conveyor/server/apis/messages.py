@@ -24,6 +24,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.server import errors
 from conveyor.server.front import ServingFront
 from conveyor.server.apis.body import json_object, validated
+from conveyor.server.apis.thinking_budget import start_with_budget
 from conveyor.server.apis.turns import merged_turns
 from conveyor.server.limits import RequestLimits, check_request
 from conveyor.server.protocol import ChatCompletionRequest
@@ -351,8 +352,9 @@ def _message(message_id: str, model: str, content: list[dict], stop_reason: str 
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
-async def _complete(http: Request, serving: ServingFront, plan: RequestPlan, arrival: float) -> Response:
-    group = await serving.start(http, plan, arrival)
+async def _complete(http: Request, serving: ServingFront, plan: RequestPlan, arrival: float,
+                    budget: int | None) -> Response:
+    group = await start_with_budget(serving, http, plan, arrival, budget)
     choices = await collect_choices(http, group)
     if choices is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -462,9 +464,10 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
         serving.metrics.api_requests.labels("messages").inc()
         body = await _parse(request, MessagesRequest, limits, ignore_hosted)
         plan = serving.plan_chat(to_chat(body, limits))
+        budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
         if not body.stream:
-            return await _complete(request, serving, plan, arrival)
-        group = await serving.start(request, plan, arrival)
+            return await _complete(request, serving, plan, arrival, budget)
+        group = await start_with_budget(serving, request, plan, arrival, budget)
         return SSEResponse(_stream(serving, group, plan))
 
     @router.post("/v1/messages/count_tokens")

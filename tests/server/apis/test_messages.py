@@ -4,6 +4,7 @@ hides the wire: event order, pings)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 
@@ -291,3 +292,48 @@ def test_system_messages_in_the_conversation(served):
     r = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, "max_tokens": 2, "messages": [
         {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "?"}]}, *CHAT]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny):
+    """A template that opens <think> when the last message ends in /think (the reasoning parser turns on)."""
+    from tests.cluster.parity_battery import THINK_TEMPLATE
+    from tests.server.conftest import serve
+    checkpoint = dataclasses.replace(tiny, tokenizer=dataclasses.replace(tiny.tokenizer, chat_template=THINK_TEMPLATE))
+    with serve(checkpoint, EngineConfig(parallel=4)) as served:
+        yield served
+
+
+THINK = [{"role": "user", "content": "Plan a trip. /think"}]
+
+
+def _tokens(served, text: str) -> int:
+    return len(httpx.post(f"{served.url}/tokenize", json={"content": text}).json()["tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_budget_closes_the_thinking_and_the_answer_follows(thinking, stream):
+    client = _client(thinking)
+    body = dict(model=thinking.model, max_tokens=24, messages=THINK, extra_body={"temperature": 0},
+                thinking={"type": "enabled", "budget_tokens": 5})
+    if stream:
+        with client.messages.stream(**body) as s:
+            reply = s.get_final_message()
+    else:
+        reply = client.messages.create(**body)
+    kinds = [b.type for b in reply.content]
+    assert kinds[0] == "thinking" and "text" in kinds, reply
+    assert _tokens(thinking, reply.content[0].thinking) <= 5 + 1  # the budget (a token may re-split on decode)
+    assert reply.usage.output_tokens == 24 and reply.stop_reason == "max_tokens"
+    # Without a budget the same model thinks until max_tokens: the budget is what ended the thinking.
+    free = client.messages.create(model=thinking.model, max_tokens=24, messages=THINK, extra_body={"temperature": 0})
+    assert [b.type for b in free.content] == ["thinking"]
+    assert free.content[0].thinking.startswith(reply.content[0].thinking.rstrip())
+
+
+def test_thinking_budget_past_max_tokens_changes_nothing(thinking):
+    client = _client(thinking)
+    free = client.messages.create(model=thinking.model, max_tokens=12, messages=THINK, extra_body={"temperature": 0})
+    budgeted = client.messages.create(model=thinking.model, max_tokens=12, messages=THINK,
+                                      thinking={"type": "enabled", "budget_tokens": 50}, extra_body={"temperature": 0})
+    assert budgeted.content == free.content and budgeted.usage == free.usage
