@@ -11,6 +11,8 @@ Each module parses its API's body, turns it into the chat request the server alr
   responses_output.py  its output items, Response object and SSE events
   response_store.py    the Responses API's bounded store (previous_response_id, GET)
   body.py              a body parsed under the server's limits (shared)
+  turns.py             agent conversations as strict chat templates take them (shared)
+  thinking_budget.py   Messages' thinking.budget_tokens: thinking, then the answer, as two engine requests
 """
 
 from __future__ import annotations
