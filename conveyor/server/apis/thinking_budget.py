@@ -68,6 +68,8 @@ class BudgetedGroup:
 
     def _continues(self, out: RequestOutput) -> bool:
         """Phase 1 ended by closing its thinking, or by the budget (not by max_tokens, EOS or a stop)."""
+        if len(self._output_ids) != out.num_output_tokens:  # every token must be known to continue from them
+            return False
         if out.finish_reason == "stop":
             return out.stop_sequence == CLOSE
         budget_ended = self.plan.max_tokens is None or out.num_output_tokens < self.plan.max_tokens
