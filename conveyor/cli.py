@@ -10,7 +10,7 @@ import sys
 from conveyor.config import ConfigError, add_flags, load_configs
 
 # Engine flags that make sense for the single-slot CLI paths.
-_CLI_ENGINE_FLAGS = {"model", "dtype", "weight_dtype", "device", "threads", "seed", "block_size", "kv_cache_budget",
+_CLI_ENGINE_FLAGS = {"model", "hf_file", "revision", "dtype", "weight_dtype", "device", "threads", "seed", "block_size", "kv_cache_budget",
                      "cache_type_k", "cache_type_v", "ctx_size",
                      "enable_prefix_caching", "prefill_chunk_size", "batch_invariant"}
 

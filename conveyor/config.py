@@ -24,7 +24,10 @@ KV_CACHE_TYPES = ("bf16", "q8_0")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
+    # HF directory, .gguf file or Hugging Face Hub name ORG/NAME[:QUANT] (loading/hub.py); None = bundled SmolLM2
+    model: str | None = None
+    hf_file: str | None = None  # with a Hub name: this GGUF file of the repo (llama-server's --hf-file)
+    revision: str | None = None  # with a Hub name: branch, tag or commit (None = the repo's default branch)
     dtype: str = "auto"  # auto = bfloat16 (CPU and CUDA); float32 / float16 / bfloat16
     device: str = "auto"  # auto = cuda when present, else mps (Apple GPU), else cpu
     threads: int = 0  # torch intra-op threads; 0 = torch's default
@@ -96,6 +99,8 @@ class EngineConfig:
         parse_kv_budget(self.prompt_cache_budget)
         _require(parse_kv_budget(self.prompt_cache_disk_budget) != -1, "prompt_cache_disk_budget cannot be auto")
         parse_preload_bytes(self.prompt_cache_preload)
+        _require(self.model is not None or (self.hf_file is None and self.revision is None),
+                 "--hf-file and --revision need a Hugging Face Hub name: --model ORG/NAME")
         _require(self.draft_kind in DRAFT_KINDS, f"draft_kind must be one of {', '.join(DRAFT_KINDS)}")
         _require(self.decode_storage_backend in DECODE_STORAGE_BACKENDS,
                  f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
@@ -363,7 +368,12 @@ class Flag:
 
 
 FLAGS: list[Flag] = [
-    Flag(("--model", "-m"), "model", help="HF model directory or .gguf file (none = the bundled SmolLM2-135M-Instruct)"),
+    # --hf-repo/-hf are llama-server's spelling for a Hub name, so one field (and one env var) holds either.
+    Flag(("--model", "-m", "--hf-repo", "-hf"), "model",
+         help="HF model directory, .gguf file, or Hugging Face Hub name ORG/NAME[:QUANT] "
+              "(none = the bundled SmolLM2-135M-Instruct)"),
+    Flag(("--hf-file",), "hf_file", help="with a Hub name: the GGUF file of the repo to load"),
+    Flag(("--revision",), "revision", help="with a Hub name: branch, tag or commit to download (none = default branch)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
     Flag(("--device",), "device", help="auto (cuda, else mps, else cpu), cpu, cuda[:N] or mps"),
     Flag(("--weight-dtype",), "weight_dtype", choices=WEIGHT_DTYPES,

@@ -22,15 +22,18 @@ logger = logging.getLogger(__name__)
 SOCKET_CLOSE_TIMEOUT_S = 5.0
 
 
-def load_tokenizer(model: str | None):
-    """(Tokenizer, model name) from a model path without touching its weights."""
+def load_tokenizer(model: str | None, hf_file: str | None = None, revision: str | None = None):
+    """(Tokenizer, model name) from a model path (or Hub name) without touching its weights."""
     from conveyor.loading import LoadError, default_model_path
+    from conveyor.loading.hub import resolve_model
     from conveyor.loading.gguf_loader import model_name as gguf_name
     from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
     from conveyor.loading.hf_loader import load_hf_tokenizer, model_name as hf_name
 
-    path = os.path.realpath(os.path.expanduser(model)) if model is not None else default_model_path()
+    model = resolve_model(model, hf_file, revision)
+    path = os.path.abspath(os.path.expanduser(model)) if model is not None else default_model_path()  # keep a Hub link's .gguf name
     if os.path.isdir(path):
+        path = os.path.realpath(path)
         return load_hf_tokenizer(path), hf_name(path)
     if path.endswith(".gguf") and os.path.isfile(path):
         return tokenizer_from_gguf(gguf.GGUFReader(path), path), gguf_name(path)
@@ -58,7 +61,7 @@ def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfi
     if cluster.node_role == "router":
         from conveyor.cluster.router import create_router_app
 
-        tokenizer, name = load_tokenizer(engine_config.model)
+        tokenizer, name = load_tokenizer(engine_config.model, engine_config.hf_file, engine_config.revision)
         app = create_router_app(tokenizer, name, cluster, server_config, engine_config.max_queue_depth)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
                                 timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)

@@ -109,7 +109,7 @@ class EngineCore:
             torch.set_num_threads(config.threads)
         if checkpoint is None:
             progress.set_stage("reading the checkpoint")
-            checkpoint = load_checkpoint(config.model)
+            checkpoint = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision)
         self.model_name = checkpoint.name
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer

@@ -1,6 +1,7 @@
 """Model loading: Hugging Face directories and GGUF files -> config, HF-named weights, tokenizer.
 
 loader.py         load_checkpoint(path): picks the loader from the path
+hub.py            resolve_model: ORG/NAME[:QUANT] -> a cached directory or GGUF file (huggingface_hub)
 checkpoint.py     Checkpoint, LoadError, the expected HF weight names
 hf_loader.py      config.json + *.safetensors + tokenizer.json/tokenizer_config.json
 gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF, undo llama.cpp's q/k row permutation

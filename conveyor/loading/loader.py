@@ -1,4 +1,4 @@
-"""`load_checkpoint`: pick the loader from what the path is."""
+"""`load_checkpoint`: pick the loader from what the path is (a Hugging Face Hub name is fetched first)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ from conveyor.loading.checkpoint import Checkpoint, LoadError
 from conveyor.loading.default_model import default_model_path
 from conveyor.loading.gguf_loader import load_gguf
 from conveyor.loading.hf_loader import load_hf_dir
+from conveyor.loading.hub import resolve_model
 
 
-def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
-    """None -> the default model; a directory -> Hugging Face format; a *.gguf file -> GGUF."""
-    resolved = os.path.realpath(os.path.expanduser(os.fspath(path))) if path is not None else default_model_path()
+def load_checkpoint(path: str | os.PathLike | None = None, *, hf_file: str | None = None,
+                    revision: str | None = None) -> Checkpoint:
+    """None -> the default model; a directory -> Hugging Face format; a *.gguf file -> GGUF;
+    ORG/NAME[:QUANT] (not a local path) -> downloaded from the Hub, then one of those."""
+    path = resolve_model(os.fspath(path) if path is not None else None, hf_file, revision)
+    given = os.path.abspath(os.path.expanduser(path)) if path is not None else default_model_path()
+    resolved = os.path.realpath(given)
     if os.path.isdir(resolved):
         return load_hf_dir(resolved)
     if not os.path.exists(resolved):
         raise LoadError(f"model path not found: {path}")
-    if resolved.endswith(".gguf"):
-        return load_gguf(resolved)
+    if given.endswith(".gguf") or resolved.endswith(".gguf"):
+        # NOTE: the link's path, not realpath: a Hub cache file links to a blob named by its hash.
+        return load_gguf(given)
     raise LoadError(f"{path}: expected a model directory (config.json + *.safetensors) or a .gguf file")

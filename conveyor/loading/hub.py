@@ -1,0 +1,165 @@
+"""Hugging Face Hub names -> a local path: `resolve_model("ORG/NAME[:QUANT]")`, as `vllm serve` and `llama-server -hf`.
+
+huggingface_hub does the HTTP, the cache (HF_HOME / HF_HUB_CACHE, shared with other tools), HF_TOKEN,
+HF_ENDPOINT, HF_HUB_OFFLINE and the progress bars; this module picks the files and words the errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass
+
+import httpx2  # huggingface_hub's transport: its connection errors mean "use the cache"
+from huggingface_hub import HfApi, constants, get_cached_repo_tree, get_token, snapshot_download
+from huggingface_hub.errors import (CachedRepoTreeNotFoundError, GatedRepoError, HfHubHTTPError,
+                                    LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                    RevisionNotFoundError)
+
+from conveyor.loading.checkpoint import LoadError
+
+# What load_hf_dir reads: config, weights, tokenizer (json / sentencepiece .model / vocab .txt), chat template.
+HF_DIR_SUFFIXES = (".json", ".safetensors", ".jinja", ".model", ".txt")
+# llama-server's default when -hf names no quantization and the repo has several.
+DEFAULT_QUANT = "Q4_K_M"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    repo_id: str  # ORG/NAME
+    quant: str | None = None  # the :QUANT of ORG/NAME:QUANT (a GGUF file whose name contains it)
+    filename: str | None = None  # --hf-file: this file of the repo
+    revision: str | None = None  # --revision: branch, tag or commit (None = the default branch)
+
+    @property
+    def name(self) -> str:
+        return self.repo_id + (f":{self.quant}" if self.quant else "") + (f"@{self.revision}" if self.revision else "")
+
+
+def parse_hub_spec(text: str, filename: str | None = None, revision: str | None = None) -> HubSpec | None:
+    """'ORG/NAME' or 'ORG/NAME:QUANT' -> HubSpec; None when the text is not shaped like a repo id."""
+    repo_id, _, quant = text.partition(":")
+    if not _REPO_ID.fullmatch(repo_id):
+        return None
+    return HubSpec(repo_id, quant or None, filename, revision)
+
+
+def resolve_model(model: str | None, hf_file: str | None = None, revision: str | None = None) -> str | None:
+    """A local path as is (None = the default model); a Hub name -> its cached directory or GGUF file."""
+    if model is None or os.path.exists(os.path.expanduser(model)):
+        if hf_file or revision:
+            raise LoadError(f"--hf-file and --revision apply to Hugging Face Hub names, not to {model or 'the default model'}")
+        return model
+    spec = parse_hub_spec(model, hf_file, revision)
+    if spec is None:
+        return model  # load_checkpoint reports the missing path
+    try:
+        return _resolve(spec)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise LoadError(f"{spec.name}: no space left on the device of the Hugging Face cache "
+                            f"({constants.HF_HUB_CACHE}); free some or point HF_HOME to a larger disk") from None
+        raise
+
+
+def _resolve(spec: HubSpec) -> str:
+    files = _list_files(spec)
+    gguf = _pick_gguf(spec, files)
+    wanted = [gguf] if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
+    folder = _download(spec, wanted)
+    return os.path.join(folder, gguf) if gguf else folder
+
+
+def _list_files(spec: HubSpec) -> list[str]:
+    """The repo's files: from the Hub, or offline (or unreachable) from the listing the cache kept."""
+    try:
+        if not constants.is_offline_mode():
+            return HfApi().list_repo_files(spec.repo_id, revision=spec.revision)
+    except (OfflineModeIsEnabled, httpx2.TransportError):
+        pass
+    except HfHubHTTPError as exc:
+        raise _http_error(spec, exc) from None
+    try:
+        return [f.path for f in get_cached_repo_tree(spec.repo_id, revision=spec.revision)]
+    except CachedRepoTreeNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else f"{constants.ENDPOINT} cannot be reached"
+        raise LoadError(f"{spec.name}: {why} and the model is not in the Hugging Face cache "
+                        f"({constants.HF_HUB_CACHE}); download it once online") from None
+
+
+def _pick_gguf(spec: HubSpec, files: list[str]) -> str | None:
+    """The GGUF file to load, or None for a Hugging Face directory (config.json + *.safetensors)."""
+    if spec.filename is not None:
+        if spec.filename not in files:
+            raise LoadError(f"{spec.name} has no file {spec.filename}; files: {_few(files)}")
+        if not spec.filename.endswith(".gguf"):
+            raise LoadError(f"--hf-file names a GGUF file; for a safetensors repo pass only --model {spec.repo_id}")
+        return _refuse_split(spec, spec.filename)
+    top = [f for f in files if "/" not in f]
+    if spec.quant is None and "config.json" in top and any(f.endswith(".safetensors") for f in top):
+        return None
+    # mmproj files are vision projectors, never the language model (llama-server skips them too).
+    ggufs = [f for f in files if f.endswith(".gguf") and "mmproj" not in os.path.basename(f).lower()]
+    if not ggufs:
+        raise LoadError(f"{spec.name}: no usable model files (config.json + *.safetensors, or *.gguf); "
+                        f"files: {_few(files)}")
+    candidates = _matching(ggufs, spec.quant) if spec.quant else ggufs
+    if spec.quant is None and len(candidates) > 1:
+        candidates = _matching(ggufs, DEFAULT_QUANT) or candidates
+    if len(candidates) == 1:
+        return _refuse_split(spec, candidates[0])
+    if candidates and all(_SPLIT_GGUF.search(f) for f in candidates):
+        return _refuse_split(spec, candidates[0])
+    what = f"no GGUF file matches :{spec.quant}" if not candidates else "several GGUF files match"
+    raise LoadError(f"{spec.name}: {what}; pick one with ORG/NAME:QUANT or --hf-file: {_few(candidates or ggufs)}")
+
+
+def _matching(ggufs: list[str], quant: str) -> list[str]:
+    return [f for f in ggufs if quant.lower() in os.path.basename(f).lower()]
+
+
+def _refuse_split(spec: HubSpec, filename: str) -> str:
+    if _SPLIT_GGUF.search(filename):
+        raise LoadError(f"{spec.name}: {filename} is one part of a split GGUF, which conveyor does not load yet; "
+                        "merge the parts with llama-gguf-split --merge and pass the .gguf file")
+    return filename
+
+
+def _download(spec: HubSpec, wanted: list[str]) -> str:
+    """The snapshot folder holding `wanted` (downloaded, or found in the cache offline)."""
+    # NOTE: snapshot_download also for one GGUF (not hf_hub_download): it records the repo's listing in the
+    # cache, which is what lets _list_files pick the same file offline.
+    try:
+        return snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=wanted)
+    except LocalEntryNotFoundError:
+        raise LoadError(f"{spec.name}: not (completely) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                        f"{constants.ENDPOINT} cannot be reached (or HF_HUB_OFFLINE is set); download it once online") from None
+    except HfHubHTTPError as exc:
+        raise _http_error(spec, exc) from None
+
+
+def _http_error(spec: HubSpec, exc: HfHubHTTPError) -> LoadError:
+    """One line saying what to do, from huggingface_hub's error for a refused request."""
+    status = exc.response.status_code if exc.response is not None else None
+    where = constants.ENDPOINT
+    if isinstance(exc, GatedRepoError):
+        return LoadError(f"{spec.name} is gated on {where}: accept its terms on the model page and set HF_TOKEN")
+    if isinstance(exc, RevisionNotFoundError):
+        return LoadError(f"{spec.name}: no revision {spec.revision!r} in the repo on {where}")
+    if status in (401, 403) and get_token() is None:
+        return LoadError(f"{spec.name}: {where} refused access ({status}): the repo is private or gated, or does "
+                         "not exist; set HF_TOKEN to a token that can read it")
+    if status in (401, 403):
+        return LoadError(f"{spec.name}: {where} refused access ({status}) with the token set; check that HF_TOKEN "
+                         "can read this repo")
+    if isinstance(exc, RepositoryNotFoundError) or status == 404:
+        return LoadError(f"{spec.name}: no such model repo on {where} (and not a local path)")
+    return LoadError(f"{spec.name}: {where} answered {status}: {str(exc).splitlines()[0]}")
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(sorted(names)[:limit]) + more if names else "none"
