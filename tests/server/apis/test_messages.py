@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from conveyor.config import EngineConfig, ServerConfig
+from tests.server.apis.conftest import named_events
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -31,21 +32,9 @@ def _chat_text(served, messages: list[dict], max_tokens: int = 12, **extra) -> s
 
 
 def _events(served, body: dict) -> list[tuple[str, dict]]:
-    """The raw SSE stream as (event name, data) pairs; each data's type must equal its event name."""
-    events = []
-    with httpx.stream("POST", f"{served.url}/v1/messages?beta=true", json={**body, "stream": True},
-                      headers={"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"},
-                      timeout=120) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                assert data["type"] == name
-                events.append((name, data))
-    return events
+    """The raw SSE stream as (event name, data) pairs, sent with the headers and query Anthropic's SDK adds."""
+    return named_events(f"{served.url}/v1/messages?beta=true", body,
+                        {"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"})
 
 
 def test_greedy_message_equals_chat_completions(served):

@@ -20,6 +20,7 @@ from conveyor.config import EngineConfig, ServerConfig
 from conveyor.server.apis.response_store import ResponseStore
 from conveyor.testing import tiny_checkpoint
 from tests.cluster.parity_battery import THINK_TEMPLATE
+from tests.server.apis.conftest import named_events
 from tests.server.conftest import serve
 
 ASK = "Tell me about continuous batching."
@@ -49,19 +50,10 @@ def _post(served, body: dict) -> httpx.Response:
 
 def _events(served, body: dict) -> list[dict]:
     """The raw SSE stream's events; each data's type is its event name, sequence numbers count from 0."""
-    events = []
-    with httpx.stream("POST", f"{served.url}/v1/responses", json={"model": served.model, **body, "stream": True},
-                      timeout=120) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                assert data["type"] == name and data["sequence_number"] == len(events)
-                EVENTS.validate_python(data)
-                events.append(data)
+    events = [data for _, data in named_events(f"{served.url}/v1/responses", {"model": served.model, **body})]
+    for i, data in enumerate(events):
+        assert data["sequence_number"] == i
+        EVENTS.validate_python(data)
     return events
 
 
