@@ -48,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(env, {"kernel_arch", "require_kernels", "disable_kernel", "batch_invariant"})
     env.set_defaults(func=_run_env)
 
+    pull = subparsers.add_parser("pull", help="download a Hugging Face Hub model (ORG/NAME[:QUANT]) into the cache")
+    pull.add_argument("name", help="ORG/NAME, or ORG/NAME:QUANT for a GGUF repo")
+    add_flags(pull, {"hf_file", "revision"})
+    pull.set_defaults(func=_run_pull)
+    ls = subparsers.add_parser("ls", help="the models in the Hugging Face cache (shared with other tools)")
+    ls.set_defaults(func=_run_ls)
+    rm = subparsers.add_parser("rm", help="delete a model from the Hugging Face cache")
+    rm.add_argument("name", help="ORG/NAME, as `conveyor ls` lists it")
+    rm.set_defaults(func=_run_rm)
+
     from conveyor.bench import cli as bench_cli
 
     bench_cli.add_parser(subparsers)
@@ -86,6 +96,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _run_pull(args: argparse.Namespace) -> int:
+    from conveyor.loading import LoadError
+    from conveyor.loading.hub import parse_hub_spec, resolve_model
+
+    if parse_hub_spec(args.name) is None:
+        print(f"conveyor: {args.name!r} is not a Hugging Face Hub name (ORG/NAME[:QUANT])", file=sys.stderr)
+        return 2
+    try:
+        print(resolve_model(args.name, args.hf_file, args.revision))
+    except LoadError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    from conveyor.loading.hub import cached_models
+
+    for model in cached_models():
+        weights = [f for f in model.files if f.endswith((".gguf", ".safetensors"))]
+        print(f"{model.repo_id:48} {model.size_bytes / 2**20:10.1f} MiB  {', '.join(weights) or '(no weights)'}")
+    return 0
+
+
+def _run_rm(args: argparse.Namespace) -> int:
+    from conveyor.loading import LoadError
+    from conveyor.loading.hub import remove_cached
+
+    try:
+        freed = remove_cached(args.name)
+    except LoadError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 1
+    print(f"removed {args.name.partition(':')[0]} ({freed / 2**20:.1f} MiB)")
+    return 0
 
 
 def _run_env(args: argparse.Namespace) -> int:

@@ -163,3 +163,37 @@ def _http_error(spec: HubSpec, exc: HfHubHTTPError) -> LoadError:
 def _few(names: list[str], limit: int = 8) -> str:
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(sorted(names)[:limit]) + more if names else "none"
+
+
+# -- the cache: `conveyor pull`, `conveyor ls`, `conveyor rm` -------------------------------------------------
+@dataclass(frozen=True)
+class CachedModel:
+    repo_id: str
+    size_bytes: int
+    files: tuple[str, ...]  # every file of every cached revision (GGUFs first named by ls)
+
+
+def cached_models() -> list[CachedModel]:
+    """The model repos in the Hugging Face cache (the one other tools share), largest first."""
+    from huggingface_hub import scan_cache_dir
+
+    if not os.path.isdir(constants.HF_HUB_CACHE):
+        return []
+    repos = [r for r in scan_cache_dir(constants.HF_HUB_CACHE).repos if r.repo_type == "model"]
+    return sorted((CachedModel(r.repo_id, r.size_on_disk,
+                               tuple(sorted({f.file_name for rev in r.revisions for f in rev.files})))
+                   for r in repos), key=lambda m: -m.size_bytes)
+
+
+def remove_cached(repo_id: str) -> int:
+    """Delete every cached revision of `repo_id` (ORG/NAME, a :QUANT suffix ignored); the bytes freed."""
+    from huggingface_hub import scan_cache_dir
+
+    repo_id = repo_id.partition(":")[0]
+    cache = scan_cache_dir(constants.HF_HUB_CACHE) if os.path.isdir(constants.HF_HUB_CACHE) else None
+    repo = next((r for r in cache.repos if r.repo_id == repo_id and r.repo_type == "model"), None) if cache else None
+    if repo is None:
+        raise LoadError(f"{repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}); `conveyor ls` lists it")
+    strategy = cache.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
+    strategy.execute()
+    return strategy.expected_freed_size

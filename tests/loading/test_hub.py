@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -249,3 +250,21 @@ def test_gguf_choice_without_quant_prefers_llama_servers_default_and_skips_proje
     assert hub._pick_gguf(hub.HubSpec("org/x-GGUF"), ["x-Q8_0.gguf", "mmproj-x-f16.gguf"]) == "x-Q8_0.gguf"
     assert hub.parse_hub_spec("org/x-GGUF:Q8_0") == hub.HubSpec("org/x-GGUF", "Q8_0")
     assert hub.parse_hub_spec("./models/x") is None and hub.parse_hub_spec("a/b/c") is None
+
+
+def test_pull_ls_rm_manage_the_cache(fake_hub, capsys):
+    from conveyor.cli import main
+
+    assert main(["pull", "org/tiny-GGUF:Q8_0"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path.endswith("tiny-Q8_0.gguf") and os.path.isfile(path)
+    assert main(["ls"]) == 0
+    listed = capsys.readouterr().out
+    assert "org/tiny-GGUF" in listed and "tiny-Q8_0.gguf" in listed and "tiny-Q4_0.gguf" not in listed
+    assert main(["rm", "org/tiny-GGUF:Q8_0"]) == 0
+    assert "removed org/tiny-GGUF" in capsys.readouterr().out and not os.path.exists(path)
+    assert main(["ls"]) == 0 and "org/tiny-GGUF" not in capsys.readouterr().out
+    assert main(["rm", "org/tiny-GGUF"]) == 1
+    assert "not in the Hugging Face cache" in capsys.readouterr().err
+    assert main(["pull", "org/nope"]) == 1 and "no such model repo" in capsys.readouterr().err
+    assert main(["pull", "not a name"]) == 2
