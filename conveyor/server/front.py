@@ -10,6 +10,7 @@ group of deltas, which it writes back in its own shapes. A node starts the group
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
@@ -24,6 +25,8 @@ from conveyor.server.responses import TokenText
 
 class ServingFront(ABC):
     """Planning shared by a node and the router; subclasses say how a plan starts running."""
+
+    metrics: Any  # the subclass's metrics; every route counts its request in metrics.api_requests (per API)
 
     def __init__(self, tokenizer: Tokenizer, model_id: str, model_name: str, reasoning_parser: str = "auto",
                  template_kwargs: dict | None = None, strict_model_name: bool = False) -> None:

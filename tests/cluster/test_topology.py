@@ -94,12 +94,7 @@ def test_router_answers_the_battery_as_a_node_does(topo):
     """Plain, streamed, stop strings, n=2 seeded, logprobs, json_schema, tools auto/required/named/cut, a
     tool-result turn, a <think> prompt, text completions: whole responses byte for byte but for ids and
     timestamps."""
-    work = battery()
-    with ThreadPoolExecutor(8) as pool:
-        reference = dict(zip(work, pool.map(lambda w: fetch(topo["single"].url, *w), work.values())))
-        routed = dict(zip(work, pool.map(lambda w: fetch(topo["router"].url, *w), work.values())))
-    for name in work:
-        assert routed[name] == reference[name], f"{name}: {_first_difference(routed[name], reference[name])}"
+    reference = _node_and_router_agree(topo, battery(), fetch)
     # The battery means what it says: each feature showed up in the reference answers.
     body = {name: r["body"] for name, r in reference.items() if "body" in r}
     assert all(r["status"] == 200 for name, r in reference.items() if "body" in r)
@@ -120,12 +115,7 @@ def test_router_answers_the_agent_apis_as_a_node_does(topo):
     """Anthropic Messages (and OpenAI Responses) through the router: the node's answers, event for event, but
     for ids, times and the prefix cache's share of the prompt (each node's own history)."""
     model = httpx.get(f"{topo['single'].url}/v1/models", timeout=10).json()["data"][0]["id"]
-    work = agent_battery(model)
-    with ThreadPoolExecutor(8) as pool:
-        reference = dict(zip(work, pool.map(lambda w: fetch_agent(topo["single"].url, *w), work.values())))
-        routed = dict(zip(work, pool.map(lambda w: fetch_agent(topo["router"].url, *w), work.values())))
-    for name in work:
-        assert routed[name] == reference[name], f"{name}: {_first_difference(routed[name], reference[name])}"
+    reference = _node_and_router_agree(topo, agent_battery(model), fetch_agent)
     body = {name: r["body"] for name, r in reference.items() if "body" in r}
     assert all(r["status"] == 200 for name, r in reference.items() if "body" in r)
     assert body["messages-tool-forced"]["stop_reason"] == "tool_use"
@@ -142,6 +132,16 @@ def test_router_answers_the_agent_apis_as_a_node_does(topo):
     events = [name for name, _ in reference["responses-tool-forced-streamed"]["events"]]
     assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
     assert "response.function_call_arguments.done" in events
+
+
+def _node_and_router_agree(topo, work: dict, fetcher) -> dict:
+    """Each request of `work` to the single node and through the router; equal answers; the node's returned."""
+    with ThreadPoolExecutor(8) as pool:
+        reference = dict(zip(work, pool.map(lambda w: fetcher(topo["single"].url, *w), work.values())))
+        routed = dict(zip(work, pool.map(lambda w: fetcher(topo["router"].url, *w), work.values())))
+    for name in work:
+        assert routed[name] == reference[name], f"{name}: {_first_difference(routed[name], reference[name])}"
+    return reference
 
 
 def _first_difference(a, b):

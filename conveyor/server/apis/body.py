@@ -19,8 +19,13 @@ async def parse_body(request: Request, model: type[Body], limits: RequestLimits)
     body = validated(model, await json_object(request, limits))
     check_request(body, limits)
     if hasattr(body, "priority") and body.priority is None:  # the header stands in for the field
-        check_priority(header_priority(request), "X-Priority", limits)
+        check_header_priority(request, limits)
     return body
+
+
+def check_header_priority(request: Request, limits: RequestLimits) -> None:
+    """X-Priority: an integer within --max-priority, or a 400 before anything runs."""
+    check_priority(header_priority(request), "X-Priority", limits)
 
 
 async def json_object(request: Request, limits: RequestLimits) -> dict:

@@ -23,7 +23,7 @@ from conveyor.config import ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server import errors
 from conveyor.server.front import ServingFront
-from conveyor.server.apis.body import json_object, validated
+from conveyor.server.apis.body import check_header_priority, json_object, validated
 from conveyor.server.apis.thinking_budget import start_with_budget
 from conveyor.server.apis.turns import merged_turns
 from conveyor.server.limits import RequestLimits, check_request
@@ -463,6 +463,7 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
         arrival = time.monotonic()
         serving.metrics.api_requests.labels("messages").inc()
         body = await _parse(request, MessagesRequest, limits, ignore_hosted)
+        check_header_priority(request, limits)
         plan = serving.plan_chat(to_chat(body, limits))
         budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
         if not body.stream:

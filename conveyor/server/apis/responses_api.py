@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.config import ServerConfig
-from conveyor.server.apis.body import json_object
+from conveyor.server.apis.body import check_header_priority, json_object
 from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.apis.responses_input import (FunctionTool, ResponsesRequest, parse_items, parse_tools,
                                                   refused_fields, to_chat, validated_at)
@@ -25,9 +25,9 @@ from conveyor.server.apis.responses_output import (FINAL_EVENTS, EventWriter, Ou
                                                    new_id, output_items, usage)
 from conveyor.server.errors import APIError
 from conveyor.server.front import ServingFront
-from conveyor.server.limits import RequestLimits, check_priority
+from conveyor.server.limits import RequestLimits
 from conveyor.server.reply import CLIENT_CLOSED_REQUEST, DeltaGroup, SSEResponse, collect_choices, parsed_deltas
-from conveyor.server.request_plan import RequestPlan, header_priority
+from conveyor.server.request_plan import RequestPlan
 from conveyor.server.responses import ChoiceState
 from conveyor.structured.output import ChatDelta
 
@@ -164,7 +164,7 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits,
         arrival = time.monotonic()
         serving.metrics.api_requests.labels("responses").inc()
         body = validated_at(ResponsesRequest, await json_object(request, limits), "")
-        check_priority(header_priority(request), "X-Priority", limits)
+        check_header_priority(request, limits)
         turn = _begin(body, store, serving, limits, config.hosted_tools == "ignore")
         try:
             group = await serving.start(request, turn.plan, arrival)

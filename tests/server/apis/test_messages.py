@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conveyor.config import EngineConfig, ServerConfig
-from tests.server.apis.conftest import named_events
+from tests.server.apis.conftest import fuzzed_statuses, named_events
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -226,23 +226,18 @@ def test_fuzzed_bodies_never_5xx(served):
     rng = random.Random(7)
     base = {"model": served.model, "max_tokens": 3, "messages": CHAT, "tools": TOOLS, "system": "s",
             "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 2}}
-    junk = [None, 0, -1, 1.5, "", "x", [], {}, [1], {"type": "text"}, True, 10**12]
-    statuses = set()
-    for _ in range(60):
-        body = json.loads(json.dumps(base))
-        target = body
-        path = rng.choice([["max_tokens"], ["messages"], ["messages", 0], ["messages", 0, "content"], ["tools", 0],
-                           ["tools", 0, "input_schema"], ["tool_choice"], ["thinking"], ["system"], ["model"]])
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = rng.choice(junk)
-        r = httpx.post(f"{served.url}/v1/messages", json=body, timeout=60)
-        statuses.add(r.status_code)
-        assert r.status_code < 500, (body, r.text)
-        if r.status_code >= 400:
-            assert r.json()["type"] == "error"
-    assert 400 in statuses
+    paths = [["max_tokens"], ["messages"], ["messages", 0], ["messages", 0, "content"], ["tools", 0],
+             ["tools", 0, "input_schema"], ["tool_choice"], ["thinking"], ["system"], ["model"]]
+    answers = fuzzed_statuses(f"{served.url}/v1/messages", base, paths, rng)
+    assert all(body["type"] == "error" for status, body in answers if status >= 400)
+    assert 400 in {status for status, _ in answers}
     assert _client(served).messages.create(model=served.model, max_tokens=2, messages=CHAT).usage.output_tokens == 2
+
+
+def test_x_priority_header_is_bounded(served):
+    r = httpx.post(f"{served.url}/v1/messages", json={"model": served.model, "max_tokens": 2, "messages": CHAT},
+                   headers={"X-Priority": str(10**6)}, timeout=60)
+    assert r.status_code == 400 and "X-Priority" in r.json()["error"]["message"], r.text
 
 
 def test_x_api_key_and_metrics(serve_tiny):
