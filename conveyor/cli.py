@@ -76,9 +76,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     configs = server_cli.load_serve_configs(args)
     if configs is None:
         return 2
-    engine_config, server_config, cluster_config = configs
+    engine_config, server_config, cluster_config, models_config = configs
     if cluster_config.node_role is None:
-        return server_cli.serve_until_signal(lambda: server_cli.build_server(engine_config, server_config))
+        return server_cli.serve_until_signal(
+            lambda: server_cli.build_node_server(engine_config, server_config, models_config))
     from conveyor.cluster.serve import build_cluster_server
 
     return server_cli.serve_until_signal(lambda: build_cluster_server(engine_config, server_config, cluster_config))

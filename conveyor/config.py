@@ -230,6 +230,48 @@ class ServerConfig:
         return value
 
 
+# What a request for a model that does not fit does while every loaded model is busy (the seeds' vllm-mlx
+# registry policies). preempt and wait_then_preempt are not offered yet (REFUSED_VALUES says why).
+CONTENTION_POLICIES = ("fail", "wait", "wait_then_fail")
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Several models in one server (server/multimodel/): where they come from and the memory they share."""
+
+    models: tuple[str, ...] = ()  # --model given more than once: each one a model source
+    models_dir: str | None = None  # every GGUF file and model directory in it
+    models_preset: str | None = None  # an INI file: [name] sections with a source and that model's own flags
+    # Bytes (K/M/G) the loaded models may take together (weights + KV pool + recurrent state); none = no cap.
+    models_memory_budget: str = "none"
+    models_max: int = 4  # most models loaded at once (llama-server's default)
+    models_autoload: bool = True  # load a model on its first request (off: only POST /models/load and pins)
+    models_contention: str = "wait_then_fail"  # when a load does not fit and no loaded model is idle
+    models_wait_timeout: float = 60.0  # seconds a request waits under wait_then_fail before its 503
+
+    def __post_init__(self) -> None:
+        _require(self.models_max >= 1, "models_max must be at least 1")
+        _require(self.models_contention in CONTENTION_POLICIES,
+                 f"models_contention must be one of {', '.join(CONTENTION_POLICIES)}")
+        _require(self.models_wait_timeout > 0, "models_wait_timeout must be positive")
+        self.memory_budget_bytes  # a bad budget fails at startup
+
+    @property
+    def enabled(self) -> bool:
+        """Serving several models: --model given twice or more, --models-dir or --models-preset."""
+        return len(self.models) > 1 or self.models_dir is not None or self.models_preset is not None
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        text = str(self.models_memory_budget).strip().lower()
+        try:
+            _require(text != "auto", "auto is not a budget here")
+            return parse_kv_budget(text)
+        except ConfigError:
+            raise ConfigError(f"models_memory_budget must be none or a byte count such as 8G, got "
+                              f"{self.models_memory_budget!r}") from None
+
+
 NODE_ROLES = ("prefill", "decode", "router")
 
 
@@ -292,6 +334,10 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
     **{(dest, value): f"{why} (supported: {_KV_TYPES_TEXT})" for dest in ("cache_type_k", "cache_type_v")
        for value, why in _KV_CACHE_TYPE_REFUSALS.items()},
+    **{("models_contention", name): (
+        f"{name} is not offered yet: an unloaded model's running requests cannot yet be resumed on its return, "
+        "so preempting would lose them; use wait (queue until a model is idle) or wait_then_fail (503 after "
+        "--models-wait-timeout) or fail (503 at once)") for name in ("preempt", "wait_then_preempt")},
     ("decode_storage_backend", "dense"): (
         "conveyor's KV is always paged (auto and paged are accepted); for the "
         "seeds' single-request reproduction path use --no-batch or --max-batch-size 1, and --no-prompt-cache "
@@ -341,6 +387,9 @@ def _bool(text: str) -> bool:
     raise ConfigError(f"expected a boolean, got {text!r}")
 
 
+parse_bool = _bool  # for config files read elsewhere (server/multimodel/catalog.py's presets)
+
+
 @dataclass(frozen=True)
 class Flag:
     names: tuple[str, ...]  # first is canonical, e.g. ("--parallel", "--n-parallel", "-np")
@@ -351,6 +400,7 @@ class Flag:
     negate: bool = False
     choices: tuple[str, ...] | None = None
     extra_env: tuple[str, ...] = ()
+    repeat: bool = False  # may be given several times (a list on the command line; the env holds one value)
 
     @property
     def env(self) -> str:
@@ -369,9 +419,9 @@ class Flag:
 
 FLAGS: list[Flag] = [
     # --hf-repo/-hf are llama-server's spelling for a Hub name, so one field (and one env var) holds either.
-    Flag(("--model", "-m", "--hf-repo", "-hf"), "model",
+    Flag(("--model", "-m", "--hf-repo", "-hf"), "model", repeat=True,
          help="HF model directory, .gguf file, or Hugging Face Hub name ORG/NAME[:QUANT] "
-              "(none = the bundled SmolLM2-135M-Instruct)"),
+              "(none = the bundled SmolLM2-135M-Instruct); given several times, each is served by its name"),
     Flag(("--hf-file",), "hf_file", help="with a Hub name: the GGUF file of the repo to load"),
     Flag(("--revision",), "revision", help="with a Hub name: branch, tag or commit to download (none = default branch)"),
     Flag(("--dtype",), "dtype", choices=("auto", "bfloat16", "float32", "float16"), help="weights/activations dtype"),
@@ -492,6 +542,22 @@ FLAGS: list[Flag] = [
     Flag(("--hosted-tools",), "hosted_tools", choices=HOSTED_TOOLS,
          help="provider-hosted tools a client offers (web_search, code execution...; Codex offers web_search): "
               "refuse with a 400 naming them, or ignore them (the model is not shown them)"),
+    Flag(("--models-dir",), "models_dir",
+         help="serve every GGUF file and model directory in DIR, each named as its file (without .gguf) or directory"),
+    Flag(("--models-preset",), "models_preset",
+         help="INI file of models: [name] sections with model = SOURCE and that model's own flags (ctx-size, "
+              "parallel, cache-type-k, ...), pin = true to load at start and never evict"),
+    Flag(("--models-memory-budget",), "models_memory_budget",
+         help="bytes (K/M/G) the loaded models may take together, weights + KV pool + recurrent state as "
+              "allocated; the least recently used idle model is unloaded to make room (none = no cap)"),
+    Flag(("--models-max",), "models_max", int, "most models loaded at once (least recently used idle one unloaded)"),
+    Flag(("--no-models-autoload",), "models_autoload", switch=True, negate=True,
+         help="do not load a model on its first request: only POST /models/load (and pinned models) load"),
+    Flag(("--models-contention",), "models_contention", choices=CONTENTION_POLICIES,
+         help="a load that does not fit while every loaded model is busy: fail (503 at once), wait (until one "
+              "is idle), wait_then_fail (503 after --models-wait-timeout)"),
+    Flag(("--models-wait-timeout",), "models_wait_timeout", float,
+         help="seconds a request waits for room under wait_then_fail (and for a model still loading)"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),
@@ -546,7 +612,7 @@ SEED_ENV_ALIASES: tuple[EnvAlias, ...] = (
     EnvAlias("MLXCEL_MTP_ADAPTIVE", "draft_policy", _adaptive),
 )
 
-_CONFIG_CLASSES = (EngineConfig, ServerConfig, ClusterConfig)
+_CONFIG_CLASSES = (EngineConfig, ServerConfig, ClusterConfig, ModelsConfig)
 
 
 def flag_default(flag: Flag) -> str:
@@ -567,6 +633,8 @@ def add_flags(parser: argparse.ArgumentParser, dests: set[str] | None = None) ->
             continue
         help_text = f"{flag.help} (default: {flag_default(flag)}) [env {flag.env_hint}]".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": help_text}
+        if flag.repeat:
+            kwargs["action"] = "append"
         if flag.switch:
             kwargs["action"] = "store_const"
             kwargs["const"] = not flag.negate
@@ -616,6 +684,8 @@ def _from_sources(cls: type, args: argparse.Namespace | None, env: dict[str, str
         value = overrides.get(f.name)
         if value is None and args is not None:
             value = getattr(args, f.name, None)
+            if isinstance(value, list):  # a repeatable flag: one value is this field's; several are ModelsConfig's
+                value = value[0] if len(value) == 1 else None
         if value is None and flag is not None:
             value, _ = _from_env(flag, env)
         if value is not None:
@@ -666,6 +736,15 @@ def load_cluster_config(args: argparse.Namespace | None = None, env: dict[str, s
                         **overrides: Any) -> ClusterConfig:
     env = dict(os.environ) if env is None else env
     return _from_sources(ClusterConfig, args, env, overrides)
+
+
+def load_models_config(args: argparse.Namespace | None = None, env: dict[str, str] | None = None,
+                       **overrides: Any) -> ModelsConfig:
+    env = dict(os.environ) if env is None else env
+    given = getattr(args, "model", None) if args is not None else None
+    if isinstance(given, list) and len(given) > 1:
+        overrides.setdefault("models", tuple(given))
+    return _from_sources(ModelsConfig, args, env, overrides)
 
 
 def describe(*configs: Any) -> str:

@@ -1,5 +1,7 @@
 """FLAGS: the seeds' spellings and environment names resolve to our fields (no model, milliseconds)."""
 
+import dataclasses
+
 import pytest
 
 from conveyor.cli import build_parser
@@ -129,6 +131,9 @@ def test_every_flag_variable_means_what_the_flag_means(case):
     flag, argv, text = case
     from_flag = getattr(_serve_args(*argv), flag.dest)
     assert from_flag is not None
+    if flag.repeat:  # given once, a repeatable flag means what its variable means
+        assert len(from_flag) == 1
+        from_flag = from_flag[0]
     for name in (flag.env, *flag.extra_env):  # ours and llama.cpp's names (extra_env) alike
         assert config._from_env(flag, {name: text}) == (from_flag, name), name
 
@@ -197,7 +202,10 @@ def test_a_seed_value_we_lack_is_refused_naming_what_we_offer(dest, value, capsy
     assert exc.value.code == 2
     assert message in " ".join(capsys.readouterr().err.split())
     with pytest.raises(ConfigError, match=f"^{flag.env}='{value}': ") as refused:
-        _engine(env={flag.env: value})
+        if dest in {f.name for f in dataclasses.fields(config.ModelsConfig)}:
+            config.load_models_config(None, env={flag.env: value})
+        else:
+            _engine(env={flag.env: value})
     assert message in str(refused.value)
 
 
@@ -205,3 +213,24 @@ def test_the_draft_refusal_names_the_alternatives():
     for value in ("mtp", "dflash"):
         message = config.REFUSED_VALUES[("draft_kind", value)]
         assert all(kind in message for kind in ("draft-model", "prompt-lookup", "auto"))
+
+
+def test_model_given_twice_is_a_multi_model_server_and_once_is_the_engine_model():
+    args = _serve_args("--model", "a.gguf", "-m", "b", "--models-max", "2")
+    engine, _ = config.load_configs(args, env={})
+    models = config.load_models_config(args, env={})
+    assert engine.model is None and models.models == ("a.gguf", "b") and models.enabled and models.models_max == 2
+    args = _serve_args("--model", "a.gguf")
+    assert config.load_configs(args, env={})[0].model == "a.gguf"
+    assert not config.load_models_config(args, env={}).enabled
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--models-memory-budget", "auto"), "models_memory_budget must be none or a byte count"),
+    (("--models-max", "0"), "models_max must be at least 1"),
+    (("--models-wait-timeout", "0"), "models_wait_timeout must be positive"),
+])
+def test_bad_models_flags_are_refused_with_the_reason(flags, message):
+    with pytest.raises(config.ConfigError, match=message):
+        config.load_models_config(_serve_args(*flags), env={})
+

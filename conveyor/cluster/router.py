@@ -34,7 +34,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
 from conveyor.server.apis import add_agent_routes, chat_completions
-from conveyor.server.app import _api_key_check, add_dashboard_routes, add_tokenizer_routes
+from conveyor.server.app import api_key_check, add_dashboard_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
 from conveyor.server.metrics import CONTENT_TYPE, api_requests_counter
@@ -292,7 +292,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
     add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)
     add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
-    app.include_router(api, dependencies=[Depends(_api_key_check(server.api_key))])
+    app.include_router(api, dependencies=[Depends(api_key_check(server.api_key))])
     return app
 
 

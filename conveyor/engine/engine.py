@@ -292,6 +292,14 @@ class EngineCore:
                 "bytes": sum(self.weight_formats.values()),
                 "quantized_kernel": qgemm.backend() if qgemm is not None else None}
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this model holds as allocated (a multi-model server's budget counts them): the weights as
+        kept (the draft model's too), the KV pool as reserved, the recurrent-state slots."""
+        draft = sum(weight_bytes_by_format(self.draft.model).values()) if self.draft is not None else 0
+        report = {"weights": sum(self.weight_formats.values()) + draft, "kv_cache": self.pool_plan.pool_bytes,
+                  "state": self.states.total_bytes if self.states is not None else 0}
+        return {**report, "total": sum(report.values())}
+
     def layers_report(self) -> dict:
         """What /props and /v1/models say about the layers: how many of each kind, and what a sequence's
         recurrent state costs (hybrid models; 0 for attention-only ones)."""

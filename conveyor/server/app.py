@@ -19,6 +19,7 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import dashboard, errors, observability, slot_actions
 from conveyor.server.apis import add_agent_routes, chat_completions
 from conveyor.server.apis.body import parse_body
+from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.errors import APIError
 from conveyor.server.lifecycle import Lifecycle
 from conveyor.server.limits import RequestLimits
@@ -30,21 +31,29 @@ from conveyor.server.reply import SSEResponse
 from conveyor.server.responses import TokenText
 from conveyor.server.webui import add_webui_routes
 
-def _api_key_check(api_key: str | None):
+def api_key_check(api_key: str | None):
     """--api-key: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
     async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            token = request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                           "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if api_key is not None and not api_key_matches(request.headers, api_key):
+            raise invalid_api_key()
     return check
 
 
-def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -> FastAPI:
+def api_key_matches(headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        token = headers.get("x-api-key", "")
+    return secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None,
+               response_store: ResponseStore | None = None) -> FastAPI:
+    """response_store: the Responses API's store when several models share one (server/multimodel/)."""
     config = server_config or ServerConfig()
     model_id = config.served_model_name or engine.core.model_name
     metrics = ServerMetrics(engine)
@@ -80,10 +89,10 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None) -
     if config.webui:
         add_webui_routes(app)
     api = _api_router(engine, serving, model_id, limits)
-    add_agent_routes(api, serving, limits, config)
+    add_agent_routes(api, serving, limits, config, response_store)
     add_dashboard_routes(api, lambda: dashboard.engine_snapshot(engine, metrics, model_id),
                           lambda: serving.draining or not engine.is_alive)
-    app.include_router(api, dependencies=[Depends(_api_key_check(config.api_key))])
+    app.include_router(api, dependencies=[Depends(api_key_check(config.api_key))])
     return app
 
 

@@ -14,28 +14,34 @@ from typing import Any
 
 import uvicorn
 
-from conveyor.config import (ClusterConfig, ConfigError, EngineConfig, ServerConfig, add_flags, describe,
-                             env_alias_report, load_cluster_config, load_configs)
+from conveyor.config import (ClusterConfig, ConfigError, EngineConfig, ModelsConfig, ServerConfig, add_flags, describe,
+                             env_alias_report, load_cluster_config, load_configs, load_models_config)
 
 logger = logging.getLogger("conveyor.server")
 
 SOCKET_CLOSE_TIMEOUT_S = 5.0  # after draining: how long uvicorn waits for connections to close
 
 
-def load_serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, ClusterConfig] | None:
+def load_serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig, ClusterConfig,
+                                                        ModelsConfig] | None:
     """The configs from flags and environment, logged; None (after saying why) when they are invalid."""
     _setup_logging()
     try:
         engine_config, server_config = load_configs(args)
         cluster_config = load_cluster_config(args)
+        models_config = load_models_config(args)
+        if models_config.enabled and cluster_config.node_role is not None:
+            raise ConfigError("--node-role serves one model: several models (--models-dir, --models-preset, "
+                              "--model given twice) are a single server's")
     except ConfigError as exc:
         print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
         return None
     for line in env_alias_report(args):
         logger.info("environment: %s", line)
-    shown = (engine_config, server_config) + ((cluster_config,) if cluster_config.node_role else ())
+    shown = (engine_config, server_config) + ((cluster_config,) if cluster_config.node_role else ()) \
+        + ((models_config,) if models_config.enabled else ())
     logger.info("effective configuration:\n%s", describe(*shown))
-    return engine_config, server_config, cluster_config
+    return engine_config, server_config, cluster_config, models_config
 
 
 def serve_until_signal(build: Callable[[], Any]) -> int:
@@ -44,6 +50,9 @@ def serve_until_signal(build: Callable[[], Any]) -> int:
 
     try:
         server = build()
+    except ConfigError as exc:  # a models catalog that does not hold together
+        print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
+        return 2
     except (LoadError, ValueError) as exc:  # unreadable model, a context window that does not fit...
         print(f"conveyor serve: cannot start: {exc}", file=sys.stderr)
         return 1
@@ -60,12 +69,21 @@ def run_serve(args: argparse.Namespace) -> int:
     configs = load_serve_configs(args)
     if configs is None:
         return 2
-    engine_config, server_config, cluster_config = configs
+    engine_config, server_config, cluster_config, models_config = configs
     if cluster_config.node_role is not None:
         print("conveyor serve: python -m conveyor.server.cli serves a single node; for --node-role use "
               "`conveyor serve` (python -m conveyor.cli serve)", file=sys.stderr)
         return 2
-    return serve_until_signal(lambda: build_server(engine_config, server_config))
+    return serve_until_signal(lambda: build_node_server(engine_config, server_config, models_config))
+
+
+def build_node_server(engine_config: EngineConfig, server_config: ServerConfig, models_config: ModelsConfig):
+    """One model (build_server), or several (server/multimodel/)."""
+    if not models_config.enabled:
+        return build_server(engine_config, server_config)
+    from conveyor.server.multimodel.serve import build_multi_model_server
+
+    return build_multi_model_server(models_config, engine_config, server_config, SOCKET_CLOSE_TIMEOUT_S)
 
 
 def _setup_logging() -> None:

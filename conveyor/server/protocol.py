@@ -174,3 +174,10 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[int]
+
+
+class ModelActionRequest(BaseModel):
+    """POST /models/load and /models/unload (llama-server's router): the model's name."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str = Field(min_length=1)

@@ -20,13 +20,16 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from conveyor.config import ServerConfig
+from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.front import ServingFront
 from conveyor.server.limits import RequestLimits
 
 
-def add_agent_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, config: ServerConfig) -> None:
-    """The Messages and Responses routes, on a node and on the cluster router alike."""
+def add_agent_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, config: ServerConfig,
+                     response_store: ResponseStore | None = None) -> None:
+    """The Messages and Responses routes, on a node and on the cluster router alike (response_store: one
+    shared by several models, else the app's own)."""
     from conveyor.server.apis import messages, responses_api
 
     messages.add_routes(router, serving, limits, config)
-    responses_api.add_routes(router, serving, limits, config)
+    responses_api.add_routes(router, serving, limits, config, response_store)

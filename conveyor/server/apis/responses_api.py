@@ -154,10 +154,12 @@ async def _stream(turn: _Turn, group: DeltaGroup) -> AsyncIterator[str]:
 
 
 def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits,
-               config: ServerConfig | None = None) -> None:
-    """The store is this app's own (add_routes runs once per app: a node's or the cluster router's)."""
+               config: ServerConfig | None = None, store: ResponseStore | None = None) -> None:
+    """The store is this app's own (add_routes runs once per app: a node's or the cluster router's), or the
+    one a multi-model server's models share (so a conversation may switch models)."""
     config = config or ServerConfig()
-    store = ResponseStore(config.responses_store_max, config.responses_store_max_bytes)
+    if store is None:
+        store = ResponseStore(config.responses_store_max, config.responses_store_max_bytes)
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Response:
@@ -173,6 +175,12 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits,
         if body.stream:
             return SSEResponse(_stream(turn, group))
         return await _complete(request, turn, group)
+
+    add_store_routes(router, store)
+
+
+def add_store_routes(router: APIRouter, store: ResponseStore) -> None:
+    """GET and DELETE /v1/responses/{id}: a node's, and a multi-model server's front over the shared store."""
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict:

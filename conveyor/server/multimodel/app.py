@@ -1,0 +1,267 @@
+"""A multi-model server's ASGI app: its own routes (models, health, metrics, the page) and the dispatch of
+every other request to the app of the model it names.
+
+The model is the body's `model` field (POST), else the `?model=` query parameter; a POST that names
+none goes to the first model listed, any other request to the most recently used loaded model. The
+request then holds its model (registry.lease) until its response, streamed or not, has been sent, and
+runs through that model's own app (server/app.py: every route a single-model server has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from conveyor.config import ServerConfig
+from conveyor.server import errors
+from conveyor.server.apis.body import parse_body
+from conveyor.server.apis.response_store import ResponseStore
+from conveyor.server.apis.responses_api import add_store_routes
+from conveyor.server.app import api_key_check, api_key_matches, invalid_api_key
+from conveyor.server.errors import APIError
+from conveyor.server.metrics import CONTENT_TYPE
+from conveyor.server.limits import RequestLimits, too_large
+from conveyor.server.multimodel.metrics import MultiModelMetrics
+from conveyor.server.multimodel.registry import ModelEntry, ModelRegistry, ModelState, ModelUnavailable
+from conveyor.server.protocol import ModelActionRequest
+from conveyor.server.webui import add_webui_routes
+
+logger = logging.getLogger(__name__)
+
+_BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+
+
+class MultiModelApp:
+    def __init__(self, registry: ModelRegistry, config: ServerConfig, response_store: ResponseStore) -> None:
+        self.registry = registry
+        self.config = config
+        self.draining = False
+        self.front = _front_app(self, response_store)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not _is_front_route(scope):
+            await self._dispatch(scope, receive, send)
+        else:
+            await self.front(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.config.api_key is not None and not api_key_matches(headers, self.config.api_key):
+            await invalid_api_key().response(path)(scope, receive, send)
+            return
+        try:
+            body = await _read_body(scope, receive, self.config.max_request_bytes)
+            name = self._model_named(scope, body)
+            if self.draining:
+                raise errors.overloaded()
+            entry = await self._acquire_unless_gone(name, receive)
+        except ModelUnavailable as exc:
+            await _unavailable(exc).response(path)(scope, receive, send)
+            return
+        except APIError as exc:
+            await exc.response(path)(scope, receive, send)
+            return
+        if entry is None:
+            return  # the client left while its model loaded
+        try:
+            await entry.app(scope, _replay(body, receive), send)
+        finally:
+            self.registry.release(entry)
+
+    def _model_named(self, scope: Scope, body: bytes) -> str:
+        named = None
+        if body:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None  # the model's app answers the 400
+            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
+                named = parsed["model"]
+        if named is None:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            named = query.get("model", [None])[0]
+        if named is not None:
+            return named
+        if scope["method"] == "POST":
+            return self.registry.default_name
+        recent = self.registry.most_recent()
+        if recent is None:
+            raise errors.invalid(f"no model is loaded: name one with ?model= (served: {', '.join(self.registry.entries)})",
+                                 "model")
+        return recent.name
+
+    async def _acquire_unless_gone(self, name: str, receive: Receive) -> ModelEntry | None:
+        """The model, held; None when the client disconnected while waiting for it (nothing is held then)."""
+        if self.registry.entry(name).state is ModelState.LOADED:
+            return await self.registry.acquire(name)
+        acquire = asyncio.ensure_future(self.registry.acquire(name))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        await asyncio.wait((acquire, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()
+            return None
+        left = gone.done()
+        gone.cancel()
+        entry = acquire.result()  # ModelUnavailable raises here
+        if left:
+            self.registry.release(entry)  # the client left just as its model came
+            return None
+        return entry
+
+
+def _is_front_route(scope: Scope) -> bool:
+    path, method = scope["path"], scope["method"]
+    if path in ("/health", "/metrics", "/v1/models", "/models", "/models/load", "/models/unload", "/"):
+        return True
+    if path.startswith("/webui/"):
+        return True
+    # one model's card; the shared Responses store
+    return (path.startswith("/v1/models/") and method == "GET") or \
+        (path.startswith("/v1/responses/") and method in ("GET", "DELETE"))
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body (b"" for a GET), 413 past the limit."""
+    if scope["method"].encode() not in _BODY_METHODS:
+        return b""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "the client disconnected", "invalid_request_error")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _disconnected(receive: Receive) -> bool:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return True
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, then the connection's own messages (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _unavailable(exc: ModelUnavailable) -> APIError:
+    headers = {"Retry-After": str(max(int(exc.retry_after), 1))} if exc.retry_after is not None else None
+    kind = {404: "invalid_request_error", 400: "invalid_request_error"}.get(exc.status, "unavailable")
+    return APIError(exc.status, exc.message, kind, "model", exc.code, headers)
+
+
+def model_card(entry: ModelEntry) -> dict:
+    """/v1/models' entry: OpenAI's fields, llama-server's router `status`, and what the model holds."""
+    card = {"id": entry.name, "object": "model", "created": 0, "owned_by": "conveyor", "source": entry.spec.source,
+            "status": {"value": entry.state.value, "pinned": entry.spec.pinned},
+            "memory_bytes": dict(entry.memory) or None, "estimated_bytes": entry.estimate_bytes,
+            "requests_in_flight": entry.num_active, "loads": entry.num_loads,
+            "unloads": dict(entry.unloads)}
+    if entry.state is ModelState.LOADING and entry.progress is not None:
+        card["status"]["progress"] = entry.progress.view()
+    if entry.error is not None:
+        card["status"]["error"] = entry.error
+    if entry.state is ModelState.LOADED and entry.app is not None:
+        core = entry.app.state.engine.core
+        card.update(root=core.model_name, max_model_len=core.max_model_len)
+        card["status"]["load_seconds"] = round(entry.load_seconds or 0.0, 3)
+    return card
+
+
+def _front_app(multi: MultiModelApp, response_store: ResponseStore) -> FastAPI:
+    registry, config = multi.registry, multi.config
+    metrics = MultiModelMetrics(registry)
+    limits = RequestLimits.from_config(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        registry.start()
+        try:
+            yield
+        finally:
+            await registry.close()
+
+    app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.registry, app.state.multi = registry, multi
+    errors.install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while requests are taken; each model's state (and a loading one's progress)."""
+        body = {"status": "shutting_down" if multi.draining else "ok",
+                "models": {e.name: {"status": e.state.value, **({"progress": e.progress.view()}
+                                                                  if e.state is ModelState.LOADING and e.progress else {})}
+                           for e in registry.entries.values()},
+                "memory": {"used_bytes": registry.used_bytes, "budget_bytes": registry.memory_budget,
+                           "models_max": registry.max_loaded}}
+        return JSONResponse(body, status_code=503 if multi.draining else 200)
+
+    if config.metrics:
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    if config.webui:
+        add_webui_routes(app)
+
+    api = APIRouter()
+
+    @api.get("/v1/models")
+    @api.get("/models")  # llama-server's router
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(e) for e in registry.entries.values()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        try:
+            return model_card(registry.entry(model_id))
+        except ModelUnavailable as exc:
+            raise _unavailable(exc) from None
+
+    @api.post("/models/load")
+    async def load(request: Request) -> dict:
+        body = await parse_body(request, ModelActionRequest, limits)
+        started = time.monotonic()
+        try:
+            entry = await registry.load(body.model)
+        except ModelUnavailable as exc:
+            raise _unavailable(exc) from None
+        return {"success": True, "model": entry.name, "status": entry.state.value,
+                "seconds": round(time.monotonic() - started, 3)}
+
+    @api.post("/models/unload")
+    async def unload(request: Request) -> dict:
+        body = await parse_body(request, ModelActionRequest, limits)
+        try:
+            await registry.unload(body.model)
+        except ModelUnavailable as exc:
+            raise _unavailable(exc) from None
+        return {"success": True, "model": body.model, "status": registry.entry(body.model).state.value}
+
+    add_store_routes(api, response_store)
+    app.include_router(api, dependencies=[Depends(api_key_check(config.api_key))])
+    return app
