@@ -63,10 +63,10 @@ def _parser_defaults() -> dict[str, str]:
     """Canonical option -> the value a bare `conveyor serve` resolves to (no flags, empty environment)."""
     from dataclasses import asdict
 
-    from conveyor.config import FLAGS, load_cluster_config, load_configs
+    from conveyor.config import FLAGS, load_cluster_config, load_configs, load_models_config
 
     resolved = {}
-    for config in (*load_configs(None, env={}), load_cluster_config(None, env={})):
+    for config in (*load_configs(None, env={}), load_cluster_config(None, env={}), load_models_config(None, env={})):
         resolved.update(asdict(config))
     defaults = {}
     for flag in FLAGS:
