@@ -1,0 +1,238 @@
+"""A real multi-model server over three tiny random models with room for two: every request answered by the
+model it names, bitwise as a single-model server answers it, while models load and unload underneath."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anthropic
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from conveyor.config import EngineConfig, ModelsConfig, ServerConfig
+from conveyor.loading import load_checkpoint
+from conveyor.server.multimodel.registry import ModelState
+from conveyor.server.multimodel.serve import MultiModelLifecycle, build_multi_model_app
+from conveyor.server.lifecycle import GracefulServer
+from conveyor.testing import write_tiny_model_dir
+
+from tests.cluster.cluster_harness import free_port
+from tests.server.conftest import serve  # a single-model server on a free port
+
+ENGINE = EngineConfig(parallel=2, kv_cache_budget="8M", max_queue_depth=64)
+NAMES = ("m0", "m1", "m2")
+PROMPTS = ("Tell me about the sea", "One two three", "Why is the sky blue?")
+
+
+@contextmanager
+def serve_multi(models: ModelsConfig, server: ServerConfig | None = None) -> Iterator[tuple[str, object]]:
+    multi = build_multi_model_app(models, ENGINE, server or ServerConfig(metrics=True))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = GracefulServer(uvicorn.Config(multi, log_level="warning", timeout_graceful_shutdown=2),
+                        MultiModelLifecycle(multi, 5.0))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the multi-model server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", multi
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("models")
+    for seed, name in enumerate(NAMES):
+        write_tiny_model_dir(folder / name, seed=seed)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(models_dir) -> dict[tuple[str, str], str]:
+    """Each model's greedy reply to each prompt from a single-model server of its own."""
+    replies = {}
+    for name in NAMES:
+        with serve(load_checkpoint(f"{models_dir}/{name}"), ENGINE) as single:
+            client = single.client()
+            for prompt in PROMPTS:
+                replies[name, prompt] = _chat(client, name, prompt)
+    return replies
+
+
+def _chat(client: openai.OpenAI, model: str, prompt: str) -> str:
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=12, temperature=0)
+    assert reply.model == model
+    return reply.choices[0].message.content
+
+
+async def _stream(client: openai.AsyncOpenAI, model: str, prompt: str) -> str:
+    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=12, temperature=0, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+def _check_integrity(multi) -> None:
+    for entry in multi.registry.entries.values():
+        if entry.state is ModelState.LOADED:
+            core = entry.app.state.engine.core
+            core.kv.check_integrity()
+            assert core.pool.stats().num_used == 0, f"{entry.name} holds blocks while idle"
+
+
+def test_requests_rotating_over_three_models_with_room_for_two_match_single_model_servers(models_dir, reference):
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_max=2)) as (url, multi):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        for round_ in range(2):  # one model at a time, rotating: every switch past two unloads one
+            for name in NAMES:
+                assert _chat(client, name, PROMPTS[round_]) == reference[name, PROMPTS[round_]]
+
+        async def concurrent() -> list[tuple[str, str, str]]:
+            aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            jobs = [(name, prompt) for prompt in PROMPTS for name in NAMES] * 2
+            replies = await asyncio.gather(*(_stream(aclient, name, prompt) for name, prompt in jobs))
+            return [(name, prompt, reply) for (name, prompt), reply in zip(jobs, replies)]
+
+        for name, prompt, reply in asyncio.run(concurrent()):  # all three wanted at once, two fit
+            assert reply == reference[name, prompt], (name, prompt)
+
+        cards = {c["id"]: c for c in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert sum(c["status"]["value"] == "loaded" for c in cards.values()) <= 2
+        assert sum(c["unloads"].get("evicted", 0) for c in cards.values()) >= 3
+        assert all(c["loads"] >= 2 for c in cards.values())
+        loaded = [c for c in cards.values() if c["status"]["value"] == "loaded"]
+        assert all(c["memory_bytes"]["total"] == sum(v for k, v in c["memory_bytes"].items() if k != "total")
+                   and c["memory_bytes"]["weights"] > 0 for c in loaded)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'conveyor_model_unloads_total{model="m0",reason="evicted"}' in metrics
+        assert 'conveyor_requests_finished_total{finish_reason="length",model="' in metrics  # a model's own series
+        _check_integrity(multi)
+
+
+def test_memory_budget_for_two_models_rotates_with_the_same_outputs(models_dir, reference):
+    with serve_multi(ModelsConfig(models_dir=models_dir)) as (url, multi):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert _chat(client, "m0", PROMPTS[0]) == reference["m0", PROMPTS[0]]
+        one = multi.registry.entries["m0"].memory["total"]
+    # room for two measured models, not three
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_memory_budget=str(int(2.5 * one)))) as (url, multi):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        for name in NAMES * 2:
+            assert _chat(client, name, PROMPTS[1]) == reference[name, PROMPTS[1]]
+            assert multi.registry.used_bytes <= 2.5 * one
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and health["memory"]["budget_bytes"] == int(2.5 * one)
+        assert sum(m["status"] == "loaded" for m in health["models"].values()) == 2
+        _check_integrity(multi)
+
+
+def test_every_api_routes_by_model_and_errors_keep_their_api_shape(models_dir, reference):
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_max=3)) as (url, multi):
+        messages = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        reply = messages.messages.create(model="m1", max_tokens=12, extra_body={"temperature": 0},
+                                         messages=[{"role": "user", "content": PROMPTS[2]}])
+        assert reply.model == "m1" and reply.content[0].text == reference["m1", PROMPTS[2]]
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            messages.messages.create(model="claude-opus", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        assert missing.value.body["error"]["type"] == "not_found_error"
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model="m2", input=PROMPTS[0], max_output_tokens=12, temperature=0)
+        assert first.output_text == reference["m2", PROMPTS[0]]
+        # the store is shared: a conversation may continue on another model, and GET finds it from the front
+        follow = client.responses.create(model="m0", input="And then?", previous_response_id=first.id,
+                                         max_output_tokens=4, temperature=0)
+        assert follow.model == "m0" and client.responses.retrieve(first.id).id == first.id
+
+        with pytest.raises(openai.NotFoundError, match="this server serves: m0, m1, m2"):
+            client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+        # no model named: a POST goes to the first model listed
+        body = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}).json()
+        assert body["model"] == "m0"
+        # GET routes of one model: ?model=, else the most recently used
+        assert httpx.get(f"{url}/props", params={"model": "m1"}).json()["model_alias"] == "m1"
+        assert httpx.get(f"{url}/v1/models/m2").json()["status"]["value"] == "loaded"
+        assert httpx.get(f"{url}/v1/models/nope").status_code == 404
+        _check_integrity(multi)
+
+
+def test_load_and_unload_by_request_and_without_autoload(models_dir):
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_autoload=False)) as (url, multi):
+        chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
+        assert httpx.post(f"{url}/models/load", json={"model": "m1"}, timeout=60).json()["status"] == "loaded"
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/models/unload", json={"model": "m1"}, timeout=60).json()["status"] == "unloaded"
+        assert multi.registry.entries["m1"].unloads["requested"] == 1
+        assert httpx.post(f"{url}/models/load", json={"model": "nope"}).status_code == 404
+        assert httpx.post(f"{url}/models/load", json={}).status_code == 400
+
+
+def test_the_api_key_is_checked_before_a_model_loads(models_dir):
+    server = ServerConfig(api_key="secret", metrics=True)
+    with serve_multi(ModelsConfig(models_dir=models_dir), server) as (url, multi):
+        chat = {"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 401
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert multi.registry.entries["m2"].num_loads == 0
+        ok = httpx.post(f"{url}/v1/chat/completions", json=chat, headers={"x-api-key": "secret"}, timeout=60)
+        assert ok.status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200  # health stays open
+
+
+def test_conveyor_serve_with_model_given_twice_serves_both_and_exits_0_on_sigterm(models_dir, reference, tmp_path):
+    """The real entry point: `conveyor serve --model A --model B`, each answered by name, then a clean stop."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", str(port), "--parallel", "2",
+                             "--kv-cache-budget", "8M", "--model", f"{models_dir}/m0", "-m", f"{models_dir}/m2",
+                             "--metrics"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["m0", "m2"]
+        for name in ("m2", "m0"):
+            assert _chat(client, name, PROMPTS[0]) == reference[name, PROMPTS[0]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "ModelsConfig" in (tmp_path / "server.log").read_text()  # the effective config was logged
+
+
+def test_conveyor_serve_refuses_a_bad_preset_with_exit_2(tmp_path):
+    preset = tmp_path / "models.ini"
+    preset.write_text("[chat]\nparallel = 2\n")
+    done = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "--models-preset", str(preset)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "[chat]: no `model = PATH or ORG/NAME` line" in done.stderr
