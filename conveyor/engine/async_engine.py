@@ -76,7 +76,7 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                    progress: LoadProgress | None = None, **kwargs) -> AsyncEngine:
+                    progress: LoadProgress | None = None, load_threads: int = 0, **kwargs) -> AsyncEngine:
         """Build the EngineCore on the thread that will step it, and wait until it is loaded.
 
         NOTE: measured here, a core built on the main thread and stepped on another decoded at
@@ -88,7 +88,7 @@ class AsyncEngine:
 
         def build_then_run() -> None:
             try:
-                engine.core = EngineCore(config, checkpoint, progress=progress)
+                engine.core = EngineCore(config, checkpoint, progress=progress, load_threads=load_threads)
                 engine.max_queue_depth = kwargs.get("max_queue_depth") or config.max_queue_depth
             except BaseException as exc:  # reported to the caller below
                 failure.append(exc)

@@ -102,11 +102,24 @@ class EngineCounters:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                 draft_checkpoint: Checkpoint | None = None, progress: LoadProgress | None = None) -> None:
+                 draft_checkpoint: Checkpoint | None = None, progress: LoadProgress | None = None,
+                 load_threads: int = 0) -> None:
+        """load_threads: intra-op threads while loading (0: as when serving). A multi-model server loads with
+        one while other models stream, so their steps keep the cores (the kernels' pool included)."""
+        if not (load_threads or config.threads):
+            self._build(config, checkpoint, draft_checkpoint, progress)
+            return
+        serving_threads = config.threads or torch.get_num_threads()
+        torch.set_num_threads(load_threads or serving_threads)  # this thread's; others keep theirs
+        try:
+            self._build(config, checkpoint, draft_checkpoint, progress)
+        finally:
+            torch.set_num_threads(serving_threads)
+
+    def _build(self, config: EngineConfig, checkpoint: Checkpoint | None, draft_checkpoint: Checkpoint | None,
+               progress: LoadProgress | None) -> None:
         self.config = config
         progress = progress or LoadProgress()
-        if config.threads:
-            torch.set_num_threads(config.threads)
         if checkpoint is None:
             progress.set_stage("reading the checkpoint")
             checkpoint = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision)

@@ -48,3 +48,31 @@ def test_queue_depth_is_enforced(tiny_checkpoint):
         asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def test_a_quiet_load_uses_one_thread_and_gives_the_engine_thread_its_count_back(tiny_checkpoint):
+    """A multi-model server loads with load_threads=1 while other models stream; the engine then steps with
+    the thread count it would have had (torch's per-thread setting, read on the engine thread)."""
+    import torch
+
+    from conveyor.engine.load_progress import LoadProgress
+
+    seen = {}
+
+    class Watch(LoadProgress):
+        def set_stage(self, stage: str) -> None:
+            seen.setdefault(stage, torch.get_num_threads())
+            super().set_stage(stage)
+
+    expected = torch.get_num_threads()
+    engine = AsyncEngine.from_config(EngineConfig(parallel=2), tiny_checkpoint, progress=Watch(), load_threads=1)
+
+    async def threads_when_stepping() -> int:
+        engine.start(asyncio.get_running_loop())
+        return await engine.call(lambda core: torch.get_num_threads())
+
+    try:
+        assert seen["weights"] == 1 and engine.core.config.threads == 0
+        assert asyncio.run(threads_when_stepping()) == expected
+    finally:
+        engine.shutdown()

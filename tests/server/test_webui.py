@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from conveyor.config import EngineConfig, ServerConfig
+from conveyor.config import EngineConfig, ModelsConfig, ServerConfig
 from conveyor.server.dashboard import Rates
 from conveyor.server.webui import load_assets
 
@@ -24,6 +24,57 @@ def test_page_and_its_files_are_served_without_external_urls(served):
     assert httpx.get(f"{served.url}/webui/secret.py").status_code == 404
     for name, data in load_assets().items():  # nothing is fetched from anywhere else (no CDN)
         assert not re.search(rb"(?<![\w-])(https?:)?//[a-z0-9]", data), name
+
+
+def test_page_runs_no_inline_script():
+    """CSP script-src 'self': an inline script or on* handler would not run (and must not be needed)."""
+    page = load_assets()["index.html"].decode()
+    assert re.findall(r"<script\b[^>]*>", page) == ['<script src="/webui/webui.js" defer>']
+    assert not re.search(r"\son[a-z]+\s*=", page)
+
+
+def test_page_has_a_model_picker_fed_by_v1_models():
+    """A <select> in the chat panel, hidden until /v1/models lists several models; the choice is the chat's
+    `model` and the dashboard's ?model=, and the server's names reach the page only as text."""
+    assets = {name: data.decode() for name, data in load_assets().items()}
+    page, js = assets["index.html"], assets["webui.js"]
+    chat = page[page.index('<section id="chat"'):page.index("</section>")]
+    assert re.search(r'<label id="model-picker" hidden>[^<]*<select id="model-select">', chat)
+    assert 'api("/v1/models")' in js and "MODELS_POLL_MS" in js  # fetched on load and every few seconds
+    assert '$("model-select").addEventListener("change", pickModel)' in js
+    assert "model: state.model" in js  # the chat request's body
+    assert "/v1/dashboard/stream?model=${encodeURIComponent(card.id)}" in js
+    assert "state.models.length > 1" in js  # one model: no picker, as before
+    assert "innerHTML" not in js and "insertAdjacentHTML" not in js
+
+
+@pytest.fixture(scope="module")
+def multi_model_dir(tmp_path_factory) -> str:
+    from conveyor.testing import write_tiny_model_dir
+
+    folder = tmp_path_factory.mktemp("models")
+    for seed, name in enumerate(("alpha", "beta")):
+        write_tiny_model_dir(folder / name, seed=seed)
+    return str(folder)
+
+
+def test_multi_model_server_gives_the_page_what_its_picker_reads(multi_model_dir):
+    """The page's side of the contract: the multi-model front serves it, /v1/models lists each model with
+    `status.value`, and ?model= picks the model whose dashboard is read."""
+    from fastapi.testclient import TestClient
+
+    from conveyor.server.multimodel.serve import build_multi_model_app
+
+    multi = build_multi_model_app(ModelsConfig(models_dir=multi_model_dir),
+                                  EngineConfig(parallel=2, kv_cache_budget="8M"), ServerConfig())
+    with TestClient(multi) as client:
+        assert 'id="model-select"' in client.get("/").text
+        cards = client.get("/v1/models").json()["data"]
+        assert [(c["id"], c["status"]["value"]) for c in cards] == [("alpha", "unloaded"), ("beta", "unloaded")]
+        snapshot = client.get("/v1/dashboard", params={"model": "beta"}).json()
+        assert snapshot["model"] == "beta"
+        states = {c["id"]: c["status"]["value"] for c in client.get("/v1/models").json()["data"]}
+        assert states == {"alpha": "unloaded", "beta": "loaded"}
 
 
 def test_no_webui_flag_turns_the_page_off(serve_tiny):

@@ -13,11 +13,14 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import httpx
 import pytest
 import uvicorn
 
-from conveyor.config import EngineConfig, ServerConfig
+from conveyor.config import EngineConfig, ModelsConfig, ServerConfig
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
@@ -87,6 +90,7 @@ def test_page_loads_and_a_chat_streams_to_completion(browser, served8):
         tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=served8.model)
         assert tab.page.text_content("#backend")  # the kernel backend, from the snapshot
         assert not tab.page.is_visible("#key-form")  # no key needed, none asked for
+        assert not tab.page.is_visible("#model-picker")  # one model: nothing to choose
         tab.settings(temperature=0, max_tokens=12)
         tab.send("Hello there!")
         reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
@@ -234,3 +238,83 @@ def test_reasoning_is_folded_and_tool_calls_are_shown(browser, served8):
         assert not tab.errors, tab.errors
     finally:
         tab.close()
+
+
+@contextmanager
+def _serve_multi_model(models_dir: str) -> Iterator[str]:
+    """A multi-model server over every model in models_dir, on a free port; its URL."""
+    from conveyor.server.lifecycle import GracefulServer
+    from conveyor.server.multimodel.serve import build_multi_model_app
+
+    multi = build_multi_model_app(ModelsConfig(models_dir=models_dir), EngineConfig(parallel=2, kv_cache_budget="8M"),
+                                  ServerConfig())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = GracefulServer(uvicorn.Config(multi, log_level="warning", timeout_graceful_shutdown=2), None)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                assert thread.is_alive(), "the multi-model server did not start"
+                time.sleep(0.01)  # polling uvicorn start, as conftest.serve does
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def _streamed_reply(url: str, model: str, prompt: str, max_tokens: int) -> str:
+    """The greedy reply the page's request gets, streamed as the page streams it."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "temperature": 0, "max_tokens": max_tokens}
+    text = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+    return "".join(text)
+
+
+def _picker_options(tab: Page) -> list[str]:
+    return tab.page.eval_on_selector_all("#model-select option", "options => options.map(o => o.textContent)")
+
+
+def test_model_picker_lists_the_models_and_chats_with_the_chosen_one(browser, tmp_path):
+    """Two tiny models of different seeds: the page lists both with their state, the second one chosen
+    answers the chat (its own greedy reply, loaded on that request alone), and the dashboard follows the choice."""
+    from conveyor.testing import write_tiny_model_dir
+
+    for seed, name in enumerate(("alpha", "beta")):
+        write_tiny_model_dir(tmp_path / name, seed=seed)
+    with _serve_multi_model(str(tmp_path)) as url:
+        tab = Page(browser, url)
+        chats = []  # the chat request bodies, as the browser sent them
+        tab.page.on("request", lambda r: chats.append(json.loads(r.post_data))
+                    if r.url.endswith("/v1/chat/completions") else None)
+        try:
+            tab.page.wait_for_selector("#model-picker", state="visible")
+            assert _picker_options(tab) == ["alpha — unloaded", "beta — unloaded"]
+            # Watching a model would load it: with none loaded the dashboard waits.
+            assert tab.page.get_attribute("#conn", "data-state") == "waiting"
+            tab.page.select_option("#model-select", "beta")
+            tab.settings(temperature=0, max_tokens=8)
+            tab.send("Hello there!")
+            reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+            assert [c["model"] for c in chats] == ["beta"]
+            assert "beta" in reply.query_selector(".meta").text_content()
+            # The reply loaded beta alone; the dashboard now streams beta's snapshots.
+            tab.wait_live()
+            tab.page.wait_for_function("() => document.querySelector('#model').textContent === 'beta'")
+            assert _picker_options(tab) == ["alpha — unloaded", "beta — loaded"]
+
+            want = {name: _streamed_reply(url, name, "Hello there!", 8) for name in ("alpha", "beta")}
+            assert want["alpha"] != want["beta"]  # so the reply tells the models apart
+            assert reply.query_selector(".content").text_content() == want["beta"]
+
+            with tab.page.expect_request(lambda r: r.url.endswith("/v1/dashboard/stream?model=alpha")):
+                tab.page.select_option("#model-select", "alpha")
+            tab.page.wait_for_function("() => document.querySelector('#model').textContent === 'alpha'")
+            tab.wait_live()
+            assert not tab.errors, tab.errors
+        finally:
+            tab.close()

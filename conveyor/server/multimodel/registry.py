@@ -56,7 +56,8 @@ class LoadedModel:
     memory: dict[str, int]  # weights, kv_cache, state, total
 
 
-LoadModel = Callable[[ModelSpec, LoadProgress], LoadedModel]
+# (spec, progress, quiet): quiet while other models serve requests (load on one thread, leave them the cores).
+LoadModel = Callable[[ModelSpec, LoadProgress, bool], LoadedModel]
 
 
 class ModelUnavailable(Exception):
@@ -271,8 +272,9 @@ class ModelRegistry:
 
     async def _load(self, entry: ModelEntry) -> None:
         started = time.monotonic()
+        quiet = any(e.num_active for e in self.entries.values() if e is not entry)
         try:
-            loaded = await _on_thread(lambda: self._load_model(entry.spec, entry.progress), f"load-{entry.name}")
+            loaded = await _on_thread(lambda: self._load_model(entry.spec, entry.progress, quiet), f"load-{entry.name}")
             stack = AsyncExitStack()
             await stack.enter_async_context(loaded.app.router.lifespan_context(loaded.app))
         except Exception as exc:

@@ -22,12 +22,13 @@ logger = logging.getLogger(__name__)
 
 def engine_app_loader(response_store: ResponseStore):
     """load_model for the registry: a model's engine (built on the thread that steps it) and its own app,
-    without the page and with its metrics (the front serves the page and merges every model's /metrics)."""
+    without the page and with its metrics (the front serves the page and merges every model's /metrics).
+    quiet (other models are streaming): loaded on one intra-op thread, so their steps keep the cores."""
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import create_app
 
-    def load_model(spec: ModelSpec, progress: LoadProgress) -> LoadedModel:
-        engine = AsyncEngine.from_config(spec.engine_config, progress=progress)
+    def load_model(spec: ModelSpec, progress: LoadProgress, quiet: bool) -> LoadedModel:
+        engine = AsyncEngine.from_config(spec.engine_config, progress=progress, load_threads=1 if quiet else 0)
         app = create_app(engine, dataclasses.replace(spec.server_config, webui=False, metrics=True),
                          response_store=response_store)
         return LoadedModel(app, engine.core.memory_report())

@@ -1,15 +1,20 @@
 // conveyor's built-in page: a chat over /v1/chat/completions (SSE) and a live dashboard fed by
 // /v1/dashboard/stream (SSE). Plain browser JavaScript, no dependencies, no build step.
 // Both streams are read with fetch() rather than EventSource, which cannot send the API key.
+// A multi-model server lists several models in /v1/models: a picker chooses the one chatted with and watched.
 "use strict";
 
 const KEY_STORAGE = "conveyor.apiKey";
 const HISTORY_S = 60;  // the charts' window
 const RECONNECT_MS = 1000;
+const MODELS_POLL_MS = 3000;  // how often the models' states (loaded, loading 40%, ...) are refreshed
 
 const state = {
   key: localStorage.getItem(KEY_STORAGE) || "",
-  model: null,
+  model: null,         // the chosen model's id, sent as `model` in chat requests
+  models: [],          // the cards of /v1/models, as last fetched
+  modelsPoll: 0,       // the running /v1/models poll's number: a new one (after a key is given) ends the old
+  dashboardPath: undefined,  // the stream the dashboard reads; null: none (the chosen model is not loaded)
   messages: [],        // the conversation sent with every request
   chat: null,          // AbortController of the reply being streamed
   dashboard: null,     // AbortController of the dashboard stream
@@ -17,6 +22,7 @@ const state = {
 };
 
 const $ = (id) => document.getElementById(id);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 class Unauthorized extends Error {}
 
@@ -90,7 +96,8 @@ function addMessage(role, text) {
 
 // One assistant reply as it streams: reasoning folded, content, tool calls, a meta line.
 class Reply {
-  constructor() {
+  constructor(model) {
+    this.model = model;  // shown in the meta line when the page offers a choice of models
     this.node = addMessage("assistant", "");
     this.node.dataset.state = "streaming";
     this.reasoning = "";
@@ -133,7 +140,7 @@ class Reply {
 
   finish(outcome, usage) {
     this.node.dataset.state = outcome === "error" ? "error" : outcome === "stopped" ? "stopped" : "done";
-    const parts = [outcome];
+    const parts = this.model ? [outcome, this.model] : [outcome];
     if (usage) {
       parts.push(`${usage.completion_tokens} tokens`);
       const seconds = (performance.now() - (this.firstToken ?? this.started)) / 1000;
@@ -188,7 +195,7 @@ async function send(event) {
   $("prompt").value = "";
   state.messages.push({ role: "user", content: text });
   addMessage("user", text);
-  const reply = new Reply();
+  const reply = new Reply(hasPicker() ? state.model : null);
   const controller = new AbortController();
   state.chat = controller;
   setBusy(true);
@@ -217,6 +224,7 @@ async function send(event) {
     state.chat = null;
     setBusy(false);
   }
+  if (hasPicker()) refreshModels();  // the reply may have loaded its model: show it, and watch it
   state.messages.push(reply.message());
 }
 
@@ -236,13 +244,13 @@ function setConn(name, text) {
   $("conn").textContent = text || name;
 }
 
-async function runDashboard() {
+async function runDashboard(path) {
   if (state.dashboard) state.dashboard.abort();
   const controller = new AbortController();
   state.dashboard = controller;
   while (!controller.signal.aborted) {
     try {
-      const response = await api("/v1/dashboard/stream", { signal: controller.signal });
+      const response = await api(path, { signal: controller.signal });
       setConn("live");
       for await (const data of sseData(response)) render(JSON.parse(data));
     } catch (error) {
@@ -250,11 +258,20 @@ async function runDashboard() {
       if (error instanceof Unauthorized) { askForKey(state.key ? "That key was refused." : ""); return; }
     }
     setConn("reconnecting");
-    await new Promise((resolve) => setTimeout(resolve, RECONNECT_MS));
+    await sleep(RECONNECT_MS);
+    // Its model may have been unloaded: reopening the stream would load it again, so the list decides.
+    if (state.models.some((card) => card.status)) await refreshModels();
   }
 }
 
+function stopDashboard(card) {
+  if (state.dashboard) state.dashboard.abort();
+  state.dashboard = null;
+  setConn("waiting", card ? `${card.id}: ${modelState(card)}` : "no model");
+}
+
 function render(snapshot) {
+  $("dashboard").classList.remove("stale");
   document.body.dataset.role = snapshot.role;
   $("model").textContent = snapshot.model;
   state.history.push({ t: snapshot.time, tokens: snapshot.counters.generated_tokens,
@@ -413,20 +430,94 @@ function drawChart(canvas, points, now) {
   ctx.fillText(`max ${values.length ? Math.max(...values).toPrecision(3) : "–"}`, 2, height - 2);
 }
 
-// -- start -----------------------------------------------------------------------------------
-async function loadModel() {
-  try {
-    const models = await (await api("/v1/models")).json();
-    state.model = models.data[0]?.id ?? null;
-    if (state.model) $("model").textContent = state.model;
-  } catch (error) {
-    if (error instanceof Unauthorized) askForKey(state.key ? "That key was refused." : "");
-  }
+// -- models ----------------------------------------------------------------------------------
+// A multi-model server's cards carry `status` (unloaded, loading, loaded, unloading, failed);
+// a single model's card has none and is always served.
+const chosenCard = () => state.models.find((card) => card.id === state.model);
+const hasPicker = () => state.models.length > 1;
+
+function modelState(card) {
+  const status = card.status;
+  if (status.value === "loading" && status.progress) return `loading ${Math.round(100 * status.progress.fraction)}%`;
+  return status.value + (status.pinned ? ", pinned" : "");
 }
 
+// The poll stops on a 401 (the key form restarts it through connect()).
+async function pollModels() {
+  const poll = ++state.modelsPoll;
+  while (poll === state.modelsPoll && await refreshModels()) await sleep(MODELS_POLL_MS);
+}
+
+// false when the server wants a key; an unreachable list keeps the last one (none: the dashboard as ever).
+async function refreshModels() {
+  try {
+    const models = await (await api("/v1/models")).json();
+    showModels(models.data || []);
+  } catch (error) {
+    if (error instanceof Unauthorized) { askForKey(state.key ? "That key was refused." : ""); return false; }
+    followModel();
+  }
+  return true;
+}
+
+function showModels(cards) {
+  state.models = cards;
+  // Keep the choice while it is served; else a loaded model (watching it loads nothing), else the first.
+  if (!chosenCard()) state.model = (cards.find((card) => card.status?.value === "loaded") ?? cards[0])?.id ?? null;
+  if (state.model) $("model").textContent = state.model;
+  renderPicker();
+  followModel();
+}
+
+// Options are relabelled in place while the list stays the same, so an open drop-down stays open.
+function renderPicker() {
+  const select = $("model-select");
+  $("model-picker").hidden = !hasPicker();
+  const ids = state.models.map((card) => card.id);
+  const shown = [...select.options].map((option) => option.value);
+  if (shown.length !== ids.length || shown.some((id, i) => id !== ids[i])) {
+    select.replaceChildren(...ids.map((id) => Object.assign(el("option"), { value: id })));
+  }
+  state.models.forEach((card, i) => {
+    select.options[i].textContent = card.status ? `${card.id} — ${modelState(card)}` : card.id;
+    select.options[i].title = card.status?.error || "";
+  });
+  select.value = state.model ?? "";
+}
+
+function pickModel() {
+  state.model = $("model-select").value;
+  $("model").textContent = state.model;
+  followModel();
+}
+
+// The dashboard watches the chosen model only while it is loaded: its stream would load it, and an open
+// stream holds its model, so it is closed once the model starts to unload.
+function dashboardPath() {
+  const card = chosenCard();
+  if (!card?.status) return "/v1/dashboard/stream";  // one model (or no list): the server's own
+  return card.status.value === "loaded" ? `/v1/dashboard/stream?model=${encodeURIComponent(card.id)}` : null;
+}
+
+function followModel() {
+  const path = dashboardPath();
+  if (path === state.dashboardPath) {
+    if (path === null) stopDashboard(chosenCard());  // its state may have moved on (loading 40%)
+    return;
+  }
+  if (state.dashboardPath !== undefined) {  // another model's: its charts and figures are not this one's
+    state.history = [];
+    $("dashboard").classList.add("stale");  // until the first snapshot of the new stream
+  }
+  state.dashboardPath = path;
+  if (path === null) stopDashboard(chosenCard());
+  else runDashboard(path);
+}
+
+// -- start -----------------------------------------------------------------------------------
 function connect() {
-  loadModel();
-  runDashboard();
+  state.dashboardPath = undefined;  // the dashboard (re)starts with the first list
+  pollModels();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -438,6 +529,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("clear").addEventListener("click", () => { state.messages = []; $("chat-log").replaceChildren(); });
   $("key-form").addEventListener("submit", useKey);
   $("show-key").addEventListener("click", () => askForKey(""));
+  $("model-select").addEventListener("change", pickModel);
   $("api-key").value = state.key;
   connect();
 });

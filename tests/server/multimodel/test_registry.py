@@ -25,14 +25,16 @@ class FakeModels:
         self.sizes, self.failing = sizes, set(failing)
         self.running: set[str] = set()
         self.loads: list[str] = []
+        self.quiet: list[bool] = []
         self.gate: threading.Event | None = None
 
-    def __call__(self, spec: ModelSpec, progress) -> LoadedModel:
+    def __call__(self, spec: ModelSpec, progress, quiet: bool) -> LoadedModel:
         if self.gate is not None:
             assert self.gate.wait(30)
         if spec.name in self.failing:
             raise RuntimeError(f"cannot read {spec.source}")
         self.loads.append(spec.name)
+        self.quiet.append(quiet)
 
         @asynccontextmanager
         async def lifespan(app):
@@ -275,5 +277,20 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones():
         with pytest.raises(ModelUnavailable) as refused:
             await registry.acquire("gpt-5")
         assert refused.value.status == 404 and "a, b" in refused.value.message
+
+    _run(go())
+
+
+def test_a_load_is_quiet_only_while_another_model_serves_requests():
+    fake = FakeModels({"a": MIB, "b": MIB, "c": MIB})
+
+    async def go():
+        registry = ModelRegistry(_specs("a", "b", "c"), fake)
+        await _use(registry, "a")
+        async with registry.lease("a"):
+            await _use(registry, "b")  # a streams meanwhile: b loads on one thread
+        await _use(registry, "c")
+        assert fake.quiet == [False, True, False]
+        await registry.close()
 
     _run(go())

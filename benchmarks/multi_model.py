@@ -1,0 +1,240 @@
+"""Several models in one server (issue #40): what a switch costs, what a load does to the streams of the
+model already serving, and what two models served at once give against one.
+
+Usage:
+  python benchmarks/multi_model.py [--models-dir /work/bench-models] [--out benchmarks/results.md]
+
+Files (written once under --models-dir, not in the repo): two Llama-3.2-1B-shaped GGUFs (hidden 2048, 16
+layers, 32 / 8 heads, FFN 8192, tied embeddings, SmolLM2's tokenizer) in Q4_K_M's mix (Q6_K token
+embedding, attn_v and ffn_down; Q4_K the rest), random blocks written directly (no llama-quantize needed:
+the bytes a load reads and packs are what a quantized file's are); plus the bundled SmolLM2-135M.
+
+Three measurements, each on a fresh `conveyor serve` with several models:
+  switch   --models-max 1 over the two 1B files: A, B, then A again (evicted, its file in the page cache):
+           time to the first token of that request, which includes unloading B and loading A.
+  load     SmolLM2 streams 4 long greedy requests; meanwhile the 1B loads (POST /models/load): the
+           inter-token gaps of SmolLM2's streams during the load against those before it (p50, p99).
+  together C requests of 64 tokens on one 1B model alone, then C/2 on each of the two 1B models at once
+           (both loaded): output tokens per second, together / alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from quantized import copy_tokenizer, smollm2_path  # noqa: E402  (a sibling script)
+
+from conveyor.testing import random_blocks  # noqa: E402
+
+Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+
+
+def write_1b_q4_k_m(path: Path, seed: int) -> None:
+    hidden, layers, heads, kv_heads, ffn, ctx = 2048, 16, 32, 8, 8192, 4096
+    head_dim = hidden // heads
+    donor = gguf.GGUFReader(smollm2_path())
+    vocab = len(donor.fields["tokenizer.ggml.tokens"].data)
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(path.stem)
+    for add, value in ((w.add_context_length, ctx), (w.add_embedding_length, hidden), (w.add_block_count, layers),
+                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_rope_freq_base, 500000.0), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_rope_dimension_count, head_dim), (w.add_vocab_size, vocab)):
+        add(value)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    copy_tokenizer(w, donor)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, rows: int, cols: int, qtype) -> None:
+        w.add_tensor(name, random_blocks(rows, cols, qtype, rng, 0.02), raw_dtype=qtype)
+
+    matrix("token_embd.weight", vocab, hidden, Q6_K)
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden, Q4_K)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, Q4_K)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, Q6_K)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden, Q4_K)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q4_K)
+        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden, Q4_K)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn, Q6_K)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(path)
+
+
+def ensure_files(folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = (folder / "llama-1b-a-Q4_K_M.gguf", folder / "llama-1b-b-Q4_K_M.gguf")
+    for seed, path in enumerate(files):
+        if not path.exists():
+            print(f"writing {path}", flush=True)
+            write_1b_q4_k_m(path, seed)
+    return files
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log, "w")
+        env = {**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
+                                      "--no-webui", "--speculative-ngram", "0", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while True:
+            assert self.proc.poll() is None, f"server died, see {log}"
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One greedy streaming completion: time to first token and the arrival time of every token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start = time.perf_counter()
+    arrivals = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text"):
+                    arrivals.append(time.perf_counter())
+    return {"ttft": arrivals[0] - start, "arrivals": arrivals, "start": start}
+
+
+async def measure_switch(files: tuple[Path, Path], folder: Path) -> dict:
+    a, b = (f.stem for f in files)
+    server = Server(["--model", str(files[0]), "--model", str(files[1]), "--models-max", "1", "--parallel", "4",
+                     "--ctx-size", "8192"], folder / "switch.log")
+    try:
+        async with httpx.AsyncClient() as client:
+            first = (await stream(client, server.url, a, "Hello there", 8))["ttft"]  # cold: reads the file
+            to_b = (await stream(client, server.url, b, "Hello there", 8))["ttft"]
+            back = [(await stream(client, server.url, name, "Hello there", 8))["ttft"] for name in (a, b, a, b)]
+            warm = (await stream(client, server.url, b, "Hello there", 8))["ttft"]
+            cards = (await client.get(f"{server.url}/v1/models")).json()["data"]
+    finally:
+        server.stop()
+    loads = {c["id"]: c["status"] for c in cards}
+    return {"first_load_ttft_s": first, "switch_ttft_s": [to_b, *back], "loaded_ttft_s": warm,
+            "memory": {c["id"]: c["memory_bytes"] for c in cards if c["memory_bytes"]}, "states": loads}
+
+
+def _gaps(streams: list[dict], window: tuple[float, float]) -> list[float]:
+    lo, hi = window
+    return [t1 - t0 for s in streams for t0, t1 in zip(s["arrivals"], s["arrivals"][1:]) if lo <= t1 <= hi]
+
+
+async def measure_load_interference(files: tuple[Path, Path], folder: Path) -> dict:
+    smol = str(smollm2_path())
+    server = Server(["--model", smol, "--model", str(files[0]), "--models-max", "2", "--parallel", "4",
+                     "--ctx-size", "8192"], folder / "load.log")
+    try:
+        async with httpx.AsyncClient() as client:
+            name = Path(smol).stem
+            await stream(client, server.url, name, "Warm up", 8)
+            tasks = [asyncio.ensure_future(stream(client, server.url, name, f"Story {i}:", 900)) for i in range(4)]
+            await asyncio.sleep(6)  # the streams settle: the 'before' window
+            t_load = time.perf_counter()
+            await client.post(f"{server.url}/models/load", json={"model": files[0].stem}, timeout=600)
+            t_loaded = time.perf_counter()
+            streams = await asyncio.gather(*tasks)
+    finally:
+        server.stop()
+    before, during = _gaps(streams, (t_load - 5, t_load)), _gaps(streams, (t_load, t_loaded))
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000  # noqa: E731
+    return {"load_s": t_loaded - t_load, "itl_ms_before": {"p50": q(before, 50), "p99": q(before, 99), "n": len(before)},
+            "itl_ms_during": {"p50": q(during, 50), "p99": q(during, 99), "n": len(during)},
+            "p99_ratio": q(during, 99) / q(before, 99)}
+
+
+async def measure_together(files: tuple[Path, Path], folder: Path, concurrency: int) -> dict:
+    a, b = (f.stem for f in files)
+    server = Server(["--model", str(files[0]), "--model", str(files[1]), "--models-max", "2", "--parallel",
+                     str(concurrency), "--ctx-size", str(concurrency * 512)], folder / "together.log")
+    try:
+        async with httpx.AsyncClient() as client:
+            for name in (a, b):
+                await stream(client, server.url, name, "Warm up", 8)
+
+            async def run(names: list[str]) -> float:
+                start = time.perf_counter()
+                done = await asyncio.gather(*(stream(client, server.url, n, f"Item {i}:", 64)
+                                              for i, n in enumerate(names)))
+                return sum(len(d["arrivals"]) for d in done) / (time.perf_counter() - start)
+
+            alone = await run([a] * concurrency)
+            together = await run([a, b] * (concurrency // 2))
+            alone_again = await run([a] * concurrency)
+    finally:
+        server.stop()
+    one = (alone + alone_again) / 2
+    return {"concurrency": concurrency, "alone_tok_s": [alone, alone_again], "together_tok_s": together,
+            "ratio": together / one}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models-dir", type=Path, default=Path("/work/bench-models"))
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/multi_model.json")
+    args = p.parse_args()
+    files = ensure_files(args.models_dir)
+    logs = args.models_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    result = {"cpu": cpu, "cores": os.cpu_count(), "files": [f.name for f in files],
+              "file_bytes": [f.stat().st_size for f in files]}
+    result["switch"] = asyncio.run(measure_switch(files, logs))
+    print(json.dumps(result["switch"], indent=1), flush=True)
+    result["load"] = asyncio.run(measure_load_interference(files, logs))
+    print(json.dumps(result["load"], indent=1), flush=True)
+    result["together"] = asyncio.run(measure_together(files, logs, args.concurrency))
+    print(json.dumps(result["together"], indent=1), flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
