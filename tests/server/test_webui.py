@@ -71,10 +71,15 @@ def test_multi_model_server_gives_the_page_what_its_picker_reads(multi_model_dir
         assert 'id="model-select"' in client.get("/").text
         cards = client.get("/v1/models").json()["data"]
         assert [(c["id"], c["status"]["value"]) for c in cards] == [("alpha", "unloaded"), ("beta", "unloaded")]
+        # a GET of a model's state never loads it (nor holds it: a watching page never blocks an unload)
+        refused = client.get("/v1/dashboard", params={"model": "beta"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
+        assert client.post("/models/load", json={"model": "beta"}).status_code == 200
         snapshot = client.get("/v1/dashboard", params={"model": "beta"}).json()
         assert snapshot["model"] == "beta"
         states = {c["id"]: c["status"]["value"] for c in client.get("/v1/models").json()["data"]}
         assert states == {"alpha": "unloaded", "beta": "loaded"}
+        assert multi.registry.entries["beta"].num_active == 0
 
 
 def test_no_webui_flag_turns_the_page_off(serve_tiny):

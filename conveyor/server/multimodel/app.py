@@ -2,9 +2,10 @@
 every other request to the app of the model it names.
 
 The model is the body's `model` field (POST), else the `?model=` query parameter; a POST that names
-none goes to the first model listed, any other request to the most recently used loaded model. The
-request then holds its model (registry.lease) until its response, streamed or not, has been sent, and
-runs through that model's own app (server/app.py: every route a single-model server has).
+none goes to the first model listed, any other request to the most recently used loaded model. A POST
+then holds its model (registry.lease, loading it first) until its response, streamed or not, has been
+sent, and runs through that model's own app (server/app.py: every route a single-model server has). A
+GET reads a loaded model's state (/props, /slots, /v1/dashboard...) and neither loads nor holds it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class MultiModelApp:
             name = self._model_named(scope, body)
             if self.draining:
                 raise errors.overloaded()
+            if scope["method"] in ("GET", "HEAD"):
+                await self._observe(self._loaded(name).app, scope, receive, send)
+                return
             entry = await self._acquire_unless_gone(name, receive)
         except ModelUnavailable as exc:
             await _unavailable(exc).response(path)(scope, receive, send)
@@ -76,6 +80,20 @@ class MultiModelApp:
             await entry.app(scope, _replay(body, receive), send)
         finally:
             self.registry.release(entry)
+
+    def _loaded(self, name: str) -> ModelEntry:
+        entry = self.registry.entry(name)
+        if entry.state is not ModelState.LOADED:
+            raise ModelUnavailable(400, f"the model '{name}' is {entry.state.value}: a GET of its state (/props, "
+                                        "/slots, /v1/dashboard...) never loads a model; send it a request or POST "
+                                        "/models/load", "model_not_loaded")
+        return entry
+
+    @staticmethod
+    async def _observe(app, scope: Scope, receive: Receive, send: Send) -> None:
+        """A GET of a loaded model's state: answered by its app without holding the model, so a dashboard
+        watching it never keeps it from unloading (its stream ends when the model's engine stops)."""
+        await app(scope, receive, send)
 
     def _model_named(self, scope: Scope, body: bytes) -> str:
         named = None

@@ -180,7 +180,16 @@ def test_load_and_unload_by_request_and_without_autoload(models_dir):
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
         assert httpx.post(f"{url}/models/load", json={"model": "m1"}, timeout=60).json()["status"] == "loaded"
         assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
-        assert httpx.post(f"{url}/models/unload", json={"model": "m1"}, timeout=60).json()["status"] == "unloaded"
+        # a page watching m1's dashboard neither holds it nor blocks its unload; its stream ends with the model
+        with httpx.stream("GET", f"{url}/v1/dashboard/stream", params={"model": "m1"}, timeout=60) as watch:
+            lines = watch.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert multi.registry.entries["m1"].num_active == 0
+            assert httpx.post(f"{url}/models/unload", json={"model": "m1"}, timeout=60).json()["status"] == "unloaded"
+            for _ in lines:  # ends (the model's engine stopped), rather than hanging until the timeout
+                pass
+        refused = httpx.get(f"{url}/props", params={"model": "m1"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
         assert multi.registry.entries["m1"].unloads["requested"] == 1
         assert httpx.post(f"{url}/models/load", json={"model": "nope"}).status_code == 404
         assert httpx.post(f"{url}/models/load", json={}).status_code == 400
