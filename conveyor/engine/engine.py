@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.config import EngineConfig, parse_kv_budget, parse_preload_bytes
+from conveyor.engine.background import idle_priority
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.draft_setup import load_draft_model
@@ -105,14 +107,16 @@ class EngineCore:
                  draft_checkpoint: Checkpoint | None = None, progress: LoadProgress | None = None,
                  load_threads: int = 0) -> None:
         """load_threads: intra-op threads while loading (0: as when serving). A multi-model server loads with
-        one while other models stream, so their steps keep the cores (the kernels' pool included)."""
+        one while other models stream, at idle priority where it can (engine/background.py), so their steps
+        keep the cores (the kernels' pool included)."""
         if not (load_threads or config.threads):
             self._build(config, checkpoint, draft_checkpoint, progress)
             return
         serving_threads = config.threads or torch.get_num_threads()
         torch.set_num_threads(load_threads or serving_threads)  # this thread's; others keep theirs
         try:
-            self._build(config, checkpoint, draft_checkpoint, progress)
+            with idle_priority() if load_threads == 1 else contextlib.nullcontext():
+                self._build(config, checkpoint, draft_checkpoint, progress)
         finally:
             torch.set_num_threads(serving_threads)
 

@@ -373,8 +373,21 @@ class ModelRegistry:
 
 
 def _give_memory_back() -> None:
+    _forget_fastapi_endpoints()
     gc.collect()  # the engine's cycles hold its tensors
     trim_heap()
+
+
+def _forget_fastapi_endpoints() -> None:
+    """FastAPI keeps the endpoint functions of every app it has seen in module-level LRU caches (4,096 entries
+    in 0.165); ours close over their model's engine, so an unloaded model's weights stayed in memory (~0.7 GB
+    a switch on a 1B). Clear them; tests/server/multimodel checks that an unloaded model's core is freed."""
+    from fastapi.dependencies import models
+
+    for name in dir(models):
+        cache_clear = getattr(getattr(models, name), "cache_clear", None)
+        if name.endswith("_cached") and callable(cache_clear):
+            cache_clear()
 
 
 def _on_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
