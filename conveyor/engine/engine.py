@@ -126,7 +126,8 @@ class EngineCore:
         progress = progress or LoadProgress()
         if checkpoint is None:
             progress.set_stage("reading the checkpoint")
-            checkpoint = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision)
+            checkpoint = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision,
+                                         on_download=progress.download)
         self.model_name = checkpoint.name
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer

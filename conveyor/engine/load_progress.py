@@ -35,6 +35,7 @@ class LoadProgress:
         self.started = time.monotonic()
         self.num_tensors = self.num_tensors_done = 0
         self.num_bytes = self.num_bytes_done = 0
+        self.download_bytes = self.download_bytes_total = 0  # a Hub download before the load (loading/hub.py)
         self._show_bar = sys.stderr.isatty() if show_bar is None else show_bar
         self._bar: Any = None
         self._next_log = LOG_EVERY
@@ -43,6 +44,16 @@ class LoadProgress:
         with self._lock:
             self.stage = stage
         logger.info("loading: %s", stage)
+
+    def download(self, done: int, total: int) -> None:
+        """A Hub download's bytes so far (huggingface_hub shows its own bar on a terminal)."""
+        with self._lock:
+            stage = self.stage
+            self.download_bytes, self.download_bytes_total = done, total
+        if total and done >= total:
+            self.set_stage("reading the checkpoint")
+        elif stage != "downloading":
+            self.set_stage("downloading")
 
     def track(self, weights: Mapping[str, Weight]) -> Mapping[str, Weight]:
         """`weights` as the model reads them, counting each tensor the first time it is taken."""
@@ -79,7 +90,10 @@ class LoadProgress:
             return {"stage": self.stage, "tensors": self.num_tensors_done, "tensors_total": self.num_tensors,
                     "bytes": self.num_bytes_done, "bytes_total": self.num_bytes,
                     "fraction": round(self.num_bytes_done / self.num_bytes, 4) if self.num_bytes else 0.0,
-                    "elapsed_s": round(time.monotonic() - self.started, 1)}
+                    "elapsed_s": round(time.monotonic() - self.started, 1),
+                    **({"download": {"bytes": self.download_bytes, "bytes_total": self.download_bytes_total,
+                                     "fraction": round(self.download_bytes / self.download_bytes_total, 4)
+                                     if self.download_bytes_total else 0.0}} if self.download_bytes_total else {})}
 
 
 class _Tracked(Mapping):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx2  # huggingface_hub's transport: its connection errors mean "use the cache"
@@ -16,8 +17,11 @@ from huggingface_hub import HfApi, constants, get_cached_repo_tree, get_token, s
 from huggingface_hub.errors import (CachedRepoTreeNotFoundError, GatedRepoError, HfHubHTTPError,
                                     LocalEntryNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
                                     RevisionNotFoundError)
+from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from conveyor.loading.checkpoint import LoadError
+
+DownloadReport = Callable[[int, int], None]  # (bytes written, bytes in all) of a download under way
 
 # What load_hf_dir reads: config, weights, tokenizer (json / sentencepiece .model / vocab .txt), chat template.
 HF_DIR_SUFFIXES = (".json", ".safetensors", ".jinja", ".model", ".txt")
@@ -47,8 +51,10 @@ def parse_hub_spec(text: str, filename: str | None = None, revision: str | None 
     return HubSpec(repo_id, quant or None, filename, revision)
 
 
-def resolve_model(model: str | None, hf_file: str | None = None, revision: str | None = None) -> str | None:
-    """A local path as is (None = the default model); a Hub name -> its cached directory or GGUF file."""
+def resolve_model(model: str | None, hf_file: str | None = None, revision: str | None = None,
+                  on_download: DownloadReport | None = None) -> str | None:
+    """A local path as is (None = the default model); a Hub name -> its cached directory or GGUF file
+    (on_download(bytes, total) as the files are written: /health's progress while a server waits)."""
     if model is None or os.path.exists(os.path.expanduser(model)):
         if hf_file or revision:
             raise LoadError(f"--hf-file and --revision apply to Hugging Face Hub names, not to {model or 'the default model'}")
@@ -57,7 +63,7 @@ def resolve_model(model: str | None, hf_file: str | None = None, revision: str |
     if spec is None:
         return model  # load_checkpoint reports the missing path
     try:
-        return _resolve(spec)
+        return _resolve(spec, on_download)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise LoadError(f"{spec.name}: no space left on the device of the Hugging Face cache "
@@ -65,11 +71,11 @@ def resolve_model(model: str | None, hf_file: str | None = None, revision: str |
         raise
 
 
-def _resolve(spec: HubSpec) -> str:
+def _resolve(spec: HubSpec, on_download: DownloadReport | None) -> str:
     files = _list_files(spec)
     gguf = _pick_gguf(spec, files)
     wanted = [gguf] if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
-    folder = _download(spec, wanted)
+    folder = _download(spec, wanted, on_download)
     return os.path.join(folder, gguf) if gguf else folder
 
 
@@ -128,17 +134,37 @@ def _refuse_split(spec: HubSpec, filename: str) -> str:
     return filename
 
 
-def _download(spec: HubSpec, wanted: list[str]) -> str:
+def _download(spec: HubSpec, wanted: list[str], on_download: DownloadReport | None = None) -> str:
     """The snapshot folder holding `wanted` (downloaded, or found in the cache offline)."""
     # NOTE: snapshot_download also for one GGUF (not hf_hub_download): it records the repo's listing in the
     # cache, which is what lets _list_files pick the same file offline.
+    bars = _reporting_bar(on_download) if on_download is not None else None
     try:
-        return snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=wanted)
+        return snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=wanted, tqdm_class=bars)
     except LocalEntryNotFoundError:
         raise LoadError(f"{spec.name}: not (completely) in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                         f"{constants.ENDPOINT} cannot be reached (or HF_HUB_OFFLINE is set); download it once online") from None
     except HfHubHTTPError as exc:
         raise _http_error(spec, exc) from None
+
+
+def _reporting_bar(report: DownloadReport) -> type:
+    """huggingface_hub's bars (shown on a terminal as before) that also report the snapshot's bytes written:
+    its "huggingface_hub.snapshot_download" bar sums every file's."""
+
+    class ReportingBar(hf_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            self._reports = kwargs.get("name") == "huggingface_hub.snapshot_download"
+            self._done = 0
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1):
+            if self._reports and n:
+                self._done += int(n)
+                report(self._done, int(self.total or 0))
+            return super().update(n)
+
+    return ReportingBar
 
 
 def _http_error(spec: HubSpec, exc: HfHubHTTPError) -> LoadError:

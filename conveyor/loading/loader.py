@@ -8,14 +8,15 @@ from conveyor.loading.checkpoint import Checkpoint, LoadError
 from conveyor.loading.default_model import default_model_path
 from conveyor.loading.gguf_loader import load_gguf
 from conveyor.loading.hf_loader import load_hf_dir
-from conveyor.loading.hub import resolve_model
+from conveyor.loading.hub import DownloadReport, resolve_model
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, *, hf_file: str | None = None,
-                    revision: str | None = None) -> Checkpoint:
+                    revision: str | None = None, on_download: DownloadReport | None = None) -> Checkpoint:
     """None -> the default model; a directory -> Hugging Face format; a *.gguf file -> GGUF;
-    ORG/NAME[:QUANT] (not a local path) -> downloaded from the Hub, then one of those."""
-    path = resolve_model(os.fspath(path) if path is not None else None, hf_file, revision)
+    ORG/NAME[:QUANT] (not a local path) -> downloaded from the Hub (on_download(bytes, total) as it
+    goes), then one of those."""
+    path = resolve_model(os.fspath(path) if path is not None else None, hf_file, revision, on_download)
     given = os.path.abspath(os.path.expanduser(path)) if path is not None else default_model_path()
     resolved = os.path.realpath(given)
     if os.path.isdir(resolved):

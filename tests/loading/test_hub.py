@@ -268,3 +268,25 @@ def test_pull_ls_rm_manage_the_cache(fake_hub, capsys):
     assert "not in the Hugging Face cache" in capsys.readouterr().err
     assert main(["pull", "org/nope"]) == 1 and "no such model repo" in capsys.readouterr().err
     assert main(["pull", "not a name"]) == 2
+
+
+def test_download_progress_reaches_the_load_progress_that_health_shows(fake_hub):
+    from conveyor.engine.load_progress import LoadProgress
+
+    reports: list[tuple[int, int]] = []
+    progress = LoadProgress(show_bar=False)
+
+    def report(done: int, total: int) -> None:
+        reports.append((done, total))
+        progress.download(done, total)
+
+    hub.resolve_model("org/tiny", on_download=report)
+    total = reports[-1][1]
+    assert total > 0 and reports[-1][0] == total  # every byte of the snapshot, in order
+    assert [done for done, _ in reports] == sorted(done for done, _ in reports)
+    view = progress.view()
+    assert view["download"] == {"bytes": total, "bytes_total": total, "fraction": 1.0}
+    assert view["stage"] == "reading the checkpoint"  # the download is over; the load goes on
+    reports.clear()
+    hub.resolve_model("org/tiny", on_download=report)  # cached: nothing to download, nothing reported
+    assert not reports or reports[-1][0] == reports[-1][1]
