@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -476,12 +477,13 @@ def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
 
 
 def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = None, head_type: int | None = None,
-                    seed: int = 0) -> str:
+                    seed: int = 0, split_max_tensors: int = 0) -> str:
     """A 2-layer random llama GGUF (byte-level vocabulary of 97 tokens) with its matrices in GGML types.
 
     `types`: one type for every layer matrix, or a map from the llama.cpp name (attn_q, ffn_down, ...; a
     missing name is F32) to its type. The embedding is `embed_type` (default: the matrices' first type);
-    the head is tied unless `head_type` is given. Norms are F32, as llama.cpp writes them.
+    the head is tied unless `head_type` is given. Norms are F32, as llama.cpp writes them. split_max_tensors:
+    written as a split GGUF (`<stem>-00001-of-0000N.gguf`...) as gguf-split does; the first part's path returned.
     """
     gen = np.random.default_rng(seed)
     cfg = TINY_GGUF
@@ -490,7 +492,7 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     head_dim = h // heads
     by_name = types if isinstance(types, dict) else {name: types for name in _MATRICES}
     vocab = TINY_VOCAB_SIZE
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["context_length"])
     writer.add_embedding_length(h)
@@ -524,6 +526,8 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors and len(writer.tensors) > 1:
+        return str(writer.format_shard_names(Path(path))[0])
     return str(path)
 
 

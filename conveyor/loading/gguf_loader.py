@@ -97,6 +97,8 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps":
 # Tensors that only feed the config (rope_freqs, Phi-3's longrope factors -> rope_scaling).
 CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
+# A part of a split GGUF: "model-Q4_K_M-00001-of-00003.gguf".
+_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
                 gguf.GGMLQuantizationType.BF16: torch.bfloat16}
@@ -138,13 +140,24 @@ class _Reader(gguf.GGUFReader):
 
 
 def load_gguf(path: str) -> Checkpoint:
-    try:
-        reader = _Reader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    """One GGUF file, or a split one from any of its parts (`NAME-00001-of-00003.gguf`, as llama.cpp's
+    gguf-split and convert_hf_to_gguf --split-max-size write them: the metadata in the first)."""
+    parts = split_parts(path)
+    readers = []
+    for part in parts:
+        try:
+            readers.append(_Reader(part))
+        except (ValueError, OSError, IndexError) as exc:
+            raise LoadError(f"{part}: not a readable GGUF file ({exc})") from exc
+    reader = readers[0]
+    if len(readers) > 1:
+        _check_split(readers, parts)
+        reader.tensors = [t for r in readers for t in r.tensors]  # each a view of its own part's mapping
+    path = parts[0]
     config = config_from_gguf(reader, path)
     arch = field_value(reader, "general.architecture")
-    mapping = _FileMapping(reader)
+    mapping = _FileMappings([_FileMapping(r) for r in readers])
+    del readers
     weights: dict[str, Weight] = {}
     hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
     for tensor in reader.tensors:
@@ -268,8 +281,33 @@ def _rows(weight: Weight, start: int, end: int) -> Weight:
 
 
 def model_name(path: str) -> str:
-    stem = os.path.basename(path).removesuffix(".gguf")
+    stem = _SPLIT_SUFFIX.sub("", os.path.basename(path)).removesuffix(".gguf")
     return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+def split_parts(path: str) -> list[str]:
+    """Every part of the split GGUF `path` is one of, in order; [path] for a whole file."""
+    match = _SPLIT_SUFFIX.search(path)
+    if match is None:
+        return [path]
+    count, stem = int(match.group(2)), path[:match.start()]
+    parts = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [os.path.basename(p) for p in parts if not os.path.exists(p)]
+    if missing:
+        raise LoadError(f"{path} is one of {count} parts of a split GGUF; missing beside it: {', '.join(missing)}")
+    return parts
+
+
+def _check_split(readers: list[gguf.GGUFReader], parts: list[str]) -> None:
+    """Each part says it is number i of n (gguf-split's split.* keys), and the parts hold every tensor."""
+    for i, (reader, part) in enumerate(zip(readers, parts)):
+        number, count = field_value(reader, "split.no"), field_value(reader, "split.count")
+        if (number, count) != (i, len(parts)):
+            raise LoadError(f"{part}: its metadata says part {number} of {count}, its name part {i} of {len(parts)}")
+    expected = field_value(readers[0], "split.tensors.count")
+    found = sum(len(r.tensors) for r in readers)
+    if expected is not None and int(expected) != found:
+        raise LoadError(f"{parts[0]}: the split GGUF's parts hold {found} tensors, its metadata says {expected}")
 
 
 def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str, flatten_heads: bool = False) -> Weight:
@@ -334,6 +372,23 @@ def _unpermute(arch: str, config: ModelConfig, name: str, weight: Weight, releas
     permuted = rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
     release(rows)
     return QuantizedTensor(weight.qtype, weight.shape, permuted) if isinstance(weight, QuantizedTensor) else permuted
+
+
+class _FileMappings:
+    """A split GGUF's mappings, one per part: each tensor's pages released from the part it is a view of."""
+
+    def __init__(self, mappings: list[_FileMapping]) -> None:
+        self._mappings = mappings
+
+    def release(self, tensor: torch.Tensor) -> None:
+        for mapping in self._mappings:
+            if mapping.holds(tensor):
+                mapping.release(tensor)
+                return
+
+    def release_all(self) -> None:
+        for mapping in self._mappings:
+            mapping.release_all()
 
 
 class _FileMapping:

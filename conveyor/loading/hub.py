@@ -28,7 +28,7 @@ HF_DIR_SUFFIXES = (".json", ".safetensors", ".jinja", ".model", ".txt")
 # llama-server's default when -hf names no quantization and the repo has several.
 DEFAULT_QUANT = "Q4_K_M"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+_SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def resolve_model(model: str | None, hf_file: str | None = None, revision: str |
 def _resolve(spec: HubSpec, on_download: DownloadReport | None) -> str:
     files = _list_files(spec)
     gguf = _pick_gguf(spec, files)
-    wanted = [gguf] if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
+    wanted = split_parts_of(gguf) if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
     folder = _download(spec, wanted, on_download)
     return os.path.join(folder, gguf) if gguf else folder
 
@@ -103,7 +103,7 @@ def _pick_gguf(spec: HubSpec, files: list[str]) -> str | None:
             raise LoadError(f"{spec.name} has no file {spec.filename}; files: {_few(files)}")
         if not spec.filename.endswith(".gguf"):
             raise LoadError(f"--hf-file names a GGUF file; for a safetensors repo pass only --model {spec.repo_id}")
-        return _refuse_split(spec, spec.filename)
+        return _first_part(spec, spec.filename, files)
     top = [f for f in files if "/" not in f]
     if spec.quant is None and "config.json" in top and any(f.endswith(".safetensors") for f in top):
         return None
@@ -115,10 +115,8 @@ def _pick_gguf(spec: HubSpec, files: list[str]) -> str | None:
     candidates = _matching(ggufs, spec.quant) if spec.quant else ggufs
     if spec.quant is None and len(candidates) > 1:
         candidates = _matching(ggufs, DEFAULT_QUANT) or candidates
-    if len(candidates) == 1:
-        return _refuse_split(spec, candidates[0])
-    if candidates and all(_SPLIT_GGUF.search(f) for f in candidates):
-        return _refuse_split(spec, candidates[0])
+    if len({_SPLIT_GGUF.sub("", f) for f in candidates}) == 1:  # one file, or the parts of one split file
+        return _first_part(spec, candidates[0], files)
     what = f"no GGUF file matches :{spec.quant}" if not candidates else "several GGUF files match"
     raise LoadError(f"{spec.name}: {what}; pick one with ORG/NAME:QUANT or --hf-file: {_few(candidates or ggufs)}")
 
@@ -127,11 +125,26 @@ def _matching(ggufs: list[str], quant: str) -> list[str]:
     return [f for f in ggufs if quant.lower() in os.path.basename(f).lower()]
 
 
-def _refuse_split(spec: HubSpec, filename: str) -> str:
-    if _SPLIT_GGUF.search(filename):
-        raise LoadError(f"{spec.name}: {filename} is one part of a split GGUF, which conveyor does not load yet; "
-                        "merge the parts with llama-gguf-split --merge and pass the .gguf file")
-    return filename
+def _first_part(spec: HubSpec, filename: str, files: list[str]) -> str:
+    """A split GGUF is named by its first part (loading/gguf_loader.py finds the rest beside it)."""
+    match = _SPLIT_GGUF.search(filename)
+    if match is None:
+        return filename
+    parts = split_parts_of(filename)
+    missing = [p for p in parts if p not in files]
+    if missing:
+        raise LoadError(f"{spec.name}: {filename} is one part of a split GGUF whose other parts are not in the repo: "
+                        f"{_few(missing)}")
+    return parts[0]
+
+
+def split_parts_of(filename: str) -> list[str]:
+    """All parts' names of the split GGUF `filename` is a part of; [filename] for a whole file."""
+    match = _SPLIT_GGUF.search(filename)
+    if match is None:
+        return [filename]
+    count, stem = int(match.group(2)), filename[:match.start()]
+    return [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
 def _download(spec: HubSpec, wanted: list[str], on_download: DownloadReport | None = None) -> str:

@@ -93,3 +93,28 @@ def test_llama3_rope_factors_match_transformers() -> None:
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     np.testing.assert_allclose(llama3_rope_factors(scaling, 500000.0, 64), (plain / inv_freq).numpy(), rtol=1e-5)
+
+
+def test_a_split_gguf_loads_from_any_part_as_the_whole_file(tmp_path):
+    """llama.cpp's gguf-split layout (`NAME-0000i-of-0000n.gguf`, metadata in the first): the same weights as
+    the whole file, whichever part is named; a missing or mislabelled part is a one-line LoadError."""
+    import shutil
+
+    from conveyor.testing import write_tiny_gguf
+
+    (tmp_path / "whole").mkdir()
+    whole = load_checkpoint(write_tiny_gguf(tmp_path / "whole" / "tiny-Q8_0.gguf", Q.Q8_0))
+    first = write_tiny_gguf(tmp_path / "tiny-Q8_0.gguf", Q.Q8_0, split_max_tensors=8)
+    assert first.endswith("tiny-Q8_0-00001-of-00003.gguf")
+    for part in (first, first.replace("00001-of", "00003-of")):
+        split = load_checkpoint(part)
+        assert split.name == "tiny" and split.source == first and set(split.weights) == set(whole.weights)
+        assert all(torch.equal(getattr(split.weights[k], "raw", split.weights[k]),
+                               getattr(whole.weights[k], "raw", whole.weights[k])) for k in whole.weights)
+    second = first.replace("00001-of", "00002-of")
+    shutil.move(second, tmp_path / "elsewhere.gguf")
+    with pytest.raises(LoadError, match="one of 3 parts of a split GGUF; missing beside it: tiny-Q8_0-00002-of-00003.gguf"):
+        load_checkpoint(first)
+    shutil.copy(first.replace("00001-of", "00003-of"), second)  # part 3's bytes under part 2's name
+    with pytest.raises(LoadError, match="its metadata says part 2 of 3, its name part 1 of 3"):
+        load_checkpoint(first)

@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 import gguf
 import huggingface_hub.constants as hf_constants
 import pytest
+import torch
 
 from conveyor.cli import build_parser
 from conveyor.config import ConfigError, EngineConfig, load_configs
@@ -116,12 +117,16 @@ def repos(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     (root / "gguf").mkdir()
     quants = {f"tiny-{t.name}.gguf": Path(write_tiny_gguf(root / "gguf" / f"tiny-{t.name}.gguf", t)).read_bytes()
               for t in (Q.Q8_0, Q.Q4_0)}
+    (root / "split").mkdir()
+    write_tiny_gguf(root / "split" / "tiny-Q8_0.gguf", Q.Q8_0, split_max_tensors=8)  # as gguf-split writes it
+    split = {p.name: p.read_bytes() for p in sorted((root / "split").iterdir())}
     return {
         "org/tiny": hf_dir,
         "org/tiny-GGUF": {**quants, "README.md": b"# quants"},
         "org/private": hf_dir,
         "org/readme-only": {"README.md": b"# nothing to load"},
-        "org/split-GGUF": {"tiny-Q8_0-00001-of-00002.gguf": b"part 1", "tiny-Q8_0-00002-of-00002.gguf": b"part 2"},
+        "org/split-GGUF": split,
+        "org/broken-split-GGUF": {"tiny-Q8_0-00001-of-00003.gguf": b"part 1", "tiny-Q8_0-00003-of-00003.gguf": b"3"},
     }
 
 
@@ -197,7 +202,8 @@ def test_hf_file_and_revision_select_like_the_flags(fake_hub):
     ("org/readme-only", r"no usable model files .*files: README.md"),
     ("org/tiny-GGUF", "several GGUF files match; pick one with ORG/NAME:QUANT or --hf-file: tiny-Q4_0.gguf, tiny-Q8_0.gguf"),
     ("org/tiny-GGUF:Q5_K", "no GGUF file matches :Q5_K; pick one .*: tiny-Q4_0.gguf, tiny-Q8_0.gguf$"),
-    ("org/split-GGUF", "part of a split GGUF.*llama-gguf-split --merge"),
+    ("org/broken-split-GGUF", r"one part of a split GGUF whose other parts are not in the repo: "
+                              r"tiny-Q8_0-00002-of-00003.gguf"),
 ])
 def test_errors_are_one_line_that_says_what_to_do(fake_hub, spec, words):
     with pytest.raises(LoadError, match=words) as info:
@@ -290,3 +296,16 @@ def test_download_progress_reaches_the_load_progress_that_health_shows(fake_hub)
     reports.clear()
     hub.resolve_model("org/tiny", on_download=report)  # cached: nothing to download, nothing reported
     assert not reports or reports[-1][0] == reports[-1][1]
+
+
+def test_a_split_gguf_downloads_every_part_and_loads_as_the_whole_file(fake_hub, repos, tmp_path):
+    first = hub.resolve_model("org/split-GGUF")
+    assert first.endswith("tiny-Q8_0-00001-of-00003.gguf")
+    assert sorted(p.name for p in Path(first).parent.iterdir()) == sorted(repos["org/split-GGUF"])
+    whole = load_checkpoint(write_tiny_gguf(tmp_path / "tiny-Q8_0.gguf", Q.Q8_0))
+    split = load_checkpoint("org/split-GGUF:Q8_0")
+    assert split.name == whole.name == "tiny" and set(split.weights) == set(whole.weights)
+    assert all(torch.equal(getattr(split.weights[k], "raw", split.weights[k]), getattr(whole.weights[k], "raw", whole.weights[k]))
+               for k in whole.weights)
+    # --hf-file may name any part
+    assert hub.resolve_model("org/split-GGUF", hf_file="tiny-Q8_0-00002-of-00003.gguf") == first

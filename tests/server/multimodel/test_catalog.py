@@ -29,13 +29,24 @@ def test_names_are_llama_server_router_names(tmp_path):
 def test_models_dir_offers_gguf_files_and_model_directories(tmp_path):
     _touch(tmp_path / "b-model.gguf")
     _touch(tmp_path / "mmproj-b-model-f16.gguf")  # a vision projector, not a model
-    _touch(tmp_path / "big-00002-of-00003.gguf")  # a split part
+    _touch(tmp_path / "big-Q4_K_M-00001-of-00002.gguf")  # a split GGUF: named by its first part
+    _touch(tmp_path / "big-Q4_K_M-00002-of-00002.gguf", b"xx")
     _touch(tmp_path / "hf-dir" / "config.json", b"{}")
     _touch(tmp_path / "wrapped" / "inner-Q8_0.gguf")  # a folder with one GGUF: named as the folder
     _touch(tmp_path / "notes" / "README.md")
     found = scan_models_dir(str(tmp_path))
-    assert found == [("b-model", str(tmp_path / "b-model.gguf")), ("hf-dir", str(tmp_path / "hf-dir")),
+    assert found == [("b-model", str(tmp_path / "b-model.gguf")),
+                     ("big-Q4_K_M", str(tmp_path / "big-Q4_K_M-00001-of-00002.gguf")), ("hf-dir", str(tmp_path / "hf-dir")),
                      ("wrapped", str(tmp_path / "wrapped" / "inner-Q8_0.gguf"))]
+
+
+def test_a_split_ggufs_size_is_all_its_parts(tmp_path):
+    from conveyor.server.multimodel.catalog import source_bytes
+
+    first = _touch(tmp_path / "m-00001-of-00002.gguf", b"abc")
+    _touch(tmp_path / "m-00002-of-00002.gguf", b"defgh")
+    _touch(tmp_path / "other.gguf", b"z" * 100)
+    assert source_bytes(first) == 8
 
 
 def test_each_model_gets_the_server_flags_its_name_and_nothing_of_another(tmp_path):
