@@ -6,56 +6,27 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from conveyor.config import EngineConfig, ModelsConfig, ServerConfig
+from conveyor.config import ModelsConfig, ServerConfig
 from conveyor.loading import load_checkpoint
 from conveyor.server.multimodel.registry import ModelState
-from conveyor.server.multimodel.serve import MultiModelLifecycle, build_multi_model_app
-from conveyor.server.lifecycle import GracefulServer
 from conveyor.testing import write_tiny_model_dir
 
 from tests.cluster.cluster_harness import free_port
 from tests.server.conftest import serve  # a single-model server on a free port
+from tests.server.multimodel.conftest import ENGINE, serve_multi
 
-ENGINE = EngineConfig(parallel=2, kv_cache_budget="8M", max_queue_depth=64)
 NAMES = ("m0", "m1", "m2")
 PROMPTS = ("Tell me about the sea", "One two three", "Why is the sky blue?")
-
-
-@contextmanager
-def serve_multi(models: ModelsConfig, server: ServerConfig | None = None) -> Iterator[tuple[str, object]]:
-    multi = build_multi_model_app(models, ENGINE, server or ServerConfig(metrics=True))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = GracefulServer(uvicorn.Config(multi, log_level="warning", timeout_graceful_shutdown=2),
-                        MultiModelLifecycle(multi, 5.0))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the multi-model server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", multi
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
