@@ -49,6 +49,13 @@ class _Abort:
 
 
 @dataclass
+class _Suspend:
+    """Park the unfinished requests and free the model (EngineCore.suspend); the thread then ends."""
+
+    future: concurrent.futures.Future
+
+
+@dataclass
 class _Call:
     """Run fn(core) on the engine thread between steps (slot save/restore touch the pool and the KV tensors)."""
 
@@ -72,6 +79,11 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self.dead_reason: str | None = None
         self.accepting = True
+        # Suspended (a multi-model server made room): no thread, the model freed, requests parked with their
+        # streams open and new ones queued, until resume() builds the model again.
+        self.suspended = False
+        self._suspending = False  # the engine thread is leaving for a suspend: commands stay queued
+        self._parked: list = []
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -86,25 +98,61 @@ class AsyncEngine:
         built = threading.Event()
         failure: list[BaseException] = []
 
+        def build() -> None:
+            engine.core = EngineCore(config, checkpoint, progress=progress, load_threads=load_threads)
+            engine.max_queue_depth = kwargs.get("max_queue_depth") or config.max_queue_depth
+
+        engine._build_and_run(build)
+        return engine
+
+    def _build_and_run(self, build: Callable[[], None]) -> None:
+        """build() on a new thread that then steps the core (once start() gave it a loop); raises build's error."""
+        built = threading.Event()
+        failure: list[BaseException] = []
+
         def build_then_run() -> None:
             try:
-                engine.core = EngineCore(config, checkpoint, progress=progress, load_threads=load_threads)
-                engine.max_queue_depth = kwargs.get("max_queue_depth") or config.max_queue_depth
+                build()
             except BaseException as exc:  # reported to the caller below
                 failure.append(exc)
                 return
             finally:
                 built.set()
-            engine._loop_ready.wait()
-            if not engine._stop.is_set():
-                engine._run()
+            self._loop_ready.wait()
+            if not self._stop.is_set():
+                self._run()
 
-        engine._thread = threading.Thread(target=build_then_run, name="conveyor-engine", daemon=True)
-        engine._thread.start()
+        self._thread = threading.Thread(target=build_then_run, name="conveyor-engine", daemon=True)
+        self._thread.start()
         built.wait()
         if failure:
             raise failure[0]
-        return engine
+
+    # -- suspend and resume (a multi-model server's preemption) ---------------------------------
+    async def suspend(self) -> None:
+        """Stop stepping and free the model: every unfinished request is parked, its stream left open, to go
+        on after resume(); requests submitted meanwhile wait in the command queue."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Suspend(future))
+        self._parked = await asyncio.wrap_future(future)
+        thread = self._thread
+        await asyncio.to_thread(thread.join)
+        self.suspended = True
+
+    def resume(self, progress: LoadProgress | None = None, load_threads: int = 0,
+               checkpoint: Checkpoint | None = None) -> None:
+        """Build the model again (from config.model, or `checkpoint`), on the thread that will step it, and carry
+        on with the parked requests (and the commands queued meanwhile: aborts of requests whose clients left
+        are applied before any step). Blocking: call it from a loading thread."""
+        assert self.suspended, "resume() follows suspend()"
+        old = self.core
+
+        def build() -> None:
+            core = EngineCore(old.config, checkpoint, progress=progress, load_threads=load_threads)
+            core.resume_parked(self._parked, old._ids)
+            self.core, self._parked, self.suspended, self._suspending = core, [], False, False
+
+        self._build_and_run(build)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_event_loop()
@@ -117,6 +165,8 @@ class AsyncEngine:
         self._loop_ready.set()
 
     def shutdown(self) -> None:
+        if self.suspended:  # parked and queued requests never ran again: their streams end here
+            self._end_streams("abort", "the model was unloaded before this request could resume")
         self._stop.set()
         self._commands.put(None)
         self._loop_ready.set()  # a from_config thread still waiting for start() exits
@@ -131,7 +181,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.core.scheduler.num_waiting + self._pending_adds
+        return self.core.scheduler.num_waiting + len(self._parked) + self._pending_adds
 
     @property
     def num_running(self) -> int:
@@ -144,7 +194,7 @@ class AsyncEngine:
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
         """Enqueue a validated request; raises QueueFullError / EngineDeadError instead of queueing."""
-        if not self.is_alive:
+        if not (self.is_alive or self.suspended):
             raise EngineDeadError(self.dead_reason or "engine is not running")
         if not self.accepting:
             raise QueueFullError("server is shutting down")
@@ -163,7 +213,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """fn(core)'s result, run on the engine thread between two steps; its exception is raised here."""
-        if not self.is_alive:
+        if not (self.is_alive or self.suspended):
             raise EngineDeadError(self.dead_reason or "engine is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Call(fn, future))
@@ -187,7 +237,8 @@ class AsyncEngine:
         try:
             self._loop_steps()
         finally:
-            self._close_core()
+            if not self._suspending:
+                self._close_core()
 
     def _close_core(self) -> None:
         """On the way out: calls still queued fail, and the core spills its prefix cache to disk."""
@@ -248,6 +299,15 @@ class AsyncEngine:
                     command.future.set_result(command.fn(self.core))
                 except Exception as exc:  # the caller's to report
                     command.future.set_exception(exc)
+            elif isinstance(command, _Suspend):
+                self._suspending = True
+                try:
+                    command.future.set_result(self.core.suspend())
+                except Exception as exc:
+                    self._suspending = False
+                    command.future.set_exception(exc)
+                    continue
+                return False
             if outputs:
                 self._deliver(outputs)
 
@@ -266,6 +326,11 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put_nowait(out)
+
+    def _end_streams(self, finish_reason: str, error: str) -> None:
+        if self._loop is not None:
+            self._deliver([RequestOutput(rid, finished=True, finish_reason=finish_reason, error=error)
+                           for rid in list(self._streams)])
 
     def _die(self, reason: str) -> None:
         logger.error("engine stopping: %s", reason)

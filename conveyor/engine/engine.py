@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,15 @@ class EngineCounters:
     num_failed_steps: int = 0
     consecutive_failures: int = 0
     batch_size_counts: dict[int, int] = field(default_factory=dict)  # rows per forward -> forwards
+
+
+@dataclass
+class ParkedRequest:
+    """An unfinished request of a suspended core (EngineCore.suspend), with what its stream goes on from."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    rng_state: bytes | None  # a seeded request's generator
 
 
 class EngineCore:
@@ -438,6 +448,33 @@ class EngineCore:
                 detok.add_token(token)
             detok.take_delta(False)
         if not self.kv_transfer.admit(request):
+            self.scheduler.add_request(request)
+
+    def suspend(self) -> list[ParkedRequest]:
+        """Free the model (weights, KV pool, states) for another to load; the unfinished requests come out with
+        their detokenizers and seeded generators, to resume on a new core of this model (resume_parked). What
+        is left (tokenizer, config, grammars) still validates requests meanwhile (make_request). Engine thread."""
+        sampler = self.runner.sampler
+        parked = [ParkedRequest(r, self._detokenizers.pop(r.request_id, None), sampler.generator_state(r.request_id))
+                  for r in self.scheduler.take_all()]
+        self.close()
+        self.runner = self.draft = None  # the model's tensors (weights, KV, states): freed with their last reference
+        return parked
+
+    def resume_parked(self, parked: list[ParkedRequest], ids: Iterator[int]) -> None:
+        """Take over what a suspended core of this model parked: each request re-prefills its prompt and the
+        tokens it had generated, then goes on (bitwise, as after a preemption); request ids continue."""
+        self._ids = ids
+        for entry in parked:
+            request = entry.request
+            if request.grammar is not None:
+                self.grammars  # the masker, built on the first constrained request
+            if entry.rng_state is not None:
+                self.runner.sampler.set_generator_state(request.request_id, entry.rng_state)
+            if entry.detokenizer is None:
+                self.add_request(request)
+                continue
+            self._detokenizers[request.request_id] = entry.detokenizer  # what it held back (a partial stop string)
             self.scheduler.add_request(request)
 
     def drop_detokenizer(self, request_id: str) -> None:

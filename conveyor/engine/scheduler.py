@@ -385,6 +385,21 @@ class Scheduler:
                 return count, status
         return len(tokens), None
 
+    def take_all(self) -> list[Request]:
+        """Every unfinished request out, its KV freed, each to re-prefill prompt + generated tokens on another
+        core of the same model, as a preemption does (a multi-model server suspending this model)."""
+        taken = self.running + self.waiting
+        for request in taken:
+            self.kv.free(request)
+            request.status = RequestStatus.QUEUED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            del self.requests[request.request_id]
+        self.stats.num_preemptions += len(taken)
+        self.running.clear()
+        self.waiting.clear()
+        return taken
+
     def finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> Request | None:
         """Terminal transition from any state; frees the request's blocks at once."""
         request = self.requests.pop(request_id, None)
