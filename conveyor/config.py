@@ -231,8 +231,8 @@ class ServerConfig:
 
 
 # What a request for a model that does not fit does while every loaded model is busy (the seeds' vllm-mlx
-# registry policies). preempt and wait_then_preempt are not offered yet (REFUSED_VALUES says why).
-CONTENTION_POLICIES = ("fail", "wait", "wait_then_fail")
+# registry policies; server/multimodel/registry.py).
+CONTENTION_POLICIES = ("fail", "wait", "preempt", "wait_then_fail", "wait_then_preempt")
 
 
 @dataclass(frozen=True)
@@ -334,10 +334,6 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
     **{(dest, value): f"{why} (supported: {_KV_TYPES_TEXT})" for dest in ("cache_type_k", "cache_type_v")
        for value, why in _KV_CACHE_TYPE_REFUSALS.items()},
-    **{("models_contention", name): (
-        f"{name} is not offered yet: an unloaded model's running requests cannot yet be resumed on its return, "
-        "so preempting would lose them; use wait (queue until a model is idle) or wait_then_fail (503 after "
-        "--models-wait-timeout) or fail (503 at once)") for name in ("preempt", "wait_then_preempt")},
     ("decode_storage_backend", "dense"): (
         "conveyor's KV is always paged (auto and paged are accepted); for the "
         "seeds' single-request reproduction path use --no-batch or --max-batch-size 1, and --no-prompt-cache "
@@ -555,9 +551,10 @@ FLAGS: list[Flag] = [
          help="do not load a model on its first request: only POST /models/load (and pinned models) load"),
     Flag(("--models-contention",), "models_contention", choices=CONTENTION_POLICIES,
          help="a load that does not fit while every loaded model is busy: fail (503 at once), wait (until one "
-              "is idle), wait_then_fail (503 after --models-wait-timeout)"),
+              "is idle), preempt (suspend the least recently used busy model: its requests wait, parked, and go "
+              "on when it returns), wait_then_fail / wait_then_preempt (after --models-wait-timeout)"),
     Flag(("--models-wait-timeout",), "models_wait_timeout", float,
-         help="seconds a request waits for room under wait_then_fail (and for a model still loading)"),
+         help="seconds a request waits for room under wait_then_fail and wait_then_preempt"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

@@ -34,7 +34,7 @@ class ModelsCollector(Collector):
         loads = CounterMetricFamily("conveyor_model_loads", "Loads completed", labels=["model"])
         failures = CounterMetricFamily("conveyor_model_load_failures", "Loads that raised", labels=["model"])
         unloads = CounterMetricFamily("conveyor_model_unloads", "Unloads, by reason (evicted: to make room; "
-                                      "requested: POST /models/unload; shutdown)", labels=["model", "reason"])
+                                      "requested: POST /models/unload; preempted: suspended for a busy server's load; shutdown)", labels=["model", "reason"])
         seconds = GaugeMetricFamily("conveyor_model_load_seconds", "How long each model's last load took",
                                     labels=["model"])
         for entry in entries:
@@ -45,12 +45,12 @@ class ModelsCollector(Collector):
             active.add_metric([entry.name], entry.num_active)
             loads.add_metric([entry.name], entry.num_loads)
             failures.add_metric([entry.name], entry.num_load_failures)
-            for reason in ("evicted", "requested", "shutdown"):
+            for reason in ("evicted", "requested", "preempted", "shutdown"):
                 unloads.add_metric([entry.name, reason], entry.unloads[reason])
             if entry.load_seconds is not None:
                 seconds.add_metric([entry.name], entry.load_seconds)
         contention = CounterMetricFamily("conveyor_model_contention", "Requests that found no room to load their "
-                                         "model, by outcome (waited, failed, timed_out)", labels=["model", "outcome"])
+                                         "model, by outcome (waited, failed, timed_out, preempted)", labels=["model", "outcome"])
         for (name, outcome), count in sorted(registry.contention_outcomes.items()):
             contention.add_metric([name, outcome], count)
         yield from (state, memory, active, loads, failures, unloads, seconds, contention)

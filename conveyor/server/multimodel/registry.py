@@ -3,7 +3,10 @@ idle one to make room, under one memory budget and a cap on how many are loaded.
 
 A model is UNLOADED -> LOADING -> LOADED -> UNLOADING -> UNLOADED (or FAILED when its load raised). Requests
 hold a model through `lease()`: a model with requests in flight is never unloaded; an unload asked for
-(POST /models/unload) lets them finish first while new requests wait for it to come back. Everything here
+(POST /models/unload) lets them finish first while new requests wait for it to come back. Under the
+preempt policies a busy model is suspended instead (LOADED -> SUSPENDING -> SUSPENDED): its memory is
+freed while its requests wait, parked with their streams open, and it comes back (LOADING -> LOADED,
+the requests going on bitwise where they stopped) as soon as room frees without preempting anyone. Everything here
 runs on the server's event loop; only the load itself (`load_model`, seconds of file reading and packing)
 runs on a thread of its own, so the models already loaded keep streaming.
 
@@ -21,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +47,8 @@ class ModelState(str, enum.Enum):
     LOADING = "loading"
     LOADED = "loaded"
     UNLOADING = "unloading"
+    SUSPENDING = "suspending"  # preempted: its requests are being parked, its memory freed
+    SUSPENDED = "suspended"  # preempted: memory freed, requests parked until it comes back
     FAILED = "failed"
 
 
@@ -54,6 +59,10 @@ class LoadedModel:
 
     app: Any
     memory: dict[str, int]  # weights, kv_cache, state, total
+    # Preemption (None: the model cannot be preempted): free the model keeping its requests parked, and build
+    # it again (blocking, on a loading thread: (progress, quiet) -> the memory it then holds).
+    suspend: Callable[[], Awaitable[None]] | None = None
+    resume: Callable[[LoadProgress, bool], dict[str, int]] | None = None
 
 
 # (spec, progress, quiet): quiet while other models serve requests (load on one thread, leave them the cores).
@@ -84,6 +93,7 @@ class ModelEntry:
     unloads: Counter = field(default_factory=Counter)  # by reason: evicted, requested, shutdown
     load_seconds: float | None = None
     stack: AsyncExitStack | None = None
+    loaded: LoadedModel | None = None
 
     @property
     def name(self) -> str:
@@ -92,13 +102,18 @@ class ModelEntry:
     @property
     def resident_bytes(self) -> int:
         """What it holds or is about to: measured once loaded, the estimate while loading, 0 otherwise."""
-        if self.state in (ModelState.LOADED, ModelState.UNLOADING):
+        if self.state in (ModelState.LOADED, ModelState.UNLOADING, ModelState.SUSPENDING):
             return self.memory.get("total", self.estimate_bytes)
         return self.estimate_bytes if self.state is ModelState.LOADING else 0
 
     @property
     def holds_memory(self) -> bool:
-        return self.state in (ModelState.LOADING, ModelState.LOADED, ModelState.UNLOADING)
+        return self.state in (ModelState.LOADING, ModelState.LOADED, ModelState.UNLOADING, ModelState.SUSPENDING)
+
+    @property
+    def leaving(self) -> bool:
+        """Its memory is on the way out (unloading or being suspended)."""
+        return self.state in (ModelState.UNLOADING, ModelState.SUSPENDING)
 
 
 class ModelRegistry:
@@ -164,7 +179,12 @@ class ModelRegistry:
                     continue
                 if step is _Room.NONE:
                     deadline = deadline_now = self._contention(entry, deadline)
+                    if deadline_now is not None and deadline_now <= time.monotonic():
+                        continue  # wait_then_preempt's wait is over: preempting made room (or refused)
             if not await self._wait_change(deadline_now):
+                if self._policy(entry) == "wait_then_preempt":
+                    deadline = time.monotonic()  # next round preempts
+                    continue
                 self.contention_outcomes[(name, "timed_out")] += 1
                 raise ModelUnavailable(503, f"no room to load the model '{name}': every loaded model stayed busy "
                                             f"for {self.wait_timeout:g} s (--models-wait-timeout)",
@@ -188,7 +208,7 @@ class ModelRegistry:
             await self._wait_change(None)
         if entry.state is ModelState.LOADED:
             self._begin_unload(entry, reason)
-        while entry.state is ModelState.UNLOADING:
+        while entry.state in (ModelState.UNLOADING, ModelState.SUSPENDING):
             await self._wait_change(None)
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -201,9 +221,13 @@ class ModelRegistry:
     async def close(self) -> None:
         self.closing = True
         self._notify()
+        while any(e.state in (ModelState.LOADING, ModelState.SUSPENDING) for e in self.entries.values()):
+            await self._wait_change(None)
         for entry in self.entries.values():
             if entry.state is ModelState.LOADED:
                 self._begin_unload(entry, "shutdown")
+            elif entry.state is ModelState.SUSPENDED:  # its parked requests end now, with an abort
+                self._begin_unload(entry, "shutdown", wait_for_requests=False)
         while any(e.state is ModelState.UNLOADING for e in self.entries.values()):
             await self._wait_change(None)
 
@@ -212,8 +236,8 @@ class ModelRegistry:
         """Start loading `entry`, or start unloading idle models so that it fits."""
         self._check_fits_at_all(entry)
         others = [e for e in self.entries.values() if e.holds_memory and e is not entry]
-        leaving = [e for e in others if e.state is ModelState.UNLOADING]
-        staying = [e for e in others if e.state is not ModelState.UNLOADING]
+        leaving = [e for e in others if e.leaving]
+        staying = [e for e in others if not e.leaving]
         used, count = sum(e.resident_bytes for e in staying), len(staying)
         idle = sorted((e for e in staying if e.state is ModelState.LOADED and not e.num_active and not e.spec.pinned),
                       key=lambda e: e.last_used)
@@ -248,10 +272,22 @@ class ModelRegistry:
                      f"--models-memory-budget ({self.memory_budget / 2**20:.0f} MiB) leaves beside the pinned "
                      f"models ({pinned / 2**20:.0f} MiB)", "model_too_large")
 
+    def _policy(self, entry: ModelEntry) -> str:
+        return entry.spec.contention or self.contention
+
     def _contention(self, entry: ModelEntry, deadline: float | None) -> float | None:
-        """Every loaded model is busy: the policy (the model's preset, else --models-contention) decides."""
-        policy = entry.spec.contention or self.contention
+        """Every loaded model that could make room is busy: the policy (the model's preset, else
+        --models-contention) decides. Returns the deadline to wait until (None: no bound)."""
+        policy = self._policy(entry)
         busy = ", ".join(e.name for e in self.entries.values() if e.holds_memory)
+        preempt_now = policy == "preempt" or (policy == "wait_then_preempt" and deadline is not None
+                                              and deadline <= time.monotonic())
+        if preempt_now:
+            if self._preempt_for(entry):
+                self.contention_outcomes[(entry.name, "preempted")] += 1
+                return None  # the victims are being suspended: wait for them
+            raise ModelUnavailable(503, f"no room to load the model '{entry.name}': the loaded models ({busy}) are "
+                                        "busy and none can be preempted (pinned)", "model_busy", retry_after=1.0)
         if policy == "fail":
             self.contention_outcomes[(entry.name, "failed")] += 1
             raise ModelUnavailable(503, f"no room to load the model '{entry.name}': the loaded models ({busy}) "
@@ -259,16 +295,35 @@ class ModelRegistry:
                                    retry_after=1.0)
         if deadline is None:
             self.contention_outcomes[(entry.name, "waited")] += 1
-            if policy == "wait_then_fail":
+            if policy in ("wait_then_fail", "wait_then_preempt"):
                 deadline = time.monotonic() + self.wait_timeout
         return deadline
 
+    def _preempt_for(self, entry: ModelEntry) -> bool:
+        """Suspend the least recently used busy models (unpinned, preemptible) until `entry` fits; False when
+        even all of them would not make room."""
+        staying = [e for e in self.entries.values() if e.holds_memory and not e.leaving and e is not entry]
+        used, count = sum(e.resident_bytes for e in staying), len(staying)
+        candidates = sorted((e for e in staying if e.state is ModelState.LOADED and not e.spec.pinned
+                             and e.loaded is not None and e.loaded.suspend is not None), key=lambda e: e.last_used)
+        victims = []
+        while not self._fits(used, count, entry.estimate_bytes):
+            if not candidates:
+                return False
+            victim = candidates.pop(0)
+            victims.append(victim)
+            used, count = used - victim.resident_bytes, count - 1
+        for victim in victims:
+            self._begin_suspend(victim)
+        return True
+
     # -- transitions ------------------------------------------------------------------------------
     def _begin_load(self, entry: ModelEntry) -> None:
+        resuming = entry.state is ModelState.SUSPENDED
         entry.state, entry.error = ModelState.LOADING, None
         entry.progress = LoadProgress(show_bar=self.show_progress)
         self._notify()
-        self._spawn(self._load(entry))
+        self._spawn(self._resume(entry) if resuming else self._load(entry))
 
     async def _load(self, entry: ModelEntry) -> None:
         started = time.monotonic()
@@ -283,7 +338,7 @@ class ModelRegistry:
             entry.num_load_failures += 1
             self._notify()
             return
-        entry.app, entry.memory, entry.stack = loaded.app, loaded.memory, stack
+        entry.app, entry.memory, entry.stack, entry.loaded = loaded.app, loaded.memory, stack, loaded
         entry.estimate_bytes = loaded.memory["total"]
         entry.state, entry.load_seconds = ModelState.LOADED, time.monotonic() - started
         entry.num_loads += 1
@@ -298,7 +353,7 @@ class ModelRegistry:
         """Measured bigger than its files said: unload idle models until the budget holds again."""
         if self.memory_budget is None:
             return
-        used = sum(e.resident_bytes for e in self.entries.values() if e.holds_memory and e.state is not ModelState.UNLOADING)
+        used = sum(e.resident_bytes for e in self.entries.values() if e.holds_memory and not e.leaving)
         idle = sorted((e for e in self.entries.values() if e.state is ModelState.LOADED and e is not loaded
                        and not e.num_active and not e.spec.pinned), key=lambda e: e.last_used)
         while used > self.memory_budget and idle:
@@ -309,15 +364,15 @@ class ModelRegistry:
             logger.warning("models hold %.0f MiB, over --models-memory-budget (%.0f MiB), until busy ones go idle",
                            used / 2**20, self.memory_budget / 2**20)
 
-    def _begin_unload(self, entry: ModelEntry, reason: str) -> None:
+    def _begin_unload(self, entry: ModelEntry, reason: str, wait_for_requests: bool = True) -> None:
         entry.state = ModelState.UNLOADING
         self._notify()
-        self._spawn(self._unload(entry, reason))
+        self._spawn(self._unload(entry, reason, wait_for_requests))
 
-    async def _unload(self, entry: ModelEntry, reason: str) -> None:
-        while entry.num_active:  # its running requests finish first
+    async def _unload(self, entry: ModelEntry, reason: str, wait_for_requests: bool = True) -> None:
+        while wait_for_requests and entry.num_active:  # its running requests finish first
             await self._wait_change(None)
-        stack, entry.stack, entry.app = entry.stack, None, None
+        stack, entry.stack, entry.app, entry.loaded = entry.stack, None, None, None
         try:
             if stack is not None:
                 await stack.aclose()  # the app's lifespan: the engine stops (and spills its prefix cache)
@@ -329,6 +384,61 @@ class ModelRegistry:
         entry.unloads[reason] += 1
         logger.info("model %s unloaded (%s)", entry.name, reason)
         self._notify()
+
+    # -- preemption -----------------------------------------------------------------------------------
+    def _begin_suspend(self, entry: ModelEntry) -> None:
+        entry.state = ModelState.SUSPENDING
+        self._notify()
+        self._spawn(self._suspend(entry))
+
+    async def _suspend(self, entry: ModelEntry) -> None:
+        try:
+            await entry.loaded.suspend()
+        except Exception:
+            logger.exception("suspending model %s failed: unloading it", entry.name)
+            entry.state = ModelState.LOADED
+            self._begin_unload(entry, "preempted", wait_for_requests=False)
+            return
+        await asyncio.to_thread(_give_memory_back)
+        entry.state, entry.memory = ModelState.SUSPENDED, {}
+        entry.unloads["preempted"] += 1
+        logger.info("model %s preempted: %d request(s) parked until it comes back", entry.name, entry.num_active)
+        self._notify()
+        self._spawn(self._return_when_room(entry))
+
+    async def _return_when_room(self, entry: ModelEntry) -> None:
+        """A suspended model comes back as soon as it fits (unloading idle models, never preempting), or is
+        unloaded once none of its parked requests is left (their clients left)."""
+        while entry.state is ModelState.SUSPENDED and not self.closing:
+            if not entry.num_active:
+                self._begin_unload(entry, "preempted")
+                return
+            try:
+                if self._make_room(entry) is _Room.LOADING:
+                    return
+            except ModelUnavailable:  # the pinned models grew meanwhile: it waits for room like the rest
+                pass
+            await self._wait_change(None)
+
+    async def _resume(self, entry: ModelEntry) -> None:
+        started = time.monotonic()
+        quiet = any(e.num_active for e in self.entries.values() if e is not entry)
+        try:
+            memory = await _on_thread(lambda: entry.loaded.resume(entry.progress, quiet), f"resume-{entry.name}")
+        except Exception as exc:
+            logger.error("model %s did not come back: %s", entry.name, exc)
+            entry.error = str(exc)
+            entry.num_load_failures += 1
+            self._begin_unload(entry, "preempted", wait_for_requests=False)  # its parked requests end (abort)
+            return
+        entry.memory, entry.estimate_bytes = memory, memory["total"]
+        entry.state, entry.load_seconds = ModelState.LOADED, time.monotonic() - started
+        entry.num_loads += 1
+        entry.last_used = time.monotonic()
+        entry.progress.finish()
+        logger.info("model %s back in %.1f s; its parked requests go on", entry.name, entry.load_seconds)
+        self._notify()
+        self._trim_after_load(entry)
 
     async def _load_at_start(self, entry: ModelEntry) -> None:
         try:

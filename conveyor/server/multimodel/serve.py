@@ -31,7 +31,11 @@ def engine_app_loader(response_store: ResponseStore):
         engine = AsyncEngine.from_config(spec.engine_config, progress=progress, load_threads=1 if quiet else 0)
         app = create_app(engine, dataclasses.replace(spec.server_config, webui=False, metrics=True),
                          response_store=response_store)
-        return LoadedModel(app, engine.core.memory_report())
+        def resume(resume_progress: LoadProgress, resume_quiet: bool) -> dict[str, int]:
+            engine.resume(resume_progress, load_threads=1 if resume_quiet else 0)
+            return engine.core.memory_report()
+
+        return LoadedModel(app, engine.core.memory_report(), suspend=engine.suspend, resume=resume)
 
     return load_model
 

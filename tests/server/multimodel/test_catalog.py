@@ -95,7 +95,7 @@ load-on-startup = yes
     ("parallel = 2", "no `model = PATH or ORG/NAME` line"),
     ("model = {a}\nparallel = many", "parallel"),
     ("model = {a}\ncache-type-k = q4_0", "q4_0 KV is not offered"),
-    ("model = {a}\ncontention = preempt", "contention must be one of"),
+    ("model = {a}\ncontention = evict", "contention must be one of"),
     ("model = {a}\nparallel = 0", "parallel must be at least 1"),
     ("model = /no/such/file.gguf", "model path not found"),
 ])

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -230,3 +232,36 @@ def test_an_unloaded_model_gives_its_memory_back(models_dir):
         assert multi.registry.entries["m0"].state is ModelState.UNLOADED
         gc.collect()
         assert core() is None, "the unloaded model's EngineCore is still referenced"
+
+
+def test_preempt_parks_a_streaming_request_which_goes_on_bitwise_when_its_model_returns(models_dir):
+    """--models-contention preempt with room for one: m0 streams; a request for m1 suspends m0 (its stream
+    stays open), m1 answers, then m0 comes back and its stream ends with the tokens of an undisturbed run."""
+    body = {"prompt": "Count with me:", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    with serve(load_checkpoint(f"{models_dir}/m0"), ENGINE) as single:
+        want = httpx.post(f"{single.url}/v1/completions", json={**body, "model": "m0"}, timeout=120).json()
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_max=1, models_contention="preempt")) as (url, multi):
+        streamed: list[str] = []
+        started, finished = threading.Event(), threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "model": "m0", "stream": True},
+                              timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed.append(json.loads(line[6:])["choices"][0]["text"])
+                        started.set()
+            finished.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(60)
+        other = httpx.post(f"{url}/v1/completions", json={"model": "m1", "prompt": "hi", "max_tokens": 4},
+                           timeout=120)
+        assert other.status_code == 200
+        assert multi.registry.entries["m0"].unloads["preempted"] == 1
+        assert finished.wait(120)
+        assert "".join(streamed) == want["choices"][0]["text"]
+        assert multi.registry.entries["m0"].state is ModelState.LOADED  # came back for its parked request
+        assert multi.registry.contention_outcomes[("m1", "preempted")] == 1
+        _check_integrity(multi)

@@ -26,6 +26,7 @@ class FakeModels:
         self.running: set[str] = set()
         self.loads: list[str] = []
         self.quiet: list[bool] = []
+        self.events: list[tuple[str, str]] = []  # suspend / resume, in order
         self.gate: threading.Event | None = None
 
     def __call__(self, spec: ModelSpec, progress, quiet: bool) -> LoadedModel:
@@ -43,7 +44,16 @@ class FakeModels:
             self.running.discard(spec.name)
 
         size = self.sizes[spec.name]
-        return LoadedModel(FastAPI(lifespan=lifespan), {"weights": size, "kv_cache": 0, "state": 0, "total": size})
+        memory = {"weights": size, "kv_cache": 0, "state": 0, "total": size}
+
+        async def suspend() -> None:
+            self.events.append(("suspend", spec.name))
+
+        def resume(progress, quiet: bool) -> dict[str, int]:
+            self.events.append(("resume", spec.name))
+            return memory
+
+        return LoadedModel(FastAPI(lifespan=lifespan), memory, suspend=suspend, resume=resume)
 
 
 def _specs(*names: str, pinned: tuple[str, ...] = (), contention: dict[str, str] | None = None) -> list[ModelSpec]:
@@ -291,6 +301,72 @@ def test_a_load_is_quiet_only_while_another_model_serves_requests():
             await _use(registry, "b")  # a streams meanwhile: b loads on one thread
         await _use(registry, "c")
         assert fake.quiet == [False, True, False]
+        await registry.close()
+
+    _run(go())
+
+
+def test_preempt_suspends_the_least_recently_used_busy_model_which_returns_for_its_parked_requests():
+    fake = FakeModels({"a": MIB, "b": MIB, "c": MIB})
+
+    async def go():
+        registry = ModelRegistry(_specs("a", "b", "c"), fake, max_loaded=2, contention="preempt")
+        held_a = await registry.acquire("a")
+        held_b = await registry.acquire("b")
+        registry.entries["a"].last_used = 0.0  # a is the least recently used
+        held_c = await registry.acquire("c")  # both busy: a is suspended, its request parked
+        assert fake.events == [("suspend", "a")]
+        assert registry.entries["a"].state is ModelState.SUSPENDED and registry.entries["a"].num_active == 1
+        assert registry.entries["a"].unloads["preempted"] == 1 and registry.used_bytes == 2 * MIB
+        assert registry.contention_outcomes[("c", "preempted")] == 1
+        registry.release(held_c)  # c idle: a comes back in its place (c unloaded), a's request goes on
+        while registry.entries["a"].state is not ModelState.LOADED:
+            await registry._wait_change(None)
+        assert fake.events == [("suspend", "a"), ("resume", "a")]
+        await _settle(registry)
+        assert _states(registry) == {"a": "loaded", "b": "loaded", "c": "unloaded"}
+        registry.release(held_a)
+        registry.release(held_b)
+        await registry.close()
+
+    _run(go())
+
+
+def test_a_preempted_model_whose_requests_all_left_is_unloaded_not_resumed():
+    fake = FakeModels({"a": MIB, "b": MIB})
+
+    async def go():
+        registry = ModelRegistry(_specs("a", "b"), fake, max_loaded=1, contention="preempt")
+        held_a = await registry.acquire("a")
+        held_b = await registry.acquire("b")
+        registry.release(held_a)  # its client left while it was suspended
+        await _settle(registry)
+        while registry.entries["a"].state is not ModelState.UNLOADED:
+            await registry._wait_change(None)
+        assert ("resume", "a") not in fake.events and "a" not in fake.running
+        registry.release(held_b)
+        await registry.close()
+
+    _run(go())
+
+
+def test_wait_then_preempt_waits_first_and_pinned_busy_models_are_never_preempted():
+    fake = FakeModels({"a": MIB, "b": MIB, "p": MIB})
+
+    async def go():
+        registry = ModelRegistry(_specs("a", "b", "p", pinned=("p",)), fake, max_loaded=1,
+                                 contention="wait_then_preempt", wait_timeout=0.05)
+        held_p = await registry.acquire("p")
+        with pytest.raises(ModelUnavailable, match="none can be preempted"):
+            await registry.acquire("a")
+        assert registry.contention_outcomes[("a", "waited")] == 1 and not fake.events
+        registry.release(held_p)
+        registry.entries["p"].spec = _specs("p")[0]  # unpinned now
+        held_p = await registry.acquire("p")
+        held_a = await registry.acquire("a")  # waited 0.05 s, then preempted p
+        assert fake.events == [("suspend", "p")]
+        registry.release(held_a)
+        registry.release(held_p)
         await registry.close()
 
     _run(go())
