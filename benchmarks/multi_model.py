@@ -16,6 +16,8 @@ Three measurements, each on a fresh `conveyor serve` with several models:
            inter-token gaps of SmolLM2's streams during the load against those before it (p50, p99).
   together C requests of 64 tokens on one 1B model alone, then C/2 on each of the two 1B models at once
            (both loaded): output tokens per second, together / alone.
+  preempt  --models-contention preempt, --models-max 1: A streams 200 tokens; a request for B suspends A;
+           B's time to first token and A's longest pause (A's whole output equals an undisturbed run: tested).
 """
 
 from __future__ import annotations
@@ -212,15 +214,42 @@ async def measure_together(files: tuple[Path, Path], folder: Path, concurrency: 
             "ratio": together / one}
 
 
+async def measure_preempt(files: tuple[Path, Path], folder: Path) -> dict:
+    """--models-contention preempt, room for one: A streams; a request for B suspends A (its stream pauses),
+    B answers, A comes back and its stream goes on. B's time to first token, and A's longest gap."""
+    a, b = (f.stem for f in files)
+    server = Server(["--model", str(files[0]), "--model", str(files[1]), "--models-max", "1", "--parallel", "4",
+                     "--ctx-size", "8192", "--models-contention", "preempt"], folder / "preempt.log")
+    try:
+        async with httpx.AsyncClient() as client:
+            await stream(client, server.url, a, "Warm up", 8)
+            long_a = asyncio.ensure_future(stream(client, server.url, a, "A long story:", 200))
+            await asyncio.sleep(3)
+            b_reply = await stream(client, server.url, b, "Hello there", 8)
+            a_reply = await long_a
+            cards = {c["id"]: c for c in (await client.get(f"{server.url}/v1/models")).json()["data"]}
+    finally:
+        server.stop()
+    gaps = [t1 - t0 for t0, t1 in zip(a_reply["arrivals"], a_reply["arrivals"][1:])]
+    return {"b_ttft_s": b_reply["ttft"], "a_longest_gap_s": max(gaps), "a_tokens": len(a_reply["arrivals"]),
+            "a_unloads": cards[a]["unloads"], "a_state": cards[a]["status"]["value"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", type=Path, default=Path("/work/bench-models"))
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/multi_model.json")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/multi_model_xeon_amx.json")
+    p.add_argument("--only", choices=("switch", "load", "together", "preempt"), help="one measurement (printed only)")
     args = p.parse_args()
     files = ensure_files(args.models_dir)
     logs = args.models_dir / "logs"
     logs.mkdir(exist_ok=True)
+    if args.only:
+        measure = {"switch": measure_switch, "load": measure_load_interference, "preempt": measure_preempt,
+                   "together": lambda f, folder: measure_together(f, folder, args.concurrency)}[args.only]
+        print(json.dumps(asyncio.run(measure(files, logs)), indent=1))
+        return
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     result = {"cpu": cpu, "cores": os.cpu_count(), "files": [f.name for f in files],
@@ -231,6 +260,8 @@ def main() -> None:
     print(json.dumps(result["load"], indent=1), flush=True)
     result["together"] = asyncio.run(measure_together(files, logs, args.concurrency))
     print(json.dumps(result["together"], indent=1), flush=True)
+    result["preempt"] = asyncio.run(measure_preempt(files, logs))
+    print(json.dumps(result["preempt"], indent=1), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")
