@@ -380,6 +380,9 @@ class _FileMappings:
     def __init__(self, mappings: list[_FileMapping]) -> None:
         self._mappings = mappings
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return any(mapping.holds(tensor) for mapping in self._mappings)
+
     def release(self, tensor: torch.Tensor) -> None:
         for mapping in self._mappings:
             if mapping.holds(tensor):
