@@ -14,7 +14,7 @@ from conveyor.loading import Tokenizer
 from conveyor.server import errors
 from conveyor.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from conveyor.structured.grammar import GrammarSpec
-from conveyor.structured.harmony import harmony_messages, harmony_tools, template_is_harmony
+from conveyor.structured.harmony import harmony_messages, harmony_tool_grammar, harmony_tools, template_is_harmony
 from conveyor.structured.output import ChatParsing
 from conveyor.structured.reasoning import prompt_opens_thinking, template_thinks
 from conveyor.structured.tools import messages_for_template, template_renders_tools, tool_grammar
@@ -76,9 +76,9 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parse
         raise errors.invalid(f"a forced tool_choice cannot be combined with {param}", param)
     offered = tools if choice != "none" else []
     if template_is_harmony(tokenizer.chat_template):  # GPT-OSS: its template renders tools, its replies have channels
-        if forced:  # the forcing grammar writes <tool_call> markers, which harmony replies never use
-            raise errors.invalid("tool_choice 'required' or a named function is not supported for harmony-format "
-                                 "models (GPT-OSS); use 'auto'", "tool_choice")
+        if forced:  # a call in harmony's own shape (the other templates' grammar writes <tool_call> markers)
+            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            grammar, param = harmony_tool_grammar(offered, named), "tools"
         parsing = ChatParsing(frozenset(names) if offered else None, harmony=True)
         return ChatPlan(harmony_messages(messages), harmony_tools(offered) or None, grammar, param, parsing)
     native = template_renders_tools(tokenizer.chat_template)

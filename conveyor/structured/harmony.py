@@ -7,7 +7,8 @@
 
 The special tokens must reach the parser: harmony requests decode with skip_special_tokens off
 (server/request_plan.py). The input side is the checkpoint's own Jinja template (loading/chat_template.py);
-`harmony_messages` only hands it tool-call arguments as objects, which is what it expects.
+`harmony_messages` only hands it tool-call arguments as objects, which is what it expects. A forced
+tool_choice is a grammar over harmony's own call message (`harmony_tool_grammar`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,29 @@ import json
 import re
 from dataclasses import dataclass
 
-from conveyor.structured.tools import ToolCall, _partial_suffix
+from conveyor.structured.grammar import JSON_OPTIONS, GrammarSpec
+from conveyor.structured.tools import ToolCall, _partial_suffix, arguments_schema
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 MARKERS = (START, CHANNEL, MESSAGE, *ENDS)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+
+
+def harmony_tool_grammar(tools: list[dict], name: str | None) -> GrammarSpec:
+    """tool_choice required or named, in harmony's own shape: the reply is one commentary message to
+    functions.NAME (an offered tool, or the one named) with JSON arguments of its schema. The grammar's end
+    ends the reply, as <|call|> would; no analysis message comes first (as a forced call elsewhere has no
+    thinking either)."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    rules = []
+    for i, function in enumerate(functions):
+        header = f"{CHANNEL}commentary to=functions.{function['name']} <|constrain|>json{MESSAGE}"
+        schema = {**arguments_schema(function), "x-guidance": JSON_OPTIONS}
+        rules.append(f"call_{i}: {json.dumps(header)} %json {json.dumps(schema, ensure_ascii=False)}")
+    start = "start: " + " | ".join(f"call_{i}" for i in range(len(rules)))
+    return GrammarSpec("lark", "\n".join([start, *rules]) + "\n")
 
 
 def template_is_harmony(chat_template: str | None) -> bool:

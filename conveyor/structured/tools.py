@@ -114,13 +114,18 @@ def tool_grammar(tools: list[dict], name: str | None, parallel: bool) -> Grammar
 
 
 def _call_schema(function: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments_schema(function)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def arguments_schema(function: dict) -> dict:
+    """The JSON schema a forced call's arguments are written under."""
     parameters = dict(function.get("parameters") or {"type": "object"})
     # NOTE: a forced call writes only the declared arguments (as OpenAI's strict mode does) unless the
     # schema asks for more: JSON schema's default would let a model invent keys until max_tokens.
     if "properties" in parameters:
         parameters.setdefault("additionalProperties", False)
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return parameters
 
 
 # -- parsing ---------------------------------------------------------------------------------

@@ -70,7 +70,25 @@ def test_tool_call(served):
     assert deltas[-1][1] == "tool_calls"
 
 
-def test_forced_tool_choice_is_refused(served):
-    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=60,
-                   json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_forced_tool_choice_is_a_valid_harmony_call_streamed_and_not(served, tool_choice):
+    """Whatever the (random) weights, a forced choice answers one call of an offered tool (the named one), its
+    arguments valid under the tool's schema, as harmony writes a call; finish_reason tool_calls."""
+    body = {"tools": TWO_TOOLS, "tool_choice": tool_choice}
+    choice = _post(served, body)
+    (call,) = choice["message"]["tool_calls"]
+    name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+    if isinstance(tool_choice, dict):
+        assert name == "weather"
+    schema = next(t["function"]["parameters"] for t in TWO_TOOLS if t["function"]["name"] == name)
+    assert set(arguments) == set(schema["required"])  # nothing but the declared arguments
+    assert all(isinstance(v, int if schema["properties"][k]["type"] == "integer" else str) for k, v in arguments.items())
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+    deltas = _stream(served, body)
+    calls = [c for d, _ in deltas for c in d.get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [(name, call["function"]["arguments"])]
+    assert deltas[-1][1] == "tool_calls"
