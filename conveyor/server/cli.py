@@ -108,7 +108,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
         engine = AsyncEngine.from_config(engine_config, progress=progress)  # built on the thread that will step it
         return create_app(engine, server_config)
 
-    deferred = DeferredApp(build)
+    deferred = DeferredApp(build, webui=server_config.webui)
     config = uvicorn.Config(deferred, host=server_config.host, port=server_config.port, log_config=None,
                             timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
     server = GracefulServer(config, None)

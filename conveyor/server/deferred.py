@@ -2,8 +2,9 @@
 
 Until the real app is built (the model loaded, on a worker thread) `/health` answers 503
 {"status": "loading", "progress": {...}} and every other route a 503 `loading` error, so load
-balancers and people see a server that is coming up rather than a refused connection. Once built,
-the real app's lifespan is entered on the server's own loop and every request goes to it.
+balancers and people see a server that is coming up rather than a refused connection. The web page
+(`/`, `/webui/{name}`), when on, is served already: it shows that progress until the model is ready.
+Once built, the real app's lifespan is entered on the server's own loop and every request goes to it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.server import errors
+from conveyor.server.webui import PageFiles
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 class DeferredApp:
     def __init__(self, build: Callable[[LoadProgress], FastAPI], progress: LoadProgress | None = None,
                  on_ready: Callable[[FastAPI], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None, webui: bool = False) -> None:
         self.build = build
         self.progress = progress or LoadProgress()
         self.on_ready = on_ready
@@ -36,6 +38,7 @@ class DeferredApp:
         self.failure: BaseException | None = None
         self._stack = AsyncExitStack()
         self._task: asyncio.Task | None = None
+        self._page = PageFiles() if webui else None  # ServerConfig.webui: the page the real app will serve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -47,6 +50,10 @@ class DeferredApp:
         # a websocket before the app exists: not accepting it closes it
 
     def _loading(self, scope: Scope) -> Response:
+        if self._page is not None and scope["method"] == "GET":
+            page = self._page.for_path(scope["path"])
+            if page is not None:
+                return page
         if scope["path"] == "/health":
             return JSONResponse({"status": "loading", "progress": self.progress.view()}, status_code=503,
                                 headers={"Retry-After": "1"})

@@ -4,6 +4,7 @@ The files are read once from the package (server/static/, package-data) and serv
 no build step, nothing from a CDN, and the Content-Security-Policy keeps the page from loading
 anything but its own files and this server's API. The page itself holds no data, so it is served
 without the API key; it asks for the key and sends it on every API call (/v1/dashboard/stream too).
+It is served while the model still loads too (server/deferred.py), and then shows /health's progress.
 """
 
 from __future__ import annotations
@@ -25,19 +26,34 @@ def load_assets() -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in _ASSETS}
 
 
+class PageFiles:
+    """The page's files, read once; each answered with its content type and the page's headers."""
+
+    def __init__(self) -> None:
+        self.assets = load_assets()
+
+    def response(self, name: str) -> Response:
+        if name not in self.assets:
+            return Response(status_code=404)
+        return Response(self.assets[name], media_type=_ASSETS[name], headers=_HEADERS)
+
+    def for_path(self, path: str) -> Response | None:
+        """What `/` and `/webui/{name}` answer; None for any other path (server/deferred.py, before the app)."""
+        if path == "/":
+            return self.response("index.html")
+        if path.startswith("/webui/"):
+            return self.response(path.removeprefix("/webui/"))
+        return None
+
+
 def add_webui_routes(app: FastAPI) -> None:
     """`/` (the page) and `/webui/{name}` (its script and style sheet)."""
-    assets = load_assets()
-
-    def asset(name: str) -> Response:
-        if name not in assets:
-            return Response(status_code=404)
-        return Response(assets[name], media_type=_ASSETS[name], headers=_HEADERS)
+    files = PageFiles()
 
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
-        return asset("index.html")
+        return files.response("index.html")
 
     @app.get("/webui/{name}", include_in_schema=False)
     async def webui_file(name: str) -> Response:
-        return asset(name)
+        return files.response(name)

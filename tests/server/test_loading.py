@@ -1,8 +1,11 @@
 """Progress on long waits: the server listens while the model loads (/health 503 "loading" with the
-progress), the weights' progress is counted and logged, and a first kernel build says what it waits for."""
+progress, the web page already served), the weights' progress is counted and logged, and a first kernel
+build says what it waits for."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import dataclasses
 import logging
 import socket
@@ -14,14 +17,16 @@ import pytest
 import torch
 import uvicorn
 
-from conveyor.config import EngineConfig, ServerConfig
+from conveyor.config import EngineConfig, ServerConfig, add_flags, load_configs
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.kernels import build as kernel_build
 from conveyor.loading import LoadError
 from conveyor.server import create_app
+from conveyor.server.cli import build_server
 from conveyor.server.deferred import DeferredApp
 from conveyor.server.lifecycle import GracefulServer
+from conveyor.server.webui import load_assets
 
 
 class GatedWeights(dict):
@@ -43,8 +48,8 @@ class GatedWeights(dict):
 class DeferredServer:
     """`conveyor serve`'s wiring (server/cli.py build_server) over a given build, on a free port in a thread."""
 
-    def __init__(self, build) -> None:
-        self.deferred = DeferredApp(build, LoadProgress(show_bar=False))
+    def __init__(self, build, webui: bool = False) -> None:
+        self.deferred = DeferredApp(build, LoadProgress(show_bar=False), webui=webui)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -58,6 +63,12 @@ class DeferredServer:
         while not self.server.started and self.thread.is_alive():
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.01)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 120
+        while self.deferred.app is None:
+            assert time.monotonic() < deadline and self.deferred.failure is None, "the server never became ready"
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -101,6 +112,84 @@ def test_health_answers_loading_with_progress_while_the_model_loads(tiny, caplog
     lines = [r.getMessage() for r in caplog.records if r.name == "conveyor.engine.load_progress"]
     assert any(line.startswith("loading weights: ") and "tensors" in line for line in lines), lines
     assert "loading: ready" in lines
+
+
+def gated_build(checkpoint, server_config: ServerConfig):
+    """A build that waits for the returned gate before loading `checkpoint`: a load the test ends."""
+    gate = threading.Event()
+
+    def build(progress):
+        progress.set_stage("reading the checkpoint")
+        assert gate.wait(120), "the test never opened the gate"
+        return create_app(AsyncEngine.from_config(EngineConfig(parallel=2), checkpoint, progress=progress),
+                          server_config)
+
+    return build, gate
+
+
+PAGE_HEADERS = ("content-type", "content-security-policy", "cache-control", "x-content-type-options")
+
+
+def test_the_page_is_served_while_the_model_loads_and_the_api_is_not(tiny):
+    build, gate = gated_build(tiny, ServerConfig())
+    served = DeferredServer(build, webui=True)
+    assets = load_assets()
+    try:
+        page = httpx.get(f"{served.url}/")
+        assert page.status_code == 200 and page.content == assets["index.html"]
+        assert page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        for name, kind in (("webui.js", "text/javascript"), ("webui.css", "text/css")):
+            asset = httpx.get(f"{served.url}/webui/{name}")
+            assert asset.status_code == 200 and asset.content == assets[name]
+            assert asset.headers["content-type"].startswith(kind)
+            assert asset.headers["x-content-type-options"] == "nosniff"
+        assert httpx.get(f"{served.url}/webui/secret.py").status_code == 404
+        health = httpx.get(f"{served.url}/health")
+        assert health.status_code == 503 and health.json()["progress"]["stage"] == "reading the checkpoint"
+        for refused in (httpx.get(f"{served.url}/v1/models"), httpx.get(f"{served.url}/v1/dashboard"),
+                        httpx.post(f"{served.url}/v1/chat/completions", json={"messages": []}),
+                        httpx.post(f"{served.url}/")):  # the page is a GET only, as in the real app
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading", refused.request.url
+        gate.set()
+        served.wait_ready()
+        ready = httpx.get(f"{served.url}/")  # now the real app's route: the same file, the same headers
+        assert ready.content == page.content
+        assert {h: ready.headers[h] for h in PAGE_HEADERS} == {h: page.headers[h] for h in PAGE_HEADERS}
+        assert httpx.get(f"{served.url}/v1/models").status_code == 200
+    finally:
+        gate.set()
+        served.stop()
+
+
+def test_with_the_page_off_it_is_not_served_while_loading_either(tiny):
+    build, gate = gated_build(tiny, ServerConfig(webui=False))
+    served = DeferredServer(build, webui=False)
+    try:
+        for path in ("/", "/webui/webui.js"):
+            refused = httpx.get(f"{served.url}{path}")
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+        gate.set()
+        served.wait_ready()
+        assert httpx.get(f"{served.url}/").status_code == 404  # the real app has no page either
+    finally:
+        gate.set()
+        served.stop()
+
+
+@pytest.mark.parametrize(("flags", "status"), [([], 200), (["--no-webui"], 503)])
+def test_serve_tells_the_loading_app_whether_the_page_is_on(flags, status):
+    """`conveyor serve`'s own wiring (build_server), asked before any load starts (no lifespan)."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    engine_config, server_config = load_configs(parser.parse_args(["--model", "/nowhere", *flags]))
+    deferred = build_server(engine_config, server_config).config.app
+
+    async def get_page() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=deferred), base_url="http://test") as client:
+            return await client.get("/")
+
+    assert asyncio.run(get_page()).status_code == status
 
 
 def test_a_model_that_does_not_load_stops_the_server_with_the_reason():

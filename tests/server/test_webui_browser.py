@@ -7,6 +7,7 @@ saves the page under load (docs/webui.png is made that way).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -318,3 +319,80 @@ def test_model_picker_lists_the_models_and_chats_with_the_chosen_one(browser, tm
             assert not tab.errors, tab.errors
         finally:
             tab.close()
+
+
+def test_a_page_opened_while_the_model_loads_shows_the_progress_then_the_page(browser, tiny):
+    """`conveyor serve` listens before its model is loaded: the page shows the stage, the download's and
+    the weights' bars and the time spent, then, once the model is ready, the page as ever (a chat works)."""
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.server import create_app
+    from tests.server.test_loading import DeferredServer, GatedWeights
+
+    weights = GatedWeights(tiny.weights, stop_at=5)  # the load blocks at the 5th tensor until the gate opens
+    checkpoint = dataclasses.replace(tiny, weights=weights)
+
+    def build(progress):
+        progress.download(2_000_000, 2_000_000)  # a finished Hub download, as loading/hub.py reports one
+        return create_app(AsyncEngine.from_config(EngineConfig(parallel=2), checkpoint, progress=progress),
+                          ServerConfig())
+
+    served = DeferredServer(build, webui=True)
+    tab = None
+    try:
+        assert weights.reached.wait(120), "the load never reached the gate"
+        tab = Page(browser, served.url)
+        tab.page.wait_for_function("() => document.querySelector('#load-stage').textContent === 'stage: weights'")
+        assert tab.page.is_visible("#loading") and not tab.page.is_visible("main")
+        assert tab.page.get_attribute("#conn", "data-state") == "loading"
+        assert tab.page.text_content("#load-download-text") == "2.0 of 2.0 MB (100%)"
+        assert tab.page.eval_on_selector("#load-download-bar", "bar => bar.value") == 1
+        assert 0 < tab.page.eval_on_selector("#load-weights-bar", "bar => bar.value") < 1
+        assert tab.page.text_content("#load-weights-text").endswith(f"/{len(tiny.weights)} tensors")
+        assert tab.page.text_content("#load-elapsed").endswith(" s elapsed")
+        weights.gate.set()
+        tab.wait_live()
+        model = served.deferred.app.state.serving.model_id
+        tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=model)
+        assert not tab.page.is_visible("#loading") and tab.page.is_visible("main")
+        tab.settings(temperature=0, max_tokens=4)
+        tab.send("Hi")
+        tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        # The only errors are the browser's notes of /health's 503s while loading.
+        assert all("503" in e for e in tab.errors), tab.errors
+    finally:
+        weights.gate.set()
+        if tab is not None:
+            tab.close()
+        served.stop()
+
+
+def test_a_page_waiting_on_a_load_that_fails_says_the_server_went_away(browser):
+    """A model that does not load stops the server (server/deferred.py): the page says so instead of waiting."""
+    from conveyor.loading import LoadError
+    from tests.server.test_loading import DeferredServer
+
+    gate = threading.Event()
+
+    def build(progress):
+        progress.set_stage("reading the checkpoint")
+        assert gate.wait(120), "the test never opened the gate"
+        raise LoadError("model path not found: /nowhere")
+
+    served = DeferredServer(build, webui=True)
+    tab = None
+    try:
+        tab = Page(browser, served.url)
+        tab.page.wait_for_function(
+            "() => document.querySelector('#load-stage').textContent === 'stage: reading the checkpoint'")
+        gate.set()
+        tab.page.wait_for_selector('#loading[data-state="gone"]')
+        assert "went away" in tab.page.text_content("#load-title")
+        assert tab.page.get_attribute("#conn", "data-state") == "gone"
+        served.thread.join(timeout=30)
+        assert not served.thread.is_alive()
+        assert all("503" in e or "ERR_CONNECTION_REFUSED" in e for e in tab.errors), tab.errors
+    finally:
+        gate.set()
+        if tab is not None:
+            tab.close()
+        served.stop()

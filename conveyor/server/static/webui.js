@@ -2,12 +2,14 @@
 // /v1/dashboard/stream (SSE). Plain browser JavaScript, no dependencies, no build step.
 // Both streams are read with fetch() rather than EventSource, which cannot send the API key.
 // A multi-model server lists several models in /v1/models: a picker chooses the one chatted with and watched.
+// A server still loading its model serves the page already: it shows the load's progress until the model is ready.
 "use strict";
 
 const KEY_STORAGE = "conveyor.apiKey";
 const HISTORY_S = 60;  // the charts' window
 const RECONNECT_MS = 1000;
 const MODELS_POLL_MS = 3000;  // how often the models' states (loaded, loading 40%, ...) are refreshed
+const LOAD_POLL_MS = 500;  // how often /health is asked while the server's model loads
 
 const state = {
   key: localStorage.getItem(KEY_STORAGE) || "",
@@ -514,7 +516,84 @@ function followModel() {
   else runDashboard(path);
 }
 
+// -- the model's load ------------------------------------------------------------------------
+// `conveyor serve` listens before its model is loaded (server/deferred.py): every API route answers 503
+// "loading" meanwhile, and /health the load's progress, shown by the loading panel until the model is ready.
+
+// Asked of /v1/models, which the page reads first anyway, not /health: /health is a 503 on servers that are
+// up too (a router missing a node, a draining server), and the browser logs every failed fetch as an error.
+async function modelIsLoading() {
+  try {
+    const response = await fetch("/v1/models", { headers: headers() });
+    return response.status === 503 && (await response.json()).error?.code === "loading";
+  } catch (_) {
+    return false;  // unreachable, or not JSON: the page starts as ever and shows what it can
+  }
+}
+
+async function readHealth() {
+  try {
+    return await (await fetch("/health", { cache: "no-store" })).json();
+  } catch (_) {
+    return null;  // unreachable, or not JSON
+  }
+}
+
+// true once /health no longer says "loading"; false when the server went away meanwhile, as it does when
+// its model fails to load.
+async function waitForLoad() {
+  for (;;) {
+    const health = await readHealth();
+    if (health === null) { showGone(); return false; }
+    if (health.status !== "loading") break;
+    showLoadPanel(true);
+    if (health.progress) renderLoad(health.progress);  // none: the app is up, its engine not yet
+    await sleep(LOAD_POLL_MS);
+  }
+  showLoadPanel(false);
+  setConn("connecting");  // as the page starts; the dashboard's stream says what comes next
+  return true;
+}
+
+function showLoadPanel(shown) {
+  $("loading").hidden = !shown;
+  document.querySelector("main").hidden = shown;
+}
+
+function renderLoad(progress) {
+  setConn("loading", "loading the model");
+  $("load-stage").textContent = `stage: ${progress.stage ?? "starting"}`;
+  const download = progress.download || {};
+  renderLoadBar("download", download.bytes, download.bytes_total, "");
+  renderLoadBar("weights", progress.bytes, progress.bytes_total,
+                ` · ${progress.tensors}/${progress.tensors_total} tensors`);
+  $("load-elapsed").textContent = progress.elapsed_s === undefined ? "" : `${Math.round(progress.elapsed_s)} s elapsed`;
+}
+
+// A bar of the panel (download, weights), shown once its total is known.
+function renderLoadBar(name, done = 0, total = 0, suffix) {
+  $(`load-${name}`).hidden = !total;
+  if (!total) return;
+  const mb = (bytes) => (bytes / 1e6).toFixed(1);
+  const percent = Math.floor((100 * done) / total);
+  $(`load-${name}-bar`).value = done / total;
+  $(`load-${name}-text`).textContent = `${mb(done)} of ${mb(total)} MB (${percent}%)${suffix}`;
+}
+
+function showGone() {
+  showLoadPanel(true);
+  $("loading").dataset.state = "gone";
+  $("load-title").textContent =
+    "The server went away before its model was ready (a failed load stops it; its log says why).";
+  setConn("gone", "server gone");
+}
+
 // -- start -----------------------------------------------------------------------------------
+async function start() {
+  if (await modelIsLoading() && !(await waitForLoad())) return;  // the server went away
+  connect();
+}
+
 function connect() {
   state.dashboardPath = undefined;  // the dashboard (re)starts with the first list
   pollModels();
@@ -531,5 +610,5 @@ document.addEventListener("DOMContentLoaded", () => {
   $("show-key").addEventListener("click", () => askForKey(""));
   $("model-select").addEventListener("change", pickModel);
   $("api-key").value = state.key;
-  connect();
+  start();
 });
