@@ -257,11 +257,16 @@ class EngineCore:
         """Hybrid models: one recurrent-state slot per sequence slot, one per row that may draft in a tick (its
         rollback point) and the prefix snapshots; none for a model without recurrent layers."""
         bytes_per_slot = state_bytes_per_slot(specs)
+        draft_bytes = state_bytes_per_slot(self.draft.model.cache_specs()) if self.draft is not None else 0
         if not bytes_per_slot:
+            if draft_bytes:
+                raise ModelConfigError("a hybrid (recurrent) draft model needs a hybrid target: its states live in "
+                                       "the target's state slots (and roll back through them); use an attention-only "
+                                       "draft model for this target")
             return None
-        if self.draft is not None and state_bytes_per_slot(self.draft.model.cache_specs()):
-            raise ModelConfigError("a hybrid (recurrent) draft model cannot roll back its state: use an "
-                                   "attention-only draft model")
+        # A hybrid draft keeps its state in its own tensors under the same slot ids (as its K/V under the same
+        # block ids), so a slot costs both models' bytes.
+        bytes_per_slot += draft_bytes
         # A drafting row adds at least one token to the tick's speculative_max_rows, so at most half of them draft.
         speculating = (min(self.max_batch_size, config.speculative_max_rows // 2)
                        if (config.ngram_enabled or self.draft is not None) else 0)
@@ -283,9 +288,11 @@ class EngineCore:
     def _drafter(self, config: EngineConfig) -> DraftRunner | None:
         if self.draft is None:
             return None
+        recurrent = bool(state_bytes_per_slot(self.draft.model.cache_specs()))
         runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
-                             self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types)
-        return DraftRunner(runner)
+                             self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types,
+                             num_state_slots=self.states.num_slots if recurrent else 0)
+        return DraftRunner(runner, recurrent=recurrent)
 
     def _draft_policy(self, config: EngineConfig, target_name: str) -> SpecPolicy | None:
         if self.draft is None:

@@ -9,6 +9,11 @@ tokens afterwards), then runs one batched decode step per draft token over all d
 Draft KV that is stale (a row re-admitted after preemption, positions past a rejected draft) is
 recomputed or overwritten; stale draft KV could only lower acceptance, never change the output,
 because the target verifies every token.
+
+A hybrid draft (recurrent layers) keeps its state in its own tensors under the row's state slot, and a
+recurrent state cannot step back: its catch-up snapshots the state at the end of the row's history into
+the row's rollback slot (the target's scratch slot of this tick, in the draft's tensors), and after the
+proposal the state is restored from there, so the next catch-up always starts at the history's end.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class _DraftState:
 
 
 class DraftRunner:
-    def __init__(self, runner) -> None:  # runner: ModelRunner over the draft model
+    def __init__(self, runner, recurrent: bool = False) -> None:  # runner: ModelRunner over the draft model
         self.runner = runner
+        self.recurrent = recurrent  # a hybrid draft: its state rolls back through the rows' rollback slots
         self._states: dict[str, _DraftState] = {}
 
     def forget(self, request_ids: list[str]) -> None:
@@ -63,15 +69,19 @@ class DraftRunner:
                 if len(proposal.token_ids) < wanted[step.request_id]:
                     position = step.start_position + len(step.token_ids)
                     next_steps.append(ScheduledChunk(step.request_id, [token], position, step.block_table, True,
-                                                     step.sampling_params))
+                                                     step.sampling_params, state_slot=step.state_slot))
             steps = next_steps
         for chunk in chunks:
             proposal = proposals[chunk.request_id]
             state = self._states[chunk.request_id]
-            # The last draft was never fed back, so its KV is not written.
-            state.token_ids = list(chunk.draft.history_token_ids) + proposal.token_ids[:-1]
+            # The last draft was never fed back, so its KV is not written; a recurrent state goes back to the
+            # history's end (restored below), where the next catch-up starts.
+            fed = [] if self.recurrent else proposal.token_ids[:-1]
+            state.token_ids = list(chunk.draft.history_token_ids) + fed
             if chunk.request_id in sampled:
                 proposal.probs = torch.stack(probs[chunk.request_id])  # (k, V)
+        if self.recurrent:
+            self.runner.copy_states([(c.rollback_slot, c.state_slot) for c in chunks])
         return proposals
 
     def _catch_up_chunk(self, chunk: ScheduledChunk) -> ScheduledChunk:
@@ -82,7 +92,14 @@ class DraftRunner:
         if state is None or state.epoch != draft.epoch:
             state = self._states[chunk.request_id] = _DraftState(draft.epoch)
         valid = _common_prefix(state.token_ids, history, limit=len(history) - 1)
-        return ScheduledChunk(chunk.request_id, history[valid:], valid, chunk.block_table, True, chunk.sampling_params)
+        if not self.recurrent:
+            return ScheduledChunk(chunk.request_id, history[valid:], valid, chunk.block_table, True,
+                                  chunk.sampling_params)
+        if valid != len(state.token_ids):  # a state is all it has seen or nothing: start again from position 0
+            valid = 0
+        tokens = history[valid:]
+        return ScheduledChunk(chunk.request_id, tokens, valid, chunk.block_table, True, chunk.sampling_params,
+                              state_slot=chunk.state_slot, state_snapshots=[(len(tokens), chunk.rollback_slot)])
 
     def _pick(self, logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str],
               probs: dict[str, list[torch.Tensor]]) -> list[int]:

@@ -151,3 +151,38 @@ def test_moe_hybrids_16_concurrent_equal_one_at_a_time(architecture, overrides):
     for prompt, p, got in zip(prompts, params, batched):
         assert llm.generate([prompt], [p])[0].token_ids == got.token_ids
     _check_released(llm)
+
+
+@pytest.mark.batch_invariant
+@pytest.mark.parametrize("architecture", ["qwen3_5_text", "lfm2"])
+def test_a_hybrid_draft_model_rolls_its_own_state_back_exactly(architecture):
+    """A hybrid draft for a hybrid target (issue #44): its recurrent state goes back to the history's end after
+    every proposal, so greedy output is bitwise plain decoding, with a draft that agrees (itself: every draft
+    accepted) and one that mostly does not (other weights: rejections roll back)."""
+    target = tiny_hybrid_checkpoint(architecture)
+    other = tiny_hybrid_checkpoint(architecture, seed=3)
+    for checkpoint in (target, other):
+        for name, weight in checkpoint.weights.items():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "w2.weight")):
+                weight.mul_(REPEATING[architecture])
+    params = [SamplingParams(max_tokens=32, **GREEDY) for _ in range(6)]
+    want = [w.token_ids for w in LLM(checkpoint=target, parallel=8, speculative_ngram=0).generate(PROMPTS[:6], params)]
+    for draft, agrees in ((target, True), (other, False)):
+        spec = LLM(checkpoint=target, draft_checkpoint=draft, parallel=8, speculative_ngram=0, draft_policy="enable",
+                   speculative_max_rows=64)
+        assert spec.engine.runner.drafter.recurrent
+        assert [g.token_ids for g in spec.generate(PROMPTS[:6], params)] == want
+        stats = spec.engine.scheduler.stats
+        assert stats.num_model_draft_tokens > 0
+        if agrees:
+            assert stats.num_model_accepted_tokens == stats.num_model_draft_tokens
+        else:
+            assert stats.num_model_accepted_tokens < stats.num_model_draft_tokens  # rolled back
+        _check_released(spec)
+
+
+def test_a_hybrid_draft_for_an_attention_only_target_is_refused_with_the_reason(tiny_checkpoint):
+    from conveyor.models.config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="a hybrid \\(recurrent\\) draft model needs a hybrid target"):
+        LLM(checkpoint=tiny_checkpoint, draft_checkpoint=tiny_hybrid_checkpoint("qwen3_5_text"), draft_policy="enable")
