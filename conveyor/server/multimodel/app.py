@@ -11,7 +11,6 @@ GET reads a loaded model's state (/props, /slots, /v1/dashboard...) and neither 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,7 +28,7 @@ from conveyor.server.apis.responses_api import add_store_routes
 from conveyor.server.app import api_key_check, api_key_matches, invalid_api_key
 from conveyor.server.errors import APIError
 from conveyor.server.metrics import CONTENT_TYPE
-from conveyor.server.limits import RequestLimits, too_large
+from conveyor.server.limits import RequestLimits, parse_json, too_large
 from conveyor.server.multimodel.metrics import MultiModelMetrics
 from conveyor.server.multimodel.registry import ModelEntry, ModelRegistry, ModelState, ModelUnavailable
 from conveyor.server.protocol import ModelActionRequest
@@ -44,6 +43,7 @@ class MultiModelApp:
     def __init__(self, registry: ModelRegistry, config: ServerConfig, response_store: ResponseStore) -> None:
         self.registry = registry
         self.config = config
+        self.limits = RequestLimits.from_config(config)
         self.draining = False
         self.front = _front_app(self, response_store)
 
@@ -96,14 +96,16 @@ class MultiModelApp:
         await app(scope, receive, send)
 
     def _model_named(self, scope: Scope, body: bytes) -> str:
+        """The model a request is for. A body that is not a JSON object (or names its model with anything but
+        a string) is answered here, with the 400 its model's app would give, without loading a model for it."""
         named = None
-        if body:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None  # the model's app answers the 400
-            if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
-                named = parsed["model"]
+        if body.strip():  # (an empty POST, as a slot erase may send, names no model)
+            parsed = parse_json(body, self.limits)
+            if not isinstance(parsed, dict):
+                raise errors.invalid("The request body must be a JSON object")
+            named = parsed.get("model")
+            if named is not None and not isinstance(named, str):
+                raise errors.invalid("model must be a string: the name of a served model", "model")
         if named is None:
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             named = query.get("model", [None])[0]

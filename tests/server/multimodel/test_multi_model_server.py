@@ -265,3 +265,16 @@ def test_preempt_parks_a_streaming_request_which_goes_on_bitwise_when_its_model_
         assert multi.registry.entries["m0"].state is ModelState.LOADED  # came back for its parked request
         assert multi.registry.contention_outcomes[("m1", "preempted")] == 1
         _check_integrity(multi)
+
+
+def test_bad_bodies_are_answered_without_loading_a_model(models_dir):
+    with serve_multi(ModelsConfig(models_dir=models_dir), ServerConfig(max_request_bytes=4096)) as (url, multi):
+        cases = [(b"{not json", 400, "not valid JSON"), (b"[1, 2]", 400, "must be a JSON object"),
+                 (b'{"model": 7, "prompt": "x"}', 400, "model must be a string"),
+                 (b'{"prompt": "' + b"x" * 5000 + b'"}', 413, "")]
+        for body, status, words in cases:
+            reply = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert reply.status_code == status and words in reply.text, (body[:20], reply.text)
+        reply = httpx.post(f"{url}/v1/messages", content=b"{oops", headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["type"] == "error"  # Anthropic's shape there
+        assert all(e.num_loads == 0 for e in multi.registry.entries.values())
