@@ -278,3 +278,23 @@ def test_bad_bodies_are_answered_without_loading_a_model(models_dir):
         reply = httpx.post(f"{url}/v1/messages", content=b"{oops", headers={"content-type": "application/json"})
         assert reply.status_code == 400 and reply.json()["type"] == "error"  # Anthropic's shape there
         assert all(e.num_loads == 0 for e in multi.registry.entries.values())
+
+
+def test_quick_fuzz_of_the_front_no_5xx_and_nothing_leaks(models_dir):
+    """conveyor/fuzz.py's CI profile through the multi-model front: bodies from the request schemas (their
+    `model` absent, random, or a served name) and mutations; no 5xx, every error in its API's shape."""
+    from conveyor.fuzz import QUICK_EXAMPLES, run_fuzz
+
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_max=2)) as (url, multi):
+        report = run_fuzz(url, QUICK_EXAMPLES // 3, seed=1)  # the bodies are the single-model fuzz's; this one is the dispatch
+        assert not report.failures, "\n".join(report.failures[:10])
+        assert report.statuses[200] >= 1 and sum(n for s, n in report.statuses.items() if 400 <= s < 500) >= 10
+        for entry in multi.registry.entries.values():
+            if entry.state is ModelState.LOADED:
+                core = entry.app.state.engine.core
+                deadline = time.monotonic() + 60
+                while core.has_work():
+                    assert time.monotonic() < deadline, "engine never went idle"
+                    time.sleep(0.02)
+                core.kv.check_integrity()
+                assert core.pool.stats().num_used == 0
