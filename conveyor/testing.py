@@ -193,13 +193,13 @@ TINY_MOE = {
     "olmoe": dict(architecture="olmoe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                   qk_norm=True, qk_norm_scope="full", norm_topk_prob=False),
     # Llama 4 (text): layers rotary+dense, rotary+MoE, rotary+dense, NoPE+MoE; sigmoid top-1 on the expert input
-    # beside a shared expert; the NoPE layer's temperature steps every 8 positions; the context capped at 512.
+    # beside a shared expert; the NoPE layer's temperature steps every 8 positions; rotary layers in 16-token chunks.
     "llama4_text": dict(architecture="llama4_text", num_hidden_layers=4, num_experts=4, num_experts_per_tok=1,
                         moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_scoring="sigmoid",
                         norm_topk_prob=False, moe_weight_input=True, dense_mlp_layers=(0, 2), no_rope_layers=(3,),
                         rope_interleaved=True, qk_l2_norm=True, attn_temperature_beta=0.5,
                         attn_temperature_length=8, attn_temperature_offset=1, attn_temperature_nope_only=True,
-                        max_served_context=512, rope_theta=500000.0),
+                        attention_chunk=16, rope_theta=500000.0),
     # GPT-OSS: sliding (8 tokens) and full layers, attention sinks, q/k/v/o biases, YaRN; the top 2 logits
     # softmaxed, biased experts with the clamped SwiGLU (a limit low enough to clamp here)
     "gpt_oss": dict(architecture="gpt_oss", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,

@@ -19,7 +19,7 @@ from conveyor.engine.draft_setup import load_draft_model
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
-from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, per_slot_window, plan_kv_pool
+from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
@@ -34,7 +34,7 @@ from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.loading.heap import trim_heap
-from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.config import ModelConfigError
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
@@ -186,10 +186,8 @@ class EngineCore:
             bytes_per_block=bytes_per_block, budget=parse_kv_budget(config.kv_cache_budget),
             weight_bytes=weight_bytes, max_kv_tokens=config.max_kv_size,
             state_bytes=self.states.total_bytes if self.states is not None else 0,
-            window_group=self._window_need(config, window_bytes_per_block),
-            context_cap=checkpoint.config.max_served_context)
+            window_group=self._window_need(config, window_bytes_per_block))
         self.max_model_len = self.pool_plan.max_model_len
-        _note_context_cap(checkpoint.config, config, self.max_batch_size)
         # The prompt-cache budget keeps as many cold blocks in each group as one block of both costs.
         cached_cap = prompt_cache_blocks(config.prompt_cache_budget, bytes_per_block + window_bytes_per_block)
         self.pool = BlockPool(self.pool_plan.num_blocks, enable_caching=config.enable_prefix_caching,
@@ -580,13 +578,3 @@ class EngineCore:
                              num_output_tokens=len(request.output_token_ids),
                              num_cached_tokens=request.num_cached_tokens, error=request.error,
                              stop_sequence=detok.matched_stop if finished and detok is not None else None)
-
-
-def _note_context_cap(model: ModelConfig, config: EngineConfig, num_slots: int) -> None:
-    """Say so at startup when the model caps the context below what was asked (Llama 4's chunked attention)."""
-    cap = model.max_served_context
-    asked = per_slot_window(model.max_position_embeddings, config.ctx_size, num_slots, config.effective_kv_unified)
-    if cap and asked > cap:
-        logger.warning("%s: context capped at %d tokens per sequence (asked: %d): its rotary layers attend in "
-                       "chunks of %d tokens, which conveyor runs exactly only up to one chunk", model.architecture,
-                       cap, asked, cap)

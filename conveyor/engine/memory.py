@@ -79,15 +79,12 @@ def per_slot_window(model_max_len: int, ctx_size: int, num_slots: int, kv_unifie
 def plan_kv_pool(*, model_max_len: int, ctx_size: int, num_slots: int, kv_unified: bool, block_size: int,
                  bytes_per_block: int, budget: int | None, weight_bytes: int,
                  free_bytes: int | None = None, max_kv_tokens: int = 0, state_bytes: int = 0,
-                 window_group: WindowGroupNeed | None = None, context_cap: int = 0) -> KVPoolPlan:
+                 window_group: WindowGroupNeed | None = None) -> KVPoolPlan:
     """budget: -1 = auto, None = unbounded, else bytes. max_kv_tokens (--max-kv-size) caps the pool
     and each slot's window in tokens; 0 = no cap. state_bytes (hybrid models' recurrent-state slots) come
     out of the budget first, then the sliding group's share (window_group: what it needs at most, never more
-    than a full table would), and the rest is the full group's. context_cap (0: none) caps each slot's window
-    whatever was asked (Llama 4: its attention chunk, ModelConfig.max_served_context)."""
+    than a full table would), and the rest is the full group's."""
     window = per_slot_window(model_max_len, ctx_size, num_slots, kv_unified)
-    if context_cap:
-        window = min(window, context_cap)
     if max_kv_tokens:
         if max_kv_tokens < MIN_TOKENS_PER_SLOT:
             raise ValueError(f"--max-kv-size {max_kv_tokens} is below the {MIN_TOKENS_PER_SLOT}-token minimum")

@@ -82,6 +82,8 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         mask = keys > positions[:, None]  # (R, L)
         if window > 0:
             mask |= keys <= positions[:, None] - window
+        elif window < 0:  # chunks of -window positions: a query sees its own chunk only
+            mask |= keys < (positions[:, None] // -window) * -window
         if fused:
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~mask[None], scale=scale)
         else:

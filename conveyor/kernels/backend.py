@@ -184,7 +184,8 @@ class KernelBackend:
                         meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query (T, H, D) -> (T, H, D); every row attends its own sequence's keys [0, pos]
-        (or only the last `window` of them, for sliding-window attention); scores soft-capped when softcap > 0;
+        (or only the last `window` of them, for sliding-window attention; a negative window: only its own chunk
+        of -window positions, Llama 4's chunked attention); scores soft-capped when softcap > 0;
         `sinks` (H,) fp32 (GPT-OSS): one more logit per head in each softmax's denominator, with no value.
         Either cache may hold Q8_0 rows (uint8, kv_quant.py): the kernel reads the int8 blocks in place."""
         if self.attention is not None and query.device.type == "cpu":

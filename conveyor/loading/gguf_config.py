@@ -305,7 +305,7 @@ def _llama4(meta, base: dict[str, Any], window: Any) -> dict[str, Any]:
     step = int(meta("attention.sliding_window_pattern", 4))
     return dict(fields, no_rope_layers=tuple(i for i in range(layers) if (i + 1) % step == 0),
                 attn_temperature_beta=0.1, attn_temperature_length=8192, attn_temperature_offset=1,
-                attn_temperature_nope_only=True, max_served_context=8192)
+                attn_temperature_nope_only=True, attention_chunk=8192)
 
 
 def _smollm3(meta, base: dict[str, Any]) -> dict[str, Any]:

@@ -112,9 +112,9 @@ class ModelConfig:
     attn_temperature_offset: int = 0
     # Llama 4: q and k L2-normalised per head (an RMSNorm without weight) after rotary, on rotary layers only.
     qk_l2_norm: bool = False
-    # Llama 4's chunked local attention (attention_chunk_size): equal to causal attention up to one chunk, so the
-    # served context is capped here (0: no cap) rather than chunking in the kernel.
-    max_served_context: int = 0
+    # Llama 4's chunked local attention (attention_chunk_size): its rotary layers attend only within their own
+    # chunk of this many positions (0: none); its NoPE layers attend globally.
+    attention_chunk: int = 0
     # Where the RMSNorms sit: "pre" (Llama), "sandwich" (Gemma 2/3: before and after attention and MLP),
     # "post" (OLMo 2: after attention and MLP only).
     norm_layout: str = "pre"
@@ -259,8 +259,8 @@ class ModelConfig:
                                    f"relu2 in hybrid models; xielu in dense ones)")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
             raise ModelConfigError("an attention temperature needs a positive length (original context)")
-        if self.max_served_context < 0:
-            raise ModelConfigError(f"max_served_context must be >= 0, got {self.max_served_context!r}")
+        if self.attention_chunk < 0:
+            raise ModelConfigError(f"attention_chunk must be >= 0, got {self.attention_chunk!r}")
         if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
             raise ModelConfigError(f"no_rope_layers {self.no_rope_layers} names layers past {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:

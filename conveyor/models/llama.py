@@ -55,6 +55,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm or l2_norm else None
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
+        # Llama 4's rotary layers attend within chunks (the kernels' negative window); its K/V is kept whole.
+        self.attend_window = -config.attention_chunk if config.attention_chunk and self.rotary_dim else self.window
         self.softcap = config.attn_logit_softcapping or 0.0
         self.sinks: torch.Tensor | None = None  # (H,) fp32, loaded (GPT-OSS's attention sinks)
         self.norm_after_rope = config.qk_norm_after_rope or l2_norm  # Hunyuan, Llama 4
@@ -111,7 +113,7 @@ class LlamaAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 gate: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.attend_window,
                                        self.softcap, self.sinks)  # (T, H, D)
         out = out.reshape(q.shape[0], self.q_size)
         if gate is not None:

@@ -3,8 +3,8 @@ default) whose queries get an attention temperature by position, q/k L2-norm aft
 and MoE layers (every `interleave_moe_layer_step`-th, or `moe_layers`) of sigmoid top-1 routing whose score
 scales the expert's input, beside an always-on shared expert; dense MLP layers are `intermediate_size_mlp` wide.
 
-The rotary layers attend in chunks of `attention_chunk_size`; up to one chunk that is plain causal attention, so
-the served context is capped at the chunk (max_served_context) instead of chunking in the kernel.
+The rotary layers attend in chunks of `attention_chunk_size` (each query within its own chunk: the attention
+kernels' chunked mode), the NoPE layers globally; the K/V of every position is kept.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         attn_temperature_beta=float(raw.get("attn_scale", 0.1)) if tuning else 0.0,
         attn_temperature_length=int(raw.get("floor_scale", 8192)),
         attn_temperature_nope_only=True, attn_temperature_offset=1,
-        max_served_context=int(chunk) if chunk and any(uses_rope[:layers]) else 0,
+        attention_chunk=int(chunk) if chunk and any(uses_rope[:layers]) else 0,
         attention_bias=bias, attention_out_bias=bias,
         intermediate_size=int(raw.get("intermediate_size_mlp", 16384)),
         num_experts=int(raw.get("num_local_experts", 16)),

@@ -1,5 +1,5 @@
 """The engine on tiny random Mixtral, Qwen3-MoE, Llama 4 (text) and GPT-OSS (sliding and full layers with attention
-sinks): 16 concurrent greedy requests == one at a time (bf16); Llama 4's context capped at its attention chunk."""
+sinks): 16 concurrent greedy requests == one at a time (bf16), Llama 4's over prompts several attention chunks long."""
 
 import pytest
 
@@ -33,8 +33,13 @@ def test_16_concurrent_equal_one_at_a_time(llm):
     assert llm.engine.pool.stats().num_used == 0
 
 
-def test_llama4_context_capped_at_the_attention_chunk(caplog):
-    with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
-        llm = LLM(checkpoint=tiny_moe_checkpoint("llama4_text"), parallel=2, kv_cache_budget="none")
-    assert llm.engine.max_model_len == 512  # the model says 4096; its rotary layers attend in chunks of 512
-    assert "context capped at 512" in caplog.text
+def test_llama4_serves_its_whole_context_in_chunks():
+    """Its rotary layers attend in 16-token chunks (the tiny one's attention_chunk): the context is the model's,
+    and prompts of several chunks, chunked prefill and decode across chunk borders stay batch-invariant."""
+    llm = LLM(checkpoint=tiny_moe_checkpoint("llama4_text"), parallel=4, kv_cache_budget="none", prefill_chunk_size=7)
+    assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings
+    prompts = ["chunk " * (20 + 9 * i) for i in range(4)]  # 40-90 tokens: 3-6 chunks
+    params = [SamplingParams(max_tokens=24, **GREEDY) for _ in prompts]
+    batched = llm.generate(prompts, params)
+    assert [llm.generate([p], [q])[0].token_ids for p, q in zip(prompts, params)] == [b.token_ids for b in batched]
+    llm.engine.pool.check_integrity()

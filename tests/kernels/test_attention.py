@@ -37,7 +37,7 @@ def _random_batch(seq_lens, rows_per_seq, dtype, seed=0, heads=HEADS, kv_heads=K
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("window", [0, 7, -8])  # -8: chunks of 8 positions (Llama 4)
 def test_kernel_matches_reference(dtype, window):
     query, kc, vc, meta = _random_batch([5, 40, 17, 100], [5, 1, 17, 3], dtype)
     got = paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
@@ -65,7 +65,7 @@ def test_soft_capped_scores_match_reference_and_stay_row_invariant(dtype):
 # SmolLM2's shape (64-dim heads, 3 query heads per KV head) and a 128-dim one take the
 # transposed vdpbf16ps path for q.k on AVX-512 BF16 CPUs; key counts straddle groups of 16.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
-@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("window", [0, 21, -16])
 def test_wide_heads_match_reference_and_stay_invariant(heads, kv_heads, head_dim, window):
     seq_lens, rows = [5, 40, 17, 100], [5, 1, 17, 3]
     query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, heads=heads, kv_heads=kv_heads,

@@ -137,7 +137,7 @@ def test_f32_gguf_loads_what_the_hf_directory_does(tmp_path, hf_dir, family: str
               # Llama 4's
               "intermediate_size", "shared_expert_intermediate_size", "moe_scoring", "moe_weight_input",
               "no_rope_layers", "qk_l2_norm", "rope_interleaved", "attn_temperature_beta", "attn_temperature_length",
-              "attn_temperature_offset", "attn_temperature_nope_only", "max_served_context")
+              "attn_temperature_offset", "attn_temperature_nope_only", "attention_chunk")
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(want.config, f) for f in fields}
     assert set(got.weights) == set(want.weights)
     for name, weight in want.weights.items():  # experts split from their stacks, Mixtral q/k un-permuted

@@ -19,7 +19,7 @@ COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention
               max_position_embeddings=256, num_experts_per_tok=2)
 
 
-def _hf_model(family: str):
+def _hf_model(family: str, **overrides):
     if family == "mixtral":
         cfg = transformers.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4)
     elif family == "qwen3_moe":  # layer 1 keeps a dense MLP; top-k weights not renormalised
@@ -33,11 +33,12 @@ def _hf_model(family: str):
         cfg = transformers.Llama4TextConfig(**{**COMMON, "num_experts_per_tok": 1, "num_hidden_layers": 4},
                                             head_dim=16, intermediate_size=48, intermediate_size_mlp=80,
                                             num_local_experts=4, interleave_moe_layer_step=2, floor_scale=4,
-                                            attn_scale=0.5, attention_chunk_size=256,
+                                            attn_scale=0.5, attention_chunk_size=overrides.pop("attention_chunk_size", 256),
                                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
                                                              "factor": 8.0, "low_freq_factor": 1.0,
                                                              "high_freq_factor": 4.0,
-                                                             "original_max_position_embeddings": 64})
+                                                             "original_max_position_embeddings": 64},
+                                            **overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # norms start at 1.0; randomize so a skipped norm cannot pass
@@ -73,6 +74,18 @@ def test_logits_match_transformers(family, tmp_path):
     assert tokens[len(prompt):] == theirs
 
 
+def test_llama4_chunked_attention_across_chunks_matches_transformers(tmp_path):
+    """Chunks of 4 positions: the 13-token prompt and its 6 greedy steps span five chunks, so every rotary
+    layer's query attends only within its own chunk while the NoPE layer attends to everything."""
+    hf = _hf_model("llama4_text", attention_chunk_size=4)
+    runner = _runner(hf, tmp_path)
+    assert runner.model.layers[0].self_attn.attend_window == -4 and runner.model.layers[3].self_attn.attend_window == 0
+    prompt, tokens = greedy_matches_transformers(runner, hf)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert tokens[len(prompt):] == theirs
+
+
 def test_config_fields():
     qwen = ModelConfig.from_hf_dict(_hf_model("qwen3_moe").config.to_dict())
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (4, 2, 48)
@@ -100,14 +113,14 @@ def test_llama4_config_fields():
     assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (80, 48, 48)
     assert cfg.moe_scoring == "sigmoid" and cfg.moe_weight_input and not cfg.norm_topk_prob and cfg.qk_l2_norm
     assert (cfg.attn_temperature_beta, cfg.attn_temperature_length, cfg.attn_temperature_offset) == (0.5, 4, 1)
-    assert cfg.max_served_context == 256 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.attention_chunk == 256 and cfg.rope_scaling["rope_type"] == "llama3"
     # Scout's layout: MoE every layer, NoPE every 4th; Maverick's moe_layers; no chunking, no cap
     scout = ModelConfig.from_hf_dict(raw | {"num_hidden_layers": 8, "interleave_moe_layer_step": 1, "moe_layers": None,
                                             "no_rope_layers": None, "layer_types": None})
     assert scout.no_rope_layers == (3, 7) and scout.dense_mlp_layers == ()
     maverick = ModelConfig.from_hf_dict(raw | {"moe_layers": [1], "attention_chunk_size": None,
                                                "attn_temperature_tuning": False})
-    assert maverick.dense_mlp_layers == (0, 2, 3) and maverick.max_served_context == 0
+    assert maverick.dense_mlp_layers == (0, 2, 3) and maverick.attention_chunk == 0
     assert maverick.attn_temperature_beta == 0.0
     # the Hub's multimodal config: its text_config is run
     wrapped = ModelConfig.from_hf_dict({"model_type": "llama4", "text_config": raw, "vision_config": {}})

@@ -662,6 +662,14 @@ inline int64_t head_subgroup(int64_t G) {
   return 1;
 }
 
+// The first key a query at `visible - 1` attends: 0 (every key), the start of its sliding window (window > 0),
+// or the start of its chunk (window < 0: chunks of -window positions, Llama 4's chunked local attention).
+inline int64_t first_key(int64_t visible, int64_t window) {
+  if (window > 0) return visible > window ? visible - window : 0;
+  if (window < 0) return ((visible - 1) / -window) * -window;
+  return 0;
+}
+
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
@@ -696,9 +704,10 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
     for (int64_t task = begin; task < end; ++task) {
       // vkv: this task's sub-group of query heads (its first head is vkv * G), reading KV head kvh.
       const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
-      // Keys [first, pos]: the whole history, or the last `window` positions (sliding window).
+      // Keys [first, pos]: the whole history, the last `window` positions (sliding window), or with a
+      // negative window the query's own chunk of -window positions (Llama 4's chunked attention).
       const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
-      const int64_t first = window > 0 && visible > window ? visible - window : 0;
+      const int64_t first = first_key(visible, window);
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
@@ -1139,7 +1148,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
       const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
-      const int64_t first = window > 0 && visible > window ? visible - window : 0;
+      const int64_t first = first_key(visible, window);
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
