@@ -78,13 +78,17 @@ def _check_kv_types(kv_types: KVCacheTypes, specs: list) -> None:
 
 
 def _check_latent_kv(config: EngineConfig, specs: list) -> None:
-    """MLA layers keep one latent row per token and read their values from it (models/mla.py); what moves K and V
-    as two per-layer tensors of heads x head_dim (a q8_0 cache, the disk tier and saved slots) is refused at
-    startup rather than run on a layout it was not built for (the KV handoff refuses in kv_transfer.py)."""
+    """MLA layers keep one latent row per token and read their values from it (models/mla.py). A q8_0 cache
+    quantizes that row (K and V are one tensor, so both types must agree); what moves K and V as two per-layer
+    tensors of heads x head_dim (the disk tier and saved slots) is refused at startup rather than run on a layout
+    it was not built for (the KV handoff refuses in kv_transfer.py)."""
     if not has_latent_kv(specs):
         return
-    asked = [flag for flag, on in (("--cache-type-k/-v q8_0", config.kv_quantized),
-                                   ("--prompt-cache-dir", config.prompt_cache_dir is not None),
+    if config.cache_type_k != config.cache_type_v:
+        raise ModelConfigError(f"--cache-type-k {config.cache_type_k} with --cache-type-v {config.cache_type_v}: a "
+                               "model with multi-head latent attention keeps K and V in one latent row per token; "
+                               "give both the same type")
+    asked = [flag for flag, on in (("--prompt-cache-dir", config.prompt_cache_dir is not None),
                                    ("--slot-save-path", config.slot_save_path is not None)) if on]
     if asked:
         raise ModelConfigError(f"{', '.join(asked)}: not supported for models with multi-head latent attention "

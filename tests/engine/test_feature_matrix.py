@@ -30,9 +30,7 @@ FAMILIES = {
     "harmony": lambda: tiny_moe_checkpoint("gpt_oss", head_dim=32),  # GPT-OSS: sliding windows with sinks, experts
 }
 # (family, feature) -> the refusal's words; every other cell must give the plain output.
-REFUSED = {
-    ("mla", "q8_0_kv"): "not supported for models with multi-head latent attention",
-}
+REFUSED: dict[tuple[str, str], str] = {}
 SYSTEM = "You are a careful assistant who answers briefly. " * 3  # a shared prefix of ~30 tokens
 PROMPTS = [SYSTEM + f"Echo {i}: " + "alpha beta gamma delta " * (1 + i % 3) for i in range(6)]
 GREEDY = [SamplingParams(temperature=0, max_tokens=48 + 4 * i, ignore_eos=True) for i in range(6)]

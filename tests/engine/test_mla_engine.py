@@ -1,7 +1,7 @@
 """DeepSeek-V3's latent attention on the engine (tiny random weights, bf16 on the CPU kernels): 16 concurrent
 greedy requests == one at a time, also through chunked prefill, a prefix-cache hit, preemption and speculation;
-the KV pool is sized by the latent row; the features that move K and V as two per-layer tensors refuse the model
-at startup."""
+the KV pool is sized by the latent row, which a q8_0 cache quantizes; the features that move K and V as two
+per-layer tensors refuse the model at startup."""
 
 import pytest
 
@@ -100,7 +100,7 @@ def test_kv_bytes_per_token_are_the_latent_rows():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (dict(cache_type_k="q8_0"), "q8_0"), (dict(cache_type_v="q8_0"), "q8_0"),
+    (dict(cache_type_k="q8_0"), "give both the same type"), (dict(cache_type_v="q8_0"), "give both the same type"),
     (dict(prompt_cache_dir="PATH"), "--prompt-cache-dir"), (dict(slot_save_path="PATH"), "--slot-save-path")])
 def test_features_that_cannot_hold_a_latent_cache_are_refused(flags, named, tmp_path):
     flags = {k: str(tmp_path) if v == "PATH" else v for k, v in flags.items()}
@@ -112,3 +112,26 @@ def test_kv_handoff_is_refused():
     llm = LLM(checkpoint=tiny_mla_checkpoint(), parallel=2, kv_cache_budget="none")
     with pytest.raises(ModelConfigError, match="KV handoff"):
         llm.engine.kv_transfer.check_supported()
+
+
+def test_a_q8_0_cache_quantizes_the_latent_row_and_stays_exact_across_batches():
+    """--cache-type-k/-v q8_0 on MLA (issue #44 item 2): one uint8 row of Q8_0 blocks per token and layer (K and V
+    the same tensor), 0.53x the bytes; 16 concurrent == one at a time through chunked prefill, and a prefix hit
+    gives the cold tokens."""
+    import torch
+
+    checkpoint = tiny_mla_checkpoint()  # cache row 48 + 16 = 64 values: two Q8_0 blocks
+    q8 = LLM(checkpoint=checkpoint, parallel=16, prefill_chunk_size=8, kv_cache_budget="none",
+             cache_type_k="q8_0", cache_type_v="q8_0")
+    bf16 = LLM(checkpoint=checkpoint, parallel=16, kv_cache_budget="none")
+    for key_cache, value_cache in q8.engine.runner.kv_layers():
+        assert key_cache is value_cache and key_cache.dtype == torch.uint8 and key_cache.shape[-1] == 2 * 34
+    assert q8.engine.pool_plan.bytes_per_block * 128 == bf16.engine.pool_plan.bytes_per_block * 68
+    prompts = _prompts(16)
+    params = [SamplingParams(max_tokens=4 + 3 * (i % 5), **GREEDY) for i in range(16)]
+    batched = q8.generate(prompts, params)
+    assert [q8.generate([p], [s])[0].token_ids for p, s in zip(prompts[:6], params[:6])] == \
+        [b.token_ids for b in batched[:6]]
+    warm = q8.generate(prompts[:1], params[:1])[0]  # its blocks cached by the runs above
+    assert warm.num_cached_tokens > 0 and warm.token_ids == batched[0].token_ids
+    q8.engine.pool.check_integrity()

@@ -109,7 +109,7 @@ SHAPES = [(6, 2, 32), (9, 3, 64), (4, 2, 128), (8, 2, 64), (8, 1, 64), (10, 1, 3
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("q8_0", "bf16"), ("bf16", "q8_0")])
-@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("window", [0, 21, -16])  # -16: Llama 4's chunks of 16 positions
 def test_kernel_matches_dequantized_reference(heads, kv_heads, head_dim, k_type, v_type, window):
     seq_lens, rows = [5, 40, 17, 100], [5, 1, 17, 3]
     kc, vc, meta = _sequences(seq_lens, rows, kv_heads, head_dim, k_type, v_type)
@@ -117,13 +117,27 @@ def test_kernel_matches_dequantized_reference(heads, kv_heads, head_dim, k_type,
     scale = head_dim ** -0.5
     got = backend.paged_attention(query, kc, vc, meta, scale, window)
     want = reference_paged_attention(query, kc, vc, meta, scale, window)  # fp32 over dequantized K/V, exact q
-    # The kernel also rounds q to int8 per 32-block for q.k (as llama.cpp does): a small error on top of bf16's.
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    # The kernel also rounds q to int8 per 32-block for q.k (as llama.cpp does): a small error on top of bf16's
+    # (bounded here where a row sees many keys; a 16-position chunk averages too few for this bound).
+    if window >= 0:
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert (got.float() - want.float()).abs().mean() < 3e-3
     # With q rounded as the kernel rounds it, the reference is the kernel's formula: equal up to fp32 order
     # and the output's bf16 rounding.
     q_used = _as_kernel_rounds_q(query) if k_type == "q8_0" else query.float()
     exact = reference_paged_attention(q_used, kc, vc, meta, scale, window).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), exact.float(), atol=1e-4, rtol=8e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 576])  # the tiny MLA row; DeepSeek-V3's 512 + 64
+def test_values_in_keys_one_q8_0_tensor_for_k_and_v(head_dim):
+    """MLA's cache: one latent row per token (K and V the same q8_0 tensor), every query head on its one KV head."""
+    seq_lens, rows = [5, 40, 17], [5, 1, 3]
+    kc, _, meta = _sequences(seq_lens, rows, 1, head_dim)
+    query = _query(sum(rows), 16, head_dim)
+    scale = head_dim ** -0.5
+    got = backend.paged_attention(query, kc, kc, meta, scale, 0)
+    exact = reference_paged_attention(_as_kernel_rounds_q(query), kc, kc, meta, scale, 0).to(torch.bfloat16)
     torch.testing.assert_close(got.float(), exact.float(), atol=1e-4, rtol=8e-3)
 
 
