@@ -89,7 +89,8 @@ def test_page_loads_and_a_chat_streams_to_completion(browser, served8):
     try:
         tab.wait_live()
         tab.page.wait_for_function("(m) => document.querySelector('#model').textContent === m", arg=served8.model)
-        assert tab.page.text_content("#backend")  # the kernel backend, from the snapshot
+        # the kernel backend, from the first snapshot (the model's name may come first, from /v1/models)
+        tab.page.wait_for_function("() => document.querySelector('#backend').textContent !== ''")
         assert not tab.page.is_visible("#key-form")  # no key needed, none asked for
         assert not tab.page.is_visible("#model-picker")  # one model: nothing to choose
         tab.settings(temperature=0, max_tokens=12)
