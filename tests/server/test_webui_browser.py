@@ -307,7 +307,10 @@ def test_model_picker_lists_the_models_and_chats_with_the_chosen_one(browser, tm
             # The reply loaded beta alone; the dashboard now streams beta's snapshots.
             tab.wait_live()
             tab.page.wait_for_function("() => document.querySelector('#model').textContent === 'beta'")
-            assert _picker_options(tab) == ["alpha — unloaded", "beta — loaded"]
+            # the picker's states come from /v1/models (fetched after each reply and every 3 s): wait for them
+            tab.page.wait_for_function("(want) => Array.from(document.querySelectorAll('#model-select option'))"
+                                       ".map(o => o.textContent).join('|') === want",
+                                       arg="alpha — unloaded|beta — loaded")
 
             want = {name: _streamed_reply(url, name, "Hello there!", 8) for name in ("alpha", "beta")}
             assert want["alpha"] != want["beta"]  # so the reply tells the models apart
