@@ -23,6 +23,7 @@ import torch
 from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf, field_value
+from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_hybrid import HYBRID_GGUF_ARCHITECTURES, HybridTensors
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
@@ -97,8 +98,6 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps":
 # Tensors that only feed the config (rope_freqs, Phi-3's longrope factors -> rope_scaling).
 CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Quantization suffixes in file names, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" or "model-q4_k_m.gguf".
-# A part of a split GGUF: "model-Q4_K_M-00001-of-00003.gguf".
-_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
                 gguf.GGMLQuantizationType.BF16: torch.bfloat16}
@@ -281,20 +280,16 @@ def _rows(weight: Weight, start: int, end: int) -> Weight:
 
 
 def model_name(path: str) -> str:
-    stem = _SPLIT_SUFFIX.sub("", os.path.basename(path)).removesuffix(".gguf")
+    stem = whole_name(os.path.basename(path)).removesuffix(".gguf")
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
 def split_parts(path: str) -> list[str]:
     """Every part of the split GGUF `path` is one of, in order; [path] for a whole file."""
-    match = _SPLIT_SUFFIX.search(path)
-    if match is None:
-        return [path]
-    count, stem = int(match.group(2)), path[:match.start()]
-    parts = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    parts = part_names(path)
     missing = [os.path.basename(p) for p in parts if not os.path.exists(p)]
     if missing:
-        raise LoadError(f"{path} is one of {count} parts of a split GGUF; missing beside it: {', '.join(missing)}")
+        raise LoadError(f"{path} is one of {len(parts)} parts of a split GGUF; missing beside it: {', '.join(missing)}")
     return parts
 
 

@@ -20,6 +20,7 @@ from huggingface_hub.errors import (CachedRepoTreeNotFoundError, GatedRepoError,
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.gguf_split import part_names, whole_name
 
 DownloadReport = Callable[[int, int], None]  # (bytes written, bytes in all) of a download under way
 
@@ -28,7 +29,6 @@ HF_DIR_SUFFIXES = (".json", ".safetensors", ".jinja", ".model", ".txt")
 # llama-server's default when -hf names no quantization and the repo has several.
 DEFAULT_QUANT = "Q4_K_M"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def resolve_model(model: str | None, hf_file: str | None = None, revision: str |
 def _resolve(spec: HubSpec, on_download: DownloadReport | None) -> str:
     files = _list_files(spec)
     gguf = _pick_gguf(spec, files)
-    wanted = split_parts_of(gguf) if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
+    wanted = part_names(gguf) if gguf else [f for f in files if "/" not in f and f.endswith(HF_DIR_SUFFIXES)]
     folder = _download(spec, wanted, on_download)
     return os.path.join(folder, gguf) if gguf else folder
 
@@ -115,7 +115,7 @@ def _pick_gguf(spec: HubSpec, files: list[str]) -> str | None:
     candidates = _matching(ggufs, spec.quant) if spec.quant else ggufs
     if spec.quant is None and len(candidates) > 1:
         candidates = _matching(ggufs, DEFAULT_QUANT) or candidates
-    if len({_SPLIT_GGUF.sub("", f) for f in candidates}) == 1:  # one file, or the parts of one split file
+    if len({whole_name(f) for f in candidates}) == 1:  # one file, or the parts of one split file
         return _first_part(spec, candidates[0], files)
     what = f"no GGUF file matches :{spec.quant}" if not candidates else "several GGUF files match"
     raise LoadError(f"{spec.name}: {what}; pick one with ORG/NAME:QUANT or --hf-file: {_few(candidates or ggufs)}")
@@ -127,24 +127,12 @@ def _matching(ggufs: list[str], quant: str) -> list[str]:
 
 def _first_part(spec: HubSpec, filename: str, files: list[str]) -> str:
     """A split GGUF is named by its first part (loading/gguf_loader.py finds the rest beside it)."""
-    match = _SPLIT_GGUF.search(filename)
-    if match is None:
-        return filename
-    parts = split_parts_of(filename)
+    parts = part_names(filename)
     missing = [p for p in parts if p not in files]
     if missing:
         raise LoadError(f"{spec.name}: {filename} is one part of a split GGUF whose other parts are not in the repo: "
                         f"{_few(missing)}")
     return parts[0]
-
-
-def split_parts_of(filename: str) -> list[str]:
-    """All parts' names of the split GGUF `filename` is a part of; [filename] for a whole file."""
-    match = _SPLIT_GGUF.search(filename)
-    if match is None:
-        return [filename]
-    count, stem = int(match.group(2)), filename[:match.start()]
-    return [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
 def _download(spec: HubSpec, wanted: list[str], on_download: DownloadReport | None = None) -> str:

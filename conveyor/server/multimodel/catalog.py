@@ -10,11 +10,11 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 
 from conveyor.config import (CONTENTION_POLICIES, FLAGS, ConfigError, EngineConfig, Flag, ModelsConfig, ServerConfig,
                              parse_bool)
+from conveyor.loading.gguf_split import is_later_part, part_names, whole_name
 from conveyor.loading.hub import parse_hub_spec
 
 # Preset keys that are not flags: pin (load at start, never evicted), load-on-startup (llama-server's: load at
@@ -24,8 +24,7 @@ _PRESET_ONLY = ("model", "pin", "load-on-startup", "contention")
 _PER_MODEL_SERVER_FIELDS = ("reasoning_parser", "chat_template_kwargs")
 # What a preset may not set per model: the source comes from `model`, the name from the section.
 _NOT_PER_MODEL = ("model", "served_model_name")
-_GLOBAL_SECTIONS = ("*",)
-_SPLIT_PART = re.compile(r"-(\d{5})-of-\d{5}\.gguf$", re.IGNORECASE)  # llama-server's section for every model (configparser's DEFAULT works too)
+_GLOBAL_SECTIONS = ("*",)  # llama-server's section for every model (configparser's DEFAULT works too)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def model_name(source: str) -> str:
     """llama-server's router names: file name without .gguf, directory name, or the Hub name as written."""
     path = os.path.expanduser(source)
     if os.path.exists(path):
-        base = _SPLIT_PART.sub(".gguf", os.path.basename(os.path.normpath(path)))
+        base = whole_name(os.path.basename(os.path.normpath(path)))
         return base[:-len(".gguf")] if base.lower().endswith(".gguf") else base
     return source
 
@@ -57,12 +56,7 @@ def source_bytes(source: str) -> int:
     """The weight files' size on disk (a model's first-load estimate before its memory is measured); 0 unknown."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
-        if _SPLIT_PART.search(path):  # every part of a split GGUF
-            stem = _SPLIT_PART.sub("", path)
-            folder = os.path.dirname(path) or "."
-            return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
-                       if os.path.join(folder, f).startswith(stem) and _SPLIT_PART.search(f))
-        return os.path.getsize(path)
+        return sum(os.path.getsize(p) for p in part_names(path) if os.path.exists(p))  # a split file: every part
     path = os.path.realpath(path)
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
@@ -94,8 +88,7 @@ def scan_models_dir(folder: str) -> list[tuple[str, str]]:
 def _is_model_gguf(filename: str) -> bool:
     """A model's GGUF: not a vision projector, and of a split file only the first part (it finds the rest)."""
     lower = filename.lower()
-    split = _SPLIT_PART.search(lower)
-    return lower.endswith(".gguf") and not lower.startswith("mmproj") and (split is None or split.group(1) == "00001")
+    return lower.endswith(".gguf") and not lower.startswith("mmproj") and not is_later_part(lower)
 
 
 def build_catalog(models: ModelsConfig, engine: EngineConfig, server: ServerConfig) -> list[ModelSpec]:
