@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
@@ -89,24 +90,28 @@ class DeferredApp:
 
 
     def _build_in_thread(self) -> asyncio.Future:
-        """`build` on a daemon thread (not the loop's executor, which asyncio.run would wait for at exit,
-        so a server stopped mid-load would hang until the load ends)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        return on_daemon_thread(lambda: self.build(self.progress), "conveyor-load")
 
-        def settle(result: object, error: BaseException | None) -> None:
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
 
-        def work() -> None:
-            try:
-                result, error = self.build(self.progress), None
-            except BaseException as exc:  # handed to the loop, which reports it
-                result, error = None, exc
-            try:
-                loop.call_soon_threadsafe(settle, result, error)
-            except RuntimeError:
-                pass  # the server stopped meanwhile
+def on_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """fn() on a daemon thread, as a future of the running loop (not the loop's executor, which asyncio.run
+    waits for at exit: a server stopped mid-load would hang until the load ends)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
 
-        threading.Thread(target=work, name="conveyor-load", daemon=True).start()
-        return future
+    def settle(result: object, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the loop, which reports it
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the server stopped meanwhile
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future

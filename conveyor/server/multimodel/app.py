@@ -69,10 +69,7 @@ class MultiModelApp:
                 await self._observe(self._loaded(name).app, scope, receive, send)
                 return
             entry = await self._acquire_unless_gone(name, receive)
-        except ModelUnavailable as exc:
-            await _unavailable(exc).response(path)(scope, receive, send)
-            return
-        except APIError as exc:
+        except APIError as exc:  # ModelUnavailable included
             await exc.response(path)(scope, receive, send)
             return
         if entry is None:
@@ -189,12 +186,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _unavailable(exc: ModelUnavailable) -> APIError:
-    headers = {"Retry-After": str(max(int(exc.retry_after), 1))} if exc.retry_after is not None else None
-    kind = {404: "invalid_request_error", 400: "invalid_request_error"}.get(exc.status, "unavailable")
-    return APIError(exc.status, exc.message, kind, "model", exc.code, headers)
-
-
 def model_card(entry: ModelEntry) -> dict:
     """/v1/models' entry: OpenAI's fields, llama-server's router `status`, and what the model holds."""
     card = {"id": entry.name, "object": "model", "created": 0, "owned_by": "conveyor", "source": entry.spec.source,
@@ -263,29 +254,20 @@ def _front_app(multi: MultiModelApp, response_store: ResponseStore) -> FastAPI:
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        try:
-            return model_card(registry.entry(model_id))
-        except ModelUnavailable as exc:
-            raise _unavailable(exc) from None
+        return model_card(registry.entry(model_id))
 
     @api.post("/models/load")
     async def load(request: Request) -> dict:
         body = await parse_body(request, ModelActionRequest, limits)
         started = time.monotonic()
-        try:
-            entry = await registry.load(body.model)
-        except ModelUnavailable as exc:
-            raise _unavailable(exc) from None
+        entry = await registry.load(body.model)
         return {"success": True, "model": entry.name, "status": entry.state.value,
                 "seconds": round(time.monotonic() - started, 3)}
 
     @api.post("/models/unload")
     async def unload(request: Request) -> dict:
         body = await parse_body(request, ModelActionRequest, limits)
-        try:
-            await registry.unload(body.model)
-        except ModelUnavailable as exc:
-            raise _unavailable(exc) from None
+        await registry.unload(body.model)
         return {"success": True, "model": body.model, "status": registry.entry(body.model).state.value}
 
     add_store_routes(api, response_store)

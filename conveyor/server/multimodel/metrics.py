@@ -6,7 +6,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -64,8 +63,7 @@ def _per_model_series(registry: ModelRegistry):
         app = entry.app
         if entry.state is not ModelState.LOADED or app is None:
             continue
-        text = app.state.metrics.render().decode()
-        for family in text_string_to_metric_families(text):
+        for family in app.state.metrics.registry.collect():
             into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             into.samples += [Sample(s.name, {"model": entry.name, **s.labels}, s.value, s.timestamp, s.exemplar)
                              for s in family.samples]

@@ -21,7 +21,6 @@ import asyncio
 import enum
 import gc
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +30,8 @@ from typing import Any
 
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.loading.heap import trim_heap
+from conveyor.server.deferred import on_daemon_thread
+from conveyor.server.errors import APIError
 from conveyor.server.multimodel.catalog import ModelSpec, source_bytes
 
 logger = logging.getLogger(__name__)
@@ -69,12 +70,14 @@ class LoadedModel:
 LoadModel = Callable[[ModelSpec, LoadProgress, bool], LoadedModel]
 
 
-class ModelUnavailable(Exception):
-    """A request's model cannot serve it now (or ever): the HTTP status, message and code to answer with."""
+class ModelUnavailable(APIError):
+    """A request's model cannot serve it now (or ever): answered as it is, in the called API's shape."""
 
     def __init__(self, status: int, message: str, code: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+        headers = {"Retry-After": str(max(int(retry_after), 1))} if retry_after is not None else None
+        kind = "invalid_request_error" if status < 500 else "unavailable"
+        super().__init__(status, message, kind, "model", code, headers)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -329,7 +332,7 @@ class ModelRegistry:
         started = time.monotonic()
         quiet = any(e.num_active for e in self.entries.values() if e is not entry)
         try:
-            loaded = await _on_thread(lambda: self._load_model(entry.spec, entry.progress, quiet), f"load-{entry.name}")
+            loaded = await on_daemon_thread(lambda: self._load_model(entry.spec, entry.progress, quiet), f"conveyor-load-{entry.name}")
             stack = AsyncExitStack()
             await stack.enter_async_context(loaded.app.router.lifespan_context(loaded.app))
         except Exception as exc:
@@ -424,7 +427,7 @@ class ModelRegistry:
         started = time.monotonic()
         quiet = any(e.num_active for e in self.entries.values() if e is not entry)
         try:
-            memory = await _on_thread(lambda: entry.loaded.resume(entry.progress, quiet), f"resume-{entry.name}")
+            memory = await on_daemon_thread(lambda: entry.loaded.resume(entry.progress, quiet), f"conveyor-resume-{entry.name}")
         except Exception as exc:
             logger.error("model %s did not come back: %s", entry.name, exc)
             entry.error = str(exc)
@@ -498,27 +501,3 @@ def _forget_fastapi_endpoints() -> None:
         cache_clear = getattr(getattr(models, name), "cache_clear", None)
         if name.endswith("_cached") and callable(cache_clear):
             cache_clear()
-
-
-def _on_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
-    """fn() on a daemon thread (not the loop's executor, which the interpreter waits for at exit, so a server
-    stopped mid-load would hang until the load ends)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(result: object, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # handed to the loop
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:
-            pass  # the loop closed meanwhile
-
-    threading.Thread(target=work, name=f"conveyor-{name}", daemon=True).start()
-    return future
