@@ -23,7 +23,7 @@ from conveyor.loading import load_checkpoint
 from conveyor.server.multimodel.registry import ModelState
 from conveyor.testing import write_tiny_model_dir
 
-from tests.cluster.cluster_harness import free_port
+from tests.cluster.cluster_harness import start, wait_healthy
 from tests.server.conftest import serve  # a single-model server on a free port
 from tests.server.multimodel.conftest import ENGINE, serve_multi
 
@@ -184,34 +184,20 @@ def test_the_api_key_is_checked_before_a_model_loads(models_dir):
 
 def test_conveyor_serve_with_model_given_twice_serves_both_and_exits_0_on_sigterm(models_dir, reference, tmp_path):
     """The real entry point: `conveyor serve --model A --model B`, each answered by name, then a clean stop."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", str(port), "--parallel", "2",
-                             "--kv-cache-budget", "8M", "--model", f"{models_dir}/m0", "-m", f"{models_dir}/m2",
-                             "--metrics"], stdout=log, stderr=subprocess.STDOUT)
+    proc = start("multi", None, str(tmp_path), extra=["--parallel", "2", "--kv-cache-budget", "8M", "--model",
+                                                      f"{models_dir}/m0", "-m", f"{models_dir}/m2", "--metrics"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        wait_healthy([proc], timeout=120)
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == ["m0", "m2"]
+        assert client.models.retrieve("m2").id == "m2"  # the SDK's GET /v1/models/{id}
         for name in ("m2", "m0"):
             assert _chat(client, name, PROMPTS[0]) == reference[name, PROMPTS[0]]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "ModelsConfig" in (tmp_path / "server.log").read_text()  # the effective config was logged
+        proc.stop()
+    assert "ModelsConfig" in (tmp_path / "multi.log").read_text()  # the effective config was logged
 
 
 def test_conveyor_serve_refuses_a_bad_preset_with_exit_2(tmp_path):
