@@ -41,50 +41,25 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from quantized import copy_tokenizer, smollm2_path  # noqa: E402  (a sibling script)
+from quantized import smollm2_path, write_llama_1b_shape  # noqa: E402  (a sibling script)
 
 from conveyor.testing import random_blocks  # noqa: E402
 
 Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
 
 
+# Q4_K_M's mix: Q6_K for the token embedding, attn_v and ffn_down, Q4_K for the rest.
+_Q6_K_TENSORS = ("token_embd.weight", ".attn_v.weight", ".ffn_down.weight")
+
+
 def write_1b_q4_k_m(path: Path, seed: int) -> None:
-    hidden, layers, heads, kv_heads, ffn, ctx = 2048, 16, 32, 8, 8192, 4096
-    head_dim = hidden // heads
-    donor = gguf.GGUFReader(smollm2_path())
-    vocab = len(donor.fields["tokenizer.ggml.tokens"].data)
-    tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(path.stem)
-    for add, value in ((w.add_context_length, ctx), (w.add_embedding_length, hidden), (w.add_block_count, layers),
-                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                       (w.add_rope_freq_base, 500000.0), (w.add_layer_norm_rms_eps, 1e-5),
-                       (w.add_rope_dimension_count, head_dim), (w.add_vocab_size, vocab)):
-        add(value)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    copy_tokenizer(w, donor)
     rng = np.random.default_rng(seed)
 
-    def matrix(name: str, rows: int, cols: int, qtype) -> None:
-        w.add_tensor(name, random_blocks(rows, cols, qtype, rng, 0.02), raw_dtype=qtype)
+    def blocks(writer: gguf.GGUFWriter, name: str, rows: int, cols: int) -> None:
+        qtype = Q6_K if name.endswith(_Q6_K_TENSORS) else Q4_K
+        writer.add_tensor(name, random_blocks(rows, cols, qtype, rng, 0.02), raw_dtype=qtype)
 
-    matrix("token_embd.weight", vocab, hidden, Q6_K)
-    for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        matrix(f"blk.{i}.attn_q.weight", hidden, hidden, Q4_K)
-        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, Q4_K)
-        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, Q6_K)
-        matrix(f"blk.{i}.attn_output.weight", hidden, hidden, Q4_K)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden, Q4_K)
-        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden, Q4_K)
-        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn, Q6_K)
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.rename(path)
+    write_llama_1b_shape(path, path.stem, gguf.LlamaFileType.MOSTLY_Q4_K_M, blocks)
 
 
 def ensure_files(folder: Path) -> tuple[Path, Path]:

@@ -42,6 +42,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -318,13 +319,25 @@ def smollm2_path() -> Path:
 
 def write_synthetic(path: Path, seed: int = 0) -> None:
     """A Llama-3.2-1B-shaped GGUF in F16: random N(0, 0.02) weights, unit norms, SmolLM2's tokenizer."""
+    rng = np.random.default_rng(seed)
+
+    def dense(writer: gguf.GGUFWriter, name: str, rows: int, cols: int) -> None:  # numpy (out, in) order
+        writer.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))
+
+    write_llama_1b_shape(path, SYNTH_NAME, gguf.LlamaFileType.MOSTLY_F16, dense)
+
+
+def write_llama_1b_shape(path: Path, name: str, file_type: gguf.LlamaFileType,
+                         matrix: Callable[[gguf.GGUFWriter, str, int, int], None]) -> None:
+    """Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192, tied embeddings), unit norms and
+    SmolLM2's tokenizer; `matrix(writer, name, rows, cols)` writes each weight matrix as the caller wants it."""
     hidden, layers, heads, kv_heads, ffn, ctx = 2048, 16, 32, 8, 8192, 4096
     head_dim = hidden // heads
     donor = gguf.GGUFReader(smollm2_path())
     vocab = len(donor.fields["tokenizer.ggml.tokens"].data)
     tmp = path.with_suffix(".tmp")  # renamed when complete, so an interrupted run leaves no half file
     w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(SYNTH_NAME)
+    w.add_name(name)
     w.add_context_length(ctx)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -335,24 +348,19 @@ def write_synthetic(path: Path, seed: int = 0) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(file_type)
     copy_tokenizer(w, donor)
-    rng = np.random.default_rng(seed)
-
-    def dense(rows: int, cols: int) -> np.ndarray:  # numpy (out, in) order; GGUF stores it reversed
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", dense(vocab, hidden))
+    matrix(w, "token_embd.weight", vocab, hidden)
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", dense(hidden, hidden))
-        w.add_tensor(f"blk.{i}.attn_k.weight", dense(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_v.weight", dense(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_output.weight", dense(hidden, hidden))
+        matrix(w, f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(w, f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(w, f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        matrix(w, f"blk.{i}.attn_output.weight", hidden, hidden)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", dense(ffn, hidden))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", dense(ffn, hidden))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", dense(hidden, ffn))
+        matrix(w, f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        matrix(w, f"blk.{i}.ffn_up.weight", ffn, hidden)
+        matrix(w, f"blk.{i}.ffn_down.weight", hidden, ffn)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
