@@ -223,7 +223,7 @@ def test_an_unloaded_model_gives_its_memory_back(models_dir):
 def test_preempt_parks_a_streaming_request_which_goes_on_bitwise_when_its_model_returns(models_dir):
     """--models-contention preempt with room for one: m0 streams; a request for m1 suspends m0 (its stream
     stays open), m1 answers, then m0 comes back and its stream ends with the tokens of an undisturbed run."""
-    body = {"prompt": "Count with me:", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "Count with me:", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
     with serve(load_checkpoint(f"{models_dir}/m0"), ENGINE) as single:
         want = httpx.post(f"{single.url}/v1/completions", json={**body, "model": "m0"}, timeout=120).json()
     with serve_multi(ModelsConfig(models_dir=models_dir, models_max=1, models_contention="preempt")) as (url, multi):
