@@ -74,7 +74,6 @@ def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfi
     from conveyor.server.lifecycle import GracefulServer
 
     engine = AsyncEngine.from_config(engine_config)
-    engine.core.kv_transfer.check_supported()  # refused at startup where the KV cannot travel (MLA)
     app = create_app(engine, server_config)
     role = PrefillNode if cluster.node_role == "prefill" else DecodeNode
     attach_node(app, role(engine, cluster))

@@ -78,6 +78,7 @@ class KVPayload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     state: bytes = b""  # hybrid models: the recurrent state after those tokens (KVBlob.state)
     cache_type_k: str = "bf16"  # --cache-type-k of the sender: q8_0 rows travel as raw Q8_0 blocks
     cache_type_v: str = "bf16"
+    values_in_keys: bool = False  # MLA: each layer's latent rows only (KVBlob.values_in_keys)
 
 
 class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):

@@ -1,7 +1,9 @@
 """The disk tier's files: one checksummed, tagged file per prefix block, a byte budget (least recently used
 first out), and the background writer that keeps the step loop off the disk.
 
-A file is `<key hex>.kvb`:
+A file is `<key hex>.kvb` (a full-attention block), `<key hex>.window.kvb` (a sliding-window block) or
+`<key hex>.state.kvb` (a hybrid's recurrent state after a prefix): one directory, budget and LRU for all
+the memory groups of a model, each group's keys its own (prefix_disk.py derives them):
 
     MAGIC (8) | header length, u32 LE (4) | header JSON | payload | CRC-32 of everything before, u32 LE (4)
 
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"CVKVBLK2"
 SUFFIX = ".kvb"
+KV = "kv"  # the kind of the prefix cache's own blocks (the only kind of one-group models)
+# A file's kind -> its name's ending; the kind tells a restart's index which group a file belongs to.
+SUFFIXES = {KV: SUFFIX, "window": ".window" + SUFFIX, "state": ".state" + SUFFIX}
 _DIGEST = 4  # CRC-32, little endian
 
 
@@ -45,6 +50,7 @@ class DiskStats:
     num_entries: int = 0
     num_bytes: int = 0
     num_hits: int = 0  # blocks read back and used
+    num_read_bytes: int = 0  # their files' bytes
     num_writes: int = 0
     num_dropped: int = 0  # spills refused because the writer's queue was full
     num_rejected: int = 0  # files of another model / layout (tag mismatch)
@@ -66,6 +72,7 @@ class DiskStore:
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[int, int] = OrderedDict()
+        self._kinds: dict[int, str] = {}  # keys of files of another kind than KV
         self._pool: ThreadPoolExecutor | None = None  # readers, started by the first multi-block read
         self._local = threading.local()  # each reader's file buffer, reused
         self._scan()
@@ -78,23 +85,26 @@ class DiskStore:
             if name.endswith(".tmp"):  # a write cut short by a crash
                 _remove(path)
                 continue
-            key = _key_of(name)
-            if key is None:
+            named = _key_of(name)
+            if named is None:
                 continue
             try:
                 st = os.stat(path)
             except OSError:
                 continue
-            found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found):
+            found.append((st.st_mtime_ns, *named, st.st_size))
+        for _, key, kind, size in sorted(found):
             self._index[key] = size
+            if kind != KV:
+                self._kinds[key] = kind
             self.stats.num_bytes += size
         self.stats.num_entries = len(self._index)
         with self._lock:
             self._evict_over_budget()
 
-    def path(self, key: int) -> str:
-        return os.path.join(self.directory, key_hex(key) + SUFFIX)
+    def path(self, key: int, kind: str | None = None) -> str:
+        """The file of `key` (of `kind`; default: the kind it was indexed with, else KV)."""
+        return os.path.join(self.directory, key_hex(key) + SUFFIXES[kind or self._kinds.get(key, KV)])
 
     def contains(self, key: int) -> bool:
         return key in self._index
@@ -105,10 +115,11 @@ class DiskStore:
         got: list[bytes] = []
         return got[0] if self.read_many([(key, tokens)], lambda _, payload, __: got.append(bytes(payload))) else None
 
-    def recent_keys(self, limit: int) -> list[int]:
-        """Up to `limit` keys, most recently used first (a start's preload)."""
+    def recent_keys(self, limit: int, kind: str = KV) -> list[int]:
+        """Up to `limit` keys of `kind`, most recently used first (a start's preload)."""
         with self._lock:
-            return list(itertools.islice(reversed(self._index), limit))
+            return list(itertools.islice((k for k in reversed(self._index) if self._kinds.get(k, KV) == kind),
+                                         limit))
 
     def read_many(self, blocks: Sequence[tuple[int, Sequence[int] | None]],
                   consume: Callable[[int, memoryview, dict], None]) -> int:
@@ -180,6 +191,7 @@ class DiskStore:
         self.stats.num_hits += 1
         with self._lock:
             if key in self._index:
+                self.stats.num_read_bytes += self._index[key]
                 self._index.move_to_end(key)
         _touch(self.path(key))  # the LRU order survives a restart
         return True
@@ -208,14 +220,14 @@ class DiskStore:
         return payload, None, header
 
     # -- write (the writer thread, or a slot save) -----------------------------------------
-    def write(self, key: int, tokens: Sequence[int], payload, parent: int | None = None) -> int:
+    def write(self, key: int, tokens: Sequence[int], payload, parent: int | None = None, kind: str = KV) -> int:
         """Write one block atomically (temp file + rename); returns the file's bytes. `parent`: the key of the
         block before it (-1 for a first block), when known."""
         header = json.dumps({"key": key_hex(key), "tag": self.tag, "tokens": list(tokens), "parent": parent,
                              "payload_bytes": memoryview(payload).nbytes}).encode()
         head = MAGIC + struct.pack("<I", len(header)) + header
         digest = _crc32(payload, zlib.crc32(head))
-        path = self.path(key)
+        path = self.path(key, kind)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(head)
@@ -227,6 +239,8 @@ class DiskStore:
         with self._lock:
             old = self._index.pop(key, 0)
             self._index[key] = size
+            if kind != KV:
+                self._kinds[key] = kind
             self.stats.num_bytes += size - old
             self.stats.num_writes += 1
             self._evict_over_budget()
@@ -237,21 +251,25 @@ class DiskStore:
         self._forget(key, delete=True)
 
     def _forget(self, key: int, delete: bool = False) -> None:
+        path = self.path(key)
         with self._lock:
             size = self._index.pop(key, None)
+            self._kinds.pop(key, None)
             if size is not None:
                 self.stats.num_bytes -= size
             self.stats.num_entries = len(self._index)
         if delete:
-            _remove(self.path(key))
+            _remove(path)
 
     def _evict_over_budget(self) -> None:
         """Oldest first until the files fit the budget (lock held)."""
         while self.budget_bytes is not None and self.stats.num_bytes > self.budget_bytes and self._index:
             key, size = self._index.popitem(last=False)
+            path = self.path(key)
+            self._kinds.pop(key, None)
             self.stats.num_bytes -= size
             self.stats.num_evictions += 1
-            _remove(self.path(key))
+            _remove(path)
         self.stats.num_entries = len(self._index)
 
     def keys(self) -> list[int]:
@@ -280,10 +298,10 @@ class SpillWriter:
         self.store.stats.num_dropped += 1
 
     def offer(self, key: int, tokens: tuple[int, ...], payload, block: bool = False,
-              parent: int | None = None) -> bool:
+              parent: int | None = None, kind: str = KV) -> bool:
         """Queue a block (payload: a CPU tensor or bytes the caller no longer touches)."""
         try:
-            self._queue.put((key, tokens, payload, parent), block=block)
+            self._queue.put((key, tokens, payload, parent, kind), block=block)
         except queue.Full:
             self.drop()
             return False
@@ -312,12 +330,12 @@ class SpillWriter:
             try:
                 if item is None:
                     return
-                key, tokens, payload, parent = item
+                key, tokens, payload, parent, kind = item
                 try:
-                    self.store.write(key, tokens, _as_bytes(payload), parent)
+                    self.store.write(key, tokens, _as_bytes(payload), parent, kind)
                 except OSError as exc:
                     self.store.stats.num_write_errors += 1
-                    logger.warning("prompt cache disk: writing %s failed: %s", self.store.path(key), exc)
+                    logger.warning("prompt cache disk: writing %s failed: %s", self.store.path(key, kind), exc)
                 finally:
                     self._queued.discard(key)
             finally:
@@ -328,11 +346,14 @@ def _as_bytes(payload):
     return payload.numpy() if hasattr(payload, "numpy") else payload
 
 
-def _key_of(name: str) -> int | None:
-    if not name.endswith(SUFFIX) or len(name) != 2 * KEY_BYTES + len(SUFFIX):
+def _key_of(name: str) -> tuple[int, str] | None:
+    """(key, kind) of a file's name, or None for a name no block file has."""
+    stem = name[:2 * KEY_BYTES]
+    kind = next((kind for kind, suffix in SUFFIXES.items() if name[2 * KEY_BYTES:] == suffix), None)
+    if kind is None:
         return None
     try:
-        return int.from_bytes(bytes.fromhex(name[:-len(SUFFIX)]), "little")
+        return int.from_bytes(bytes.fromhex(stem), "little"), kind
     except ValueError:
         return None
 

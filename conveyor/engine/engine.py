@@ -21,7 +21,7 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
+from conveyor.engine.prefix_disk import STATE, WINDOW, DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
@@ -79,20 +79,14 @@ def _check_kv_types(kv_types: KVCacheTypes, specs: list) -> None:
 
 def _check_latent_kv(config: EngineConfig, specs: list) -> None:
     """MLA layers keep one latent row per token and read their values from it (models/mla.py). A q8_0 cache
-    quantizes that row (K and V are one tensor, so both types must agree); what moves K and V as two per-layer
-    tensors of heads x head_dim (the disk tier and saved slots) is refused at startup rather than run on a layout
-    it was not built for (the KV handoff refuses in kv_transfer.py)."""
+    quantizes that row (K and V are one tensor, so both types must agree). The disk tier and saved slots store
+    that tensor once per layer (prefix_disk.py); the KV handoff refuses in kv_transfer.py."""
     if not has_latent_kv(specs):
         return
     if config.cache_type_k != config.cache_type_v:
         raise ModelConfigError(f"--cache-type-k {config.cache_type_k} with --cache-type-v {config.cache_type_v}: a "
                                "model with multi-head latent attention keeps K and V in one latent row per token; "
                                "give both the same type")
-    asked = [flag for flag, on in (("--prompt-cache-dir", config.prompt_cache_dir is not None),
-                                   ("--slot-save-path", config.slot_save_path is not None)) if on]
-    if asked:
-        raise ModelConfigError(f"{', '.join(asked)}: not supported for models with multi-head latent attention "
-                               f"(their cache keeps one compressed latent row per token); start without")
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -222,9 +216,12 @@ class EngineCore:
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
                                   num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types)
         # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
-        kv_tensors = [t for layer in self.runner.kv_layers() for t in layer]
+        kv_tensors, window_tensors = [], []
+        for layer, windowed in zip(self.runner.kv_layers(), self.runner.kv_layer_windowed()):
+            (window_tensors if windowed else kv_tensors).extend(layer)
+        state_tensors = [t for layer in self.runner.state_layers() for t in layer]
         self.disk: DiskTier | None = build_disk_tier(config, checkpoint, kv_tensors,
-                                                     one_group=self.states is None and window is None)
+                                                     {WINDOW: window_tensors, STATE: state_tensors})
         if self.disk is not None:
             self.kv.attach_disk(self.disk)
             preload = parse_preload_bytes(config.prompt_cache_preload)
@@ -234,8 +231,6 @@ class EngineCore:
                 if count:
                     logger.info("prompt cache disk: %d blocks (%.1f MiB) read into the RAM prefix cache in %.2f s",
                                 count, count * self.disk.block_bytes / 2**20, time.perf_counter() - started)
-            if self.disk.writer is not None:
-                self.pool.on_evict = self.disk.on_evict
         # Slot id -> the request that last ran there, or the tokens a slot restore put there (llama-server's
         # slots keep their last prompt; engine/slot_store.py).
         self.slot_contents: dict[int, Request | list[int]] = {}
@@ -389,10 +384,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Shutdown: the RAM prefix cache goes to the disk tier, and the writer finishes (engine thread)."""
-        if self.kv.disk_reads is not None:
-            self.kv.disk_reads.close()  # reads in flight end and are published first
-        if self.disk is not None:
-            self.disk.close(self.pool if self.disk.writer is not None else None)
+        self.kv.close_disk()
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import ROOT_PARENT, BlockPool
 from conveyor.engine.outputs import SchedulerOutput
+from conveyor.engine.prefix_disk import STATE, WINDOW
 from conveyor.engine.prefix_reads import DiskReads
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
@@ -51,7 +52,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.states = states
         self.window = window
-        self.disk: DiskTier | None = None  # the prefix cache's disk tier (attention-only models, one block group)
+        self.disk: DiskTier | None = None  # the prefix cache's disk tier (the full group's blocks)
+        self.window_disk: DiskTier | None = None  # ... the sliding group's blocks, in the same files
+        self.state_disk: DiskTier | None = None  # ... the state snapshots, likewise
         self.disk_reads: DiskReads | None = None
         self.req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[int]] = {}  # hashes of the request's full, computed blocks
@@ -66,8 +69,33 @@ class KVCacheManager:
             self.attach_disk(disk)
 
     def attach_disk(self, disk: DiskTier) -> None:
+        """Use `disk` for the prefix cache, and its groups for the sliding blocks and state snapshots; with a
+        writer, what each group's RAM gives up goes there."""
         self.disk = disk
         self.disk_reads = DiskReads(self.pool, disk, self.block_size, self.counters)
+        self.window_disk = disk.groups.get(WINDOW) if self.window is not None else None
+        self.state_disk = disk.groups.get(STATE) if self.states is not None else None
+        if disk.writer is None:
+            return
+        self.pool.on_evict = disk.on_evict
+        if self.window_disk is not None:
+            self.window.pool.on_evict = self.window_disk.on_evict
+        if self.state_disk is not None:
+            state_disk = self.state_disk
+            self.states.on_evict = lambda slot, key: state_disk.on_evict(slot, key, ())
+
+    def close_disk(self) -> None:
+        """Shutdown: reads in flight end and are published, then what RAM still caches in every group goes to
+        the disk tier, and the writer finishes (engine thread)."""
+        if self.disk is None:
+            return
+        self.disk_reads.close()
+        spill = self.disk.writer is not None
+        if spill and self.window_disk is not None:
+            self.window_disk.spill_cached(self.window.pool)
+        if spill and self.state_disk is not None:
+            self.state_disk.spill_rows((slot, key, (), None) for slot, key in self.states.snapshots())
+        self.disk.close(self.pool if spill else None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -103,7 +131,8 @@ class KVCacheManager:
         hit.num_matched_blocks = len(hit.blocks)
         if self.states is not None or self.window is not None:
             matched = len(hit.blocks)
-            return self._limited_hit(tokens, hit, keys[:matched], [self._chunk(tokens, i) for i in range(matched)])
+            return self._limited_hit(tokens, hit, keys[:matched], [self._chunk(tokens, i) for i in range(matched)],
+                                     from_disk=self.disk is not None and self.disk.consult)
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
@@ -151,40 +180,137 @@ class KVCacheManager:
 
     def warm_prefix(self, token_ids: list[int]) -> int:
         """Slot restore: bring token_ids' whole blocks into the prefix cache from the disk tier (RAM hits are
-        kept); returns how many tokens the cache now holds from the start."""
+        kept), with the sliding blocks and state snapshot a resume there needs; returns how many tokens from
+        the start a longer prompt can now resume after."""
         keys = chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size)
         blocks = self._ram_blocks(token_ids, keys)
         if self.disk is not None and len(blocks) < len(keys):
             blocks = self.disk_reads.load_now(token_ids, keys, blocks)
-        return len(blocks) * self.block_size
+        if self.states is None and self.window is None:
+            return len(blocks) * self.block_size
+        chunks = [self._chunk(token_ids, i) for i in range(len(blocks))]
+        hit = self._limited_hit(token_ids, PrefixHit(blocks=blocks), keys[:len(blocks)], chunks,
+                                limit=len(token_ids), from_disk=self.disk is not None)
+        return hit.num_tokens
 
-    def cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(block, key, tokens) of the leading whole blocks RAM holds for token_ids (a slot save)."""
-        keys = chain_hashes(token_ids, self.block_size, len(token_ids) // self.block_size)
-        blocks = self._ram_blocks(token_ids, keys)
-        return [(b, keys[i], self._chunk(token_ids, i)) for i, b in enumerate(blocks)]
+    def save_prefix(self, token_ids: list[int]) -> tuple[int, int]:
+        """Slot save: write token_ids' leading whole blocks that RAM or the disk holds to the disk tier, ending
+        where the other groups can resume too (the sliding blocks its next query reads, a state snapshot), and
+        those; returns (tokens saved, bytes written)."""
+        disk, size = self.disk, self.block_size
+        keys = chain_hashes(token_ids, size, len(token_ids) // size)
+        chunks = [self._chunk(token_ids, i) for i in range(len(keys))]
+        num_blocks = 0
+        while num_blocks < len(keys) and (self.pool.lookup(keys[num_blocks], chunks[num_blocks]) is not None
+                                          or disk.contains(keys[num_blocks])):
+            num_blocks += 1
+        while num_blocks and not self._resumable_at(keys, chunks, num_blocks):
+            num_blocks -= 1
+        written = 0
+        for i in range(num_blocks):
+            block = self.pool.lookup(keys[i], chunks[i])
+            if block is not None:
+                written += disk.write_now(block, keys[i], chunks[i])
+        if self.window is not None and num_blocks:
+            for i in range(self.window.first_live(num_blocks * size - 1), num_blocks):
+                block = self.window.pool.lookup(keys[i], chunks[i])
+                if block is not None:
+                    written += self.window_disk.write_now(block, keys[i], chunks[i])
+        if self.states is not None and num_blocks:
+            slot = self.states.lookup(keys[num_blocks - 1])
+            if slot is not None:
+                written += self.state_disk.write_now(slot, keys[num_blocks - 1], ())
+        return num_blocks * size, written
 
-    def _limited_hit(self, tokens: list[int], hit: PrefixHit, hashes: list[int],
-                     chunks: list[tuple[int, ...]]) -> PrefixHit:
+    def _resumable_at(self, keys: list[int], chunks: list[tuple[int, ...]], num_blocks: int) -> bool:
+        """Whether RAM or the disk holds what the other groups need to resume after num_blocks whole blocks
+        (sliding blocks from the window of a query at either of its last two positions on)."""
+        if self.window is not None:
+            for i in range(self.window.first_live(num_blocks * self.block_size - 1), num_blocks):
+                if self.window.pool.lookup(keys[i], chunks[i]) is None and not self.window_disk.contains(keys[i]):
+                    return False
+        if self.states is not None:
+            key = keys[num_blocks - 1]
+            return self.states.has_snapshot(key) or self.state_disk.contains(key)
+        return True
+
+    def _limited_hit(self, tokens: list[int], hit: PrefixHit, hashes: list[int], chunks: list[tuple[int, ...]],
+                     limit: int | None = None, from_disk: bool = False) -> PrefixHit:
         """The longest matched prefix of whole blocks the rest of the cache can resume from too: the sliding
         group must hold every block its next query reads, and a hybrid resumes only where a state snapshot
-        exists (leaving at least one token to run)."""
+        exists (leaving at least one token to run: at most `limit` tokens, by default all but the last).
+        `from_disk`: what RAM lacks of those comes from the disk tier where it has it."""
+        limit = len(tokens) - 1 if limit is None else limit
         runs = self.window.cached_runs(hashes, chunks) if self.window is not None else []
         for num_blocks in range(len(hit.blocks), 0, -1):
-            num_tokens = min(num_blocks * self.block_size, len(tokens) - 1)
-            if self.states is not None and num_blocks * self.block_size > len(tokens) - 1:
+            num_tokens = min(num_blocks * self.block_size, limit)
+            if self.states is not None and (num_blocks * self.block_size > limit
+                                            or not self._has_snapshot(hashes[num_blocks - 1], from_disk)):
                 continue
             if self.window is not None and not self.window.serves(runs, num_blocks, num_tokens):
-                continue
+                if not (from_disk and self._window_from_disk(hashes, chunks, num_blocks, num_tokens)):
+                    continue
+                runs = self.window.cached_runs(hashes, chunks)
+                if not self.window.serves(runs, num_blocks, num_tokens):
+                    continue
             slot = None
             if self.states is not None:
                 slot = self.states.lookup(hashes[num_blocks - 1])
+                if slot is None and from_disk:
+                    slot = self._state_from_disk(hashes[num_blocks - 1])
                 if slot is None:
                     continue
             window_blocks = [] if self.window is None else self.window.hit_blocks(hashes, chunks, num_blocks,
                                                                                   num_tokens)
             return PrefixHit(hit.blocks[:num_blocks], num_tokens, slot, hit.num_matched_blocks, window_blocks)
         return PrefixHit(num_matched_blocks=hit.num_matched_blocks)
+
+    def _has_snapshot(self, key: int, from_disk: bool) -> bool:
+        return self.states.has_snapshot(key) or (from_disk and self.state_disk is not None
+                                                 and self.state_disk.contains(key))
+
+    def _window_from_disk(self, hashes: list[int], chunks: list[tuple[int, ...]], num_blocks: int,
+                          num_tokens: int) -> bool:
+        """Bring the sliding blocks a resume at num_tokens reads that RAM lacks from the disk tier into the
+        sliding group's prefix cache (a few blocks: read inline); True when all of them came."""
+        window, disk = self.window, self.window_disk
+        if disk is None:
+            return False
+        held, missing = [], []
+        for i in range(window.first_live(num_tokens), num_blocks):
+            block = window.pool.lookup(hashes[i], chunks[i])
+            if block is not None:
+                held.append(block)
+            elif disk.contains(hashes[i]):
+                missing.append(i)
+            else:
+                return False
+        if not missing:
+            return False
+        window.pool.share(held)  # not evicted to make room for what is read
+        fresh = window.pool.allocate(len(missing))
+        if fresh is None:
+            window.pool.free(held)
+            return False
+        count = disk.load_run(fresh, [hashes[i] for i in missing], [chunks[i] for i in missing])
+        for block, i in zip(fresh[:count], missing):
+            window.pool.cache_block(block, hashes[i], chunks[i])
+        window.pool.free(held + fresh)
+        return count == len(missing)
+
+    def _state_from_disk(self, key: int) -> int | None:
+        """The snapshot slot of prefix `key` read from the disk tier, or None (absent, bad, or no spare slot)."""
+        disk = self.state_disk
+        if disk is None or not disk.contains(key):
+            return None
+        slot = self.states.reserve_snapshot()
+        if slot is None:
+            return None
+        if disk.load_many([slot], [key], [()]) != 1:
+            self.states.free(slot)
+            return None
+        self.states.commit_snapshot(key, slot)
+        return self.states.lookup(key)
 
     def num_blocks_to_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> int:
         """Fresh blocks an admission needs: the adopted prefix is already paid for, unless it sits free-cached."""

@@ -16,6 +16,9 @@ blob still carries positions [0, n) of every attention layer, and a sliding laye
 gave back are zeros (read from the NULL block). The receiver never reads them: it writes a sliding
 layer's positions only from its own window on, which the sender still held.
 
+MLA layers (models/mla.py) keep one latent row per token and read their values from it: the blob then
+carries each layer's key rows only (`values_in_keys`), one head as wide as the latent and rotary key.
+
 Both run on the engine thread (inside EngineCore.step / add_request).
 """
 
@@ -29,8 +32,7 @@ import torch
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.kernels.kv_quant import BF16, Q8_0, KVCacheTypes, bytes_per_row
-from conveyor.models.cache_specs import has_latent_kv
-from conveyor.models.config import ModelConfigError
+from conveyor.models.cache_specs import KVSpec
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -53,6 +55,7 @@ class KVBlob:
     state: bytes = b""
     cache_type_k: str = "bf16"
     cache_type_v: str = "bf16"
+    values_in_keys: bool = False  # MLA: per layer one tensor of latent rows, no V rows
 
     @property
     def kv_types(self) -> KVCacheTypes:
@@ -67,7 +70,7 @@ class KVBlob:
     def expected_bytes(self) -> int:
         if self.dtype not in _DTYPES or not {self.cache_type_k, self.cache_type_v} <= {BF16, Q8_0}:
             return 0
-        return self.num_layers * (self.layer_bytes("k") + self.layer_bytes("v"))
+        return self.num_layers * (self.layer_bytes("k") + (0 if self.values_in_keys else self.layer_bytes("v")))
 
 
 @dataclass
@@ -95,12 +98,15 @@ class KVTransfer:
     stats: TransferStats = field(default_factory=TransferStats)
     _imports: dict[str, tuple[KVBlob, bytes | None]] = field(default_factory=dict)
 
-    def check_supported(self) -> None:
-        """ModelConfigError where this model's KV cannot travel as (layers, K and V, heads, head_dim) rows: MLA
-        keeps one latent row per token (models/mla.py). Called by the prefill and decode nodes at startup."""
-        if has_latent_kv(self.core.runner.cache_specs):
-            raise ModelConfigError("--node-role prefill/decode: the KV handoff does not support models with "
-                                   "multi-head latent attention (their cache keeps one latent row per token)")
+    def layout(self) -> tuple[int, int, int, bool]:
+        """(attention layers, heads, head_dim, values_in_keys) of this engine's K/V rows: the config's heads,
+        or an MLA layer's one latent row (models/mla.py)."""
+        specs = [spec for spec in self.core.runner.cache_specs if isinstance(spec, KVSpec)]
+        latent = next((spec for spec in specs if spec.values_in_keys), None)
+        if latent is not None:
+            return len(specs), latent.num_kv_heads, latent.head_dim, True
+        cfg = self.core.model_config
+        return cfg.num_attention_layers, cfg.num_key_value_heads, cfg.head_dim, False
 
     # -- prefill side --------------------------------------------------------------------------
     def mark_for_handoff(self, request_id: str) -> None:
@@ -130,11 +136,11 @@ class KVTransfer:
         slots = self._slots(core.kv.block_table(request.request_id), num_tokens)
         window_slots = self._slots(core.kv.window_table(request.request_id), num_tokens) if core.kv.window else None
         layers = core.runner.kv_layers()
-        heads, dim = core.model_config.num_key_value_heads, core.model_config.head_dim
+        num_layers, heads, dim, values_in_keys = self.layout()
         kv_parts = []  # per layer K's rows then V's, each in its cache's own format (Q8_0 bytes as they are)
         for caches, windowed in zip(layers, core.runner.kv_layer_windowed()):
             layer_slots = window_slots if windowed else slots
-            for cache in caches:  # index_select: one contiguous copy per cache, no temporaries
+            for cache in caches[:1] if values_in_keys else caches:  # index_select: one contiguous copy per cache
                 rows = torch.index_select(cache.view(-1, heads, cache.shape[3]), 0, layer_slots).cpu()
                 kv_parts.append(rows.view(torch.uint8).reshape(-1))
         state = b""
@@ -142,9 +148,9 @@ class KVTransfer:
         if slot is not None:
             parts = [tensor[slot].reshape(-1).cpu() for layer in core.runner.state_layers() for tensor in layer]
             state = torch.cat(parts).view(torch.uint8).numpy().tobytes()
-        blob = KVBlob(num_layers=len(layers), num_tokens=len(slots), num_kv_heads=heads, head_dim=dim,
+        blob = KVBlob(num_layers=num_layers, num_tokens=len(slots), num_kv_heads=heads, head_dim=dim,
                       dtype=_DTYPE_NAMES[core.dtype], data=torch.cat(kv_parts).numpy().tobytes(), state=state,
-                      cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v)
+                      cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v, values_in_keys=values_in_keys)
         self.stats.num_exported += 1
         self.stats.exported_bytes += len(blob.data)
         return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id))
@@ -153,11 +159,11 @@ class KVTransfer:
     def check_layout(self, blob: KVBlob) -> None:
         """ValueError unless the blob fits this engine's KV cache exactly (any thread)."""
         core = self.core
-        cfg = core.model_config
-        want = (cfg.num_attention_layers, cfg.num_key_value_heads, cfg.head_dim, _DTYPE_NAMES.get(core.dtype))
-        got = (blob.num_layers, blob.num_kv_heads, blob.head_dim, blob.dtype)
+        want = (*self.layout(), _DTYPE_NAMES.get(core.dtype))
+        got = (blob.num_layers, blob.num_kv_heads, blob.head_dim, blob.values_in_keys, blob.dtype)
         if want != got:
-            raise ValueError(f"KV layout (layers, kv_heads, head_dim, dtype) {got} does not match this node's {want}")
+            raise ValueError(f"KV layout (layers, kv_heads, head_dim, latent rows, dtype) {got} does not match this "
+                             f"node's {want}")
         if blob.kv_types != core.kv_types:
             raise ValueError(f"KV cache type (K {blob.cache_type_k}, V {blob.cache_type_v}) does not match this "
                              f"node's (K {core.kv_types.k}, V {core.kv_types.v}): start both nodes with the same "
@@ -221,7 +227,7 @@ class KVTransfer:
         offset = 0
         for caches, windowed in zip(core.runner.kv_layers(), core.runner.kv_layer_windowed()):
             layer_slots, first = (window_slots, start) if windowed else (slots, 0)
-            for cache, size in zip(caches, (k_bytes, v_bytes)):
+            for cache, size in zip(caches[:1] if blob.values_in_keys else caches, (k_bytes, v_bytes)):
                 heads, width = cache.shape[2], cache.shape[3]
                 rows = data[offset:offset + size].view(cache.dtype).view(blob.num_tokens, heads, width)
                 cache.view(-1, heads, width).index_copy_(0, layer_slots, rows[first:].to(cache.device))

@@ -5,7 +5,14 @@
          └------------ a RAM miss that the disk has: read, checked, into a fresh block --┘
 
 A block's payload is the raw bytes of every KV tensor the runner keeps for it (each layer's K then V, in
-layer order), so any KV dtype or block layout extends it; the tag names each tensor's dtype and shape.
+layer order; MLA's one latent tensor once), so any KV dtype or block layout extends it; the tag names each
+tensor's dtype and shape.
+
+Models with more than one memory group keep each group's rows in files of their own kind, in the same
+directory, budget and LRU (DiskTier.group): the sliding layers' blocks (window_blocks.py) and hybrids'
+recurrent-state snapshots (state_pool.py, a "row" being a state slot). Their keys are the prefix's block key
+hashed with the kind's name, so the groups never collide; they are read back on a prefix hit that needs them
+(a few blocks behind a window, one snapshot), not preloaded.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conveyor.engine.block_keys import KEY_BYTES
 from conveyor.engine.block_pool import BlockPool
-from conveyor.engine.disk_store import DiskStore, SpillWriter
+from conveyor.engine.disk_store import KV, DiskStore, SpillWriter
 
 logger = logging.getLogger(__name__)
 
@@ -42,56 +50,89 @@ class DiskTierConfig:
     max_queued: int = 256  # blocks waiting for the writer; beyond, spills are dropped (counted)
 
 
+def group_key(key: int, kind: str) -> int:
+    """The file key of a block key in the group `kind` (the key itself for the prefix cache's own blocks)."""
+    if kind == KV:
+        return key
+    digest = hashlib.blake2b(key.to_bytes(KEY_BYTES, "little") + kind.encode(), digest_size=KEY_BYTES).digest()
+    return int.from_bytes(digest, "little")
+
+
 class DiskTier:
-    def __init__(self, config: DiskTierConfig, tag: dict, tensors: list[torch.Tensor]) -> None:
+    """Rows of `tensors` (indexed by their first dimension: a block, or a state slot) as files of one kind."""
+
+    def __init__(self, config: DiskTierConfig, tag: dict, tensors: list[torch.Tensor], kind: str = KV,
+                 parent: DiskTier | None = None) -> None:
         self.config = config
-        self.tensors = tensors  # (num_blocks, ...) each: the pool's bytes, per layer K and V
-        self._sizes = [t[0].numel() * t.element_size() for t in tensors]
+        self.kind = kind
+        self.tensors = _unique(tensors)  # (num_blocks, ...) each: the pool's bytes, per layer K and V
+        self._sizes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self._sizes)
         self._views: list[np.ndarray | None] | None = None  # _host_views(), made on first use
-        self.store = DiskStore(config.directory, tag, config.budget_bytes)
-        self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
+        if parent is None:
+            self.store = DiskStore(config.directory, tag, config.budget_bytes)
+            self.writer = SpillWriter(self.store, config.max_queued) if config.spill else None
+        else:  # another memory group of the same model: the same files, budget and writer
+            self.store, self.writer = parent.store, parent.writer
+        self._owner = parent is None
         self._loader: ThreadPoolExecutor | None = None  # load_run_async's thread, made on first use
         self._local = threading.local()  # each loading thread's staging array
         self.preloaded = 0  # blocks read in by preload() (also counted among the store's hits)
+        self.rows_read = 0  # rows (blocks, state slots) filled from files, preloads included
+        self.groups: dict[str, DiskTier] = {}  # the other memory groups' tiers (the main tier only)
+
+    def group(self, kind: str, tensors: list[torch.Tensor]) -> DiskTier:
+        """The tier of another memory group of this model, sharing this one's files."""
+        tier = self.groups[kind] = DiskTier(self.config, self.store.tag, tensors, kind, parent=self)
+        return tier
 
     @property
     def consult(self) -> bool:
         return self.config.consult
 
+    def _file(self, key: int) -> int:
+        return group_key(key, self.kind)
+
     def contains(self, key: int) -> bool:
-        return self.store.contains(key)
+        return self.store.contains(self._file(key))
 
     # -- RAM -> disk -----------------------------------------------------------------------
     def on_evict(self, block: int, key: int, tokens: tuple[int, ...], parent: int | None = None) -> None:
         """The pool's eviction hook (engine thread): the block is about to be reused, so its bytes are copied
         now and written later; a full queue drops it rather than wait."""
         writer = self.writer
-        if writer is None or self.store.contains(key) or writer.is_queued(key):
+        name = self._file(key)
+        if writer is None or self.store.contains(name) or writer.is_queued(name):
             return
         if not writer.has_room():
             writer.drop()
             return
-        writer.offer(key, tokens, self._copy_out(block), parent=parent)
+        writer.offer(name, tokens, self._copy_out(block), parent=parent, kind=self.kind)
 
     def spill_cached(self, pool: BlockPool) -> int:
         """At shutdown: queue every cached block the disk lacks, waiting for room (nothing steps any more)."""
+        return self.spill_rows((block, key, pool.block_tokens[block], pool.block_parents[block])
+                               for block, key in enumerate(pool.block_hashes) if key is not None)
+
+    def spill_rows(self, rows) -> int:
+        """Queue each (row, key, tokens, parent) the disk lacks, waiting for room; returns how many."""
         if self.writer is None:
             return 0
         count = 0
-        for block, key in enumerate(pool.block_hashes):
-            if key is None or self.store.contains(key) or self.writer.is_queued(key):
+        for row, key, tokens, parent in rows:
+            name = self._file(key)
+            if self.store.contains(name) or self.writer.is_queued(name):
                 continue
-            self.writer.offer(key, pool.block_tokens[block], self._copy_out(block), block=True,
-                              parent=pool.block_parents[block])
+            self.writer.offer(name, tokens, self._copy_out(row), block=True, parent=parent, kind=self.kind)
             count += 1
         return count
 
     def write_now(self, block: int, key: int, tokens: tuple[int, ...]) -> int:
         """A slot save: written on the caller's thread; returns the bytes written (0 if already there)."""
-        if self.store.contains(key):
+        name = self._file(key)
+        if self.store.contains(name):
             return 0
-        return self.store.write(key, tokens, self._copy_out(block).numpy())
+        return self.store.write(name, tokens, self._copy_out(block).numpy(), kind=self.kind)
 
     def _copy_out(self, block: int) -> torch.Tensor:
         return torch.cat([t[block].reshape(-1).view(torch.uint8) for t in self.tensors]).cpu()
@@ -135,14 +176,15 @@ class DiskTier:
                 parent = header.get("parent")
                 names[i] = (tuple(header["tokens"]), parent if isinstance(parent, int) else None)
 
-        count = self.store.read_many(list(zip(keys, tokens)), stage)
+        count = self.store.read_many([(self._file(key), chunk) for key, chunk in zip(keys, tokens)], stage)
         if wrong_size and min(wrong_size) < count:
             bad = min(wrong_size)
             self.store.stats.num_corrupt += 1
-            self.store.remove(keys[bad])
+            self.store.remove(self._file(keys[bad]))
             count = bad
         if count:
             self._scatter(blocks[:count], staging[:count])
+        self.rows_read += count
         return count
 
     def preload(self, pool: BlockPool, max_bytes: int) -> int:
@@ -154,7 +196,7 @@ class DiskTier:
         limit = min(max_bytes // max(self.block_bytes, 1), pool.num_free_blocks)
         if pool.max_cached_free is not None:
             limit = min(limit, pool.max_cached_free)
-        keys = [key for key in self.store.recent_keys(limit) if not pool.holds(key)]
+        keys = [key for key in self.store.recent_keys(limit, self.kind) if not pool.holds(key)]
         blocks = pool.allocate(len(keys)) if keys else None
         if not blocks:
             return 0
@@ -212,15 +254,20 @@ class DiskTier:
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self, pool: BlockPool | None = None, timeout: float = 60.0) -> None:
-        """Spill what RAM still caches (when given the pool), then wait for the writer."""
+        """Spill what RAM still caches (when given the pool; the other groups' spill first, by the caller), then
+        wait for the writer."""
         if pool is not None:
             num = self.spill_cached(pool)
             if num:
                 logger.info("prompt cache disk: writing %d cached blocks to %s", num, self.config.directory)
-        if self.writer is not None:
-            self.writer.close(timeout)
+        for tier in self.groups.values():
+            tier.close()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
+        if not self._owner:
+            return
+        if self.writer is not None:
+            self.writer.close(timeout)
         self.store.close()
 
     def report(self) -> dict:
@@ -229,16 +276,35 @@ class DiskTier:
                 "consult": self.config.consult, "entries": stats.num_entries, "bytes": stats.num_bytes,
                 "budget_bytes": self.config.budget_bytes, "bytes_per_block": self.block_bytes,
                 "hits": stats.num_hits, "preloaded": self.preloaded, "writes": stats.num_writes,
+                "group_reads": {kind: tier.rows_read for kind, tier in self.groups.items()},
                 "dropped": stats.num_dropped,
                 "rejected": stats.num_rejected, "corrupt": stats.num_corrupt, "evictions": stats.num_evictions,
                 "write_errors": stats.num_write_errors}
 
 
-def kv_tag(model_name: str, architecture: str, weights: str, block_size: int, tensors: list[torch.Tensor]) -> dict:
-    """What a block file must match to be used here."""
-    return {"format": TAG_FORMAT, "model": model_name, "arch": architecture, "weights": weights,
-            "block_size": block_size,
-            "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]}
+def kv_tag(model_name: str, architecture: str, weights: str, block_size: int, tensors: list[torch.Tensor],
+           groups: dict[str, list[torch.Tensor]] | None = None) -> dict:
+    """What a block file must match to be used here: the model, and every memory group's layout."""
+    tag = {"format": TAG_FORMAT, "model": model_name, "arch": architecture, "weights": weights,
+           "block_size": block_size, "tensors": _layout(tensors)}
+    for kind, group in (groups or {}).items():
+        tag[f"{kind}_tensors"] = _layout(group)
+    return tag
+
+
+def _layout(tensors: list[torch.Tensor]) -> list:
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in _unique(tensors)]
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor once: MLA's layers list their one latent tensor as both K and V."""
+    seen: set[int] = set()
+    out = []
+    for tensor in tensors:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
+    return out
 
 
 def weights_fingerprint(source: str, weights: dict) -> str:
@@ -274,30 +340,34 @@ def _weight_files(source: str) -> list[str]:
     return []
 
 
-def build_disk_tier(config, checkpoint, kv_tensors: list[torch.Tensor], one_group: bool) -> DiskTier | None:
+WINDOW = "window"  # the sliding layers' block group (window_blocks.py)
+STATE = "state"  # hybrids' recurrent-state snapshots (state_pool.py)
+
+
+def build_disk_tier(config, checkpoint, kv_tensors: list[torch.Tensor],
+                    groups: dict[str, list[torch.Tensor]] | None = None) -> DiskTier | None:
     """The tier `config` (EngineConfig) asks for, or None: --prompt-cache-dir for the prefix cache, or only
-    --slot-save-path (then a store under it that slots alone use). Hybrid and sliding-window models are
-    refused with a warning: their recurrent snapshots and second block group are not stored."""
+    --slot-save-path (then a store under it that slots alone use). `groups`: the model's other memory groups
+    (WINDOW, STATE: their tensors), each a tier of its own in tier.groups over the same files."""
     from conveyor.config import parse_kv_budget
 
     if config.prompt_cache_dir is None and config.slot_save_path is None:
         return None
-    if not one_group:
-        logger.warning("prompt cache disk tier and slot persistence are off for this model: it keeps recurrent "
-                       "state or a sliding-window block group, which the disk tier does not store")
-        return None
     if not config.enable_prefix_caching:
         logger.warning("prompt cache disk tier and slot persistence need the prefix cache (--no-prompt-cache given)")
         return None
+    groups = {kind: tensors for kind, tensors in (groups or {}).items() if tensors}
     tier_on = config.prompt_cache_dir is not None
     if config.slot_save_path is not None:
         os.makedirs(config.slot_save_path, exist_ok=True)
     directory = config.prompt_cache_dir if tier_on else os.path.join(config.slot_save_path, "blocks")
     budget = parse_kv_budget(config.prompt_cache_disk_budget)
     tag = kv_tag(checkpoint.name, checkpoint.config.architecture,
-                 weights_fingerprint(checkpoint.source, checkpoint.weights), config.block_size, kv_tensors)
+                 weights_fingerprint(checkpoint.source, checkpoint.weights), config.block_size, kv_tensors, groups)
     tier = DiskTier(DiskTierConfig(directory, budget, spill=tier_on, consult=tier_on), tag, kv_tensors)
-    logger.info("prompt cache disk tier: %s (%d blocks, %.1f MiB on disk, budget %s)%s", directory,
+    for kind, tensors in groups.items():
+        tier.group(kind, tensors)
+    logger.info("prompt cache disk tier: %s (%d files, %.1f MiB on disk, budget %s)%s", directory,
                 tier.store.stats.num_entries, tier.store.stats.num_bytes / 2**20, config.prompt_cache_disk_budget,
                 "" if tier_on else ", used by saved slots only")
     return tier

@@ -3,8 +3,9 @@
 A slot here is a position in the running batch (server/observability.py); between requests it keeps the
 tokens of the last request that ran there (EngineCore.slot_contents). Saving a slot writes its whole
 blocks to the disk store (the same files the disk tier uses) plus a small manifest, `<save path>/<filename>`,
-naming the token ids. Restoring reads the manifest and brings those blocks into the RAM prefix cache, so
-the next request with that prefix is a hit. Erasing drops the slot's blocks from the RAM prefix cache
+naming the token ids (for models with a sliding group or recurrent state, up to where those can resume
+too: the sliding blocks and the state snapshot are saved with them). Restoring reads the manifest and brings
+those blocks into the RAM prefix cache, so the next request with that prefix is a hit. Erasing drops the slot's blocks from the RAM prefix cache
 (as llama-server erases the slot's KV; the saved file stays).
 
 Every function here runs on the engine thread (AsyncEngine.call) and answers in llama-server's JSON shapes.
@@ -59,20 +60,9 @@ def save(core, slot_id: int, directory: str, filename: object) -> dict:
     started = time.perf_counter()
     path = check_filename(directory, filename)
     tokens = slot_token_ids(core, slot_id)
-    disk, pool, size = core.disk, core.pool, core.kv.block_size
-    written = 0
-    keys = chain_hashes(tokens, size, len(tokens) // size)
-    num_blocks = 0
-    for i, key in enumerate(keys):  # whole blocks, from the start, while RAM or the disk has them
-        chunk = tuple(tokens[i * size:(i + 1) * size])
-        block = pool.lookup(key, chunk)
-        if block is not None:
-            written += disk.write_now(block, key, chunk)
-        elif not disk.contains(key):
-            break
-        num_blocks += 1
-    saved = tokens[:num_blocks * size]
-    manifest = {"format": MANIFEST_FORMAT, "tag": disk.store.tag, "token_ids": saved}
+    num_saved, written = core.kv.save_prefix(tokens)
+    saved = tokens[:num_saved]
+    manifest = {"format": MANIFEST_FORMAT, "tag": core.disk.store.tag, "token_ids": saved}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(manifest, f)
@@ -101,10 +91,10 @@ def restore(core, slot_id: int, directory: str, filename: object) -> dict:
     vocab = core.model_config.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
         raise SlotError(400, f"slot file {filename!r} has invalid token ids")
-    hits_before = core.disk.store.stats.num_hits
+    read_before = core.disk.store.stats.num_read_bytes
     restored = core.kv.warm_prefix(tokens)
     core.slot_contents[slot_id] = tokens[:restored]
-    read = (core.disk.store.stats.num_hits - hits_before) * core.disk.block_bytes
+    read = core.disk.store.stats.num_read_bytes - read_before
     return {"id_slot": slot_id, "filename": filename, "n_restored": restored, "n_read": read,
             "timings": {"restore_ms": round((time.perf_counter() - started) * 1e3, 3)}}
 

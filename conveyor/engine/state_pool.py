@@ -11,6 +11,7 @@ slot is in exactly one place:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,6 +40,8 @@ class StatePool:
         self._snapshots: OrderedDict[int, int] = OrderedDict()  # prefix hash -> slot, oldest first
         self.num_snapshot_hits = 0
         self.num_snapshot_evictions = 0
+        # Called with (slot, prefix hash) just before a snapshot's slot is reused (the disk tier copies it).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -102,9 +105,15 @@ class StatePool:
         self._snapshots[prefix_hash] = slot
 
     def _evict_oldest(self) -> None:
-        _, slot = self._snapshots.popitem(last=False)
+        prefix_hash, slot = self._snapshots.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(slot, prefix_hash)
         self._free.append(slot)
         self.num_snapshot_evictions += 1
+
+    def snapshots(self) -> list[tuple[int, int]]:
+        """(slot, prefix hash) of every snapshot, oldest first (a shutdown's spill)."""
+        return [(slot, prefix_hash) for prefix_hash, slot in self._snapshots.items()]
 
     def reset_snapshots(self) -> None:
         while self._snapshots:

@@ -1,7 +1,8 @@
 """Issue #44's feature x family matrix, engine side: on a tiny random checkpoint of each family class, every
 engine feature gives bitwise the plain output (greedy), or is refused at startup with the reason the table
-in docs/models.md ("Every feature on every family") lists. The server-side cells (disk tier, slot files, the
-KV handoff, forced tools) have their own tests, named in that table.
+in docs/models.md ("Every feature on every family") lists. The cells the server drives (disk tier across a
+restart, slot files, the KV handoff between two engines, forced tools through the server's grammars) run here
+at the engine's level; their HTTP routes have their own tests, named in that table.
 """
 
 from __future__ import annotations
@@ -130,4 +131,98 @@ def test_structured_output(family):
     alone = llm.generate(PROMPTS[:1], [constrained])[0]
     beside = llm.generate(PROMPTS[:3], [constrained, GREEDY[1], GREEDY[2]])[0]
     assert set(json.loads(alone.text)) == {"kind", "n"} and beside.token_ids == alone.token_ids
+    _released(llm)
+
+
+def test_disk_tier(family, tmp_path):
+    """--prompt-cache-dir: every prompt's prefix written at close and read back by a restart (each memory
+    group: a sliding window's blocks, a hybrid's state snapshots, MLA's latent rows), bitwise."""
+    first = _run(family, "disk_tier", prompt_cache_dir=str(tmp_path), speculative_ngram=0)
+    assert [g.token_ids for g in first.generate(PROMPTS, GREEDY)] == family[3]
+    _released(first)
+    first.engine.close()
+    again = _run(family, "disk_tier", prompt_cache_dir=str(tmp_path), speculative_ngram=0)
+    warm = again.generate(PROMPTS, GREEDY)
+    assert [w.token_ids for w in warm] == family[3]
+    assert all(w.num_cached_tokens > 0 for w in warm) and again.engine.disk_report()["hits"] > 0
+    _released(again)
+    again.engine.close()
+
+
+def test_slot_files(family, tmp_path):
+    """--slot-save-path: a slot saved on one engine and restored on a fresh one resumes after its prefix."""
+    from conveyor.engine import slot_store
+
+    first = _run(family, "slot_files", slot_save_path=str(tmp_path), speculative_ngram=0)
+    first.generate(PROMPTS[:1], GREEDY[:1])
+    first.engine.slot_contents[0] = first.tokenizer.encode(PROMPTS[0])
+    saved = slot_store.save(first.engine, 0, str(tmp_path), "slot.bin")
+    first.engine.close()
+    again = _run(family, "slot_files", slot_save_path=str(tmp_path), speculative_ngram=0)
+    restored = slot_store.restore(again.engine, 0, str(tmp_path), "slot.bin")
+    assert restored["n_restored"] == saved["n_saved"] > 0
+    result = again.generate(PROMPTS[:1], GREEDY[:1])[0]
+    assert result.token_ids == family[3][0] and result.num_cached_tokens >= saved["n_saved"]
+    _released(again)
+    again.engine.close()
+
+
+def test_kv_handoff(family):
+    """Disaggregated nodes: each prompt prefilled on one engine, its KV (and a hybrid's state) handed to
+    another that decodes the rest, all of them joining one batch there: bitwise the plain output."""
+    prefill = _run(family, "kv_handoff", speculative_ngram=0, enable_prefix_caching=False)
+    decode = _run(family, "kv_handoff", speculative_ngram=0, enable_prefix_caching=False)
+    moved, firsts = [], []
+    for i, (prompt, params) in enumerate(zip(PROMPTS, GREEDY)):
+        ids = prefill.tokenizer.encode(prompt)
+        request = prefill.engine.make_request(ids, params, f"h{i}")
+        prefill.engine.kv_transfer.mark_for_handoff(request.request_id)
+        prefill.engine.add_request(request)
+        while prefill.engine.has_work():
+            for out in prefill.engine.step():
+                if out.kv_handoff is not None:
+                    firsts.append(out)
+        handoff = firsts[-1].kv_handoff
+        request = decode.engine.make_request(ids, params, f"h{i}")
+        request.output_token_ids = list(handoff.request.output_token_ids)
+        decode.engine.kv_transfer.check_layout(handoff.kv)
+        decode.engine.kv_transfer.stage_import(request, handoff.kv, handoff.rng_state)
+        moved.append(request)
+    for request in moved:
+        decode.engine.add_request(request)
+    rest: dict[str, list[int]] = {}
+    while decode.engine.has_work():
+        for out in decode.engine.step():
+            rest.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert decode.engine.kv_transfer.stats.num_imported == len(PROMPTS)
+    got = [first.new_token_ids + rest[first.request_id] for first in firsts]
+    assert got == family[3]
+    _released(prefill)
+    _released(decode)
+
+
+def test_forced_tools(family):
+    """tool_choice required: the server's grammar for the family's call format (harmony's commentary message to
+    functions.NAME, else Hermes' <tool_call> JSON) gives a valid call, the same alone and beside free rows."""
+    from conveyor.structured.harmony import harmony_tool_grammar
+    from conveyor.structured.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_grammar
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    harmony = family[0] == "harmony"
+    grammar = harmony_tool_grammar(tools, None) if harmony else tool_grammar(tools, None, parallel=False)
+    llm = _run(family, "forced_tools", speculative_ngram=0)
+    forced = SamplingParams(temperature=0, max_tokens=60, structured=grammar)
+    alone = llm.generate(PROMPTS[:1], [forced])[0]
+    beside = llm.generate(PROMPTS[:3], [forced, GREEDY[1], GREEDY[2]])[0]
+    assert beside.token_ids == alone.token_ids and alone.finish_reason == "stop"
+    if harmony:
+        header, _, arguments = alone.text.partition("<|message|>")
+        assert "to=functions.get_weather" in header
+    else:
+        body = alone.text.strip().removeprefix(TOOL_CALL_OPEN).removesuffix(TOOL_CALL_CLOSE)
+        call = json.loads(body)
+        assert call["name"] == "get_weather"
+        arguments = json.dumps(call["arguments"])
+    assert json.loads(arguments)["city"] in ("Paris", "Rome")
     _released(llm)

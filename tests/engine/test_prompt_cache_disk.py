@@ -172,10 +172,10 @@ class _StuckStore(DiskStore):
         super().__init__(*args, **kwargs)
         self.writing, self.release = threading.Event(), threading.Event()
 
-    def write(self, key, tokens, payload, parent=None):
+    def write(self, key, tokens, payload, parent=None, kind="kv"):
         self.writing.set()
         assert self.release.wait(60)
-        return super().write(key, tokens, payload, parent)
+        return super().write(key, tokens, payload, parent, kind)
 
 
 def test_a_full_writer_queue_drops_and_never_waits(tmp_path):
@@ -191,16 +191,6 @@ def test_a_full_writer_queue_drops_and_never_waits(tmp_path):
     assert writer.flush(timeout=60)
     writer.close()
     assert sorted(store.keys()) == [1, 2, 3] and store.stats.num_writes == 3
-
-
-def test_refused_for_models_with_a_second_block_group(tmp_path, caplog):
-    from conveyor.testing import tiny_hybrid_checkpoint
-
-    with caplog.at_level(logging.WARNING, logger="conveyor.engine.prefix_disk"):
-        llm = LLM(checkpoint=tiny_hybrid_checkpoint("lfm2"), parallel=2, ctx_size=2 * 1024,
-                  prompt_cache_dir=str(tmp_path))
-    assert llm.engine.disk is None and llm.engine.disk_report() is None
-    assert "recurrent state" in caplog.text
 
 
 @pytest.mark.batch_invariant
@@ -331,3 +321,19 @@ def test_preloaded_blocks_serve_a_prompt_that_ends_inside_one(tiny_checkpoint, t
     assert llm.engine.kv.counters.partial_hit_tokens == 6  # the last prompt token always runs
     assert result.num_cached_tokens == len(prompt) - 1
     llm.engine.close()
+
+
+def test_files_of_every_kind_share_one_budget_and_keep_their_kind(tmp_path):
+    """Sliding blocks and state snapshots are files of their own kind in the same directory: one LRU and
+    budget over all, each kind found again by a restart and preloaded only as its own kind."""
+    from conveyor.engine.disk_store import SUFFIXES
+
+    store = DiskStore(str(tmp_path), _tag(), budget_bytes=None)
+    size = store.write(1, (1,), b"a" * 1000)
+    store.write(2, (2,), b"b" * 1000, kind="window")
+    store.write(3, (), b"c" * 1000, kind="state")
+    assert store.path(2).endswith(SUFFIXES["window"]) and store.path(3).endswith(SUFFIXES["state"])
+    again = DiskStore(str(tmp_path), _tag(), budget_bytes=2 * size + 100)  # a restart, with room for two
+    assert again.keys() == [2, 3] and not os.path.exists(store.path(1))  # the oldest went, whatever its kind
+    assert again.recent_keys(10) == [] and again.recent_keys(10, "window") == [2]
+    assert again.read(3, ()) == b"c" * 1000 and again.read(2, (2,)) == b"b" * 1000
