@@ -52,6 +52,7 @@ class EngineConfig:
     # Hybrid models: recurrent-state snapshots kept at block boundaries of cached prompts (0: a hybrid's
     # prompts never hit the prefix cache, as its state can only resume where a snapshot was taken).
     state_snapshots: int = 8
+    state_snapshot_interval: int = 1024  # hybrid prompts also snapshot every this many tokens (0 = off)
     parallel: int = 4  # request slots; -1 = auto (4 slots sharing one unified KV window)
     max_batch_size: int = 0  # 0 = same as parallel
     ctx_size: int = 0  # 0 = the model's context; explicit = total budget split across slots
@@ -128,6 +129,7 @@ class EngineConfig:
         _require(0 <= self.speculative_ngram <= 16, "speculative_ngram must be in [0, 16]")
         _require(self.speculative_max_rows >= 1, "speculative_max_rows must be at least 1")
         _require(self.state_snapshots >= 0, "state_snapshots must be >= 0")
+        _require(self.state_snapshot_interval >= 0, "state_snapshot_interval must be >= 0")
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
         _require(self.grammar_cache_size >= 0, "grammar_cache_size must be >= 0")
@@ -440,11 +442,15 @@ FLAGS: list[Flag] = [
     Flag(("--apc-enabled",), "enable_prefix_caching", _bool, "automatic prefix caching on/off (=false: --no-prompt-cache)"),
     Flag(("--state-snapshots",), "state_snapshots", int,
          "hybrid models: recurrent-state snapshots kept for prefix-cache hits (each costs one sequence's state; 0 = none)"),
+    Flag(("--state-snapshot-interval",), "state_snapshot_interval", int,
+         "hybrid models: a prompt's prefill also snapshots the state every this many tokens (whole blocks), so "
+         "prompts sharing a long prefix (a system prompt, tools) resume near its end; 0 = only where a prompt's "
+         "last whole block ends and where a cached prefix matched"),
     Flag(("--prompt-cache-budget",), "prompt_cache_budget",
          help="bytes of cold cached prefixes kept for reuse (K/M/G), none = only the KV pool bounds them"),
     Flag(("--prompt-cache-dir",), "prompt_cache_dir",
          help="directory of the prefix cache's disk tier: evicted and shutdown blocks are written there and read "
-              "back on a RAM miss, also after a restart (attention-only models; none = RAM only)"),
+              "back on a RAM miss, also after a restart (with sliding blocks and state snapshots; none = RAM only)"),
     Flag(("--prompt-cache-disk-budget",), "prompt_cache_disk_budget",
          help="bytes of block files the disk tier keeps (K/M/G), least recently used out first; none = no cap"),
     Flag(("--prompt-cache-preload",), "prompt_cache_preload",

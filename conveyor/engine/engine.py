@@ -194,7 +194,8 @@ class EngineCore:
         if self.sliding_window:
             window = WindowBlocks(BlockPool(self.pool_plan.window_blocks, enable_caching=config.enable_prefix_caching,
                                             max_cached_free=cached_cap), config.block_size, self.sliding_window)
-        self.kv = KVCacheManager(self.pool, config.block_size, self.states, window)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.states, window,
+                                 snapshot_interval=config.state_snapshot_interval)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=self.max_batch_size, max_model_len=self.max_model_len,
             prefill_chunk_size=config.prefill_chunk_size, prefill_grant_interval=config.prefill_grant_interval,

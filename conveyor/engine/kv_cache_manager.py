@@ -47,11 +47,14 @@ class KVCacheManager:
     """Attention K/V in blocks, and (hybrid models) each sequence's recurrent state in a slot of `states`."""
 
     def __init__(self, pool: BlockPool, block_size: int, states: StatePool | None = None,
-                 window: WindowBlocks | None = None, disk: DiskTier | None = None) -> None:
+                 window: WindowBlocks | None = None, disk: DiskTier | None = None,
+                 snapshot_interval: int = 0) -> None:
         self.pool = pool  # the full-attention group (every attention layer when there is no sliding group)
         self.block_size = block_size
         self.states = states
         self.window = window
+        # Hybrids: prefills also snapshot every this many tokens (whole blocks; 0 = none).
+        self.snapshot_interval = snapshot_interval // block_size * block_size
         self.disk: DiskTier | None = None  # the prefix cache's disk tier (the full group's blocks)
         self.window_disk: DiskTier | None = None  # ... the sliding group's blocks, in the same files
         self.state_disk: DiskTier | None = None  # ... the state snapshots, likewise
@@ -367,12 +370,15 @@ class KVCacheManager:
             self.pending_state_copies.append((hit.state_source, slot))
             self.states.num_snapshot_hits += 1
         if self.states.max_snapshots and request.cache_prompt and self.pool.enable_caching:
-            # Snapshot where this prompt's last whole block ends (the next turn of a chat extends it), and
-            # where the K/V cache matched it (a prefix others share, such as a system prompt).
+            # Snapshot where this prompt's last whole block ends (the next turn of a chat extends it), where
+            # the K/V cache matched it (a prefix others share, such as a system prompt), and every interval on
+            # the way (so the first of many prompts sharing a long prefix leaves a snapshot near its end, and a
+            # restart finds it on disk, as llama-server's checkpoints during prompt processing).
             prompt_end = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
             matched = hit.num_matched_blocks * self.block_size
+            spaced = range(self.snapshot_interval, prompt_end, self.snapshot_interval) if self.snapshot_interval else ()
             self._snapshot_targets[request.request_id] = tuple(sorted(
-                {b for b in (prompt_end, matched) if hit.num_tokens < b <= request.num_tokens - 1}))
+                {b for b in (prompt_end, matched, *spaced) if hit.num_tokens < b <= request.num_tokens - 1}))
         return True
 
     def plan_snapshots(self, request: Request, start: int, num_tokens: int) -> tuple[list[tuple[int, int]],

@@ -1,7 +1,6 @@
 """POST /slots/{id}?action=save|restore|erase: llama-server's slot persistence over engine/slot_store.py.
 
-Errors as llama-server answers them: the feature off (no --slot-save-path, or a model the disk store
-refuses) 501, an unknown action, slot id or a bad file name 400, a restore of a missing file 404.
+Errors as llama-server answers them: the feature off (no --slot-save-path, or --no-prompt-cache) 501, an unknown action, slot id or a bad file name 400, a restore of a missing file 404.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ async def handle(engine: AsyncEngine, slot_id: int, action: str, body: bytes, li
     core = engine.core
     directory = core.config.slot_save_path
     if directory is None or core.disk is None:
-        return APIError(501, "This server does not support slots action (start it with --slot-save-path DIR; "
-                        "attention-only models)", "not_supported_error").response()
+        return APIError(501, "This server does not support slots action (start it with --slot-save-path DIR, "
+                        "and without --no-prompt-cache)", "not_supported_error").response()
     if action not in ACTIONS:
         raise errors.invalid(f"Invalid action {action!r}: one of {', '.join(ACTIONS)}", "action")
     filename = None

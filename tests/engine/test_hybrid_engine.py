@@ -186,3 +186,22 @@ def test_a_hybrid_draft_for_an_attention_only_target_is_refused_with_the_reason(
 
     with pytest.raises(ModelConfigError, match="a hybrid \\(recurrent\\) draft model needs a hybrid target"):
         LLM(checkpoint=tiny_checkpoint, draft_checkpoint=tiny_hybrid_checkpoint("qwen3_5_text"), draft_policy="enable")
+
+
+@pytest.mark.parametrize("interval, hit", [(32, 96), (0, 0)])
+def test_snapshots_every_interval_let_the_second_prompt_on_a_shared_prefix_hit(interval, hit):
+    """--state-snapshot-interval: the first prompt leaves snapshots every 32 tokens, so a second prompt that
+    parts from it after ~110 shared tokens resumes at 96 (bitwise), instead of from zero as without them
+    (its K/V matched further, but no state was kept there)."""
+    checkpoint = tiny_hybrid_checkpoint("qwen3_5_text")
+    shared = "You are a careful assistant who answers in one short sentence. " * 9  # ~108 tokens
+    prompts = [shared + "What is the capital of France?", shared + "Name a prime number."]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    plain = LLM(checkpoint=checkpoint, parallel=2, enable_prefix_caching=False)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    llm = LLM(checkpoint=checkpoint, parallel=2, state_snapshot_interval=interval)
+    first = llm.generate(prompts[:1], params)[0]
+    second = llm.generate(prompts[1:], params)[0]
+    assert [first.token_ids, second.token_ids] == want
+    assert second.num_cached_tokens == hit
+    _check_released(llm)
