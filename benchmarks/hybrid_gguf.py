@@ -31,7 +31,7 @@ from quantized import copy_tokenizer, smollm2_path  # noqa: E402
 LFM2_ATTENTION = (2, 5, 8, 10, 12, 14)
 # Qwen3.5's small models: 6 x (3 DeltaNet + 1 gated attention) layers, 8 heads / 2 KV of 256; the 0.8B card gives
 # hidden 1024 and FFN 3584. The 2B shape (hidden 2048, FFN 6144) and both DeltaNet head counts (16 key and 16
-# value heads of 128) are assumptions.
+# value heads of 128) are assumptions. Their context is 32k here (the releases: 262k), so a 4k-token prompt fits.
 CONFIGS = {
     "lfm2-1.2b": lambda vocab: transformers.Lfm2Config(
         vocab_size=vocab, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -40,7 +40,7 @@ CONFIGS = {
     "qwen3.5-2b": lambda vocab: transformers.Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
         head_dim=256, intermediate_size=6144, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True),
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True),
     "lfm2-350m": lambda vocab: transformers.Lfm2Config(
         vocab_size=vocab, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
         intermediate_size=6656, max_position_embeddings=4096,
@@ -48,7 +48,7 @@ CONFIGS = {
     "qwen3.5-0.8b": lambda vocab: transformers.Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
         head_dim=256, intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True),
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True),
 }
 
 
