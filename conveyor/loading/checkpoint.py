@@ -10,9 +10,9 @@ import torch
 from conveyor.kernels.quant_ref import dequantize_raw, row_bytes, type_name
 
 from conveyor.loading.tokenizer import Tokenizer
-from conveyor.models.config import (EXPERT_NAMES, HYBRID_ARCHITECTURES, PER_FAMILY_WEIGHT_NAMES, ExpertNames,
-                                    ModelConfig)
-from conveyor.models.deepseek_v3 import mla_weight_names
+from conveyor.models import family as families
+from conveyor.models.config import EXPERT_NAMES, ExpertNames, ModelConfig
+from conveyor.models.mla_dims import mla_weight_names
 
 
 class LoadError(Exception):
@@ -73,12 +73,13 @@ class Checkpoint:
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:
     """Every parameter a model built from `config` needs, in Hugging Face naming, the token embeddings first;
     q|k|v and gate|up may come fused (Phi-3) where `available` has them so."""
-    if config.architecture in HYBRID_ARCHITECTURES:
+    family = families.get(config.architecture)
+    if family is not None and family.hybrid:
         from conveyor.models.hybrid_layout import weight_names
 
         return weight_names(config, available)
-    if config.architecture in PER_FAMILY_WEIGHT_NAMES:
-        return PER_FAMILY_WEIGHT_NAMES[config.architecture](config)
+    if family is not None and family.weight_names is not None:
+        return family.weight_names(config)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

@@ -10,9 +10,9 @@ import numpy as np
 
 from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
-from conveyor.models import gemma4
 from conveyor.models.config import ModelConfig, ModelConfigError
-from conveyor.models.deepseek_v3 import MLADims, softmax_scale
+from conveyor.models.kv_sharing import kv_sources
+from conveyor.models.mla_dims import MLADims, softmax_scale
 
 # GGUF `general.architecture` values we run, and the HF model_type each one is.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
@@ -193,7 +193,7 @@ def _gemma3n(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     types = _layer_types(meta("attention.sliding_window_pattern"), layers, 5)
     widths = meta("feed_forward_length")
     widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
-    sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    sources = kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
     scales = meta("activation_sparsity_scale") or []
     shares = tuple(0.5 * (1.0 + math.erf(float(m) / math.sqrt(2.0))) for m in scales)  # the normal CDF: Phi(Phi^-1(s))
     return dict(
@@ -223,7 +223,7 @@ def _gemma4(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     kv_heads = tuple(int(n) for n in kv) if isinstance(kv, list) else (int(kv),) * layers
     widths = meta("feed_forward_length")
     widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
-    sources = gemma4.kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    sources = kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
     owners_full = [i for i in range(layers) if sources[i] == i and types[i] == "full_attention"]
     ple = int(meta("embedding_length_per_layer_input", 0) or 0)
     fields: dict[str, Any] = dict(

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
 from conveyor.loading.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer, build_tokenizer
-from conveyor.models.config import HF_WEIGHT_RENAMES, ModelConfig, ModelConfigError
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig, ModelConfigError
 
 
 def load_hf_dir(path: str) -> Checkpoint:
@@ -87,8 +88,10 @@ def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
 
 
 def rename_weights(architecture: str, weights: dict[str, Any]) -> dict[str, Any]:
-    """A family's tensor names as the shared decoder's (HF_WEIGHT_RENAMES: Hunyuan's query_layernorm is q_norm, ...)."""
-    renames = HF_WEIGHT_RENAMES.get(architecture)
+    """A family's tensor names as the shared decoder's (its Family's weight_renames: Hunyuan's query_layernorm is
+    q_norm, ...)."""
+    family = families.get(architecture)
+    renames = family.weight_renames if family is not None else None
     if not renames:
         return weights
     out = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 WEIGHT_RENAMES = {".attention_layernorm.": ".input_layernorm.", ".feedforward_layernorm.": ".post_attention_layernorm."}
 # The activation's tensors under each layer's mlp.act_fn (alpha_p / alpha_n before their softplus).
 XIELU_PARAMS = ("alpha_p", "alpha_n", "beta", "eps")
@@ -15,3 +17,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"hidden_act {raw['hidden_act']!r} (supported: xielu)")
     bias = bool(raw.get("attention_bias", False))
     return dict(hidden_act="xielu", qk_norm=True, attention_bias=bias, attention_out_bias=bias)
+
+
+register(Family("apertus", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))

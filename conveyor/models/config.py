@@ -4,43 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from conveyor.models import (apertus, deepseek_v3, ernie4_5, exaone4, falcon_h1, gemma, gemma3n, gemma4, glm4,
-                             gpt_oss, granite, granite_hybrid, hunyuan_dense, lfm2, llama4, mamba2, ministral3,
-                             mixtral, nemotron_h, olmo2, olmoe, phi3, qwen3_5, qwen3_moe, qwen3_next, seed_oss,
-                             smollm3)
+from conveyor.models import family as families
 
-# HF model_type values we run (GGUF architectures map onto these in loading/gguf_config.py).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite", "olmo2",
-                           "smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5", "seed_oss",
-                           "hunyuan_v1_dense", "apertus", "gemma4_text", "gemma3n_text",
-                           "mixtral", "qwen3_moe", "olmoe", "llama4_text", "deepseek_v3", "gpt_oss", "lfm2",
-                           "qwen3_5_text",
-                           "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h",
-                           "falcon_h1", "mamba2")
-# Per family: raw HF config -> the ModelConfig fields where it differs from Llama (each family's own file).
-FAMILY_FIELDS = {"gemma2": gemma.hf_fields, "gemma3_text": gemma.hf_fields, "phi3": phi3.hf_fields,
-                 "granite": granite.hf_fields, "olmo2": olmo2.hf_fields, "olmo3": olmo2.olmo3_hf_fields,
-                 "smollm3": smollm3.hf_fields, "ministral3": ministral3.hf_fields, "glm4": glm4.hf_fields,
-                 "exaone4": exaone4.hf_fields, "ernie4_5": ernie4_5.hf_fields, "seed_oss": seed_oss.hf_fields,
-                 "hunyuan_v1_dense": hunyuan_dense.hf_fields, "apertus": apertus.hf_fields,
-                 "gemma4_text": gemma4.hf_fields, "gemma3n_text": gemma3n.hf_fields,
-                 "mixtral": mixtral.hf_fields, "qwen3_moe": qwen3_moe.hf_fields, "olmoe": olmoe.hf_fields,
-                 "llama4_text": llama4.hf_fields, "deepseek_v3": deepseek_v3.hf_fields, "gpt_oss": gpt_oss.hf_fields,
-                 "lfm2": lfm2.hf_fields, "qwen3_5_text": qwen3_5.hf_fields,
-                 "qwen3_next": qwen3_next.hf_fields, "qwen3_5_moe_text": qwen3_5.moe_hf_fields,
-                 "lfm2_moe": lfm2.moe_hf_fields,
-                 "granitemoehybrid": granite_hybrid.hf_fields, "nemotron_h": nemotron_h.hf_fields,
-                 "falcon_h1": falcon_h1.hf_fields, "mamba2": mamba2.hf_fields}
-
-# Per family: checkpoint tensor names -> the shared decoder's (a name part replaced, all at once, per tensor).
-HF_WEIGHT_RENAMES = {"hunyuan_v1_dense": hunyuan_dense.WEIGHT_RENAMES, "apertus": apertus.WEIGHT_RENAMES,
-                     "glm4": glm4.WEIGHT_RENAMES, "llama4_text": llama4.WEIGHT_RENAMES,
-                     "gemma4_text": gemma4.WEIGHT_RENAMES}
-
-# Families whose own file lists the tensors a checkpoint holds (their layers differ from the shared decoder's).
-PER_FAMILY_WEIGHT_NAMES = {"gemma4_text": gemma4.weight_names, "gemma3n_text": gemma3n.weight_names}
+if TYPE_CHECKING:
+    from conveyor.models.mla_dims import MLADims
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.
@@ -50,14 +19,6 @@ RECURRENT_LAYER_TYPES = ("conv", "linear_attention", "mamba")
 PARALLEL_LAYER_TYPES = ("hybrid",)
 # Nemotron-H: layers with a channel mixer only (an MLP or experts), keeping nothing between steps.
 CHANNEL_LAYER_TYPES = ("mlp", "moe")
-# Families built from pre-norm residual steps per layer (models/hybrid.py), recurrent layers or not.
-HYBRID_ARCHITECTURES = ("lfm2", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid",
-                        "nemotron_h", "falcon_h1", "mamba2")
-# Multimodal model_types whose text part we run (the vision tower is ignored) -> the text model's type.
-MULTIMODAL_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
-                   "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
-
-
 # The RMSNorms of a decoder layer in each norm layout, by their Hugging Face names.
 LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -73,7 +34,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # a registered family's model_type (models/family.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -163,7 +124,7 @@ class ModelConfig:
     # Llama 4: the routing weight scales each chosen expert's input (rounded to the model dtype), not its output.
     moe_weight_input: bool = False
     # DeepSeek-V3: multi-head latent attention's widths (models/mla.py); None: attention as above.
-    mla: deepseek_v3.MLADims | None = None
+    mla: MLADims | None = None
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
@@ -221,10 +182,10 @@ class ModelConfig:
     activation_sparsity: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if families.get(self.architecture) is None:
             raise ModelConfigError(
                 f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(families.architectures())}"
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -253,8 +214,8 @@ class ModelConfig:
         if self.norm_layout not in LAYOUT_NORMS:
             raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
         if self.hidden_act not in ("silu", "gelu_tanh", "relu2", "xielu") or (
-                self.hidden_act == "relu2" and self.architecture not in HYBRID_ARCHITECTURES) or (
-                self.hidden_act == "xielu" and (self.architecture in HYBRID_ARCHITECTURES or self.num_experts)):
+                self.hidden_act == "relu2" and not families.is_hybrid(self.architecture)) or (
+                self.hidden_act == "xielu" and (families.is_hybrid(self.architecture) or self.num_experts)):
             raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh; "
                                    f"relu2 in hybrid models; xielu in dense ones)")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
@@ -386,20 +347,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict; a family file adds what its config changes (FAMILY_FIELDS)."""
+        """Build from a Hugging Face config.json dict; a family file adds what its config changes (its Family's
+        hf_fields, models/family.py)."""
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         if model_type is None and archs:
             model_type = str(archs[0]).replace("ForCausalLM", "").lower()
-        if model_type in MULTIMODAL_TEXT and "text_config" in raw:
-            return cls.from_hf_dict(_text_config(raw, MULTIMODAL_TEXT[model_type]))
+        multimodal = families.multimodal_text_types()
+        if model_type in multimodal and "text_config" in raw:
+            return cls.from_hf_dict(_text_config(raw, multimodal[model_type]))
         if model_type == "gemma3" and "text_config" in raw:
             raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
                                    "text-only ones (model_type 'gemma3_text') and GGUF files are")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        family = families.get(model_type) if isinstance(model_type, str) else None
+        if family is None:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} (architectures={archs}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(families.architectures())}"
             )
         raw = _decode_floats(raw)
         try:
@@ -414,7 +378,7 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             try:
-                family = FAMILY_FIELDS[model_type](raw) if model_type in FAMILY_FIELDS else {}
+                fields = family.hf_fields(raw) if family.hf_fields is not None else {}
             except NotImplementedError as exc:  # a family file names what it cannot run
                 raise ModelConfigError(f"{model_type}: {exc} is not supported") from exc
             # Llama's reading of each field, run only where the family does not set it (Mamba2 has no heads).
@@ -441,7 +405,7 @@ class ModelConfig:
                 eos_token_ids=lambda: eos_ids,
                 partial_rotary_factor=lambda: partial_rotary,
             )
-            return cls(**{**{name: read() for name, read in base.items() if name not in family}, **family})
+            return cls(**{**{name: read() for name, read in base.items() if name not in fields}, **fields})
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise

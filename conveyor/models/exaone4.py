@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
@@ -22,3 +24,6 @@ def _pattern_types(pattern: Any, layers: int) -> list[str]:
     if isinstance(pattern, str):
         return ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(layers)]
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+
+
+register(Family("exaone4", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

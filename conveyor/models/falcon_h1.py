@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 NAMES = {
     "embed": "model.embed_tokens.weight", "layers": "model.layers.", "final_norm": "model.final_layernorm.weight",
     "layout": {"hybrid": (("input_layernorm", ("mamba2", "attention")), ("pre_ff_layernorm", ("mlp",)))},
@@ -56,3 +58,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         mlp_gate_multiplier=float(gate), mlp_down_multiplier=float(down),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
+
+
+register(Family("falcon_h1", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def layer_types(raw: dict[str, Any], num_layers: int, default_pattern: int) -> tuple[str, ...]:
     """Per layer sliding/full: `layer_types` when the config lists them, else every `pattern`-th layer is global."""
@@ -60,3 +62,7 @@ def _gemma3_rope(raw: dict[str, Any]) -> dict[str, Any]:
     kind = full.get("rope_type", full.get("type", "default"))
     return dict(rope_theta=float(theta), local_rope_theta=float(local_theta),
                 rope_scaling=full if kind != "default" else None)
+
+
+register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields),
+         Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from conveyor.models import gemma
-from conveyor.models.gemma4 import kv_sources
+from conveyor.models.family import Family, register
+from conveyor.models.kv_sharing import kv_sources
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -79,3 +80,7 @@ def weight_names(config) -> list[str]:
         names += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
                   p + "post_per_layer_input_norm.weight"]
     return names
+
+
+register(Family("gemma3n_text", "conveyor.models.gemma3n_model:Gemma3nForCausalLM", hf_fields, weight_names=weight_names,
+                multimodal_type="gemma3n"))

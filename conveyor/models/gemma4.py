@@ -15,6 +15,8 @@ import math
 from typing import Any
 
 from conveyor.models import gemma
+from conveyor.models.family import Family, register
+from conveyor.models.kv_sharing import kv_sources
 
 
 # The checkpoint's router.* and experts.* sit under one block, moe.*, as the shared expert names expect.
@@ -80,22 +82,6 @@ def _layer_shapes(raw: dict[str, Any], types: list[str], head_dim: int, kv_heads
              int(by_index.get(i, {}).get("num_key_value_heads") or kv_heads)) for i in range(len(types))]
 
 
-def kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
-    """Per layer, whose K/V it attends over: the last `num_shared` layers read the last earlier layer of their kind
-    (transformers' kv_sharing_modes: that layer "stores", these "reuse")."""
-    layers = len(types)
-    first_shared = layers - num_shared
-    if num_shared and first_shared <= 0:
-        raise NotImplementedError(f"num_kv_shared_layers {num_shared} of {layers} layers (no layer computes K/V)")
-    sources = list(range(layers))
-    for i in range(first_shared, layers):
-        owners = [j for j in range(first_shared) if types[j] == types[i]]
-        if not owners:
-            raise ValueError(f"K/V-shared layer {i} ({types[i]}) has no earlier layer of its kind")
-        sources[i] = owners[-1]
-    return tuple(sources)
-
-
 def _rope(raw: dict[str, Any]) -> dict[str, Any]:
     """Global layers: rope_theta with "proportional" (or another) scaling; sliding layers: their own base only."""
     params = raw.get("rope_parameters") or {}
@@ -152,3 +138,7 @@ MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "pos
 def shares_k_as_v(config, layer: int) -> bool:
     """Whether `layer`'s values are its keys' projection (attention_k_eq_v, on the global layers)."""
     return config.attention_k_eq_v and not config.is_sliding(layer)
+
+
+register(Family("gemma4_text", "conveyor.models.gemma4_model:Gemma4ForCausalLM", hf_fields, WEIGHT_RENAMES, weight_names,
+                multimodal_type="gemma4"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 # GLM's norm after attention is post_self_attn_layernorm; its post_attention_layernorm is the norm before the MLP.
 WEIGHT_RENAMES = {".post_self_attn_layernorm.": ".post_attention_layernorm.",
                   ".post_attention_layernorm.": ".pre_feedforward_layernorm.",
@@ -14,3 +16,6 @@ WEIGHT_RENAMES = {".post_self_attn_layernorm.": ".post_attention_layernorm.",
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(norm_layout="sandwich", rope_interleaved=True, attention_bias=bool(raw.get("attention_bias", True)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1.5625e-07)))
+
+
+register(Family("glm4", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))

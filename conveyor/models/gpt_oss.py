@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from conveyor.models.family import Family, register
+
 # transformers' GptOssConfig default when a config.json carries no rope parameters (every release has them).
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -50,3 +52,6 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float,
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * sigmoid(gate * alpha))
+
+
+register(Family("gpt_oss", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
@@ -11,3 +13,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
                 logits_scaling=float(raw.get("logits_scaling", 1.0)),
                 attention_bias=bool(raw.get("attention_bias", False)))
+
+
+register(Family("granite", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

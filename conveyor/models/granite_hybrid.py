@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 _CHANNEL = ("post_attention_layernorm", ("experts", "mlp"))  # the experts are skipped in a dense model
 
 # Where the checkpoint keeps each part (see hybrid_layout.py): per layer kind, its sublayers as
@@ -67,3 +69,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)), mamba_dt_min=dt_min, mamba_dt_max=dt_max,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
+
+
+register(Family("granitemoehybrid", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 # query_layernorm / key_layernorm are the shared decoder's q_norm / k_norm
 WEIGHT_RENAMES = {".self_attn.query_layernorm.": ".self_attn.q_norm.", ".self_attn.key_layernorm.": ".self_attn.k_norm."}
 
@@ -21,3 +23,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         fields.update(rope_theta=theta * float(rope["alpha"]) ** (head_dim / (head_dim - 2)), rope_scaling=None)
     return fields
+
+
+register(Family("hunyuan_v1_dense", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))

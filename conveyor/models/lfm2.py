@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 # The channel step: LFM2-MoE's experts in its MoE layers, the SwiGLU MLP in the others (and in all of LFM2's).
 _CHANNEL = ("ffn_norm", (("experts", "mlp"),))
 
@@ -65,3 +67,7 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "dense_mlp_layers": tuple(range(min(int(raw.get("num_dense_layers", 2)), layers))),
             "moe_scoring": "sigmoid", "moe_expert_bias": bool(raw.get("use_expert_bias", True)), "moe_renorm_eps": 1e-6,
             "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0))}
+
+
+register(Family("lfm2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True),
+         Family("lfm2_moe", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True))

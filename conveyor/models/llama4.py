@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 # The checkpoint's feed_forward.* is the shared decoder's mlp.* (dense MLP, router, experts, shared expert).
 WEIGHT_RENAMES = {".feed_forward.": ".mlp."}
 
@@ -47,3 +49,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         dense_mlp_layers=tuple(i for i in range(layers) if i not in moe_layers),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
+
+
+register(Family("llama4_text", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, WEIGHT_RENAMES, multimodal_type="llama4"))

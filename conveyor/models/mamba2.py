@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 NAMES = {
     "embed": "backbone.embeddings.weight", "layers": "backbone.layers.", "final_norm": "backbone.norm_f.weight",
     "layout": {"mamba": (("norm", ("mamba2",)),)},
@@ -34,3 +36,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         mamba_proj_bias=bool(raw.get("use_bias", False)), mamba_dt_min=dt_min, mamba_dt_max=dt_max,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
+
+
+register(Family("mamba2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))

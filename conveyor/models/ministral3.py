@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -19,3 +21,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 attn_temperature_beta=float(beta or 0.0), attn_temperature_length=int(original or 0),
                 sliding_window=raw.get("sliding_window") or None,
                 attention_bias=False)
+
+
+register(Family("ministral3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True,
                 sliding_window=raw.get("sliding_window"))
+
+
+register(Family("mixtral", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))

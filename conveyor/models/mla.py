@@ -24,7 +24,7 @@ from conveyor.kernels.attention import write_rows
 from conveyor.loading.checkpoint import QuantizedTensor, Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
-from conveyor.models.deepseek_v3 import MLADims
+from conveyor.models.mla_dims import MLADims
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 NAMES = {
     "embed": "backbone.embeddings.weight", "layers": "backbone.layers.", "final_norm": "backbone.norm_f.weight",
     "layout": {"mamba": (("norm", ("mamba2",)),), "full_attention": (("norm", ("attention",)),),
@@ -82,3 +84,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
+
+
+register(Family("nemotron_h", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))

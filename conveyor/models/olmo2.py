@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(norm_layout="post", qk_norm=True, qk_norm_scope="full",
@@ -31,3 +33,7 @@ def olmo3_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 sliding_window=raw.get("sliding_window") or None, layer_types=tuple(types),
                 # the sliding layers' own table, unscaled, only where it differs from the global one
                 local_rope_theta=local_theta if scaled or local_theta != theta else None)
+
+
+register(Family("olmo2", "conveyor.models.llama:LlamaForCausalLM", hf_fields),
+         Family("olmo3", "conveyor.models.llama:LlamaForCausalLM", olmo3_hf_fields))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("clip_qkv") is not None:
@@ -14,3 +16,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 num_experts=int(raw["num_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw["intermediate_size"]),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+
+
+register(Family("olmoe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -13,3 +15,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     # NOTE: Phi-3-mini's window (2047) is applied on every layer, as transformers does; llama.cpp ignores it.
     return dict(sliding_window=raw.get("sliding_window") or None,
                 attention_bias=bool(raw.get("attention_bias", False)))
+
+
+register(Family("phi3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

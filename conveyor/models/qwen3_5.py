@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 # The channel step: the sparse MoE block in MoE layers (Qwen3.5-MoE, Qwen3-Next), the SwiGLU MLP elsewhere.
 _CHANNEL = ("post_attention_layernorm", (("experts", "mlp"),))
 
@@ -59,3 +61,7 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     # No layer is dense and the config names no dense width; the field only has to be valid.
     return {**hf_fields(raw), **moe, "norm_topk_prob": True,
             "intermediate_size": int(raw.get("intermediate_size") or moe["moe_intermediate_size"])}
+
+
+register(Family("qwen3_5_text", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True, multimodal_type="qwen3_5"),
+         Family("qwen3_5_moe_text", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True, multimodal_type="qwen3_5_moe"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("use_sliding_window"):  # off in every released checkpoint
@@ -19,3 +21,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 # A layer is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
                 dense_mlp_layers=tuple(i for i in range(int(raw["num_hidden_layers"])) if i in dense or (i + 1) % step))
+
+
+register(Family("qwen3_moe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))

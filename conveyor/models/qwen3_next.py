@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.models import qwen3_5
+from conveyor.models.family import Family, register
 
 NAMES = {**qwen3_5.NAMES,
          "gated_deltanet": {**qwen3_5.NAMES["gated_deltanet"], "qkvz": "in_proj_qkvz", "ba": "in_proj_ba"}}
@@ -24,3 +25,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
             # As in transformers: sparse where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
             "dense_mlp_layers": tuple(i for i in range(int(raw["num_hidden_layers"])) if i in dense or (i + 1) % step)}
+
+
+register(Family("qwen3_next", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))

@@ -1,4 +1,4 @@
-"""Architecture name -> model class, and building a model ready to run."""
+"""Building a model ready to run (its class: the family registry's, models/family.py)."""
 
 from __future__ import annotations
 
@@ -11,53 +11,12 @@ from torch import nn
 
 from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.loading.checkpoint import Weight
+from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
-from conveyor.models.gemma3n_model import Gemma3nForCausalLM
-from conveyor.models.gemma4_model import Gemma4ForCausalLM
-from conveyor.models.hybrid import HybridForCausalLM
-from conveyor.models.llama import LlamaForCausalLM
-from conveyor.models.mla import DeepseekV3ForCausalLM
-from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
-
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    # Dense families on the shared decoder: what differs is config (models/gemma.py, olmo2.py, granite.py, phi3.py,
-    # and the families of issue #25: smollm3.py, ministral3.py, glm4.py, exaone4.py, ...).
-    **{arch: LlamaForCausalLM for arch in ("smollm3", "ministral3", "olmo3", "glm4", "exaone4", "ernie4_5",
-                                            "seed_oss", "hunyuan_v1_dense", "apertus")},
-    "gemma2": LlamaForCausalLM,
-    "gemma3_text": LlamaForCausalLM,
-    "gemma4_text": Gemma4ForCausalLM,  # its own layer (models/gemma4.py, gemma4_model.py)
-    "gemma3n_text": Gemma3nForCausalLM,  # AltUp streams, LAuReL (models/gemma3n.py, gemma3n_model.py)
-    "phi3": LlamaForCausalLM,
-    "granite": LlamaForCausalLM,
-    "olmo2": LlamaForCausalLM,
-    "mixtral": MoEForCausalLM,
-    "qwen3_moe": MoEForCausalLM,
-    "olmoe": MoEForCausalLM,
-    "llama4_text": MoEForCausalLM,  # models/llama4.py
-    "deepseek_v3": DeepseekV3ForCausalLM,  # multi-head latent attention (models/mla.py) + MoE
-    "gpt_oss": MoEForCausalLM,  # models/gpt_oss.py
-    # Hybrids: pre-norm residual steps of attention, recurrent and channel mixers per layer (models/hybrid.py).
-    "lfm2": HybridForCausalLM,
-    "qwen3_5_text": HybridForCausalLM,
-    # ... with sparse MoE channel mixers (models/moe.py) in some or all layers.
-    "qwen3_next": HybridForCausalLM,
-    "qwen3_5_moe_text": HybridForCausalLM,
-    "lfm2_moe": HybridForCausalLM,
-    # Mamba2 hybrids (models/mamba2_mixer.py), and Mamba2 alone.
-    "granitemoehybrid": HybridForCausalLM,
-    "nemotron_h": HybridForCausalLM,
-    "falcon_h1": HybridForCausalLM,
-    "mamba2": HybridForCausalLM,
-}
 
 
 def build_model(config: ModelConfig, weights: Mapping[str, Weight], dtype: torch.dtype,
@@ -70,7 +29,7 @@ def build_model(config: ModelConfig, weights: Mapping[str, Weight], dtype: torch
     (models/weights.py), so loading never holds a second full copy of the weights; `release`
     (Checkpoint.release_pages) gets each source tensor once the model has its own copy.
     """
-    cls = MODEL_CLASSES.get(config.architecture)
+    cls = families.model_class(config.architecture)
     if cls is None:
         raise ModelConfigError(f"no model implementation for architecture {config.architecture!r}")
     ops = ops if ops is not None else resolve_backend(device, dtype, batch_invariant=batch_invariant)

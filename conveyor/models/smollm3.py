@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.family import Family, register
+
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
@@ -21,3 +23,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                                            for i in range(layers)]
         fields.update(sliding_window=int(raw["sliding_window"]), layer_types=tuple(types))
     return fields
+
+
+register(Family("smollm3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))

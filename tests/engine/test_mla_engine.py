@@ -9,7 +9,7 @@ from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.models.cache_specs import KVSpec
 from conveyor.models.config import ModelConfigError
-from conveyor.models.deepseek_v3 import MLADims
+from conveyor.models.mla_dims import MLADims
 from conveyor.runner.model_runner import kv_group_bytes_per_block
 from conveyor.testing import tiny_mla_checkpoint
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from conveyor.loading.checkpoint import select_weights
 from conveyor.models.config import ModelConfig, ModelConfigError
-from conveyor.models.deepseek_v3 import softmax_scale
+from conveyor.models.mla_dims import softmax_scale
 from conveyor.models.mla import MLAAttention
 from conveyor.models.moe import SparseMoeBlock
 

@@ -1,0 +1,18 @@
+"""Every model family module, imported once by models/family.py so each registers itself. A new family is a
+module that ends with `register(Family(...))` and a name here.
+
+The plain families run the shared decoder unchanged (models/llama.py) and need no module of their own."""
+
+import importlib
+
+from conveyor.models.family import Family, register
+
+FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", "glm4", "exaone4", "ernie4_5",
+                  "seed_oss", "hunyuan_dense", "apertus", "gemma4", "gemma3n", "mixtral", "qwen3_moe", "olmoe",
+                  "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_next", "granite_hybrid",
+                  "nemotron_h", "falcon_h1", "mamba2")
+
+register(*(Family(architecture, "conveyor.models.llama:LlamaForCausalLM")
+           for architecture in ("llama", "mistral", "qwen2", "qwen3")))
+for _name in FAMILY_MODULES:
+    importlib.import_module(f"conveyor.models.{_name}")
