@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from conveyor.loading.checkpoint import QuantizedTensor, Weight
+from conveyor.models.tensors import QuantizedTensor, Weight
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.gemma4_model import Gemma4Attention, PerLayerInputs, load_attention_mlp_norms, meta_embedding
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, Rope
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 

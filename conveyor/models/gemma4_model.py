@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 from conveyor.models.gemma4 import MOE_NORMS, shares_k_as_v
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, LlamaMLP, Rope
 from conveyor.models.moe import SparseMoeBlock
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 

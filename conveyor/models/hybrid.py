@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, conv_weight, fp32_param, scaled
@@ -27,6 +26,7 @@ from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention
 from conveyor.models.mamba2_mixer import Mamba2Mixer
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 

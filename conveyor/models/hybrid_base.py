@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata
-from conveyor.loading.checkpoint import QuantizedTensor, Weight
 from conveyor.models.llama import Rope
+from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.weights import WeightLoader
 
 Getter = Callable[[str], Weight]

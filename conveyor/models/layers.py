@@ -11,8 +11,8 @@ from torch import nn
 
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.quant_ref import type_name
-from conveyor.loading.checkpoint import QuantizedTensor
 from conveyor.models.config import ModelConfigError
+from conveyor.models.tensors import QuantizedTensor
 
 
 class RMSNorm(nn.Module):

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
-from conveyor.loading.checkpoint import QuantizedTensor, Weight
 from conveyor.models.apertus import XIELU_PARAMS
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each

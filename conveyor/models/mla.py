@@ -21,12 +21,12 @@ from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.kernels.attention import write_rows
-from conveyor.loading.checkpoint import QuantizedTensor, Weight
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
-from conveyor.models.mla_dims import MLADims
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.mla_dims import MLADims
 from conveyor.models.moe_llama import MoEForCausalLM
+from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.weights import WeightLoader
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, K): one (num_blocks, block_size, 1, L + R) tensor

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelBackend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import ExpertNames, ModelConfig
 from conveyor.models.gpt_oss import clamped_swiglu
 from conveyor.models.layers import RowInvariantLinear
 from conveyor.models.moe_grouped import GroupedExperts, group_experts
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader
 
 

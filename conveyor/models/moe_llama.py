@@ -14,10 +14,10 @@ from typing import Callable
 from torch import nn
 
 from conveyor.kernels import KernelBackend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models.config import EXPERT_NAMES, ModelConfig
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.moe import SparseMoeBlock
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader
 
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from conveyor.kernels import KernelBackend, resolve_backend
-from conveyor.loading.checkpoint import Weight
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.layers import RotaryEmbedding, RowInvariantLinear, calibrate_row_tile
+from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader
 
 logger = logging.getLogger(__name__)

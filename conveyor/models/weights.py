@@ -22,7 +22,7 @@ from torch import nn
 
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.quant_ref import Q, block_shape, quantize_raw
-from conveyor.loading.checkpoint import QuantizedTensor, Weight
+from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.layers import (QuantizedEmbedding, RowInvariantLinear, TiedPackedEmbedding, dtype_name,
                                     pack_segments)
 

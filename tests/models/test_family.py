@@ -36,3 +36,12 @@ def test_a_new_family_is_one_registration(monkeypatch):
     config = ModelConfig.from_hf_dict(raw)
     assert config.architecture == "toyllama" and config.rms_norm_eps == 1e-3
     assert families.model_class("toyllama").__name__ == "LlamaForCausalLM"
+
+
+def test_the_models_lean_on_no_loader():
+    """Layering: conveyor.loading builds on conveyor.models (configs, weight types), never the other way."""
+    code = ("import sys; import conveyor.models.registry, conveyor.models.families, conveyor.models.hybrid, "
+            "conveyor.models.mla, conveyor.models.gemma4_model, conveyor.models.gemma3n_model; "
+            "print(sorted(m for m in sys.modules if m.startswith('conveyor.loading')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
