@@ -16,7 +16,8 @@ import torch
 from conveyor.loading import Checkpoint, Tokenizer, default_model_path
 from conveyor.loading.checkpoint import select_weights
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 from conveyor.models.mla_dims import MLADims
 
 
@@ -126,7 +127,7 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
 
 def _random_experts(config: ModelConfig, prefix: str, rand) -> dict[str, torch.Tensor]:
     """A sparse layer's router and experts (its dense MLP tensors are dropped by select_weights)."""
-    names = EXPERT_NAMES[config.architecture]
+    names = families.expert_names(config.architecture)
     h, width = config.hidden_size, config.moe_intermediate_size
     weights = {names.router(prefix): rand(config.num_experts, h) * 5}  # spread out: rows pick different experts
     for e in range(config.num_experts):
@@ -255,7 +256,8 @@ def tiny_mla_checkpoint(seed: int = 0, **overrides) -> Checkpoint:
                                                      dims.kv_lora_rank, scale=0.4),
                         p + "o_proj.weight": rand(h, heads * dims.v_head_dim)})
         if config.is_moe_layer(n):
-            weights[EXPERT_NAMES[config.architecture].expert_bias(f"model.layers.{n}.")] = rand(config.num_experts)
+            bias = families.expert_names(config.architecture).expert_bias(f"model.layers.{n}.")
+            weights[bias] = rand(config.num_experts)
     return Checkpoint(config=config, weights=select_weights(config, weights, "<tiny random>"), tokenizer=tokenizer,
                       source="<tiny random>", name="tiny-random-deepseek_v3")
 
@@ -370,7 +372,7 @@ def random_hybrid_weights(config: ModelConfig, seed: int = 0, scale: float = 0.2
 
 def _moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A sparse block's tensor shapes by name under its layer prefix (router, experts, shared expert, bias)."""
-    names, h = EXPERT_NAMES[config.architecture], config.hidden_size
+    names, h = families.expert_names(config.architecture), config.hidden_size
     parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")  # relu^2 experts: no gate
 
     def expert(width: int, name) -> dict[str, tuple[int, ...]]:  # name(part) -> that part's tensor name

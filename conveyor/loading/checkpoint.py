@@ -9,7 +9,7 @@ import torch
 
 from conveyor.loading.tokenizer import Tokenizer
 from conveyor.models import family as families
-from conveyor.models.config import EXPERT_NAMES, ExpertNames, ModelConfig
+from conveyor.models.config import ExpertNames, ModelConfig
 from conveyor.models.mla_dims import mla_weight_names
 from conveyor.models.tensors import QuantizedTensor, Weight  # noqa: F401 (the loaders' names for them)
 
@@ -57,7 +57,7 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
         else:
             names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
         if config.is_moe_layer(i):
-            experts = EXPERT_NAMES[config.architecture]
+            experts = families.expert_names(config.architecture)
             names.append(experts.router(f"{layer}."))
             if config.moe_expert_bias:  # DeepSeek-V3's e_score_correction_bias
                 names.append(experts.expert_bias(f"{layer}."))
@@ -97,7 +97,7 @@ def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str
     """Experts stacked one tensor per layer and part (Qwen3.5-MoE on the Hub, Granite 4.0-H: gate|up (E, 2I, H),
     down (E, H, I); Llama 4 and GPT-OSS inputs first, GPT-OSS with gate and up interleaved and stacked biases) as the
     per-expert tensors the models load: views, no copy. GPT-OSS's MXFP4 stacks become GGML blocks (a copy)."""
-    names = EXPERT_NAMES.get(config.architecture)
+    names = families.expert_names(config.architecture) if config.num_experts else None
     if names is None or not any(name.endswith(("." + names.stacked("", "down"), ".experts.down_proj_blocks"))
                                 for name in weights):
         return weights

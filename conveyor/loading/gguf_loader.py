@@ -27,7 +27,8 @@ from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_hybrid import HYBRID_GGUF_ARCHITECTURES, HybridTensors
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -237,7 +238,7 @@ def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, sou
     """`blk.N.ffn_gate_inp` -> the router; `blk.N.ffn_{gate,up,down}_exps` -> one (N, K) view per expert; their
     `.bias` (GPT-OSS) -> the router's bias and one (N,) view per expert."""
     layer, kind, suffix = tensor.name.split(".")[1:4]
-    names, prefix = EXPERT_NAMES[config.architecture], f"model.layers.{layer}."
+    names, prefix = families.expert_names(config.architecture), f"model.layers.{layer}."
     if kind == "ffn_gate_inp":
         return {(names.router_bias if suffix == "bias" else names.router)(prefix): _to_torch(tensor, source)}
     if suffix == "bias":  # (E, N), always float

@@ -481,25 +481,3 @@ class ExpertNames:
         return f"{prefix}{self.block}.{self.bias}"
 
 
-EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
-                "qwen3_moe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "olmoe": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "qwen3_next": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "qwen3_5_moe_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
-                "lfm2_moe": ExpertNames("feed_forward", "w1", "w3", "w2"),
-                # Granite's experts come stacked only; the per-expert names are unstack_experts' own
-                "granitemoehybrid": ExpertNames("block_sparse_moe", "gate_proj", "up_proj", "down_proj",
-                                                router_name="router.layer",
-                                                stacked_parts=("input_linear.weight", "output_linear.weight")),
-                # renamed from feed_forward.* at load (llama4.WEIGHT_RENAMES)
-                "llama4_text": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
-                                           stacked_transposed=True),
-                # stacked inputs first with gate and up interleaved, each with a stacked bias (`..._bias`)
-                "gpt_oss": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router",
-                                       stacked_transposed=True, stacked_interleaved=True),
-                "nemotron_h": ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
-                                          shared_block="shared_experts"),
-                "deepseek_v3": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj",
-                                           bias="gate.e_score_correction_bias", shared_block="shared_experts"),
-                # renamed from router.* / experts.* at load (gemma4.WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
-                "gemma4_text": ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 from conveyor.models.mla_dims import MLADims, softmax_scale
 
@@ -48,4 +49,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-register(Family("deepseek_v3", "conveyor.models.mla:DeepseekV3ForCausalLM", hf_fields))
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
+                           shared_block="shared_experts")
+
+register(Family("deepseek_v3", "conveyor.models.mla:DeepseekV3ForCausalLM", hf_fields, expert_names=EXPERT_NAMES))

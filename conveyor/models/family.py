@@ -23,6 +23,7 @@ class Family:
     weight_names: Callable[[Any], list[str]] | None = None  # its own tensor list (layers unlike the decoder's)
     hybrid: bool = False  # pre-norm residual steps of attention / recurrent / channel mixers (models/hybrid.py)
     multimodal_type: str | None = None  # the model_type of the multimodal directory whose text part this is
+    expert_names: Any = None  # config.ExpertNames: where its checkpoints keep the sparse MLP (MoE families)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -61,6 +62,14 @@ def multimodal_text_types() -> dict[str, str]:
 def is_hybrid(architecture: str) -> bool:
     family = get(architecture)
     return family is not None and family.hybrid
+
+
+def expert_names(architecture: str) -> Any:
+    """The family's config.ExpertNames (KeyError for a family without experts: a caller's bug)."""
+    family = get(architecture)
+    if family is None or family.expert_names is None:
+        raise KeyError(f"{architecture!r} has no expert names")
+    return family.expert_names
 
 
 def model_class(architecture: str) -> type | None:

@@ -82,5 +82,5 @@ def weight_names(config) -> list[str]:
     return names
 
 
-register(Family("gemma3n_text", "conveyor.models.gemma3n_model:Gemma3nForCausalLM", hf_fields, weight_names=weight_names,
-                multimodal_type="gemma3n"))
+register(Family("gemma3n_text", "conveyor.models.gemma3n_model:Gemma3nForCausalLM", hf_fields,
+                weight_names=weight_names, multimodal_type="gemma3n"))

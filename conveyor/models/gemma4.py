@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from conveyor.models import gemma
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 from conveyor.models.kv_sharing import kv_sources
 
@@ -122,9 +123,8 @@ def weight_names(config) -> list[str]:
 
 def expert_weight_names(config, prefix: str) -> list[str]:
     """A 26B-A4B layer's router (projection, input scale, per-expert scale), experts and their extra norms."""
-    from conveyor.models.config import EXPERT_NAMES
 
-    experts = EXPERT_NAMES["gemma4_text"]
+    experts = EXPERT_NAMES
     names = [experts.router(prefix), f"{prefix}moe.router.scale", f"{prefix}moe.router.per_expert_scale"]
     names += [experts.expert(prefix, e, part) for e in range(config.num_experts) for part in ("gate", "up", "down")]
     names += [f"{prefix}{norm}.weight" for norm in MOE_NORMS]
@@ -140,5 +140,8 @@ def shares_k_as_v(config, layer: int) -> bool:
     return config.attention_k_eq_v and not config.is_sliding(layer)
 
 
-register(Family("gemma4_text", "conveyor.models.gemma4_model:Gemma4ForCausalLM", hf_fields, WEIGHT_RENAMES, weight_names,
-                multimodal_type="gemma4"))
+# renamed from router.* / experts.* at load (WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
+EXPERT_NAMES = ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")
+
+register(Family("gemma4_text", "conveyor.models.gemma4_model:Gemma4ForCausalLM", hf_fields, WEIGHT_RENAMES,
+                weight_names, multimodal_type="gemma4", expert_names=EXPERT_NAMES))

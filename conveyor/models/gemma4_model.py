@@ -16,7 +16,8 @@ from torch import nn
 
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 from conveyor.models.gemma4 import MOE_NORMS, shares_k_as_v
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import KVCache, LlamaMLP, Rope
@@ -128,7 +129,7 @@ class Gemma4Experts(nn.Module):
     def load(self, get, prefix: str, loader: WeightLoader) -> None:
         self.router_norm.weight = ones_param(self.router_scale.shape[0], loader)
         self.router_scale = loader.param(get(prefix + "moe.router.scale"))
-        self.block.load(get, prefix, EXPERT_NAMES["gemma4_text"], loader)
+        self.block.load(get, prefix, families.expert_names("gemma4_text"), loader)
         self.block.expert_scale = loader.dense(get(prefix + "moe.router.per_expert_scale"))
 
 

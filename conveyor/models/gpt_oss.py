@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 # transformers' GptOssConfig default when a config.json carries no rope parameters (every release has them).
@@ -54,4 +55,8 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float,
     return (up + 1) * (gate * sigmoid(gate * alpha))
 
 
-register(Family("gpt_oss", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))
+# stacked inputs first with gate and up interleaved, each with a stacked bias (`..._bias`)
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router", stacked_transposed=True,
+                           stacked_interleaved=True)
+
+register(Family("gpt_oss", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))

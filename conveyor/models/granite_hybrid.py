@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 _CHANNEL = ("post_attention_layernorm", ("experts", "mlp"))  # the experts are skipped in a dense model
@@ -27,7 +28,7 @@ NAMES = {
     "attention": {"kind": "attention", "prefix": "self_attn.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
                   "o": "o_proj"},
     "mlp": {"kind": "mlp", "prefix": "shared_mlp.", "gate_up": "input_linear", "down": "output_linear"},
-    # EXPERT_NAMES["granitemoehybrid"]: block_sparse_moe.router.layer, and every expert's gate|up and down
+    # EXPERT_NAMES (below): block_sparse_moe.router.layer, and every expert's gate|up and down
     # stacked in one 3-D tensor each (input_linear, output_linear), as the Hub has them
     "experts": {"kind": "moe", "prefix": ""},
 }
@@ -71,4 +72,9 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-register(Family("granitemoehybrid", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))
+# Granite's experts come stacked only; the per-expert names are unstack_experts' own
+EXPERT_NAMES = ExpertNames("block_sparse_moe", "gate_proj", "up_proj", "down_proj", router_name="router.layer",
+                           stacked_parts=("input_linear.weight", "output_linear.weight"))
+
+register(Family("granitemoehybrid", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
+                expert_names=EXPERT_NAMES))

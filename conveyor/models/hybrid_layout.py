@@ -9,7 +9,7 @@ mixers may be a tuple of alternatives, of which the first present one runs (LFM2
 `("experts", "mlp")`, the experts in MoE layers and the MLP in the dense ones).
 
 Mixers of kind "moe" (models/moe.py's sparse block) are present only in the layers `config.is_moe_layer`
-names; their tensor names are the family's EXPERT_NAMES (models/config.py) under the layer's prefix.
+names; their tensor names are the family's expert_names (models/family.py) under the layer's prefix.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.models import falcon_h1, granite_hybrid, lfm2, mamba2, nemotron_h, qwen3_5, qwen3_next
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 
 FAMILY_NAMES: dict[str, dict[str, Any]] = {
     "lfm2": lfm2.NAMES, "lfm2_moe": lfm2.NAMES, "qwen3_5_text": qwen3_5.NAMES, "qwen3_5_moe_text": qwen3_5.NAMES,
@@ -116,7 +117,7 @@ def mixer_tensors(config: ModelConfig, spec: MixerSpec, available: Collection[st
 def moe_tensors(config: ModelConfig) -> list[str]:
     """A sparse MoE block's tensor names under its layer's prefix (checkpoint.unstack_experts has split stacked
     experts into these per-expert names by then)."""
-    n = EXPERT_NAMES[config.architecture]
+    n = families.expert_names(config.architecture)
     parts = ("up", "down") if config.hidden_act == "relu2" else ("gate", "up", "down")
     out = [n.router("")] + [n.expert("", e, part) for e in range(config.num_experts) for part in parts]
     if config.shared_expert_intermediate_size:

@@ -7,7 +7,8 @@ import torch
 
 from conveyor.kernels import KernelBackend
 from conveyor.models.cache_specs import CacheSpec
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, scaled
 from conveyor.models.llama import LlamaMLP
 from conveyor.models.moe import SparseMoeBlock, SquaredReluMLP
@@ -56,12 +57,12 @@ class SquaredReluMixer(_Stateless, SquaredReluMLP):
 
 
 class MoEMixer(_Stateless, SparseMoeBlock):
-    """A sparse MoE channel mixer (models/moe.py): its tensors are the family's EXPERT_NAMES under the layer's
+    """A sparse MoE channel mixer (models/moe.py): its tensors are the family's expert_names under the layer's
     prefix (Granite's stacked experts split per expert at load: checkpoint.unstack_experts)."""
 
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__(config, ops)
-        self.expert_names = EXPERT_NAMES[config.architecture]
+        self.expert_names = families.expert_names(config.architecture)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)

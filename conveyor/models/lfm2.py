@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 # The channel step: LFM2-MoE's experts in its MoE layers, the SwiGLU MLP in the others (and in all of LFM2's).
@@ -23,7 +24,7 @@ NAMES = {
                   "o": "out_proj", "q_norm": "q_layernorm", "k_norm": "k_layernorm"},
     "short_conv": {"kind": "short_conv", "prefix": "conv.", "in": "in_proj", "out": "out_proj", "conv": "conv"},
     "mlp": {"kind": "mlp", "prefix": "feed_forward.", "gate": "w1", "up": "w3", "down": "w2"},
-    "experts": {"kind": "moe", "prefix": ""},  # EXPERT_NAMES["lfm2_moe"]: feed_forward.experts.N.w1 ...
+    "experts": {"kind": "moe", "prefix": ""},  # MOE_EXPERT_NAMES (below): feed_forward.experts.N.w1 ...
 }
 
 
@@ -69,5 +70,8 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0))}
 
 
+MOE_EXPERT_NAMES = ExpertNames("feed_forward", "w1", "w3", "w2")
+
 register(Family("lfm2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True),
-         Family("lfm2_moe", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True))
+         Family("lfm2_moe", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True,
+                expert_names=MOE_EXPERT_NAMES))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 # The checkpoint's feed_forward.* is the shared decoder's mlp.* (dense MLP, router, experts, shared expert).
@@ -51,4 +52,8 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-register(Family("llama4_text", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, WEIGHT_RENAMES, multimodal_type="llama4"))
+# renamed from feed_forward.* at load (WEIGHT_RENAMES)
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router", stacked_transposed=True)
+
+register(Family("llama4_text", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, WEIGHT_RENAMES,
+                multimodal_type="llama4", expert_names=EXPERT_NAMES))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 
@@ -14,4 +15,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 sliding_window=raw.get("sliding_window"))
 
 
-register(Family("mixtral", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))
+EXPERT_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+register(Family("mixtral", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))

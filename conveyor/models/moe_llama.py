@@ -14,7 +14,8 @@ from typing import Callable
 from torch import nn
 
 from conveyor.kernels import KernelBackend
-from conveyor.models.config import EXPERT_NAMES, ModelConfig
+from conveyor.models import family as families
+from conveyor.models.config import ModelConfig
 from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.moe import SparseMoeBlock
 from conveyor.models.tensors import Weight
@@ -24,7 +25,7 @@ from conveyor.models.weights import WeightLoader
 class MoEForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__(config, ops)
-        self.expert_names = EXPERT_NAMES[config.architecture]
+        self.expert_names = families.expert_names(config.architecture)
         for i, layer in enumerate(self.layers):
             if config.is_moe_layer(i):  # the dense MLP built above is a meta placeholder: nothing to free
                 layer.mlp = SparseMoeBlock(config, ops)

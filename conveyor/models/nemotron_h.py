@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 NAMES = {
@@ -25,7 +26,7 @@ NAMES = {
     "attention": {"kind": "attention", "prefix": "mixer.", "q": "q_proj", "k": "k_proj", "v": "v_proj",
                   "o": "o_proj"},
     "mlp": {"kind": "mlp", "prefix": "mixer.", "up": "up_proj", "down": "down_proj"},
-    # EXPERT_NAMES["nemotron_h"]: mixer.gate (its e_score_correction_bias beside), mixer.experts.N.up_proj,
+    # EXPERT_NAMES (below): mixer.gate (its e_score_correction_bias beside), mixer.experts.N.up_proj,
     # mixer.shared_experts.up_proj ...
     "experts": {"kind": "moe", "prefix": ""},
 }
@@ -86,4 +87,8 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-register(Family("nemotron_h", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))
+EXPERT_NAMES = ExpertNames("mixer", "", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
+                           shared_block="shared_experts")
+
+register(Family("nemotron_h", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
+                expert_names=EXPERT_NAMES))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 
@@ -18,4 +19,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
-register(Family("olmoe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+register(Family("olmoe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 # The channel step: the sparse MoE block in MoE layers (Qwen3.5-MoE, Qwen3-Next), the SwiGLU MLP elsewhere.
@@ -24,7 +25,7 @@ NAMES = {
     "gated_deltanet": {"kind": "gated_deltanet", "prefix": "linear_attn.", "qkv": "in_proj_qkv", "z": "in_proj_z",
                        "b": "in_proj_b", "a": "in_proj_a", "conv": "conv1d", "out": "out_proj", "norm": "norm"},
     "mlp": {"kind": "mlp", "prefix": "mlp.", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    "experts": {"kind": "moe", "prefix": ""},  # EXPERT_NAMES: mlp.gate, mlp.experts.N.gate_proj, mlp.shared_expert ...
+    "experts": {"kind": "moe", "prefix": ""},  # MOE_EXPERT_NAMES: mlp.gate, mlp.experts.N.gate_proj, mlp.shared_expert ...
 }
 
 
@@ -63,5 +64,9 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size": int(raw.get("intermediate_size") or moe["moe_intermediate_size"])}
 
 
-register(Family("qwen3_5_text", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True, multimodal_type="qwen3_5"),
-         Family("qwen3_5_moe_text", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True, multimodal_type="qwen3_5_moe"))
+MOE_EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+register(Family("qwen3_5_text", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
+                multimodal_type="qwen3_5"),
+         Family("qwen3_5_moe_text", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True,
+                multimodal_type="qwen3_5_moe", expert_names=MOE_EXPERT_NAMES))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 
@@ -23,4 +24,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 dense_mlp_layers=tuple(i for i in range(int(raw["num_hidden_layers"])) if i in dense or (i + 1) % step))
 
 
-register(Family("qwen3_moe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields))
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+register(Family("qwen3_moe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from conveyor.models import qwen3_5
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 
 NAMES = {**qwen3_5.NAMES,
@@ -27,4 +28,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
             "dense_mlp_layers": tuple(i for i in range(int(raw["num_hidden_layers"])) if i in dense or (i + 1) % step)}
 
 
-register(Family("qwen3_next", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True))
+EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+register(Family("qwen3_next", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
+                expert_names=EXPERT_NAMES))
