@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CacheCounters", "KVCacheManager", "PrefixHit", "chain_hashes"]
 
+# Interval snapshots one prompt takes at most (its last ones): a 16k-token agent prompt would otherwise fill
+# --state-snapshots (8) alone and push out other conversations' snapshots.
+INTERVAL_SNAPSHOTS = 2
+
 
 @dataclass
 class PrefixHit:
@@ -377,6 +381,7 @@ class KVCacheManager:
             prompt_end = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
             matched = hit.num_matched_blocks * self.block_size
             spaced = range(self.snapshot_interval, prompt_end, self.snapshot_interval) if self.snapshot_interval else ()
+            spaced = spaced[-INTERVAL_SNAPSHOTS:]  # the last ones: where a shared prefix most likely ends
             self._snapshot_targets[request.request_id] = tuple(sorted(
                 {b for b in (prompt_end, matched, *spaced) if hit.num_tokens < b <= request.num_tokens - 1}))
         return True

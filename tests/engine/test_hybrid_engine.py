@@ -190,7 +190,7 @@ def test_a_hybrid_draft_for_an_attention_only_target_is_refused_with_the_reason(
 
 @pytest.mark.parametrize("interval, hit", [(32, 96), (0, 0)])
 def test_snapshots_every_interval_let_the_second_prompt_on_a_shared_prefix_hit(interval, hit):
-    """--state-snapshot-interval: the first prompt leaves snapshots every 32 tokens, so a second prompt that
+    """--state-snapshot-interval: the first prompt leaves snapshots at 64 and 96 tokens, so a second prompt that
     parts from it after ~110 shared tokens resumes at 96 (bitwise), instead of from zero as without them
     (its K/V matched further, but no state was kept there)."""
     checkpoint = tiny_hybrid_checkpoint("qwen3_5_text")
@@ -201,6 +201,8 @@ def test_snapshots_every_interval_let_the_second_prompt_on_a_shared_prefix_hit(i
     want = [r.token_ids for r in plain.generate(prompts, params)]
     llm = LLM(checkpoint=checkpoint, parallel=2, state_snapshot_interval=interval)
     first = llm.generate(prompts[:1], params)[0]
+    # The prompt's end, and (with the interval) its last two multiples of 32 before it, not all three.
+    assert llm.engine.states.stats().num_snapshots == (3 if interval else 1)
     second = llm.generate(prompts[1:], params)[0]
     assert [first.token_ids, second.token_ids] == want
     assert second.num_cached_tokens == hit
