@@ -79,8 +79,8 @@ def _check_kv_types(kv_types: KVCacheTypes, specs: list) -> None:
 
 def _check_latent_kv(config: EngineConfig, specs: list) -> None:
     """MLA layers keep one latent row per token and read their values from it (models/mla.py). A q8_0 cache
-    quantizes that row (K and V are one tensor, so both types must agree). The disk tier and saved slots store
-    that tensor once per layer (prefix_disk.py); the KV handoff refuses in kv_transfer.py."""
+    quantizes that row (K and V are one tensor, so both types must agree). The disk tier, saved slots and the KV
+    handoff move that one tensor per layer (ModelRunner.kv_layer_tensors)."""
     if not has_latent_kv(specs):
         return
     if config.cache_type_k != config.cache_type_v:
@@ -218,7 +218,7 @@ class EngineCore:
                                   num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types)
         # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
         kv_tensors, window_tensors = [], []
-        for layer, windowed in zip(self.runner.kv_layers(), self.runner.kv_layer_windowed()):
+        for layer, windowed in zip(self.runner.kv_layer_tensors(), self.runner.kv_layer_windowed()):
             (window_tensors if windowed else kv_tensors).extend(layer)
         state_tensors = [t for layer in self.runner.state_layers() for t in layer]
         self.disk: DiskTier | None = build_disk_tier(config, checkpoint, kv_tensors,

@@ -32,7 +32,7 @@ import torch
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.kernels.kv_quant import BF16, Q8_0, KVCacheTypes, bytes_per_row
-from conveyor.models.cache_specs import KVSpec
+from conveyor.models.cache_specs import kv_layers
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -101,7 +101,7 @@ class KVTransfer:
     def layout(self) -> tuple[int, int, int, bool]:
         """(attention layers, heads, head_dim, values_in_keys) of this engine's K/V rows: the config's heads,
         or an MLA layer's one latent row (models/mla.py)."""
-        specs = [spec for spec in self.core.runner.cache_specs if isinstance(spec, KVSpec)]
+        specs = kv_layers(self.core.runner.cache_specs)
         latent = next((spec for spec in specs if spec.values_in_keys), None)
         if latent is not None:
             return len(specs), latent.num_kv_heads, latent.head_dim, True
@@ -135,12 +135,12 @@ class KVTransfer:
         num_tokens = request.num_computed_tokens
         slots = self._slots(core.kv.block_table(request.request_id), num_tokens)
         window_slots = self._slots(core.kv.window_table(request.request_id), num_tokens) if core.kv.window else None
-        layers = core.runner.kv_layers()
+        layers = core.runner.kv_layer_tensors()
         num_layers, heads, dim, values_in_keys = self.layout()
         kv_parts = []  # per layer K's rows then V's, each in its cache's own format (Q8_0 bytes as they are)
         for caches, windowed in zip(layers, core.runner.kv_layer_windowed()):
             layer_slots = window_slots if windowed else slots
-            for cache in caches[:1] if values_in_keys else caches:  # index_select: one contiguous copy per cache
+            for cache in caches:  # index_select: one contiguous copy per cache, no temporaries
                 rows = torch.index_select(cache.view(-1, heads, cache.shape[3]), 0, layer_slots).cpu()
                 kv_parts.append(rows.view(torch.uint8).reshape(-1))
         state = b""
@@ -225,9 +225,9 @@ class KVTransfer:
         window_slots = self._slots(core.kv.window_table(request.request_id), blob.num_tokens)[start:] \
             if core.kv.window else None
         offset = 0
-        for caches, windowed in zip(core.runner.kv_layers(), core.runner.kv_layer_windowed()):
+        for caches, windowed in zip(core.runner.kv_layer_tensors(), core.runner.kv_layer_windowed()):
             layer_slots, first = (window_slots, start) if windowed else (slots, 0)
-            for cache, size in zip(caches[:1] if blob.values_in_keys else caches, (k_bytes, v_bytes)):
+            for cache, size in zip(caches, (k_bytes, v_bytes)):
                 heads, width = cache.shape[2], cache.shape[3]
                 rows = data[offset:offset + size].view(cache.dtype).view(blob.num_tokens, heads, width)
                 cache.view(-1, heads, width).index_copy_(0, layer_slots, rows[first:].to(cache.device))

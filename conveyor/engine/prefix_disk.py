@@ -5,7 +5,7 @@
          └------------ a RAM miss that the disk has: read, checked, into a fresh block --┘
 
 A block's payload is the raw bytes of every KV tensor the runner keeps for it (each layer's K then V, in
-layer order; MLA's one latent tensor once), so any KV dtype or block layout extends it; the tag names each
+layer order; an MLA layer's one latent tensor), so any KV dtype or block layout extends it; the tag names each
 tensor's dtype and shape.
 
 Models with more than one memory group keep each group's rows in files of their own kind, in the same
@@ -65,7 +65,7 @@ class DiskTier:
                  parent: DiskTier | None = None) -> None:
         self.config = config
         self.kind = kind
-        self.tensors = _unique(tensors)  # (num_blocks, ...) each: the pool's bytes, per layer K and V
+        self.tensors = tensors  # (num_blocks, ...) each: the pool's bytes, per layer K and V (MLA: its one tensor)
         self._sizes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self._sizes)
         self._views: list[np.ndarray | None] | None = None  # _host_views(), made on first use
@@ -293,18 +293,7 @@ def kv_tag(model_name: str, architecture: str, weights: str, block_size: int, te
 
 
 def _layout(tensors: list[torch.Tensor]) -> list:
-    return [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in _unique(tensors)]
-
-
-def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor once: MLA's layers list their one latent tensor as both K and V."""
-    seen: set[int] = set()
-    out = []
-    for tensor in tensors:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append(tensor)
-    return out
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in tensors]
 
 
 def weights_fingerprint(source: str, weights: dict) -> str:

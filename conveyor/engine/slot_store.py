@@ -5,8 +5,8 @@ tokens of the last request that ran there (EngineCore.slot_contents). Saving a s
 blocks to the disk store (the same files the disk tier uses) plus a small manifest, `<save path>/<filename>`,
 naming the token ids (for models with a sliding group or recurrent state, up to where those can resume
 too: the sliding blocks and the state snapshot are saved with them). Restoring reads the manifest and brings
-those blocks into the RAM prefix cache, so the next request with that prefix is a hit. Erasing drops the slot's blocks from the RAM prefix cache
-(as llama-server erases the slot's KV; the saved file stays).
+those blocks into the RAM prefix cache, so the next request with that prefix is a hit. Erasing drops the
+slot's blocks from the RAM prefix cache (as llama-server erases the slot's KV; the saved file stays).
 
 Every function here runs on the engine thread (AsyncEngine.call) and answers in llama-server's JSON shapes.
 """

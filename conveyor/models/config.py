@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from conveyor.models import family as families
-
-if TYPE_CHECKING:
-    from conveyor.models.mla_dims import MLADims
+from conveyor.models.mla_dims import MLADims
 
 # Layer kinds of `layer_types`: attention keeps K/V in the block pool; the recurrent kinds keep a fixed
 # state per sequence (models/hybrid.py): LFM2's short convolution, gated DeltaNet, Mamba2.

@@ -38,8 +38,8 @@ def register(*families: Family) -> None:
 def _load() -> None:
     global _loaded
     if not _loaded:
+        importlib.import_module("conveyor.models.families")  # each module registers itself as it is imported
         _loaded = True
-        importlib.import_module("conveyor.models.families")
 
 
 def get(architecture: str) -> Family | None:

@@ -205,11 +205,10 @@ class ModelRunner:
                 continue
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([d for _, d in pairs], device=self.device)
-            for (key_cache, value_cache), in_group in zip(self.kv_layers(), self.kv_layer_windowed()):
+            for caches, in_group in zip(self.kv_layer_tensors(), self.kv_layer_windowed()):
                 if in_group == windowed:
-                    key_cache[dst] = key_cache[src]
-                    if value_cache is not key_cache:  # MLA layers read values from the key rows
-                        value_cache[dst] = value_cache[src]
+                    for cache in caches:
+                        cache[dst] = cache[src]
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Recurrent state slot to slot, in order (a prefix snapshot into a new sequence, a rollback)."""
@@ -226,6 +225,11 @@ class ModelRunner:
     def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (K, V) block tensors of the attention layers (the block pool's bytes)."""
         return [cache for spec, cache in zip(self.cache_specs, self.kv_caches) if isinstance(spec, KVSpec)]
+
+    def kv_layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
+        """Each attention layer's distinct block tensors, to copy its bytes: (K, V), or an MLA layer's one
+        latent tensor (kv_layers() lists it as both K and V)."""
+        return [cache[:1] if cache[0] is cache[1] else cache for cache in self.kv_layers()]
 
     def kv_layer_windowed(self) -> list[bool]:
         """For each of kv_layers(): whether its blocks are the sliding group's (its own ids and table)."""
