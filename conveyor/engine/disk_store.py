@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"CVKVBLK2"
 SUFFIX = ".kvb"
-KV = "kv"  # the kind of the prefix cache's own blocks (the only kind of one-group models)
+# The kinds of file, one per memory group: the prefix cache's own blocks (the only kind of one-group models),
+# the sliding layers' blocks (window_blocks.py) and hybrids' recurrent-state snapshots (state_pool.py).
+KV, WINDOW, STATE = "kv", "window", "state"
 # A file's kind -> its name's ending; the kind tells a restart's index which group a file belongs to.
-SUFFIXES = {KV: SUFFIX, "window": ".window" + SUFFIX, "state": ".state" + SUFFIX}
+SUFFIXES = {KV: SUFFIX, WINDOW: ".window" + SUFFIX, STATE: ".state" + SUFFIX}
 _DIGEST = 4  # CRC-32, little endian
 
 

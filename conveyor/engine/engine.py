@@ -15,13 +15,14 @@ from conveyor.config import EngineConfig, parse_kv_budget, parse_preload_bytes
 from conveyor.engine.background import idle_priority
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.disk_store import STATE, WINDOW
 from conveyor.engine.draft_setup import load_draft_model
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.prefix_disk import STATE, WINDOW, DiskTier, build_disk_tier
+from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler

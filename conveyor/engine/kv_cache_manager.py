@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import ROOT_PARENT, BlockPool
+from conveyor.engine.disk_store import STATE, WINDOW
 from conveyor.engine.outputs import SchedulerOutput
-from conveyor.engine.prefix_disk import STATE, WINDOW
 from conveyor.engine.prefix_reads import DiskReads
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool

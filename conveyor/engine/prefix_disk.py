@@ -329,10 +329,6 @@ def _weight_files(source: str) -> list[str]:
     return []
 
 
-WINDOW = "window"  # the sliding layers' block group (window_blocks.py)
-STATE = "state"  # hybrids' recurrent-state snapshots (state_pool.py)
-
-
 def build_disk_tier(config, checkpoint, kv_tensors: list[torch.Tensor],
                     groups: dict[str, list[torch.Tensor]] | None = None) -> DiskTier | None:
     """The tier `config` (EngineConfig) asks for, or None: --prompt-cache-dir for the prefix cache, or only

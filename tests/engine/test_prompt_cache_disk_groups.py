@@ -8,9 +8,9 @@ import pytest
 
 from conveyor.engine import slot_store
 from conveyor.engine.block_keys import chain_hashes
-from conveyor.engine.disk_store import SUFFIXES
+from conveyor.engine.disk_store import STATE, SUFFIXES, WINDOW
 from conveyor.engine.llm import LLM
-from conveyor.engine.prefix_disk import STATE, WINDOW, group_key
+from conveyor.engine.prefix_disk import group_key
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.testing import FAMILY_OVERRIDES, tiny_checkpoint, tiny_hybrid_checkpoint, tiny_mla_checkpoint
 
