@@ -85,6 +85,11 @@ class EngineConfig:
     require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
     disable_kernel: bool = False  # torch paths only (no C++ kernels: no batch invariance, no speculation)
     grammar_cache_size: int = 64  # compiled grammars (JSON schemas, tool sets) kept for reuse; 0 = no cache
+    # Pooling (engine/pooling_setup.py): llama-server's --embeddings serves vectors from any model, --pooling picks
+    # the rows (auto: the model's own, else last), --reranking serves scores. Embedding models pool without them.
+    embeddings: bool = False
+    pooling: str = "auto"
+    reranking: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "bfloat16", "float32", "float16"), f"unknown dtype {self.dtype!r}")
@@ -133,6 +138,7 @@ class EngineConfig:
         _require(self.max_batch_prefill >= 1, "max_batch_prefill must be at least 1")
         _require(self.max_batch_prefill_tokens >= -1, "max_batch_prefill_tokens must be -1, 0 or positive")
         _require(self.grammar_cache_size >= 0, "grammar_cache_size must be >= 0")
+        _require(self.pooling in POOLING_FLAG_VALUES, f"pooling must be one of {', '.join(POOLING_FLAG_VALUES)}")
         _require(bool(self.kernel_arch.strip()) and self.kernel_arch.strip() == self.kernel_arch
                  and not self.kernel_arch.startswith("-"), f"bad kernel_arch {self.kernel_arch!r}")
 
@@ -315,6 +321,8 @@ def _split_peers(text: str | None) -> list[str]:
 
 AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
 DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
+# --pooling values, llama-server's: rank = a reranker's score (as --reranking).
+POOLING_FLAG_VALUES = ("auto", "last", "mean", "cls", "rank")
 DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
 
 _KV_TYPES_TEXT = ", ".join(KV_CACHE_TYPES)
@@ -509,6 +517,15 @@ FLAGS: list[Flag] = [
          help="refuse to start when a C++ kernel does not build (instead of the slower torch paths)"),
     Flag(("--disable-kernel",), "disable_kernel", switch=True,
          help="run the torch paths only (no batch invariance, no speculation; for debugging)"),
+    Flag(("--embeddings", "--embedding"), "embeddings", switch=True, extra_env=("LLAMA_ARG_EMBEDDINGS",),
+         help="serve /v1/embeddings from this model (embedding models need no flag): a generating model's vectors are "
+              "pooled per --pooling, and it no longer serves completions"),
+    Flag(("--pooling",), "pooling", choices=POOLING_FLAG_VALUES, extra_env=("LLAMA_ARG_POOLING",),
+         help="which tokens make an embedding: last, mean, cls, or rank (a reranker's score); auto = the model's own "
+              "(sentence-transformers files, GGUF pooling_type), else last"),
+    Flag(("--reranking", "--rerank"), "reranking", switch=True, extra_env=("LLAMA_ARG_RERANKING",),
+         help="serve /v1/rerank and /v1/score from this model: a cross-encoder's classifier, or a Qwen3-Reranker-style "
+              "model's yes/no odds"),
     Flag(("--grammar-cache-size",), "grammar_cache_size", int,
          "compiled grammars (response_format schemas, tool sets) kept for reuse (0 = compile every time)"),
     Flag(("--reasoning-parser",), "reasoning_parser", choices=("auto", "think", "none"),

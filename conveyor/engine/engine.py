@@ -22,6 +22,7 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.pooling_setup import resolve_pooling
 from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.loading.heap import trim_heap
 from conveyor.models.config import ModelConfigError
+from conveyor.models.pooling import Pooler, PoolingConfig
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
@@ -161,6 +163,8 @@ class EngineCore:
         logger.info("weights: %s", describe_formats(self.weight_formats))
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
+        # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.
+        self.pooling: PoolingConfig | None = resolve_pooling(config, checkpoint, model)
         progress.set_stage("draft model and KV cache")
         self.draft = load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
         specs = model.cache_specs()
@@ -216,7 +220,8 @@ class EngineCore:
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
-                                  num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types)
+                                  num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types,
+                                  pooler=Pooler(self.pooling) if self.pooling is not None else None)
         # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
         kv_tensors, window_tensors = [], []
         for layer, windowed in zip(self.runner.kv_layer_tensors(), self.runner.kv_layer_windowed()):
@@ -421,11 +426,12 @@ class EngineCore:
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                      priority: int = 0, cache_prompt: bool = True) -> Request:
         """Validate before admission: a bad request never reaches the scheduler."""
+        if self.pooling is not None:
+            raise InvalidRequestError(f"{self.model_name} is an {self.pooling_task} model: it serves "
+                                      f"{'/v1/rerank' if self.pooling_task == 'reranking' else '/v1/embeddings'}, "
+                                      f"not completions", "model")
         params.validate(self.model_config.vocab_size)
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError("prompt contains token ids outside the vocabulary", "prompt")
+        self._check_prompt(prompt_token_ids)
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but the context window is {self.max_model_len} "
@@ -440,7 +446,44 @@ class EngineCore:
             request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault
         return request
 
+    @property
+    def pooling_task(self) -> str | None:
+        """"embedding" or "reranking" for a pooling engine, None for a generating one."""
+        if self.pooling is None:
+            return None
+        return "reranking" if self.pooling.score is not None else "embedding"
+
+    def make_pooling_request(self, prompt_token_ids: list[int], request_id: str | None = None,
+                             priority: int = 0) -> Request:
+        """An embedding (or a reranker's score) of one tokenized text: prefill only, nothing generated."""
+        if self.pooling is None:
+            raise InvalidRequestError(f"{self.model_name} generates text: it serves no embeddings or scores (start "
+                                      f"it with --embeddings or --reranking, or serve an embedding model)", "model")
+        self._check_prompt(prompt_token_ids)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"the input has {len(prompt_token_ids)} tokens, but the model's context is "
+                                      f"{self.max_model_len} tokens (truncate_prompt_tokens cuts it on request)", "input")
+        if self.kv.blocks_needed(len(prompt_token_ids)) > self.pool.num_blocks:
+            raise InvalidRequestError(f"the input needs {self.kv.blocks_needed(len(prompt_token_ids))} KV blocks but "
+                                      f"the pool has {self.pool.num_blocks}", "input")
+        whole = self.model_config.bidirectional or self.pooling.whole_sequence
+        # Whole-sequence rows cannot reuse a cached prefix (a mean needs every row; an encoder's K/V depends on
+        # the tokens after it), nor leave theirs behind for others.
+        request = Request(request_id or self.next_request_id(), list(prompt_token_ids), SamplingParams(max_tokens=1),
+                          priority=priority, cache_prompt=self.config.enable_prefix_caching and not whole)
+        request.pooling, request.pool_whole = True, whole
+        return request
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("prompt contains token ids outside the vocabulary", "prompt")
+
     def add_request(self, request: Request) -> None:
+        if request.pooling:  # nothing to detokenize
+            self.scheduler.add_request(request)
+            return
         params = request.sampling_params
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output,
@@ -558,8 +601,8 @@ class EngineCore:
         return self._masker.start(rows)
 
     def _output_for(self, request: Request, num_new: int, logprob) -> RequestOutput:
-        out = self._build_output(request, self._detokenizers[request.request_id])
-        out.new_token_ids = request.output_token_ids[-num_new:]
+        out = self._build_output(request, self._detokenizers.get(request.request_id))
+        out.new_token_ids = request.output_token_ids[-num_new:] if num_new else []
         out.logprobs = [logprob] if logprob is not None else []
         return out
 
@@ -575,4 +618,5 @@ class EngineCore:
                              finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=len(request.output_token_ids),
                              num_cached_tokens=request.num_cached_tokens, error=request.error,
-                             stop_sequence=detok.matched_stop if finished and detok is not None else None)
+                             stop_sequence=detok.matched_stop if finished and detok is not None else None,
+                             pooled=request.pooled)

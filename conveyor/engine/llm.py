@@ -1,4 +1,4 @@
-"""Offline Python API: LLM(model=...).chat(conversations, params) and .generate(prompts, params).
+"""Offline Python API: LLM(model=...).chat(conversations, params), .generate(prompts, params) and .embed(texts).
 
 chat() applies the model's chat template; generate() is raw completion of the text as given. Both
 put every input into the one continuous batch of the engine at once.
@@ -72,6 +72,27 @@ class LLM:
                 if out.finished:
                     result.finish_reason, result.error = out.finish_reason, out.error
                     result.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in order]
+
+    def embed(self, texts: str | list[str] | list[list[int]]) -> list[list[float]]:
+        """One vector per text (an embedding model, or one started with embeddings=True), in input order; all
+        texts run through the continuous batch at once. A reranker (reranking=True) gives each text its score,
+        a one-element list. Texts are tokenized with the model's special tokens, as sentence-transformers does."""
+        if isinstance(texts, str) or (texts and isinstance(texts[0], int)):
+            texts = [texts]  # type: ignore[list-item]
+        order = []
+        for text in texts:
+            ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
+            request = self.engine.make_pooling_request(ids)
+            self.engine.add_request(request)
+            order.append(request.request_id)
+        results: dict[str, list[float]] = {}
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished:
+                    if out.pooled is None:
+                        raise RuntimeError(f"embedding failed: {out.error}")
+                    results[out.request_id] = out.pooled
         return [results[rid] for rid in order]
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -41,6 +41,8 @@ class ScheduledChunk:
     rollback_slot: int | None = None  # speculation: the state after the real token, restored if a draft misses
     # Models with a sliding K/V group: the sliding layers' table (a snapshot too); empty without one.
     window_block_table: tuple[int, ...] = ()
+    # Pooling requests (embeddings, scores): the chunk ends the prompt and its rows are pooled, not sampled.
+    pool: bool = False
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ModelRunnerOutput:
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Chunks with a DraftRequest: the draft model's proposals that were verified in this forward.
     proposed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling chunks: the request's vector (an embedding) or its one-element score, fp32 on the CPU.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,3 +100,5 @@ class RequestOutput:
     stop_sequence: str | None = None  # on the last delta, the stop string that ended the request (if one did)
     # Prefill role only: the sequence left this engine after its first token (engine/kv_transfer.py).
     kv_handoff: object | None = None
+    # Pooling requests, on the last delta: the embedding (or a reranker's one score).
+    pooled: list[float] | None = None

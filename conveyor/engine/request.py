@@ -67,6 +67,11 @@ class Request:
     grammar: GrammarState | None = None
     # Chain keys of its full blocks so far (engine/block_keys.py), extended as needed: tokens only append.
     block_keys: list[int] = field(default_factory=list, repr=False)
+    # A pooling request (an embedding or a reranker's score): prefill only, its last chunk pooled, nothing
+    # sampled; `whole` ones (bidirectional models, mean / CLS pooling) run their prompt in one forward.
+    pooling: bool = False
+    pool_whole: bool = False
+    pooled: list[float] | None = None  # the result, once its last chunk ran
 
     @property
     def num_prompt_tokens(self) -> int:

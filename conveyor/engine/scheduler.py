@@ -197,6 +197,10 @@ class Scheduler:
                 break
             remaining = request.num_tokens - hit.num_tokens
             num_new = min(remaining, chunk)
+            if request.pool_whole and num_new < remaining:
+                if admitted:
+                    break  # it runs whole, first in a later tick's admissions
+                num_new = remaining  # one forward over the whole sequence, past the chunk budget
             if cap is not None and admitted and tokens + num_new > cap:
                 break  # bounds one batched prefill's transient; the rest go next tick
             if not self._fits(request, hit, num_new, decoding, out):
@@ -254,7 +258,8 @@ class Scheduler:
             request_id=request.request_id, token_ids=tokens, start_position=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             window_block_table=tuple(self.kv.window_table(request.request_id)),
-            sample=start + num_new == request.num_tokens, sampling_params=params,
+            sample=start + num_new == request.num_tokens and not request.pooling, sampling_params=params,
+            pool=start + num_new == request.num_tokens and request.pooling,
             prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
             output_token_ids=tuple(request.output_token_ids) if needs_history else None,
         )
@@ -349,6 +354,14 @@ class Scheduler:
             request.num_computed_tokens += computed
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens
+            if chunk.pool:  # its vector is ready: it ends here, its blocks back at once
+                request.pooled = result.pooled.get(chunk.request_id)
+                self.kv.cache_computed_blocks(request)
+                self.finish(request.request_id, RequestStatus.FINISHED_STOP if request.pooled is not None
+                            else RequestStatus.FINISHED_ERROR, None if request.pooled is not None
+                            else "the forward returned no pooled output")
+                advanced.append((request, 0))
+                continue
             count, status = self._append_tokens(request, new_tokens)
             self.stats.num_accepted_tokens += min(accepted, count)  # drafts past a stop never happened
             if chunk.draft is not None and drafts and new_tokens:

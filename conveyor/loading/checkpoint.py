@@ -11,6 +11,7 @@ from conveyor.loading.tokenizer import Tokenizer
 from conveyor.models import family as families
 from conveyor.models.config import ExpertNames, ModelConfig
 from conveyor.models.mla_dims import mla_weight_names
+from conveyor.models.pooling import PoolingConfig
 from conveyor.models.tensors import QuantizedTensor, Weight  # noqa: F401 (the loaders' names for them)
 
 
@@ -33,6 +34,9 @@ class Checkpoint:
     name: str  # model id shown by /v1/models
     # Called with a tensor once the model holds its own copy: a GGUF loader drops those file pages from RSS.
     release_pages: Callable[[torch.Tensor], None] = field(default=_keep_pages, repr=False, compare=False)
+    # An embedder or reranker: how its vectors are pooled (sentence-transformers' files, a GGUF's pooling_type);
+    # None: a generating model (the --embeddings / --pooling flags may still pool it).
+    pooling: PoolingConfig | None = None
 
 
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:

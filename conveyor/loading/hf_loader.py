@@ -12,6 +12,7 @@ import tokenizers
 from safetensors.torch import load_file
 
 from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
+from conveyor.loading.sentence_transformers import read_pooling
 from conveyor.loading.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer, build_tokenizer
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
@@ -26,11 +27,19 @@ def load_hf_dir(path: str) -> Checkpoint:
         config = ModelConfig.from_hf_dict(read_json(config_path))
     except ModelConfigError as exc:
         raise LoadError(f"{config_path}: {exc}") from exc
-    weights = rename_weights(config.architecture, text_model_weights(_read_safetensors(path)))
+    weights = rename_weights(config.architecture, text_model_weights(decoder_names(_read_safetensors(path))))
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=model_name(path))
+                      source=path, name=model_name(path), pooling=read_pooling(path))
+
+
+def decoder_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """A decoder saved without its head (transformers' Qwen3Model, as Qwen3-Embedding ships) names its tensors
+    `layers.N...`, `embed_tokens...`: under the `model.` prefix the causal model's names have."""
+    if "embed_tokens.weight" not in weights or "model.embed_tokens.weight" in weights:
+        return weights
+    return {f"model.{name}": tensor for name, tensor in weights.items()}
 
 
 def model_name(path: str) -> str:

@@ -178,6 +178,10 @@ class ModelConfig:
     laurel_rank: int = 0  # LAuReL: a low-rank residual branch (left then right projection, normed) beside attention
     # Per layer, the share of MLP gate activations a gaussian top-k zeroes (mean + std * Phi^-1(share)); empty: none.
     activation_sparsity: tuple[float, ...] = ()
+    # --- pooling models (embedders, rerankers: models/pooling.py) -------------------------------------------
+    # Every token of a sequence sees every other (encoders: BERT, XLM-RoBERTa, ModernBERT; EmbeddingGemma): the
+    # whole sequence runs in one forward and leaves no K/V behind (engine/scheduler.py, runner/model_runner.py).
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if families.get(self.architecture) is None:

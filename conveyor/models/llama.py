@@ -280,6 +280,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> the final-normed hidden states (len(rows), hidden) of the token rows
+        `rows`: what the head reads, and what a pooling model (an embedder) pools."""
         cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_multiplier != 1.0:
@@ -290,9 +297,14 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache, local in zip(self.layers, kv_caches, self.local_rope):
             x, residual = layer(x, residual, local_rope if local else rope, kv_cache, meta)
-        # Only rows that sample need the last add, the final norm and the head.
-        _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
-        logits = self.lm_head(x).float()
+        # Only rows that sample (or pool) need the last add and the final norm.
+        _, x = self.norm.add_and_norm(residual[rows], x[rows])
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (R, hidden) -> float32 logits (R, vocab)."""
+        cfg = self.config
+        logits = self.lm_head(hidden).float()
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcapping:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +14,7 @@ from conveyor.kernels.kv_quant import KVCacheTypes, bytes_per_row, cache_dtype, 
 from conveyor.kernels.recurrent import StateMetadata
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_group, kv_window
 from conveyor.models.config import ModelConfig
+from conveyor.models.pooling import Pooler, PoolingConfig, pool_rows
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.rejection import rejection_sample
 from conveyor.runner.sampler import Sampler, SamplingRow
@@ -29,6 +30,8 @@ class ForwardInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # (R,) rows that sample
     sample_chunk_indices: list[int]  # chunk index of each sampled row (a chunk with drafts has several)
+    # Pooling chunks: (chunk index, first row, rows) of what each pools, in order.
+    pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype,
@@ -54,8 +57,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
                  drafter: DraftRunner | None = None, num_state_slots: int = 0, num_window_blocks: int = 0,
-                 kv_types: KVCacheTypes = KVCacheTypes()) -> None:
+                 kv_types: KVCacheTypes = KVCacheTypes(), pooler: Pooler | None = None) -> None:
         self.model = model
+        self.pooler = pooler  # pooling models (and --embeddings): pooled rows -> vectors or scores
         self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
         self.config = config
         self.block_size = block_size
@@ -89,7 +93,7 @@ class ModelRunner:
         if proposals:
             plan = replace(plan, chunks=[_with_drafts(c, proposals.get(c.request_id)) for c in plan.chunks])
             out.proposed_token_ids = {rid: p.token_ids for rid, p in proposals.items()}
-        logits, inputs = self.forward(plan)
+        logits, inputs = self.forward(plan, out)
         if not inputs.sample_chunk_indices:
             return out
         # Sampled rows with draft-model drafts are verified by rejection sampling; every other row
@@ -107,11 +111,41 @@ class ModelRunner:
             self._verify_sampled(plan.chunks[i], logits[rows], proposals[plan.chunks[i].request_id], out)
         return out
 
-    def forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, ForwardInputs]:
-        """One forward over the plan: logits (R, V) of the rows that sample, and the inputs built for it."""
+    def forward(self, plan: SchedulerOutput,
+                out: ModelRunnerOutput | None = None) -> tuple[torch.Tensor | None, ForwardInputs]:
+        """One forward over the plan: logits (R, V) of the rows that sample, and the inputs built for it; pooling
+        chunks' vectors go into `out.pooled`."""
         inputs = self.prepare_inputs(plan)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        if not inputs.pool_spans:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                inputs.logits_indices)
+            return logits, inputs
+        # One pass gives the sampled rows' and the pooled rows' final hidden states; only the former meet the head.
+        num_sampled = inputs.logits_indices.shape[0]
+        pooled_rows = torch.cat([torch.arange(first, first + n) for _, first, n in inputs.pool_spans])
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          torch.cat([inputs.logits_indices, pooled_rows.to(self.device)]))
+        logits = self.model.compute_logits(hidden[:num_sampled]) if num_sampled else None
+        at = num_sampled
+        for chunk_index, _, n in inputs.pool_spans:
+            chunk = plan.chunks[chunk_index]
+            result = self._pool(hidden[at:at + n])
+            if out is not None:
+                out.pooled[chunk.request_id] = result.tolist()
+            at += n
         return logits, inputs
+
+    def _pool(self, rows: torch.Tensor) -> torch.Tensor:
+        """One sequence's pooled rows -> its vector, or a reranker's one score."""
+        config = self.pooler.config
+        if config.score == "yes_no":  # Qwen3-Reranker: P(yes) against no, from the last row's logits
+            yes, no = config.yes_no_token_ids
+            logits = self.model.compute_logits(rows[-1:].clone())[0]
+            return torch.sigmoid(logits[yes] - logits[no]).reshape(1)
+        pooled = pool_rows(rows, config.pooling)
+        if config.score == "classifier":  # cross-encoders: the model's head on the pooled row
+            return torch.sigmoid(self.model.classify(pooled[None])[0, :1].float())
+        return self.pooler(pooled)
 
     def _propose(self, plan: SchedulerOutput) -> dict[str, Proposal]:
         drafting = [c for c in plan.chunks if c.draft is not None and c.draft.num_tokens > 0]
@@ -160,9 +194,18 @@ class ModelRunner:
         windowed = self.has_window_group
         window_slots: list[int] = []
         window_tables = [] if windowed else None
+        pool_spans: list[tuple[int, int, int]] = []
+        # Bidirectional models see their whole sequence from every row: each row's attention reaches the
+        # sequence's last position (the chunk is the whole sequence), while rotary or absolute positions stay.
+        bidirectional = self.config.bidirectional
+        visible: list[int] = [] if bidirectional else None
         for i, chunk in enumerate(plan.chunks):
             n = len(chunk.token_ids)
             pos = range(chunk.start_position, chunk.start_position + n)
+            if bidirectional:
+                visible += [chunk.start_position + n - 1] * n
+            if chunk.pool:  # the rows its pooling reads: all (mean), the first (CLS) or the last
+                pool_spans.append(_pool_span(i, len(input_ids), n, self.pooler.config))
             table = chunk.block_table
             input_ids += chunk.token_ids
             positions += pos
@@ -182,7 +225,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev), token_seq=torch.tensor(token_seq, dtype=torch.int32, device=dev),
-            token_pos=pos_tensor.to(dev),
+            token_pos=(torch.tensor(visible, dtype=torch.int32) if bidirectional else pos_tensor).to(dev),
             seq_lens=[c.start_position + len(c.token_ids) for c in plan.chunks],
             seq_token_counts=[len(c.token_ids) for c in plan.chunks],
             state=_state_metadata(plan, dev),
@@ -193,7 +236,7 @@ class ModelRunner:
         return ForwardInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
             meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sample_chunk_indices=sample_chunks,
+            sample_chunk_indices=sample_chunks, pool_spans=pool_spans,
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
@@ -269,6 +312,15 @@ def _state_metadata(plan: SchedulerOutput, device: torch.device) -> StateMetadat
     return StateMetadata.build([len(c.token_ids) for c in plan.chunks], [c.state_slot for c in plan.chunks],
                                [c.start_position == 0 for c in plan.chunks],
                                [sorted(c.state_snapshots) for c in plan.chunks], device=device)
+
+
+def _pool_span(chunk_index: int, first_row: int, num_rows: int, config: PoolingConfig) -> tuple[int, int, int]:
+    """(chunk index, first row, rows) a pooling chunk hands to the pooler."""
+    if config.score == "yes_no" or config.pooling == "last":
+        return chunk_index, first_row + num_rows - 1, 1
+    if config.pooling == "cls":
+        return chunk_index, first_row, 1
+    return chunk_index, first_row, num_rows
 
 
 def _with_drafts(chunk: ScheduledChunk, proposal: Proposal | None) -> ScheduledChunk:
