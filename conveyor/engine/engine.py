@@ -426,10 +426,7 @@ class EngineCore:
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                      priority: int = 0, cache_prompt: bool = True) -> Request:
         """Validate before admission: a bad request never reaches the scheduler."""
-        if self.pooling is not None:
-            raise InvalidRequestError(f"{self.model_name} is an {self.pooling_task} model: it serves "
-                                      f"{'/v1/rerank' if self.pooling_task == 'reranking' else '/v1/embeddings'}, "
-                                      f"not completions", "model")
+        self.check_generates()
         params.validate(self.model_config.vocab_size)
         self._check_prompt(prompt_token_ids)
         if len(prompt_token_ids) >= self.max_model_len:
@@ -445,6 +442,13 @@ class EngineCore:
         if params.structured is not None:
             request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault
         return request
+
+    def check_generates(self) -> None:
+        """InvalidRequestError for a pooling engine: an embedder or reranker answers no completions."""
+        if self.pooling is not None:
+            raise InvalidRequestError(f"{self.model_name} is an {self.pooling_task} model: it serves "
+                                      f"{'/v1/rerank' if self.pooling_task == 'reranking' else '/v1/embeddings'}, "
+                                      f"not completions", "model")
 
     @property
     def pooling_task(self) -> str | None:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.server import dashboard, errors, observability, slot_actions
-from conveyor.server.apis import add_agent_routes, chat_completions
+from conveyor.server.apis import add_agent_routes, add_pooling_routes, chat_completions
 from conveyor.server.apis.body import parse_body
 from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.errors import APIError
@@ -90,6 +90,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None,
         add_webui_routes(app)
     api = _api_router(engine, serving, model_id, limits)
     add_agent_routes(api, serving, limits, config, response_store)
+    add_pooling_routes(api, serving, limits)
     add_dashboard_routes(api, lambda: dashboard.engine_snapshot(engine, metrics, model_id),
                           lambda: serving.draining or not engine.is_alive)
     app.include_router(api, dependencies=[Depends(api_key_check(config.api_key))])

@@ -153,7 +153,7 @@ class RequestTiming:
 
 
 # The wire APIs a request can arrive through (the `api` label of conveyor_api_requests).
-WIRE_APIS = ("chat_completions", "completions", "messages", "responses")
+WIRE_APIS = ("chat_completions", "completions", "messages", "responses", "embeddings", "rerank", "score")
 
 
 def api_requests_counter(registry: CollectorRegistry) -> Counter:

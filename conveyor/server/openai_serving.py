@@ -19,6 +19,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.server import errors
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.front import ServingFront
+from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.request_plan import RequestPlan, priority
 from conveyor.server.streams import RequestGroup
 
@@ -34,6 +35,21 @@ class OpenAIServing(ServingFront):
         self.metrics = metrics
         self.active: set[RequestGroup] = set()
         self.draining = False
+
+    def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
+        self._check_generates()
+        return super().plan_chat(body)
+
+    def plan_completion(self, body: CompletionRequest) -> RequestPlan:
+        self._check_generates()
+        return super().plan_completion(body)
+
+    def _check_generates(self) -> None:
+        """An embedding or reranking engine answers no completions: a 400 naming its routes, before any planning."""
+        try:
+            self.core.check_generates()
+        except InvalidRequestError as exc:
+            raise errors.invalid(str(exc), exc.param) from None
 
     async def start(self, http: HTTPRequest, plan: RequestPlan, arrival: float) -> RequestGroup:
         requests = await self._make_requests(plan, priority(plan.body, http))

@@ -181,3 +181,56 @@ class ModelActionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1)
+
+
+# --- pooling endpoints (server/apis/embeddings.py) ----------------------------------------------------------
+# OpenAI's own cap on inputs per embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings, with vLLM's truncate_prompt_tokens and sentence-transformers' prompt_name."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None  # Matryoshka: the first N dims, renormalised
+    user: str | None = None  # accepted, ignored
+    # Keep only the last N tokens of a longer input (-1: as many as the context holds); unset: a longer input is a 400.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    prompt_name: str | None = None  # one of the model's named prompts (Qwen3-Embedding's "query"), prepended
+    add_special_tokens: bool = True
+    priority: int | None = None
+
+
+class LlamaEmbeddingRequest(_Body):
+    """llama-server's /embedding: `content` (a string, token ids, or a list of them)."""
+
+    content: EmbeddingInput
+    model: str | None = None
+    embd_normalize: int | None = None  # llama-server's; our vectors are the model's own (normalised where it is)
+    priority: int | None = None
+
+
+class RerankRequest(_Body):
+    """/v1/rerank (Jina / Cohere shape, as llama-server and vLLM serve it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # clients add their own fields (Cohere's max_chunks...)
+    query: str
+    documents: Annotated[list[str | dict], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    model: str | None = None
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = True
+    instruction: str | None = None  # Qwen3-Reranker's task instruction
+    priority: int | None = None
+
+
+class ScoreRequest(_Body):
+    """vLLM's /v1/score: text_1 against each of text_2 (one of them may be a single string)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    instruction: str | None = None
+    priority: int | None = None

@@ -13,6 +13,8 @@ Each module parses its API's body, turns it into the chat request the server alr
   body.py              a body parsed under the server's limits (shared)
   turns.py             agent conversations as strict chat templates take them (shared)
   thinking_budget.py   Messages' thinking.budget_tokens: thinking, then the answer, as two engine requests
+  embeddings.py        OpenAI /v1/embeddings and llama-server's /embedding, on a pooling engine (a node's only)
+  rerank.py            /v1/rerank (Jina / Cohere shape) and vLLM's /v1/score, on a reranking engine
 """
 
 from __future__ import annotations
@@ -33,3 +35,11 @@ def add_agent_routes(router: APIRouter, serving: ServingFront, limits: RequestLi
 
     messages.add_routes(router, serving, limits, config)
     responses_api.add_routes(router, serving, limits, config, response_store)
+
+
+def add_pooling_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
+    """Embeddings, rerank and score: a node's routes (its engine pools; server/apis/embeddings.py)."""
+    from conveyor.server.apis import embeddings, rerank
+
+    embeddings.add_routes(router, serving, limits)
+    rerank.add_routes(router, serving, limits)
