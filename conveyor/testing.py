@@ -479,13 +479,14 @@ def add_tiny_bpe_vocab(writer: gguf.GGUFWriter) -> None:
 
 
 def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = None, head_type: int | None = None,
-                    seed: int = 0, split_max_tensors: int = 0) -> str:
+                    seed: int = 0, split_max_tensors: int = 0, pooling_type: int | None = None) -> str:
     """A 2-layer random llama GGUF (byte-level vocabulary of 97 tokens) with its matrices in GGML types.
 
     `types`: one type for every layer matrix, or a map from the llama.cpp name (attn_q, ffn_down, ...; a
     missing name is F32) to its type. The embedding is `embed_type` (default: the matrices' first type);
     the head is tied unless `head_type` is given. Norms are F32, as llama.cpp writes them. split_max_tensors:
     written as a split GGUF (`<stem>-00001-of-0000N.gguf`...) as gguf-split does; the first part's path returned.
+    pooling_type: llama.cpp's `llama.pooling_type` (an embedding model's file: 1 mean, 2 cls, 3 last, 4 rank).
     """
     gen = np.random.default_rng(seed)
     cfg = TINY_GGUF
@@ -504,6 +505,8 @@ def write_tiny_gguf(path, types: dict[str, int] | int, embed_type: int | None = 
     writer.add_key_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
+    if pooling_type is not None:
+        writer.add_uint32("llama.pooling_type", pooling_type)
     add_tiny_bpe_vocab(writer)
 
     def matrix(name: str, rows: int, cols: int, qtype: int | None, scale: float = 0.2) -> None:

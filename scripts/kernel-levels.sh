@@ -29,6 +29,8 @@ if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi
 # them; the portable x86-64 and skylake-avx512 levels run the kernel tests and the plain and quantized engine
 # invariance tests (their hybrid, speculation and KV-pressure tests added ~100 s to make test).
 SHORT_LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_quantized_engine.py
+                   tests/engine/test_pooling.py::test_vector_alone_equals_vector_in_a_batch_of_32
+                   tests/engine/test_pooling.py::test_long_input_is_chunked_for_last_token_pooling
                    --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
 LEVEL_TESTS=("${SHORT_LEVEL_TESTS[@]}" tests/engine/test_speculative.py tests/engine/test_hybrid_engine.py
              tests/engine/test_kv_pressure_and_prefix.py)

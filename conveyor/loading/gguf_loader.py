@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import warnings
+from typing import Any
 from dataclasses import replace
 
 import gguf
@@ -29,6 +30,7 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig
+from conveyor.models.pooling import PoolingConfig
 
 # llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -191,11 +193,27 @@ def load_gguf(path: str) -> Checkpoint:
     if tokenizer.eos_token_ids:
         # The tokenizer knows the end-of-turn tokens the template uses; metadata names only one.
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
+    pooling = gguf_pooling(field_value(reader, f"{arch}.pooling_type"), path)
     mapping.release_all()  # metadata and vocabulary pages
     del reader
     return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=model_name(path), release_pages=mapping.release)
+                      source=path, name=model_name(path), release_pages=mapping.release, pooling=pooling)
+
+
+# llama.cpp's llama_pooling_type, as its converter writes `{arch}.pooling_type` from sentence-transformers'
+# pooling config: an embedding model's vectors (normalised, as llama-server returns them by default).
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+GGUF_POOLING_NONE, GGUF_POOLING_RANK = 0, 4
+
+
+def gguf_pooling(value: Any, source: str) -> PoolingConfig | None:
+    """The pooling a GGUF file declares (None: a generating model, or unpooled; rank: see --reranking)."""
+    if value is None or int(value) in (GGUF_POOLING_NONE, GGUF_POOLING_RANK):
+        return None
+    if int(value) not in GGUF_POOLING:
+        raise LoadError(f"{source}: unknown pooling_type {value} (llama.cpp's: 0 none, 1 mean, 2 cls, 3 last, 4 rank)")
+    return PoolingConfig(pooling=GGUF_POOLING[int(value)])
 
 
 def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:

@@ -72,3 +72,19 @@ def test_embeddings_flag_pools_a_generating_model():
     assert len(vector) == 64 and abs(torch.tensor(vector).norm().item() - 1) < 1e-5
     mean = LLM(checkpoint=tiny_checkpoint(), embeddings=True, pooling="mean", dtype="float32").embed("hello there")
     assert mean[0] != vector
+
+
+def test_gguf_pooling_type_makes_an_embedder(tmp_path):
+    """A GGUF with llama.cpp's `{arch}.pooling_type` pools by itself; the same weights without it need --embeddings."""
+    import gguf
+
+    from conveyor.loading.checkpoint import LoadError
+    from conveyor.testing import write_tiny_gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    declared = LLM(model=write_tiny_gguf(tmp_path / "mean.gguf", q8, pooling_type=1))
+    assert declared.engine.pooling_task == "embedding" and declared.engine.pooling.pooling == "mean"
+    flagged = LLM(model=write_tiny_gguf(tmp_path / "plain.gguf", q8), embeddings=True, pooling="mean")
+    assert declared.embed("hello, world") == flagged.embed("hello, world")
+    with pytest.raises(LoadError, match="pooling_type"):
+        LLM(model=write_tiny_gguf(tmp_path / "bad.gguf", q8, pooling_type=9))
