@@ -48,7 +48,7 @@ def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) 
 
         return weight_names(config, available)
     if family is not None and family.weight_names is not None:
-        return family.weight_names(config)
+        return family.weight_names(config) + [name for name in family.optional_weights if name in available]
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

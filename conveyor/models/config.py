@@ -52,8 +52,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # --- what the other dense families change (defaults: Llama) -------------------------------
-    # MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU), "relu2" (Nemotron-H: down(relu(up(x))^2), no gate) or
-    # "xielu" (Apertus: down(xielu(up(x))), no gate, the activation's four scalars learnt per layer)
+    # MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU), "relu2" (Nemotron-H: down(relu(up(x))^2), no gate),
+    # "xielu" (Apertus: down(xielu(up(x))), no gate, the activation's four scalars learnt per layer) or "gelu"
+    # (the encoders, BERT: down(gelu(up(x))) with the exact, erf GELU, no gate)
     hidden_act: str = "silu"
     attention_out_bias: bool = False  # o_proj bias (SmolLM3, ERNIE 4.5, Hunyuan, Apertus: with attention_bias; Seed-OSS)
     mlp_bias: bool = False  # gate/up/down biases (SmolLM3's mlp_bias, ERNIE 4.5's use_bias, Seed-OSS)
@@ -182,6 +183,12 @@ class ModelConfig:
     # Every token of a sequence sees every other (encoders: BERT, XLM-RoBERTa, ModernBERT; EmbeddingGemma): the
     # whole sequence runs in one forward and leaves no K/V behind (engine/scheduler.py, runner/model_runner.py).
     bidirectional: bool = False
+    # BERT-style absolute position embeddings (models/bert.py): a position p reads row p + position_offset of the
+    # table (XLM-RoBERTa counts from pad_token_id + 1 = 2); max_position_embeddings is then the longest input, the
+    # table's rows less the offset.
+    position_offset: int = 0
+    type_vocab_size: int = 0  # rows of the token type (segment) table (BERT 2, XLM-R 1); every token is type 0
+    layer_norm_eps: float = 1e-12  # the encoders' LayerNorms (mean and variance, with bias); rms_norm_eps is RMSNorm's
 
     def __post_init__(self) -> None:
         if families.get(self.architecture) is None:
@@ -215,11 +222,15 @@ class ModelConfig:
                                    f"rotary width")
         if self.norm_layout not in LAYOUT_NORMS:
             raise ModelConfigError(f"unknown norm layout {self.norm_layout!r}")
-        if self.hidden_act not in ("silu", "gelu_tanh", "relu2", "xielu") or (
+        if self.hidden_act not in ("silu", "gelu_tanh", "relu2", "xielu", "gelu") or (
                 self.hidden_act == "relu2" and not families.is_hybrid(self.architecture)) or (
-                self.hidden_act == "xielu" and (families.is_hybrid(self.architecture) or self.num_experts)):
+                self.hidden_act == "xielu" and (families.is_hybrid(self.architecture) or self.num_experts)) or (
+                self.hidden_act == "gelu" and not self.bidirectional):
             raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_tanh; "
-                                   f"relu2 in hybrid models; xielu in dense ones)")
+                                   f"relu2 in hybrid models; xielu in dense ones; gelu in encoders)")
+        if self.position_offset < 0 or self.type_vocab_size < 0:
+            raise ModelConfigError(f"position_offset ({self.position_offset}) and type_vocab_size "
+                                   f"({self.type_vocab_size}) must be >= 0")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
             raise ModelConfigError("an attention temperature needs a positive length (original context)")
         if self.attention_chunk < 0:

@@ -21,6 +21,7 @@ class Family:
     hf_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # raw HF config -> ModelConfig fields
     weight_renames: dict[str, str] = field(default_factory=dict)  # checkpoint name part -> the decoder's
     weight_names: Callable[[Any], list[str]] | None = None  # its own tensor list (layers unlike the decoder's)
+    optional_weights: tuple[str, ...] = ()  # kept where a checkpoint has them, never required (an encoder's pooler)
     hybrid: bool = False  # pre-norm residual steps of attention / recurrent / channel mixers (models/hybrid.py)
     multimodal_type: str | None = None  # the model_type of the multimodal directory whose text part this is
     expert_names: Any = None  # config.ExpertNames: where its checkpoints keep the sparse MLP (MoE families)
