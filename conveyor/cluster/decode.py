@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.cluster import transport
@@ -37,8 +38,8 @@ class DecodeStats:
 class DecodeNode(FrameServer):
     role = "decode"
 
-    def __init__(self, engine: AsyncEngine, config: ClusterConfig) -> None:
-        super().__init__(config.serving_bind or "")
+    def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = ()) -> None:
+        super().__init__(config.serving_bind or "", models)
         self.engine = engine
         self.core = engine.core
         self.stats = DecodeStats()
@@ -51,6 +52,9 @@ class DecodeNode(FrameServer):
         if self.accepted_hosts is not None and peer not in self.accepted_hosts:
             self.stats.num_refused += 1
             raise refuse(403, f"handoffs from {peer} are not accepted (not in --prefill-peers)", "forbidden")
+        if not self.serves(frame.model):  # another model's KV may even fit this pool's layout: never import it
+            self.stats.num_refused += 1
+            raise self.wrong_model(frame.model)
         core = self.core
         blob = KVBlob(**{name: getattr(frame.kv, name) for name in frame.kv.__struct_fields__})
         try:

@@ -1,8 +1,11 @@
-"""The router's background health monitor: a TCP connect to every peer's serving address.
+"""The router's background health monitor: a TCP connect to every peer's serving address, and on
+that connection the question which models the node serves (InfoFrame -> NodeInfoFrame: the ids
+its GET /v1/models lists), kept in the registry.
 
 It covers the decode pool too, which the router never dials for requests (the prefill
 nodes do): a decode node that stops accepting leaves the rotation before a prefill node
-wastes a handoff on it, and comes back when it accepts again.
+wastes a handoff on it, and comes back when it accepts again. A node that accepts but does
+not answer the question (an older node) is online and keeps what it said before, if anything.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import asyncio
 import contextlib
 
 from conveyor.cluster import transport
+from conveyor.cluster.node import _TRANSPORT_ERRORS
 from conveyor.cluster.registry import Node, Pool, Registry
+from conveyor.cluster.transport import PeerClosed
+from conveyor.cluster.wire import InfoFrame, NodeInfoFrame, WireError
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -44,9 +50,17 @@ class HealthMonitor:
 
     async def _probe(self, pool: Pool, node: Node) -> None:
         try:
-            _, writer = await transport.connect(node.address, self.timeout)
+            reader, writer = await transport.connect(node.address, self.timeout)
         except (OSError, asyncio.TimeoutError, ValueError) as exc:
             pool.mark_unreachable(node, f"health probe: {exc or type(exc).__name__}")
             return
-        transport.close(writer)  # connect-then-close is a probe; nodes expect it
+        try:
+            await transport.write_frame(writer, InfoFrame())
+            answer = await asyncio.wait_for(transport.read_frame(reader), self.timeout)
+            if isinstance(answer, NodeInfoFrame):
+                pool.set_models(node, answer.models)  # before it (re)joins the rotation
+        except (PeerClosed, WireError, *_TRANSPORT_ERRORS):
+            pass  # accepting is what makes it online
+        finally:
+            transport.close(writer)
         pool.mark_online(node)

@@ -1,16 +1,18 @@
 """What the prefill and decode roles share: a frame server on --serving-bind, probe-tolerant,
-bad-frame-proof, with the EOF watch that turns a closed connection into a cancel."""
+bad-frame-proof, that tells the router which models it serves, with the EOF watch that turns a
+closed connection into a cancel."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 
-from conveyor.cluster import transport, wire
+from conveyor.cluster import transport
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import ErrorFrame, Frame, GrammarWire, LogprobWire, SamplingWire, WireError
+from conveyor.cluster.wire import WRONG_MODEL, ErrorFrame, Frame, GrammarWire, InfoFrame, LogprobWire, NodeInfoFrame, \
+    SamplingWire, WireError
 from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.errors import InvalidRequestError
@@ -70,15 +72,25 @@ def logprobs_from_wire(logprobs: list[LogprobWire]) -> list[TokenLogprob]:
 
 
 class FrameServer:
-    """Accepts one request frame per connection and hands it to `handle(frame, reader, writer)`."""
+    """Accepts one request frame per connection and hands it to `handle(frame, reader, writer)`; answers
+    an InfoFrame itself. `models`: the ids its GET /v1/models lists (empty: unknown, nothing is checked)."""
 
     role = "node"
 
-    def __init__(self, bind: str) -> None:
+    def __init__(self, bind: str, models: Sequence[str] = ()) -> None:
         self.bind = bind
+        self.models = list(models)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self.num_bad_frames = 0
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+    def wrong_model(self, model: str | None) -> Refusal:
+        """The refusal of a frame meant for another model: its sender tries a node that serves it."""
+        return refuse(404, f"this {self.role} node serves {', '.join(self.models)}, not {model!r}", WRONG_MODEL,
+                      "model")
 
     async def start(self) -> None:
         host, port = transport.parse_address(self.bind)
@@ -111,6 +123,9 @@ class FrameServer:
                 await _try_send(writer, ErrorFrame(status=400, message=str(exc), code="bad_frame"))
                 return
             except _TRANSPORT_ERRORS:
+                return
+            if isinstance(frame, InfoFrame):
+                await _try_send(writer, NodeInfoFrame(role=self.role, models=self.models))
                 return
             try:
                 await self.handle(frame, reader, writer)

@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from conveyor.cluster import transport
 from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, logprobs_to_wire, refuse, \
     run_unless_closed, to_sampling_params, to_wire
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, TokenFrame, \
-    WireError
+from conveyor.cluster.wire import DECODE_LOST, WRONG_MODEL, ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, \
+    TokenFrame, WireError
 from conveyor.config import ClusterConfig
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.kv_transfer import KVHandoff
@@ -31,8 +32,9 @@ from conveyor.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-# A decode node that refuses with one of these is skipped for the next candidate.
-_RETRYABLE_DECODE_CODES = {"overloaded", "unavailable"}
+# A decode node that refuses with one of these is skipped for the next candidate (a decode node of
+# another model among --decode-peers refuses with WRONG_MODEL).
+_RETRYABLE_DECODE_CODES = {"overloaded", "unavailable", WRONG_MODEL}
 
 
 def parse_allowlist(text: str | None) -> set[tuple[str, int]] | None:
@@ -71,8 +73,8 @@ class PrefillStats:
 class PrefillNode(FrameServer):
     role = "prefill"
 
-    def __init__(self, engine: AsyncEngine, config: ClusterConfig) -> None:
-        super().__init__(config.serving_bind or "")
+    def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = ()) -> None:
+        super().__init__(config.serving_bind or "", models)
         self.engine = engine
         self.core = engine.core
         self.decode_peers = config.decode_peer_list
@@ -86,6 +88,8 @@ class PrefillNode(FrameServer):
     async def handle(self, frame: Frame, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not isinstance(frame, GenerateFrame):
             raise refuse(400, f"a prefill node expects a generate frame, got {type(frame).__name__}", "bad_frame")
+        if not self.serves(frame.model):
+            raise self.wrong_model(frame.model)
         self.stats.num_requests += 1
         targets = self._decode_targets(frame.decode_target)
         core = self.core
@@ -155,7 +159,7 @@ class PrefillNode(FrameServer):
                              output_token_ids=request.output_token_ids, sampling=to_wire(request.sampling_params),
                              kv=KVPayload(**vars(handoff.kv)), priority=request.priority,
                              cache_prompt=request.cache_prompt, num_cached_tokens=request.num_cached_tokens,
-                             rng_state=handoff.rng_state)
+                             rng_state=handoff.rng_state, model=self.models[0] if self.models else None)
         opened = await self._open_decode(frame, targets)
         if isinstance(opened, str):
             await transport.write_frame(writer, error_token_frame(request.request_id, opened, DECODE_LOST))

@@ -1,8 +1,11 @@
-"""The router's view of its two pools: which nodes are online, round-robin choice, counts.
+"""The router's view of its two pools: which nodes are online, which models each serves,
+round-robin choice, counts.
 
-Round-robin over the nodes currently online: the router has no live per-node load
-telemetry, so spreading evenly is the honest strategy. A node leaves the rotation when a
-dispatch to it fails or the health monitor cannot connect, and rejoins when a probe succeeds.
+Round-robin over the nodes currently online that serve the request's model: the router has no
+live per-node load telemetry, so spreading evenly is the honest strategy. A node leaves the
+rotation when a dispatch to it fails or the health monitor cannot connect, and rejoins when a
+probe succeeds. Each probe also asks the node for its models (health.py); a node that has not
+said (an older node) is taken to serve the router's default model, as every node was before.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Node:
     num_marked_unreachable: int = 0
     last_error: str | None = None
     last_change: float = field(default_factory=time.time)
+    models: tuple[str, ...] | None = None  # the ids its GET /v1/models lists; None: not said (yet)
 
     @property
     def online(self) -> bool:
@@ -41,27 +45,43 @@ class Node:
         return {"address": self.address, "status": self.status.value, "dispatched": self.num_dispatched,
                 "in_flight": self.num_in_flight, "failures": self.num_failures,
                 "times_marked_unreachable": self.num_marked_unreachable, "last_error": self.last_error,
-                "status_since": round(self.last_change, 3)}
+                "status_since": round(self.last_change, 3),
+                "models": list(self.models) if self.models is not None else None}
 
 
 class Pool:
-    def __init__(self, role: str, addresses: Iterable[str]) -> None:
+    def __init__(self, role: str, addresses: Iterable[str], default_model: str | None = None) -> None:
         self.role = role
         self.nodes = [Node(address, role) for address in addresses]
+        self.default_model = default_model
         self._next = 0
 
-    def online(self) -> list[Node]:
-        return [n for n in self.nodes if n.online]
+    def serves(self, node: Node, model: str | None) -> bool:
+        """model None: any node will do. A node that has not said serves the default model (any, without one)."""
+        if model is None:
+            return True
+        if node.models is None:
+            return self.default_model is None or model == self.default_model
+        return model in node.models
 
-    def pick(self, exclude: Iterable[Node] = ()) -> Node | None:
-        """The next online node in rotation, skipping `exclude`; None when there is none."""
+    def online(self, model: str | None = None) -> list[Node]:
+        return [n for n in self.nodes if n.online and self.serves(n, model)]
+
+    def pick(self, exclude: Iterable[Node] = (), model: str | None = None) -> Node | None:
+        """The next online node in rotation that serves `model`, skipping `exclude`; None when there is none."""
         skip = {id(n) for n in exclude}
         for offset in range(len(self.nodes)):
             node = self.nodes[(self._next + offset) % len(self.nodes)]
-            if node.online and id(node) not in skip:
+            if node.online and id(node) not in skip and self.serves(node, model):
                 self._next = (self._next + offset + 1) % len(self.nodes)
                 return node
         return None
+
+    def set_models(self, node: Node, models: Iterable[str]) -> None:
+        models = tuple(models)
+        if models != node.models:
+            logger.info("router: %s node %s serves %s", self.role, node.address, ", ".join(models) or "no model")
+            node.models = models
 
     def mark_unreachable(self, node: Node, reason: str) -> None:
         node.last_error = reason
@@ -94,13 +114,23 @@ class RoutingStats:
 
 
 class Registry:
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
-        self.prefill = Pool("prefill", prefill)
-        self.decode = Pool("decode", decode)
+    def __init__(self, prefill: Iterable[str], decode: Iterable[str], default_model: str | None = None) -> None:
+        self.prefill = Pool("prefill", prefill, default_model)
+        self.decode = Pool("decode", decode, default_model)
         self.stats = RoutingStats()
 
     def pools(self) -> tuple[Pool, Pool]:
         return self.prefill, self.decode
+
+    def models(self) -> dict[str, dict[str, list[str]]]:
+        """Each model an online node serves -> the addresses serving it, by role (in pool order)."""
+        served: dict[str, dict[str, list[str]]] = {}
+        for pool in self.pools():
+            for node in pool.online():
+                names = node.models if node.models is not None else (pool.default_model,)
+                for name in filter(None, names):
+                    served.setdefault(name, {"prefill": [], "decode": []})[pool.role].append(node.address)
+        return served
 
     def view(self) -> dict:
         return {
@@ -108,5 +138,6 @@ class Registry:
             "decode": [n.view() for n in self.decode.nodes],
             "dispatch_counts": {"prefill": {n.address: n.num_dispatched for n in self.prefill.nodes},
                                 "decode": {n.address: n.num_dispatched for n in self.decode.nodes}},
+            "models": self.models(),
             "routing": self.stats.view(),
         }

@@ -1,13 +1,14 @@
 """One request through the cluster: pick nodes, dispatch, fail over, and splice a retried stream.
 
-Each attempt dials a prefill node (round-robin over those online) and names a decode node
-(independently round-robin) in the frame. A transport failure with the prefill node (refused,
-reset, EOF before the final frame) marks it unreachable and the request moves to the next
-online one. A stream whose decode node is lost (the prefill node reports `decode_lost`) moves
-to another decode node the same way. Greedy and seeded requests regenerate the same tokens
-there, so the first `num_tokens_sent` tokens (with their logprobs) and `num_chars_sent`
-characters of the new stream are dropped and the client sees one unbroken stream; an unseeded
-sampled request that already streamed text cannot be spliced and ends with an error instead.
+Each attempt dials a prefill node (round-robin over those online that serve the request's model)
+and names a decode node (independently round-robin, among those serving the same model) in the
+frame. A transport failure with the prefill node (refused, reset, EOF before the final frame)
+marks it unreachable and the request moves to the next online one. A stream whose decode node
+is lost (the prefill node reports `decode_lost`) moves to another decode node the same way.
+Greedy and seeded requests regenerate the same tokens there, so the first `num_tokens_sent`
+tokens (with their logprobs) and `num_chars_sent` characters of the new stream are dropped and
+the client sees one unbroken stream; an unseeded sampled request that already streamed text
+cannot be spliced and ends with an error instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from conveyor.cluster import transport
 from conveyor.cluster.node import _TRANSPORT_ERRORS, logprobs_from_wire
 from conveyor.cluster.registry import Node, Registry
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import DECODE_LOST, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, WireError
+from conveyor.cluster.wire import DECODE_LOST, WRONG_MODEL, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, \
+    WireError
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.sampling_params import GREEDY_TEMPERATURE
 
@@ -37,14 +39,18 @@ class DispatchError(Exception):
         self.retry_after = retry_after
 
 
-def no_prefill() -> DispatchError:
-    return DispatchError(503, "No prefill node is available. Retry later.", "unavailable", "no_prefill_node",
-                         retry_after=True)
+def no_prefill(model: str | None = None) -> DispatchError:
+    return DispatchError(503, f"No prefill node{_serving(model)} is available. Retry later.", "unavailable",
+                         "no_prefill_node", retry_after=True)
 
 
-def no_decode() -> DispatchError:
-    return DispatchError(503, "No decode node is available. Retry later.", "unavailable", "no_decode_node",
-                         retry_after=True)
+def no_decode(model: str | None = None) -> DispatchError:
+    return DispatchError(503, f"No decode node{_serving(model)} is available. Retry later.", "unavailable",
+                         "no_decode_node", retry_after=True)
+
+
+def _serving(model: str | None) -> str:
+    return f" serving '{model}'" if model is not None else ""
 
 
 def overloaded() -> DispatchError:
@@ -59,6 +65,7 @@ class RemoteRequest:
     sampling: SamplingWire
     priority: int = 0
     cache_prompt: bool = True
+    model: str | None = None  # only nodes serving it are picked (None: any node)
 
     @property
     def deterministic(self) -> bool:
@@ -77,10 +84,10 @@ class RemoteRequest:
         busy = False
         attempt = 0
         while True:
-            node = registry.prefill.pick(exclude=tried)
-            decode = registry.decode.pick(exclude=decodes_lost)
+            node = registry.prefill.pick(exclude=tried, model=self.model)
+            decode = registry.decode.pick(exclude=decodes_lost, model=self.model)
             if node is None or decode is None:
-                error = overloaded() if busy else no_prefill() if node is None else no_decode()
+                error = overloaded() if busy else no_prefill(self.model) if node is None else no_decode(self.model)
                 if not num_yielded:
                     raise error
                 lost = decode is None and node is not None and lost_error is not None
@@ -91,7 +98,7 @@ class RemoteRequest:
             attempt += 1
             frame = GenerateFrame(request_id=f"{self.request_id}-{attempt}", prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling, priority=self.priority, cache_prompt=self.cache_prompt,
-                                  decode_target=decode.address)
+                                  decode_target=decode.address, model=self.model)
             skip, skip_tokens = num_chars_sent, num_tokens_sent
             writer = None
             node.num_in_flight += 1
@@ -103,10 +110,11 @@ class RemoteRequest:
                 while True:
                     reply = await transport.read_frame(reader)
                     if isinstance(reply, ErrorFrame):
-                        if reply.code in _BUSY_CODES:
-                            busy = True
+                        if reply.code in _BUSY_CODES or reply.code == WRONG_MODEL:
+                            # The next node may have room, or serve the model (the registry's view was stale).
+                            busy |= reply.code in _BUSY_CODES
                             tried.append(node)
-                            break  # the next node may have room
+                            break
                         error = DispatchError(reply.status, reply.message, _error_type(reply.status), reply.code,
                                               reply.param)
                         if not num_yielded:

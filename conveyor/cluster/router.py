@@ -1,11 +1,12 @@
 """Router role: a model-free OpenAI-compatible HTTP front over a prefill pool and a decode pool.
 
-It loads only the tokenizer and chat template and plans each request as a node does
-(server/request_plan.py: the same prompt, per-choice sampling, grammar and 400s), dispatches each
-choice (remote.py: grammar, logprobs, stops and seed travel in the frames) and answers through
-the node's own reply code (server/reply.py) over a RemoteGroup of the relayed deltas: the same
-SSE or JSON, reply parsing, logprobs, usage from the workers' token counts, and finish_reason
-as the engine reports it.
+It loads only the tokenizer and chat template of each model it fronts and plans each request as a
+node does (server/request_plan.py: the same prompt, per-choice sampling, grammar and 400s),
+dispatches each choice to nodes serving the request's model (remote.py: grammar, logprobs, stops
+and seed travel in the frames) and answers through the node's own reply code (server/reply.py)
+over a RemoteGroup of the relayed deltas: the same SSE or JSON, reply parsing, logprobs, usage
+from the workers' token counts, and finish_reason as the engine reports it. Which model a request
+is for, and the app per model, are models.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -25,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.health import HealthMonitor
+from conveyor.cluster.models import ModelDispatch, RoutedModel, add_model_routes, model_card
 from conveyor.cluster.node import to_wire
 from conveyor.cluster.registry import Registry
 from conveyor.cluster.remote import DispatchError, RemoteRequest, no_decode, no_prefill, overloaded
@@ -34,6 +36,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
 from conveyor.server import errors
 from conveyor.server.apis import add_agent_routes, chat_completions
+from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.app import api_key_check, add_dashboard_routes, add_tokenizer_routes
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits
@@ -87,7 +90,8 @@ class _RegistryCollector:
 
 
 class RouterServing(ServingFront):
-    """Plans exactly as a node plans (server/front.py, request_plan.py); starts on the cluster's nodes."""
+    """Plans exactly as a node plans (server/front.py, request_plan.py); starts on the cluster's nodes that
+    serve its model (`model_id`)."""
 
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
                  max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto",
@@ -100,15 +104,16 @@ class RouterServing(ServingFront):
 
     # -- running ---------------------------------------------------------------------------
     def _admit(self, num_requests: int = 1) -> None:
-        """Before any dispatch: a pool with no node online, or a router queue at its bound, is a 503."""
-        stats = self.registry.stats
-        num_prefill = len(self.registry.prefill.online())
+        """Before any dispatch: a pool with no node online serving the model, or a router queue at its bound
+        (per model), is a 503."""
+        stats, model = self.registry.stats, self.model_id
+        num_prefill = len(self.registry.prefill.online(model))
         if not num_prefill:
             stats.num_rejected_no_prefill += 1
-            raise _api_error(no_prefill())
-        if not self.registry.decode.online():
+            raise _api_error(no_prefill(model))
+        if not self.registry.decode.online(model):
             stats.num_rejected_no_decode += 1
-            raise _api_error(no_decode())
+            raise _api_error(no_decode(model))
         if self.num_awaiting_first_token + num_requests > self.max_queue_depth * num_prefill:
             stats.num_rejected_overloaded += 1
             raise _api_error(overloaded())
@@ -130,7 +135,7 @@ class RouterServing(ServingFront):
             for i, params in enumerate(choices):
                 wire = msgspec.structs.replace(to_wire(params), max_tokens=plan.max_tokens)
                 remotes.append(RemoteRequest(self.registry, f"{base_id}-{p * plan.n + i}", prompt, wire,
-                                             priority=rank, cache_prompt=body.cache_prompt))
+                                             priority=rank, cache_prompt=body.cache_prompt, model=self.model_id))
         return remotes
 
     async def start(self, http: Request, plan: RequestPlan, arrival: float) -> RemoteGroup:
@@ -239,18 +244,26 @@ def _api_error(exc: DispatchError) -> APIError:
 
 
 def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterConfig,
-                      server: ServerConfig | None = None, max_queue_depth: int = 32) -> FastAPI:
+                      server: ServerConfig | None = None, max_queue_depth: int = 32,
+                      more_models: Sequence[RoutedModel] = ()) -> FastAPI:
+    """The router for the model of `tokenizer` (named `model_name`, or --served-model-name), the default,
+    and for `more_models`: each routed to the nodes that serve it."""
     server = server or ServerConfig()
-    registry = Registry(cluster.prefill_peer_list, cluster.decode_peer_list)
+    models = [RoutedModel(tokenizer, model_name, server.served_model_name), *more_models]
+    registry = Registry(cluster.prefill_peer_list, cluster.decode_peer_list, default_model=models[0].model_id)
     monitor = HealthMonitor(registry, cluster.health_check_interval)
     metrics = RouterMetrics(registry)
-    model_id = server.served_model_name or model_name
-    serving = RouterServing(registry, tokenizer, model_id, model_name, max_queue_depth, metrics,
-                            server.reasoning_parser, server.template_kwargs, server.strict_model_name)
+    servings = [RouterServing(registry, m.tokenizer, m.model_id, m.name, max_queue_depth, metrics,
+                              server.reasoning_parser, server.template_kwargs, server.strict_model_name)
+                for m in models]
+    limits = RequestLimits.from_config(server)  # the same request limits as a single node
+    store = ResponseStore(server.responses_store_max, server.responses_store_max_bytes)  # shared: GET finds any
+    apps = {m.model_id: _model_app(m, serving, registry, limits, server, store) for m, serving in zip(models, servings)}
+    dispatch = ModelDispatch(models, apps, registry, limits, server.api_key, server.strict_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await monitor.probe_all()  # know the pools before the first request
+        await monitor.probe_all()  # know the pools (and what each node serves) before the first request
         monitor.start()
         try:
             yield
@@ -258,41 +271,54 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
             await monitor.stop()
 
     app = FastAPI(title="conveyor router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.registry, app.state.monitor, app.state.serving = registry, monitor, serving
+    app.state.registry, app.state.monitor, app.state.serving = registry, monitor, servings[0]
     errors.install_handlers(app)
-    limits = RequestLimits.from_config(server)  # the same request limits as a single node
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
     app.add_middleware(CatchAll)
+
+    def num_awaiting() -> int:
+        return sum(s.num_awaiting_first_token for s in servings)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         num_prefill, num_decode = len(registry.prefill.online()), len(registry.decode.online())
         ok = num_prefill > 0 and num_decode > 0
         body = {"status": "ok" if ok else "unavailable", "role": "router",
-                "prefill_online": num_prefill, "decode_online": num_decode}
+                "prefill_online": num_prefill, "decode_online": num_decode,
+                "models": {model: {"prefill_online": len(registry.prefill.online(model)),
+                                   "decode_online": len(registry.decode.online(model))} for model in apps}}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/router/stats")
     async def router_stats() -> dict:
-        return {**registry.view(), "health_check_rounds": monitor.num_rounds,
-                "awaiting_first_token": serving.num_awaiting_first_token}
+        return {**registry.view(), "health_check_rounds": monitor.num_rounds, "awaiting_first_token": num_awaiting()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_name}
-
     if server.webui:
         add_webui_routes(app)
     api = APIRouter()
-    chat_completions.add_routes(api, serving, limits, model_card)
-    add_agent_routes(api, serving, limits, server)
-    # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
-    add_tokenizer_routes(api, serving.token_text, tokenizer.vocab_size, limits)
-    add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, serving, model_id), lambda: False)
+    add_model_routes(api, dispatch)
+    add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, num_awaiting(), dispatch.default),
+                         lambda: False)
     app.include_router(api, dependencies=[Depends(api_key_check(server.api_key))])
+    # Every other route: the app of the model the request names (mounted last, so the routes above win).
+    app.mount("/", dispatch)
     return app
 
 
+def _model_app(model: RoutedModel, serving: RouterServing, registry: Registry, limits: RequestLimits,
+               server: ServerConfig, store: ResponseStore) -> FastAPI:
+    """One model's routes: the OpenAI, Messages, Responses and tokenizer APIs over its RouterServing."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install_handlers(app)
+    app.add_middleware(CatchAll)  # inside this app's own last-resort handler, which would answer in plain text
+    api = APIRouter()
+    chat_completions.add_routes(api, serving, limits, lambda: model_card(model, registry))
+    add_agent_routes(api, serving, limits, server, store)
+    # The model's vocabulary is not loaded here: ids are checked against the tokenizer's (the same for our models).
+    add_tokenizer_routes(api, serving.token_text, model.tokenizer.vocab_size, limits)
+    app.include_router(api, dependencies=[Depends(api_key_check(server.api_key))])
+    return app

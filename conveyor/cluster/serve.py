@@ -76,7 +76,7 @@ def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfi
     engine = AsyncEngine.from_config(engine_config)
     app = create_app(engine, server_config)
     role = PrefillNode if cluster.node_role == "prefill" else DecodeNode
-    attach_node(app, role(engine, cluster))
+    attach_node(app, role(engine, cluster, models=[app.state.serving.model_id]))  # what its /v1/models lists
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
                             timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
     return GracefulServer(config, app.state.lifecycle)

@@ -15,12 +15,16 @@ from typing import Literal
 import msgspec
 
 MAGIC = b"CNVY"
-VERSION = 2  # 2: TokenFrame.stop_sequence (frames refuse unknown fields, so peers must agree)
+# 2: TokenFrame.stop_sequence; 3: InfoFrame / NodeInfoFrame and the model a generate or handoff frame is for
+# (frames refuse unknown fields, so peers must agree)
+VERSION = 3
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
 MAX_FRAME_BYTES = 1 << 30
 # TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
 # died mid-stream): the router may rerun a greedy or seeded request on another decode node.
 DECODE_LOST = "decode_lost"  # a 1 GiB handoff is ~45k SmolLM2 tokens of KV; beyond that is a bug
+# ErrorFrame.code of a node asked for a model it does not serve: the sender tries another node.
+WRONG_MODEL = "wrong_model"
 
 
 class WireError(ValueError):
@@ -55,7 +59,8 @@ class SamplingWire(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
-    """Router -> prefill node: one request. decode_target is optional (absent: --decode-peers)."""
+    """Router -> prefill node: one request. decode_target is optional (absent: --decode-peers); model is the
+    id the router routed it by (None: whatever the node serves)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,6 +68,7 @@ class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     priority: int = 0
     cache_prompt: bool = True
     decode_target: str | None = None
+    model: str | None = None
 
 
 class KVPayload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -93,6 +99,7 @@ class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):
     cache_prompt: bool = True
     num_cached_tokens: int = 0
     rng_state: bytes | None = None  # the seeded request's generator after its first draw
+    model: str | None = None  # the prefill node's model id: a decode node serving another refuses it
 
 
 class LogprobWire(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -126,11 +133,22 @@ class ErrorFrame(msgspec.Struct, tag="error", forbid_unknown_fields=True):
 
     status: int
     message: str
-    code: str  # overloaded | invalid_request | bad_frame | forbidden | unavailable
+    code: str  # overloaded | invalid_request | bad_frame | forbidden | unavailable | wrong_model
     param: str | None = None
 
 
-Frame = GenerateFrame | HandoffFrame | TokenFrame | ErrorFrame
+class InfoFrame(msgspec.Struct, tag="info", forbid_unknown_fields=True):
+    """Router -> any node (the health monitor's probe): which models do you serve?"""
+
+
+class NodeInfoFrame(msgspec.Struct, tag="node_info", forbid_unknown_fields=True):
+    """The answer: the node's role and the model ids its own GET /v1/models lists."""
+
+    role: str
+    models: list[str]
+
+
+Frame = GenerateFrame | HandoffFrame | TokenFrame | ErrorFrame | InfoFrame | NodeInfoFrame
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

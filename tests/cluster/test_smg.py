@@ -1,8 +1,10 @@
 """Scale-out of whole replicas behind SGLang's model gateway (`smg`, PyPI), not a gateway of ours.
 
-Two single-node replicas and `smg launch --policy cache_aware` on loopback: requests sharing a
-long system prompt land on one replica (its prefix-cache hit counter rises), and a replica
-killed under load loses no request."""
+Two single-node replicas of one model, a third of another model, and `smg launch --policy
+cache_aware` on loopback: requests sharing a long system prompt land on one replica (its
+prefix-cache hit counter rises), each request reaches only replicas serving the model it names
+(SMG reads each replica's model from its GET /v1/models), and a replica killed under load loses
+no request."""
 
 from __future__ import annotations
 
@@ -31,47 +33,54 @@ def gateway(tmp_path_factory):
     root = tmp_path_factory.mktemp("smg")
     model = write_tiny_model_dir(root / "tiny-model")
     replicas = [start(f"replica-{i}", model, str(root)) for i in range(2)]
+    other = start("replica-other", write_tiny_model_dir(root / "other-model", seed=1), str(root))
     gateway_proc = None
     try:
-        wait_healthy(replicas)
+        wait_healthy([*replicas, other])
         port = free_port()
         log = open(root / "smg.log", "w")
         gateway_proc = subprocess.Popen(
             [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-             "--worker-urls", *[r.url for r in replicas], "--health-check-interval-secs", "1",
+             "--worker-urls", *[r.url for r in (*replicas, other)], "--health-check-interval-secs", "1",
              "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
 
-        def ready() -> bool:
+        def ready() -> bool:  # every replica registered (with the model it reported) and ready
             assert gateway_proc.poll() is None, (root / "smg.log").read_text()[-3000:]
             try:
-                return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+                return len(_workers(url)) == 3
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, 60, "smg to come up")
-        yield url, replicas
+        wait_for(ready, 60, "smg to come up with its three replicas")
+        yield url, replicas, other
     finally:
         if gateway_proc is not None:
             gateway_proc.kill()
             gateway_proc.wait(timeout=10)
-        for replica in replicas:
+        for replica in (*replicas, other):
             replica.stop()
+
+
+def _workers(url: str) -> dict[str, str]:
+    """SMG's ready workers: url -> the model it learnt the replica serves."""
+    listed = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
+    return {w["url"]: w["model_id"] for w in listed if w["status"] == "ready"}
 
 
 def _hits(replica) -> int:
     return httpx.get(f"{replica.url}/v1/cache/stats", timeout=5).json()["prefix_cache"]["hit_tokens"]
 
 
-def _chat(url: str, i: int, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "tiny-model", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+def _chat(url: str, i: int, max_tokens: int = 8, model: str = "tiny-model") -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}]}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
 
 
 def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
-    url, replicas = gateway
+    url, replicas, _ = gateway
     before = [_hits(r) for r in replicas]
     for i in range(6):
         assert _chat(url, i).status_code == 200
@@ -82,7 +91,7 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
 
 def test_agent_apis_pass_through_the_gateway(gateway):
     """Anthropic Messages through SMG reach a replica and come back as the replica answers them."""
-    url, replicas = gateway
+    url, replicas, _ = gateway
     body = {"model": "tiny-model", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "question for the agents"}]}
     direct = httpx.post(f"{replicas[0].url}/v1/messages", json=body, timeout=60)
@@ -101,6 +110,25 @@ def _completed(replica) -> int:
     return httpx.get(f"{replica.url}/health", timeout=5).json()["batch"]["total_completed"]
 
 
+def test_replicas_of_different_models_are_routed_by_model(gateway):
+    """Each request reaches only replicas serving the model it names; a model no replica serves is a 404
+    (model_not_found) that reaches none; /v1/models lists each model once."""
+    url, replicas, other = gateway
+    assert _workers(url) == {replicas[0].url: "tiny-model", replicas[1].url: "tiny-model", other.url: "other-model"}
+    assert sorted(m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]) == \
+        ["other-model", "tiny-model"]
+    for model, serving in (("other-model", [other]), ("tiny-model", replicas)):
+        before = {r.url: _completed(r) for r in (*replicas, other)}
+        for i in range(4):
+            assert _chat(url, 300 + i, model=model).status_code == 200
+        gained = {r.url: _completed(r) - before[r.url] for r in (*replicas, other)}
+        assert sum(gained[r.url] for r in serving) == 4 and sum(gained.values()) == 4, (model, gained)
+    before = [_completed(r) for r in (*replicas, other)]
+    refused = _chat(url, 400, model="no-such-model")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert [_completed(r) for r in (*replicas, other)] == before
+
+
 def test_killing_a_replica_under_load_loses_no_request(gateway):
     """Waits on events, never on a transient state: which replica serves this prefix is read from the
     counters a warm-up request moved, and the kill follows that replica's prefix-cache hit counter
@@ -108,7 +136,7 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
     "running > 0" was when 12 short requests all finished first. The requests are long (12 x 256 tokens
     over 4 slots: at least 3 rounds of 256 decode steps), so the kill lands while most are in flight;
     if a starved test process ever saw them all done first, the test still holds (nothing lost)."""
-    url, replicas = gateway
+    url, replicas, _ = gateway
     completed = [_completed(r) for r in replicas]
     assert _chat(url, 99).status_code == 200
     [busy] = [r for r, before in zip(replicas, completed) if _completed(r) > before]  # cache_aware's choice
