@@ -81,8 +81,17 @@ def usage(choices: list[ChoiceState], n: int) -> dict:
 
 
 # -- logprobs ------------------------------------------------------------------------------------
+# What OpenAI reports for a token that cannot be chosen (a grammar masked it: log 0 = -inf, which JSON cannot carry).
+IMPOSSIBLE_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > IMPOSSIBLE_LOGPROB else IMPOSSIBLE_LOGPROB
+
+
 def chat_logprobs(token_text: TokenText, logprobs: list[TokenLogprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
+        logprob = _finite(logprob)
         text, raw = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": raw}
 
@@ -97,8 +106,9 @@ def completion_logprobs(token_text: TokenText, logprobs: list[TokenLogprob], off
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(t)[0]: v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{token_text(t)[0]: _finite(v) for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
 
 
 # -- responses and chunks ------------------------------------------------------------------------

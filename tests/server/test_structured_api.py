@@ -54,6 +54,20 @@ def test_json_object_and_guided_fields_on_completions(served):
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
 
 
+def test_logprobs_of_grammar_masked_tokens_are_finite(served):
+    """A grammar masks most tokens (log 0 = -inf): reported as OpenAI does (-9999.0), never a 500 over JSON."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    chat = _chat(served, temperature=0, logprobs=True, top_logprobs=20,
+                 response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert chat.status_code == 200, chat.text
+    tops = [top["logprob"] for entry in chat.json()["choices"][0]["logprobs"]["content"] for top in entry["top_logprobs"]]
+    assert min(tops) == -9999.0 and all(t <= 0 for t in tops)
+    text = httpx.post(f"{served.url}/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0,
+                                                             "logprobs": 5, "guided_choice": ["yes", "no"]})
+    assert text.status_code == 200, text.text
+    assert all(v >= -9999.0 for top in text.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values())
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_calls_always_parse(served, tool_choice):
     client = served.client()
