@@ -82,7 +82,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             lambda: server_cli.build_node_server(engine_config, server_config, models_config))
     from conveyor.cluster.serve import build_cluster_server
 
-    return server_cli.serve_until_signal(lambda: build_cluster_server(engine_config, server_config, cluster_config))
+    return server_cli.serve_until_signal(lambda: build_cluster_server(engine_config, server_config, cluster_config,
+                                                                      models_config.models))
 
 
 def main(argv: list[str] | None = None) -> int:

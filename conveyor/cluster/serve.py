@@ -57,12 +57,18 @@ def attach_node(app: FastAPI, node) -> None:
     app.state.node = node
 
 
-def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig):
+def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig,
+                         router_models: tuple[str, ...] = ()):
+    """A node, or the router; `router_models`: every --model a router was given (the first is the default),
+    each routed by name to the nodes that serve it."""
     if cluster.node_role == "router":
+        from conveyor.cluster.models import RoutedModel
         from conveyor.cluster.router import create_router_app
 
-        tokenizer, name = load_tokenizer(engine_config.model, engine_config.hf_file, engine_config.revision)
-        app = create_router_app(tokenizer, name, cluster, server_config, engine_config.max_queue_depth)
+        tokenizer, name = load_tokenizer(router_models[0] if router_models else engine_config.model,
+                                         engine_config.hf_file, engine_config.revision)
+        more = [RoutedModel(*load_tokenizer(model)) for model in router_models[1:]]
+        app = create_router_app(tokenizer, name, cluster, server_config, engine_config.max_queue_depth, more)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
                                 timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
         return uvicorn.Server(config)

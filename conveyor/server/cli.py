@@ -30,9 +30,11 @@ def load_serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerCo
         engine_config, server_config = load_configs(args)
         cluster_config = load_cluster_config(args)
         models_config = load_models_config(args)
-        if models_config.enabled and cluster_config.node_role is not None:
-            raise ConfigError("--node-role serves one model: several models (--models-dir, --models-preset, "
-                              "--model given twice) are a single server's")
+        router_models = cluster_config.node_role == "router" and not (models_config.models_dir
+                                                                       or models_config.models_preset)
+        if models_config.enabled and cluster_config.node_role is not None and not router_models:
+            raise ConfigError("a prefill or decode node serves one model, and a router takes several only as "
+                              "--model given more than once (--models-dir and --models-preset are a single server's)")
     except ConfigError as exc:
         print(f"conveyor serve: configuration error: {exc}", file=sys.stderr)
         return None

@@ -166,7 +166,7 @@ def two_models(tmp_path_factory):
         app = create_router_app(tok_a, name_a, cluster, more_models=[RoutedModel(tok_b, name_b)])
         with TestClient(app) as router:  # its lifespan probes every node (and learns its model) first
             yield {"router": router, "decode-a": decode_a, "decode-b": decode_b, "prefill-a": prefill_a,
-                   "prefill-b": prefill_b}
+                   "prefill-b": prefill_b, "paths": paths, "logs": logs}
     finally:
         for proc in procs:
             proc.stop()
@@ -294,3 +294,24 @@ async def _generate_for(address: str, model: str) -> wire.Frame:
         return await transport.read_frame(reader)
     finally:
         transport.close(writer)
+
+
+def test_the_router_process_takes_several_models_from_the_command_line(two_models):
+    """`conveyor serve --node-role router --model A --model B ...`: both routed, each to its own nodes."""
+    nodes = two_models
+    peers = ["--prefill-peers", f"{nodes['prefill-a'].serving},{nodes['prefill-b'].serving}",
+             "--decode-peers", f"{nodes['decode-a'].serving},{nodes['decode-b'].serving}"]
+    router = start("router-cli", nodes["paths"]["model-a"], nodes["logs"], "router",
+                   ["--model", nodes["paths"]["model-b"], *peers], serving=False)
+    try:
+        wait_healthy([router])
+        listed = httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"]
+        assert sorted(m["id"] for m in listed) == ["model-a", "model-b"]
+        for model in ("model-a", "model-b"):
+            reply = httpx.post(f"{router.url}/v1/chat/completions", json=_chat(model), timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == \
+                _alone(nodes[f"decode-{model[-1]}"], "/v1/chat/completions", _chat(model)).json()["choices"][0][
+                    "message"]["content"]
+    finally:
+        router.stop()
