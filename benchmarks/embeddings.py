@@ -167,6 +167,53 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "vectors": vectors.to
             "command": f"SentenceTransformer.encode(batch_size={args.batch}), torch threads {args.threads}"}
 
 
+async def _chat_until(client: httpx.AsyncClient, url: str, model: str, prompt: str, stop: asyncio.Event,
+                      arrivals: list[float]) -> None:
+    """A greedy streaming completion whose token arrival times go into `arrivals`, read until `stop` is set."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+            if stop.is_set():
+                return
+
+
+async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args) -> dict:
+    """One server with two models: SmolLM2 streams 4 long greedy chats; meanwhile the embedder gets `texts`.
+    The chats' inter-token gaps before the burst against those during it (p50, p99)."""
+    from multi_model import Server
+    from quantized import smollm2_path
+
+    smol = smollm2_path()
+    server = Server(["--model", str(smol), "--model", str(gguf_path), "--models-max", "2", "--parallel", "4",
+                     "--ctx-size", "16384"], Path("/tmp/bench_embed_itl.log"))
+    try:
+        async with httpx.AsyncClient() as client:
+            await _post_all(server.url, gguf_path.stem, texts[:4], 4, 1)  # loads the embedder
+            stop, streams = asyncio.Event(), [[] for _ in range(4)]
+            tasks = [asyncio.ensure_future(_chat_until(client, server.url, smol.stem, f"Story {i}:", stop, arrivals))
+                     for i, arrivals in enumerate(streams)]
+            await asyncio.sleep(10)  # the 'before' window (after the first tokens)
+            t_burst = time.perf_counter()
+            await _post_all(server.url, gguf_path.stem, texts, args.batch, args.clients)
+            t_done = time.perf_counter()
+            stop.set()
+            await asyncio.gather(*tasks)
+    finally:
+        server.stop()
+
+    def gaps(lo: float, hi: float) -> list[float]:
+        return [(b - a) * 1000 for s in streams for a, b in zip(s, s[1:]) if lo <= b <= hi]
+
+    before, during = gaps(t_burst - 6, t_burst), gaps(t_burst, t_done)
+    q = lambda xs, p: float(np.percentile(xs, p))  # noqa: E731
+    return {"burst_s": t_done - t_burst, "texts": len(texts),
+            "itl_ms_before": {"p50": q(before, 50), "p99": q(before, 99), "n": len(before)},
+            "itl_ms_during": {"p50": q(during, 50), "p99": q(during, 99), "n": len(during)},
+            "p99_ratio": q(during, 99) / q(before, 99)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", type=Path, help="write the model (HF dir + Q8_0 GGUF) into this directory and stop")
@@ -183,6 +230,8 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=8, help="slots of each server")
     p.add_argument("--llama-server", default="/work/llama-native/bin/llama-server")
     p.add_argument("--runs", default="conveyor,llama-server,sentence-transformers")
+    p.add_argument("--itl", action="store_true", help="instead: 4 SmolLM2 chats' inter-token latency while the "
+                   "texts are embedded by the same server (two models)")
     p.add_argument("--out", help="JSON results (vectors left out)")
     args = p.parse_args()
     if args.write:
@@ -190,6 +239,12 @@ def main() -> None:
         return
     gguf_path = next(args.dir.glob("*-Q8_0.gguf"))
     texts = passages(args.texts, args.tokens)
+    if args.itl:
+        result = asyncio.run(measure_chat_itl_during_burst(gguf_path, texts, args))
+        print(json.dumps(result, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=1))
+        return
     results = []
     for run in args.runs.split(","):
         port = _free_port()

@@ -22,7 +22,7 @@ from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.memory import KVPoolPlan, WindowGroupNeed, plan_kv_pool
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.pooling_setup import resolve_pooling
+from conveyor.engine.pooling_setup import pooling_weight_dtype, resolve_pooling
 from conveyor.engine.prefix_disk import DiskTier, build_disk_tier
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
@@ -154,7 +154,8 @@ class EngineCore:
                            "batch-mates, and speculative decoding is disabled", self.backend.name)
         progress.set_stage("weights")
         model = build_model(checkpoint.config, progress.track(checkpoint.weights), self.dtype, self.device,
-                            config.batch_invariant, config.weight_dtype, ops=self.backend,
+                            config.batch_invariant, pooling_weight_dtype(config, checkpoint, self.backend.name),
+                            ops=self.backend,
                             release=checkpoint.release_pages)
         trim_heap()  # packing's freed temporaries: without this RSS stays ~1.3x the weights of a big file
         # Bytes as kept (GGML blocks, packed bf16, int8): what the weights cost, for the KV pool plan.

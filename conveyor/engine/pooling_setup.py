@@ -23,7 +23,8 @@ def resolve_pooling(config: EngineConfig, checkpoint: Checkpoint, model: nn.Modu
     flags ask for what the model cannot do."""
     pooling = checkpoint.pooling
     bidirectional = checkpoint.config.bidirectional
-    rerank = config.reranking or config.pooling == "rank"
+    # A cross-encoder (a checkpoint with a classifier head: XLMRobertaForSequenceClassification) reranks by itself.
+    rerank = config.reranking or config.pooling == "rank" or getattr(model, "has_classifier", False)
     if pooling is None and (config.embeddings or rerank or bidirectional):
         # sentence-transformers pools a bare encoder by the mean; a decoder's vector is its last token's.
         pooling = PoolingConfig(pooling="mean" if bidirectional else "last")
@@ -45,10 +46,21 @@ def resolve_pooling(config: EngineConfig, checkpoint: Checkpoint, model: nn.Modu
 def _score(checkpoint: Checkpoint, model: nn.Module) -> dict:
     """How a reranker scores: its classifier head where the model has one, else the odds of "yes" over "no"
     (Qwen3-Reranker's reading)."""
-    if callable(getattr(model, "classify", None)):
-        return dict(score="classifier")
+    if getattr(model, "has_classifier", False):
+        return dict(score="classifier", pooling="cls")
     tokenizer = checkpoint.tokenizer
     yes, no = tokenizer.token_to_id("yes"), tokenizer.token_to_id("no")
     if yes is None or no is None or not callable(getattr(model, "compute_logits", None)):
         raise PoolingConfigError("this model has no classifier head and no 'yes' / 'no' tokens to score by")
     return dict(score="yes_no", yes_no_token_ids=(yes, no))
+
+
+def pooling_weight_dtype(config: EngineConfig, checkpoint: Checkpoint, backend_name: str) -> str:
+    """--weight-dtype for this engine. A pooling engine runs prefill only, where on AMX the bf16 tile GEMM
+    outruns the int8 block kernels (a Qwen3-Embedding-0.6B-shaped Q8_0 file: 4.07 against 2.10 texts/s of 200
+    tokens, benchmarks/results.md), so `auto` dequantizes GGUF blocks to bf16 there, at twice the weights' bytes."""
+    pools = (checkpoint.pooling is not None or config.embeddings or config.reranking or config.pooling == "rank"
+             or checkpoint.config.bidirectional)
+    if config.weight_dtype == "auto" and pools and backend_name == "amx" and config.dtype in ("auto", "bfloat16"):
+        return "bf16"
+    return config.weight_dtype

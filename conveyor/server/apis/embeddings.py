@@ -132,7 +132,9 @@ async def run_pooled(serving, http: Request, prompts: list[list[int]], priority:
         raise errors.invalid(str(exc), exc.param) from None
     if serving.draining:
         raise errors.shutting_down()
-    window = max(core.max_batch_size, core.config.max_batch_prefill) * 2
+    # Two ticks' admissions: one batch runs while the next waits, and a few clients together stay within the
+    # admission queue (--max-queue-depth) instead of filling it.
+    window = core.config.max_batch_prefill * 2
     results: list[list[float] | None] = [None] * len(requests)
     running: dict[asyncio.Task, int] = {}
     queue = iter(enumerate(requests))
