@@ -10,9 +10,15 @@ writes `qwen3.pooling_type` = last from the sentence-transformers files).
 The texts are ~200-token passages of the Python standard library's docstrings. Each server gets them as
 `--clients` concurrent clients posting `--batch` texts per /v1/embeddings request, as a RAG indexer does.
 
+`--kind minilm` writes all-MiniLM-L6-v2's shape instead (a BERT: 6 layers, hidden 384, mean pooling) with a
+30,522-piece WordPiece vocabulary made from the same docstrings.
+
   python benchmarks/embeddings.py --write /work/bench-models/qwen3-embedding-shape   # HF dir + Q8_0 GGUF
   python benchmarks/embeddings.py --dir /work/bench-models/qwen3-embedding-shape --texts 1000 \
       --out benchmarks/results/embeddings_qwen3_06b_xeon_amx.json
+  python benchmarks/embeddings.py --write /work/bench-models/minilm-shape --kind minilm
+  python benchmarks/embeddings.py --dir /work/bench-models/minilm-shape --texts 1000
+  python benchmarks/embeddings.py --dir /work/bench-models/qwen3-embedding-shape --itl   # chats during a burst
 """
 
 from __future__ import annotations
@@ -79,13 +85,73 @@ def write_model(out: Path, llama_src: Path, converter_libs: Path) -> None:
     print(f"wrote {hf} and {gguf_path}")
 
 
-def passages(count: int, tokens: int) -> list[str]:
-    """`count` texts of about `tokens` SmolLM2 tokens each, cut from the standard library's docstrings."""
-    from conveyor.testing import smollm_tokenizer
+MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+              max_position_embeddings=512, type_vocab_size=2, pad_token_id=0)  # all-MiniLM-L6-v2's shape
+# Lets llama.cpp's converter take a WordPiece vocabulary it has no hash for: the hash only names tokenizer.ggml.pre,
+# which llama.cpp ignores for `bert` (WPM) vocabularies.
+CONVERT_ANY_VOCAB = """import runpy, sys
+sys.path[:0] = [{src!r}, {src!r} + "/gguf-py", {libs!r}]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+sys.argv = [{src!r} + "/convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
 
+
+def write_minilm(out: Path, llama_src: Path, converter_libs: Path) -> None:
+    """all-MiniLM-L6-v2's shape with random weights and a 30,522-piece WordPiece vocabulary made from the standard
+    library's docstrings (mean pooling, normalised), and its Q8_0 GGUF."""
+    import collections
+
+    import tokenizers
+    import torch
+    import transformers
+    from tokenizers import models, normalizers, pre_tokenizers, processors
+
+    hf = out / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()[]{}<>=+-*/_#@$%&|~`^")
+    counts = collections.Counter(w for w in " ".join(_docstring_words(2_000_000)).lower().split() if w.isalpha())
+    words = [w for w, _ in counts.most_common() if len(w) > 1][:30522 - len(specials) - 2 * len(chars)]
+    vocab_list = specials + chars + [f"##{c}" for c in chars] + words
+    vocab_list += [f"[unused{i}]" for i in range(30522 - len(vocab_list))]
+    tok = tokenizers.Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab_list)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.add_special_tokens(specials)
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "pad_token": "[PAD]",
+        "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}))
+    config = transformers.BertConfig(vocab_size=len(vocab_list), **MINILM)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" not in name:
+                param.normal_(0, 0.02)
+    model.save_pretrained(hf)
+    (hf / "1_Pooling").mkdir(exist_ok=True)
+    (hf / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 384,
+                                                             "pooling_mode_mean_tokens": True}))
+    (hf / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    gguf_path = out / "minilm-l6-shape-Q8_0.gguf"
+    subprocess.run([sys.executable, "-c", CONVERT_ANY_VOCAB.format(src=str(llama_src), libs=str(converter_libs)),
+                    str(hf), "--outtype", "q8_0", "--outfile", str(gguf_path)], check=True)
+    print(f"wrote {hf} and {gguf_path}")
+
+
+def _docstring_words(limit: int) -> list[str]:
+    """Words of the standard library's docstrings, up to `limit` of them."""
     words: list[str] = []
     for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
-        if len(words) > count * tokens:
+        if len(words) > limit:
             break
         if info.name.startswith("_") or info.name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
             continue
@@ -97,6 +163,14 @@ def passages(count: int, tokens: int) -> list[str]:
             doc = inspect.getdoc(obj) if callable(obj) else None
             if doc:
                 words += doc.split()
+    return words
+
+
+def passages(count: int, tokens: int) -> list[str]:
+    """`count` texts of about `tokens` SmolLM2 tokens each, cut from the standard library's docstrings."""
+    from conveyor.testing import smollm_tokenizer
+
+    words = _docstring_words(count * tokens)
     tokenizer = smollm_tokenizer()
     texts, at = [], 0
     step = max(int(tokens * 0.7), 1)  # ~0.7 words per token in English prose with code
@@ -217,6 +291,8 @@ async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", type=Path, help="write the model (HF dir + Q8_0 GGUF) into this directory and stop")
+    p.add_argument("--kind", choices=("qwen3-embedding", "minilm"), default="qwen3-embedding",
+                   help="with --write: Qwen3-Embedding-0.6B's shape, or all-MiniLM-L6-v2's (a BERT)")
     p.add_argument("--llama-src", type=Path, default=next(iter(sorted(
         Path("/work/llama-src").glob("llama_cpp_python-*/vendor/llama.cpp"))), None))
     p.add_argument("--converter-libs", type=Path, default=Path("/work/bench-pylibs"),
@@ -235,7 +311,8 @@ def main() -> None:
     p.add_argument("--out", help="JSON results (vectors left out)")
     args = p.parse_args()
     if args.write:
-        write_model(args.write, args.llama_src, args.converter_libs)
+        writer = write_minilm if args.kind == "minilm" else write_model
+        writer(args.write, args.llama_src, args.converter_libs)
         return
     gguf_path = next(args.dir.glob("*-Q8_0.gguf"))
     texts = passages(args.texts, args.tokens)

@@ -76,3 +76,79 @@ def write_qwen3_reranker(path) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}, f)
     return str(path)
+
+
+def wordpiece_tokenizer_json(path, specials: dict[str, str], pair_template: str, single_template: str) -> None:
+    """A tiny lowercase WordPiece tokenizer (letters, digits, punctuation, their ## continuations) saved as
+    tokenizer.json, with the post-processor BERT (or XLM-R) uses to wrap one text or a pair."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, normalizers, pre_tokenizers, processors
+
+    pieces = [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;"]
+    words = ["the", "of", "and", "to", "is", "capital", "france", "paris", "fox", "dog", "text", "vector"]
+    vocab_list = list(specials.values()) + pieces + [f"##{c}" for c in pieces] + words
+    vocab = {token: i for i, token in enumerate(vocab_list)}
+    tok = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token=specials["unk"]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    ids = {name: vocab[token] for name, token in specials.items()}
+    tok.post_processor = processors.TemplateProcessing(
+        single=single_template, pair=pair_template,
+        special_tokens=[(specials[n], ids[n]) for n in ("cls", "sep")])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return len(vocab_list)
+
+
+BERT_SPECIALS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+XLMR_SPECIALS = {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"}
+
+
+def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens", normalize: bool = True,
+                  classifier: bool = False) -> str:
+    """A tiny random BERT (all-MiniLM-style: mean pooling, normalised) or XLM-R (BGE-style: CLS) embedder as
+    sentence-transformers saves it; `classifier`: an XLM-R cross-encoder (bge-reranker's shape) instead."""
+    transformers = pytest.importorskip("transformers")
+    os.makedirs(path, exist_ok=True)
+    if kind in ("bert", "modernbert", "nomic_bert"):
+        vocab = wordpiece_tokenizer_json(path, BERT_SPECIALS, "[CLS] $A [SEP] $B:1 [SEP]:1", "[CLS] $A [SEP]")
+        shape = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=128, pad_token_id=0)
+        if kind == "bert":
+            model = transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False)
+        elif kind == "modernbert":  # layers 0 and 3 global, 1 and 2 local (+-4): texts longer than the window
+            model = transformers.ModernBertModel(transformers.ModernBertConfig(
+                **{**shape, "num_hidden_layers": 4}, local_attention=8, global_attn_every_n_layers=3,
+                cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3))
+        else:
+            model = transformers.NomicBertModel(transformers.NomicBertConfig(**shape))
+        specials = BERT_SPECIALS
+    else:
+        vocab = wordpiece_tokenizer_json(path, XLMR_SPECIALS, "<s> $A </s> </s> $B </s>", "<s> $A </s>")
+        config = transformers.XLMRobertaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128,
+                                               max_position_embeddings=130, pad_token_id=1, bos_token_id=0,
+                                               eos_token_id=2, type_vocab_size=1, num_labels=1)
+        model = (transformers.XLMRobertaForSequenceClassification(config) if classifier
+                 else transformers.XLMRobertaModel(config, add_pooling_layer=False))
+        specials = XLMR_SPECIALS
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name.lower():
+                param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128,
+                   **{f"{name}_token": token for name, token in specials.items()}}, f)
+    if classifier or pooling is None:
+        return str(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True}, f)
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    return str(path)

@@ -143,6 +143,20 @@ class KernelBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
+    def gelu_erf(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact (erf) GELU, x * Phi(x), elementwise in fp32 and rounded once to x's dtype; an element's bits
+        never depend on where it sits or how many rows share the call."""
+        if self.fused is not None and x.device.type == "cpu":
+            return self.fused.gelu_erf(x)
+        return _gelu_erf_reference(x)
+
+    def gelu_erf_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_erf(gate) * up for a fused (T, 2I) gate|up (ModernBERT's GeGLU), rounding where torch's ops would."""
+        if self.fused is not None and gate_up.device.type == "cpu":
+            return self.fused.gelu_erf_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _gelu_erf_reference(gate) * up
+
     def xielu(self, x: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
         """Apertus' xIELU (alpha_p, alpha_n after their softplus), elementwise, rounding where torch's ops would."""
         if self.fused is not None and x.device.type == "cpu":
@@ -251,6 +265,16 @@ class KernelBackend:
         if self._runs_recurrent(x):
             return self.recurrent.sigmoid(x)
         return torch.sigmoid(x)
+
+
+def _gelu_erf_reference(x: torch.Tensor) -> torch.Tensor:
+    """x * Phi(x) in fp32, rounded once.
+
+    NOTE: not torch's gelu: its vector body and scalar tail compute erf differently (1452 of 4096 fp32 values
+    differ) and it splits its range at element counts, so a row's bits would depend on the batch. torch's ndtr
+    runs one scalar formula (std::erf) for every element: a row is the same alone or in any batch."""
+    x32 = x.float()
+    return torch.special.ndtr(x32).mul_(x32).to(x.dtype)
 
 
 _ATTR = {"gemm": "gemm", "attention": "attention", "fused_ops": "fused", "qgemm": "qgemm", "recurrent": "recurrent"}

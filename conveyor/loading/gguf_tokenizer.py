@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.family_templates import FAMILY_CHAT_TEMPLATES
@@ -17,6 +17,7 @@ from conveyor.loading.tokenizer import Tokenizer, build_tokenizer
 logger = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+PHANTOM_SPACE = "\u2581"  # the `bert` vocabulary's mark of a word start
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -44,6 +45,9 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens") or []
     if not tokens:
         raise LoadError(f"{source}: GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    token_types = field_value(reader, "tokenizer.ggml.token_type") or []
+    if kind in ENCODER_TOKENIZERS:
+        return _encoder_tokenizer(reader, kind, tokens, token_types, source)
     if kind == "gpt2":
         backend = _byte_level_bpe(reader, tokens)
     elif kind == "llama":
@@ -51,9 +55,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     elif kind == "gemma4":
         backend = _sentencepiece_bpe(reader, tokens, newline_runs=True)
     else:
-        raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; "
-                        "supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4 (SentencePiece-style BPE)")
-    token_types = field_value(reader, "tokenizer.ggml.token_type") or []
+        raise LoadError(f"{source}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE), llama "
+                        "(SentencePiece), gemma4 (SentencePiece-style BPE), bert (WordPiece), t5 (Unigram)")
     _add_special_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
 
     def token(key: str) -> str | None:
@@ -74,6 +77,89 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
         template = FAMILY_CHAT_TEMPLATES[arch]
     return build_tokenizer(backend, special, template,
                            extra_eos_ids=[i for i in extra_eos if i is not None], add_bos=add_bos, add_eos=add_eos)
+
+
+# The encoders' vocabularies: `tokenizer.ggml.model` -> the keys of the ids a text is wrapped in (CLS, SEP) with
+# llama.cpp's defaults where the file names none (llama-vocab.cpp: WPM wraps in bos and sep; UGM in bos and eos).
+ENCODER_TOKENIZERS = {"bert": (("bos", 101), ("seperator", 102)), "t5": (("bos", None), ("eos", None))}
+
+
+def _encoder_tokenizer(reader: gguf.GGUFReader, kind: str, tokens: list[str], token_types: list[int],
+                       source: str) -> Tokenizer:
+    """An encoder's tokenizer: each text wrapped as `cls a sep` by its post-processor, whatever the add_* flags."""
+    def token_id(key: str, default: int | None = None) -> int | None:
+        index = field_value(reader, f"tokenizer.ggml.{key}_token_id", default)
+        return index if index is not None and 0 <= index < len(tokens) else None
+
+    (cls_key, cls_default), (sep_key, sep_default) = ENCODER_TOKENIZERS[kind]
+    cls, sep = token_id(cls_key, cls_default), token_id(sep_key, sep_default)
+    unk = token_id("unknown", 100 if kind == "bert" else None)
+    if cls is None or sep is None:
+        raise LoadError(f"{source}: the {kind} vocabulary names no {cls_key} and {sep_key} tokens to wrap texts in")
+    if kind == "bert":
+        tokens = _wordpiece_spelling(tokens, token_types)
+        backend = _wordpiece(reader, tokens, tokens[unk] if unk is not None else "[UNK]")
+        # transformers' BERT template: the second text (a reranker's document) has token type 1
+        pair = f"{tokens[cls]}:0 $A:0 {tokens[sep]}:0 $B:1 {tokens[sep]}:1"
+    else:
+        backend = _unigram(reader, tokens, unk)
+        pair = f"{tokens[cls]} $A {tokens[sep]} {tokens[sep]} $B {tokens[sep]}"  # XLM-R's RobertaProcessing
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[cls]} $A {tokens[sep]}", pair=pair, special_tokens=[(tokens[cls], cls), (tokens[sep], sep)])
+    _add_special_tokens(backend, tokens, token_types, byte_level=False)
+
+    def token(index: int | None) -> str | None:
+        return tokens[index] if index is not None else None
+
+    special = {"bos_token": token(cls), "eos_token": token(sep), "cls_token": token(cls), "sep_token": token(sep),
+               "unk_token": token(unk), "pad_token": token(token_id("padding")), "mask_token": token(token_id("mask"))}
+    return build_tokenizer(backend, special, None)
+
+
+def _wordpiece_spelling(tokens: list[str], token_types: list[int]) -> list[str]:
+    """Undo convert_hf_to_gguf's phantom-space spelling of a WordPiece vocabulary: it wrote word starts as
+    "\u2581word" and continuations "##ing" as "ing" (control tokens as they were)."""
+    def spelled(token: str, kind: int) -> str:
+        if kind == CONTROL:
+            return token
+        return token[1:] if token.startswith(PHANTOM_SPACE) else "##" + token
+
+    return [spelled(token, kind) for token, kind in zip(tokens, token_types or [0] * len(tokens))]
+
+
+def _wordpiece(reader: gguf.GGUFReader, tokens: list[str], unk: str) -> tokenizers.Tokenizer:
+    """llama.cpp's `bert` (WPM) tokenizer as transformers' BertTokenizerFast: BertNormalizer (lowercase and
+    strip_accents as the file says, both on by default as in llama.cpp), whitespace, punctuation and CJK splits,
+    then the longest known piece first."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    backend = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    lowercase = bool(field_value(reader, "tokenizer.ggml.normalizer.lowercase", True))
+    strip_accents = bool(field_value(reader, "tokenizer.ggml.normalizer.strip_accents", lowercase))
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                    strip_accents=strip_accents, lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    return backend
+
+
+def _unigram(reader: gguf.GGUFReader, tokens: list[str], unk: int | None) -> tokenizers.Tokenizer:
+    """llama.cpp's `t5` (UGM) vocabulary, as XLM-RoBERTa's is converted, like transformers' XLMRobertaTokenizerFast:
+    SentencePiece's precompiled normalizer, whitespace runs dropped (remove_extra_whitespaces), Metaspace, then
+    Unigram by the file's scores."""
+    scores = field_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    backend = tokenizers.Tokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores)], unk_id=unk,
+                                                  byte_fallback=False))
+    charsmap = field_value(reader, "tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        backend.normalizer = normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap))
+    scheme = "always" if field_value(reader, "tokenizer.ggml.add_space_prefix", True) else "never"
+    metaspace = pre_tokenizers.Metaspace(replacement=PHANTOM_SPACE, prepend_scheme=scheme)
+    backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace])
+                             if field_value(reader, "tokenizer.ggml.remove_extra_whitespaces", True) else metaspace)
+    backend.decoder = decoders.Metaspace(replacement=PHANTOM_SPACE, prepend_scheme=scheme)
+    return backend
 
 
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:

@@ -20,7 +20,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.family import Family, register
-from conveyor.models.layers import LayerNorm, RowInvariantLinear, gelu_erf
+from conveyor.models.layers import LayerNorm, RowInvariantLinear
 from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, tensor_getters
 
@@ -31,6 +31,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads
 EMBEDDINGS = "embeddings."
 POOLER = "pooler.dense."  # the CLS row's dense + tanh: kept when present (a BERT cross-encoder's head reads it)
 QKV = ("query", "key", "value")
+# XLMRobertaForSequenceClassification's head (bge-reranker): tanh(dense(first row)), then out_proj to the labels.
+CLASSIFIER = ("classifier.dense.", "classifier.out_proj.")
 
 
 def _layer(i: int) -> str:
@@ -65,12 +67,13 @@ class BertMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
+        self.ops = ops
         self.up_proj = RowInvariantLinear(config.hidden_size, config.intermediate_size, True, ops)
         self.down_proj = RowInvariantLinear(config.intermediate_size, config.hidden_size, True, ops)
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.down_proj(gelu_erf(self.up_proj(x))))
+        return self.norm(x + self.down_proj(self.ops.gelu_erf(self.up_proj(x))))
 
 
 class BertLayer(nn.Module):
@@ -95,6 +98,9 @@ class BertModel(nn.Module):
         self.embed_norm = LayerNorm(hidden, config.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(config, ops) for _ in range(config.num_hidden_layers))
         self.pooler: RowInvariantLinear | None = None  # set at load when the checkpoint has one
+        # A cross-encoder's head, fp32 (weight, bias) pairs (set at load; None: an embedder). It sees one row per
+        # text, so a plain matmul is row-invariant.
+        self.classifier: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError(f"{self.config.architecture} is an encoder without an LM head: it cannot generate "
@@ -113,6 +119,16 @@ class BertModel(nn.Module):
                 x = x[rows]
             x = layer.mlp(x)
         return x
+
+    @property
+    def has_classifier(self) -> bool:
+        return self.classifier is not None
+
+    def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits (R, labels) from each text's first-token hidden state (R, hidden)."""
+        (dense_w, dense_b), (out_w, out_b) = self.classifier
+        x = torch.tanh(nn.functional.linear(first_rows.float(), dense_w, dense_b))
+        return nn.functional.linear(x, out_w, out_b)
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """transformers' order: (word + token type) + position, then LayerNorm; every token is type 0."""
@@ -151,6 +167,9 @@ class BertModel(nn.Module):
             linear(mlp.up_proj, [p + "intermediate.dense"])
             linear(mlp.down_proj, [p + "output.dense"])
             norm(mlp.norm, p + "output.LayerNorm")
+        if CLASSIFIER[1] + "weight" in weights:
+            self.classifier = [(loader.dense(get(n + "weight")).float(), loader.dense(get(n + "bias")).float())
+                               for n in CLASSIFIER]
         if POOLER + "weight" in weights:
             self.pooler = RowInvariantLinear(self.config.hidden_size, self.config.hidden_size, True, self.ops)
             linear(self.pooler, [POOLER.rstrip(".")])
@@ -172,6 +191,10 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"position_embedding_type {kind!r}")
     if raw.get("is_decoder") or raw.get("add_cross_attention"):
         raise NotImplementedError("BERT as a decoder (is_decoder, add_cross_attention)")
+    if raw.get("model_type") == "bert" and any(str(a).endswith("ForSequenceClassification")
+                                               for a in raw.get("architectures") or ()):
+        # its second text is token type 1, which the engine does not carry yet: scores would be silently wrong
+        raise NotImplementedError("BERT cross-encoders (BertForSequenceClassification)")
     act = raw.get("hidden_act", "gelu")
     if act != "gelu":
         raise NotImplementedError(f"hidden_act {act!r}")
@@ -203,4 +226,5 @@ def weight_names(config: ModelConfig) -> list[str]:
 register(Family("bert", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"bert.": ""},
                 weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias")),
          Family("xlm-roberta", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"roberta.": ""},
-                weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias")))
+                weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias", *(
+                    part + kind for part in CLASSIFIER for kind in ("weight", "bias")))))

@@ -10,7 +10,7 @@ from conveyor.models.family import Family, register
 FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", "glm4", "exaone4", "ernie4_5",
                   "seed_oss", "hunyuan_dense", "apertus", "gemma4", "gemma3n", "mixtral", "qwen3_moe", "olmoe",
                   "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_next", "granite_hybrid",
-                  "nemotron_h", "falcon_h1", "mamba2", "bert")
+                  "nemotron_h", "falcon_h1", "mamba2", "bert", "modernbert", "nomic_bert")
 
 register(*(Family(architecture, "conveyor.models.llama:LlamaForCausalLM")
            for architecture in ("llama", "mistral", "qwen2", "qwen3")))

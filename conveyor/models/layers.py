@@ -34,26 +34,16 @@ class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias (the encoders', BERT's), in fp32 and rounded back once, as torch's
     bf16 kernel does. torch's CPU kernel reduces each row on its own, so a row's bits do not depend on its batch."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, bias: bool = True) -> None:
         super().__init__()
-        # meta placeholders: loading assigns both (models/weights.py)
+        # meta placeholders: loading assigns them (models/weights.py); no bias: ModernBERT's norm_bias=False
         self.weight = nn.Parameter(torch.empty(size, device="meta"), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(size, device="meta"), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(size, device="meta"), requires_grad=False) if bias else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, size) -> (T, size)
-        return nn.functional.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(),
-                                        self.eps).to(x.dtype)
-
-
-def gelu_erf(x: torch.Tensor) -> torch.Tensor:
-    """The exact (erf) GELU, x * Phi(x), in fp32 and rounded back once.
-
-    NOTE: not torch's gelu: its vector body and scalar tail compute erf differently (1452 of 4096 fp32 values
-    differ) and it splits its range at element counts, so a row's bits would depend on the batch. torch's ndtr
-    runs one scalar formula (std::erf) for every element: a row is the same alone or in any batch."""
-    x32 = x.float()
-    return torch.special.ndtr(x32).mul_(x32).to(x.dtype)
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
 
 
 @dataclass(frozen=True)

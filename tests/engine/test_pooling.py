@@ -88,3 +88,58 @@ def test_gguf_pooling_type_makes_an_embedder(tmp_path):
     assert declared.embed("hello, world") == flagged.embed("hello, world")
     with pytest.raises(LoadError, match="pooling_type"):
         LLM(model=write_tiny_gguf(tmp_path / "bad.gguf", q8, pooling_type=9))
+
+
+# (the third is longer than ModernBERT's tiny local window)
+ENCODER_TEXTS = ["the capital of france is paris.", "a fox and a dog", "vectors of text, 42 of them!", "x"]
+
+
+@pytest.mark.parametrize("kind,pooling", [("bert", "mean_tokens"), ("xlm-roberta", "cls_token"),
+                                          ("modernbert", "mean_tokens"), ("nomic_bert", "mean_tokens")])
+def test_encoders_match_sentence_transformers(tmp_path, kind, pooling):
+    """BERT with mean pooling (all-MiniLM's recipe) and XLM-R with CLS pooling (BGE's), bidirectional on our
+    kernels, against sentence-transformers' encode; bitwise alone vs batched."""
+    from tests.pooling_models import write_encoder
+
+    path = write_encoder(tmp_path / kind, kind, pooling)
+    llm = LLM(model=path, dtype="float32")
+    ours = torch.tensor(llm.embed(ENCODER_TEXTS))
+    torch.testing.assert_close(ours, sentence_transformers_vectors(path, ENCODER_TEXTS), atol=2e-5, rtol=1e-4)
+    assert llm.embed(ENCODER_TEXTS[0]) == [ours[0].tolist()]
+    llm.engine.kv.check_integrity()  # nothing cached: every block back
+
+
+def test_cross_encoder_scores_match_transformers(tmp_path):
+    """An XLM-R cross-encoder (bge-reranker's head) scores (query, document) pairs as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    from tests.pooling_models import write_encoder
+
+    path = write_encoder(tmp_path / "reranker", "xlm-roberta", classifier=True)
+    llm = LLM(model=path, dtype="float32")
+    assert llm.engine.pooling_task == "reranking"
+    hf = transformers.XLMRobertaForSequenceClassification.from_pretrained(path).eval()
+    backend = llm.tokenizer.backend
+    pairs = [("capital of france", "paris is the capital of france."), ("capital of france", "a dog")]
+    ids = [backend.encode(q, pair=d).ids for q, d in pairs]
+    ours = llm.embed(ids)
+    for (score,), pair_ids in zip(ours, ids):
+        with torch.no_grad():
+            logit = hf(torch.tensor([pair_ids])).logits[0, 0]
+        assert abs(score - torch.sigmoid(logit).item()) < 1e-5
+
+
+def test_pooling_engines_take_bf16_weights_on_amx_only():
+    """Prefill-only engines run GGUF blocks as bf16 where the AMX tile GEMM is the faster path; elsewhere, and
+    for generating models or an explicit --weight-dtype, the blocks stay."""
+    from conveyor.config import EngineConfig
+    from conveyor.engine.pooling_setup import pooling_weight_dtype
+    from conveyor.models.pooling import PoolingConfig
+
+    embedder, generator = tiny_checkpoint(), tiny_checkpoint()
+    embedder.pooling = PoolingConfig()
+    assert pooling_weight_dtype(EngineConfig(), embedder, "amx") == "bf16"
+    assert pooling_weight_dtype(EngineConfig(), embedder, "avx512_bf16") == "auto"
+    assert pooling_weight_dtype(EngineConfig(weight_dtype="q8_0"), embedder, "amx") == "q8_0"
+    assert pooling_weight_dtype(EngineConfig(dtype="float32"), embedder, "amx") == "auto"
+    assert pooling_weight_dtype(EngineConfig(), generator, "amx") == "auto"
+    assert pooling_weight_dtype(EngineConfig(embeddings=True), generator, "amx") == "bf16"

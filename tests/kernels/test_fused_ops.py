@@ -115,3 +115,81 @@ def test_argmax_rows_first_max_wins(n):
     logits[4, -1] = 100.0  # the max in the tail
     got = kernels.argmax_rows(logits)
     assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def _gelu_exact(x: torch.Tensor) -> torch.Tensor:
+    """x * Phi(x) in float64 (erfc: no cancellation in the negative tail)."""
+    x64 = x.double()
+    return x64 * 0.5 * torch.special.erfc(-x64 * 0.5 ** 0.5)
+
+
+def test_gelu_erf_is_exact_gelu_in_float32():
+    """Within a few fp32 ulps of x * Phi(x) everywhere Phi is normal, the negative tail included (where torch's
+    1 + erf cancels), and within torch's own error of torch's gelu."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.linspace(-13.5, 13.5, 270_001), torch.randn(100_000, generator=gen) * 3,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1.0, -1.0, 1.4142135, -1.4142135, 2.828427, -2.828427])])
+    got, want = kernels.gelu_erf(x), _gelu_exact(x)
+    normal = want.abs() > torch.finfo(torch.float32).tiny * 1e3
+    rel = ((got.double() - want).abs() / want.abs())[normal]
+    assert rel.max() < 1e-6, float(rel.max())
+    assert (got.double() - want).abs()[~normal].max() < 1e-36  # past -13: 0, a few 1e-37 from the exact value
+    # torch's vector erf (Abramowitz-Stegun 7.1.26) is 1.5e-7 off: its gelu up to |x| * 7.5e-8
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x), rtol=1e-6, atol=2e-6)
+
+
+def test_gelu_erf_specials():
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 0.0, -0.0, 20.0, -20.0])
+    got = kernels.gelu_erf(x)
+    assert got[0] == float("inf") and got[1].isnan() and got[2].isnan()  # -inf * Phi(-inf) = -inf * 0, as ndtr
+    assert got[3] == 1e30 and got[4] == 0 and got[5] == 0 and got[6] == 0
+    assert got[7] == 20.0 and got[8] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_erf_bits_do_not_depend_on_position_or_batch(dtype):
+    """Every element is one formula: the same bits in any lane, in a vector's tail, alone, and in any batch."""
+    x = (torch.randn(40, 100, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    got = kernels.gelu_erf(x)
+    flat = x.flatten()
+    for shift in range(17):  # every lane and tail position of 16- and 8-lane vectors
+        assert torch.equal(kernels.gelu_erf(flat[shift:shift + 77]), got.flatten()[shift:shift + 77])
+    assert all(torch.equal(kernels.gelu_erf(x[i:i + 1]), got[i:i + 1]) for i in (0, 17, 39))
+    wide = (torch.randn(24, 3072, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)  # past every grain
+    alone = torch.cat([kernels.gelu_erf(wide[i:i + 1]) for i in range(len(wide))])
+    assert all(torch.equal(kernels.gelu_erf(wide[:rows]), alone[:rows]) for rows in (5, 11, 17, 24))
+
+
+def test_gelu_erf_bf16_is_the_exact_value_rounded_once():
+    """bf16: the fp32 GELU rounded once, so the exact value's bf16 bar a rounding boundary; torch's bf16 gelu is ~86 %
+    the same here, its 1 + erf cancelling in the negative tail (0 below -5.5)."""
+    x = (torch.randn(64, 257, generator=torch.Generator().manual_seed(7)) * 4).bfloat16()
+    got = kernels.gelu_erf(x)
+    assert (got == _gelu_exact(x).bfloat16()).float().mean() > 0.999
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [120, 100, 13])
+def test_gelu_erf_mul_matches_torch_and_rows_stand_alone(dtype, inter):
+    gate_up = (torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(8)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = kernels.gelu_erf_mul(gate_up)
+    assert torch.equal(got, kernels.gelu_erf(gate) * up)  # gelu rounds to the dtype, then the product does
+    want = torch.nn.functional.gelu(gate) * up
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(kernels.gelu_erf_mul(gate_up[i:i + 1]), got[i:i + 1]) for i in (0, 17, 32))
+
+
+def test_gelu_erf_fallback_is_the_same_function():
+    """The torch fallback (no kernels) computes x * ndtr(x): close to the kernel's, and row-invariant too."""
+    fallback = resolve_backend("cpu", torch.float32, settings=KernelSettings(disable=True))
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(9)) * 4
+    # (torch's fp32 ndtr is (1 + erf) / 2: it cancels below x = -2 and is 0 below -5.5, so only absolutely close)
+    torch.testing.assert_close(fallback.gelu_erf(x), kernels.gelu_erf(x), rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(fallback.gelu_erf(x[i:i + 1]), fallback.gelu_erf(x)[i:i + 1]) for i in (0, 4, 8))
+    gate_up = torch.cat([x, x.flip(0)], dim=1)
+    torch.testing.assert_close(fallback.gelu_erf_mul(gate_up), kernels.gelu_erf_mul(gate_up), rtol=1e-6, atol=1e-6)

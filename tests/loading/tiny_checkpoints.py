@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tempfile
 
 import gguf
 import numpy as np
 import torch
 import transformers
+import tokenizers
 from safetensors.torch import load_file
 
 from conveyor.loading.gguf_config import llama3_rope_factors
@@ -609,3 +612,106 @@ def add_tiny_gemma4_vocab(writer: gguf.GGUFWriter) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_space_prefix(False)
     writer.add_add_bos_token(True)
+
+
+# sentence-transformers' pooling modes -> llama.cpp's pooling_type, as the converter's _try_set_pooling_type reads them
+_GGUF_POOLING = {"pooling_mode_mean_tokens": gguf.PoolingType.MEAN, "pooling_mode_cls_token": gguf.PoolingType.CLS,
+                 "pooling_mode_lasttoken": gguf.PoolingType.LAST}
+_NORMAL, _UNKNOWN, _CONTROL = 1, 2, 3  # llama.cpp token types
+
+
+def write_encoder_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32,
+                       extra: dict[str, np.ndarray] | None = None) -> str:
+    """A tiny BERT or XLM-RoBERTa directory (tests/pooling_models.py) as convert_hf_to_gguf's BertModel /
+    XLMRobertaModel write it: arch `bert`, the bert./roberta. prefix and the pooler dropped, XLM-R's position table
+    cut at its padding offset, matrices in `qtype` (the position and type tables, norms and biases F32), the pooling
+    from the sentence-transformers files, and the vocabulary as `bert` (WordPiece) or `t5` (Unigram); `extra`: more
+    tensors by GGUF name."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    roberta = cfg["model_type"] == "xlm-roberta"
+    offset = cfg["pad_token_id"] + 1 if roberta else 0
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"] - offset)
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_layer_norm_eps(cfg["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    pooling_path = os.path.join(hf_dir, "1_Pooling", "config.json")
+    if os.path.isfile(pooling_path):
+        with open(pooling_path) as f:
+            writer.add_pooling_type(next(_GGUF_POOLING[k] for k, on in json.load(f).items() if on is True))
+    writer.add_token_type_count(cfg["type_vocab_size"])
+    (_add_unigram_vocab if roberta else _add_wordpiece_vocab)(writer, hf_dir)
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        name = name.removeprefix("bert.").removeprefix("roberta.")
+        if name.startswith("pooler.") or name == "embeddings.position_ids":
+            continue
+        if name == "embeddings.position_embeddings.weight":
+            tensor = tensor[offset:]
+        gguf_name = gguf_family_name(name, "bert", cfg["num_hidden_layers"])
+        matrix = tensor.dim() == 2 and not gguf_name.startswith(("position_embd", "token_types"))
+        _add_tensor(writer, gguf_name, tensor.float().numpy(), qtype if matrix else None)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _hf_vocab(hf_dir: str) -> tuple[list[str], dict[str, str]]:
+    """tokenizer.json's tokens in id order, and tokenizer_config.json's named special tokens."""
+    backend = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    vocab = backend.get_vocab()
+    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+        settings = json.load(f)
+    specials = {key.removesuffix("_token"): value for key, value in settings.items()
+                if key.endswith("_token") and isinstance(value, str)}
+    return sorted(vocab, key=vocab.get), specials
+
+
+def _add_special_ids(writer: gguf.GGUFWriter, tokens: list[str], specials: dict[str, str], add_sep: bool) -> None:
+    """gguf-py's SpecialVocab: bos = the CLS token, eos = SEP (the template's first and last), no cls handler."""
+    index = tokens.index
+    writer.add_bos_token_id(index(specials["cls"]))
+    writer.add_eos_token_id(index(specials["sep"]))
+    writer.add_unk_token_id(index(specials["unk"]))
+    writer.add_sep_token_id(index(specials["sep"]))
+    writer.add_pad_token_id(index(specials["pad"]))
+    writer.add_mask_token_id(index(specials["mask"]))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(True)
+    writer.add_add_sep_token(add_sep)
+
+
+def _add_wordpiece_vocab(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+    """BertModel.set_vocab: the special tokens CONTROL and as they are, word starts "\u2581word", "##ing" as "ing"."""
+    tokens, specials = _hf_vocab(hf_dir)
+    control = set(specials.values())
+    writer.add_tokenizer_model("bert")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in tokens])
+    writer.add_token_types([_CONTROL if t in control else _NORMAL for t in tokens])
+    _add_special_ids(writer, tokens, specials, add_sep=False)
+    writer.add_bool("tokenizer.ggml.normalizer.lowercase", True)  # BertNormalizer's lowercase
+
+
+def _add_unigram_vocab(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+    """XLMRobertaModel's _xlmroberta_set_vocab: the pieces and their scores, <unk> UNKNOWN, the rest CONTROL."""
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        pieces = json.load(f)["model"]["vocab"]  # [[piece, score], ...] in id order
+    tokens, specials = _hf_vocab(hf_dir)
+    control = set(specials.values()) - {specials["unk"]}
+    writer.add_tokenizer_model("t5")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([piece for piece, _ in pieces])
+    writer.add_token_scores([float(score) for _, score in pieces])
+    writer.add_token_types([_UNKNOWN if p == specials["unk"] else _CONTROL if p in control else _NORMAL
+                            for p, _ in pieces])
+    writer.add_add_space_prefix(True)
+    writer.add_remove_extra_whitespaces(True)
+    _add_special_ids(writer, tokens, specials, add_sep=True)

@@ -8,10 +8,10 @@ import tokenizers
 import torch
 
 from conveyor.kernels import AttentionMetadata, resolve_backend
+from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.hf_loader import load_hf_dir
 from conveyor.models.bert import BertModel
 from conveyor.models.config import ModelConfig, ModelConfigError
-from conveyor.models.layers import gelu_erf
 from conveyor.models.registry import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -23,11 +23,12 @@ LENGTHS = (5, 11, 3)  # one forward: a block and a bit, three blocks less one, u
 
 
 def _hf_model(kind: str):
-    """A tiny random transformers encoder; the *ForSequenceClassification kinds save bert./roberta.-prefixed names
-    as cross-encoders ship (XLM-R's without a pooler)."""
+    """A tiny random transformers encoder; BertForMaskedLM and XLMRobertaForSequenceClassification save
+    bert./roberta.-prefixed names, as masked LMs and cross-encoders ship (neither with a pooler)."""
     if kind.startswith("bert"):
         cfg = transformers.BertConfig(**TINY, attn_implementation="eager")
-        cls = transformers.BertForSequenceClassification if kind == "bert_classifier" else transformers.BertModel
+        cls = {"bert_classifier": transformers.BertForSequenceClassification,
+               "bert_masked_lm": transformers.BertForMaskedLM}.get(kind, transformers.BertModel)
     else:
         cfg = transformers.XLMRobertaConfig(**TINY, max_position_embeddings=40, attn_implementation="eager")
         cls = (transformers.XLMRobertaForSequenceClassification if kind == "xlmr_classifier"
@@ -86,7 +87,13 @@ TABLES = [[5, 2], [9, 0, 7], [3]]  # scattered blocks on purpose
 ALONE_TABLES = [[[1, 4]], [[6, 8, 10]], [[12]]]  # other blocks when alone
 
 
-@pytest.mark.parametrize("kind", ["bert", "bert_classifier", "xlmr", "xlmr_classifier"])
+def test_a_bert_cross_encoder_is_refused(tmp_path):
+    """Its second text is token type 1, which the engine does not carry: refused rather than scored wrongly."""
+    with pytest.raises(LoadError, match="cross-encoder"):
+        load_hf_dir(_write_dir(_hf_model("bert_classifier"), tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["bert", "bert_masked_lm", "xlmr", "xlmr_classifier"])
 def test_rows_match_transformers_and_alone(kind, tmp_path):
     hf = _hf_model(kind)
     checkpoint = load_hf_dir(_write_dir(hf, tmp_path))
@@ -154,6 +161,7 @@ def test_config_fields():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_rows_are_batch_invariant(dtype):
     """Past torch's threading threshold (its gelu splits the range there): each row is its bits alone."""
+    gelu_erf = resolve_backend(torch.device("cpu"), dtype).gelu_erf
     x = (torch.randn(24, 3072, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     alone = torch.cat([gelu_erf(x[i:i + 1]) for i in range(len(x))])
     for rows in (5, 11, 17, 24):

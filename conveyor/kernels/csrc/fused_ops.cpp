@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -399,6 +400,216 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// The exact (erf) GELU, x * Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2, computed in fp32 and rounded once (BERT's
+// act, ModernBERT's GeGLU). torch's own gelu computes erf one way in its vector body and another in its scalar tail,
+// and splits its range at element counts, so a row's bits would depend on the batch. Here every element of one build
+// runs one formula: the vector levels (fp32 and bf16) run the same lane ops on every element, the tail masked
+// (AVX-512) or padded (AVX2); other levels and dtypes take one scalar std::erfc in double per element.
+//
+// The vector formula is Cephes' ndtrf in z = x / sqrt 2, its erff/erfcf polynomials evaluated with FMAs:
+//   |z| < 1: Phi = 1/2 + erf(z) / 2, erf(z) = z T(z^2)
+//   |z| >= 1: erfc(|z|) = exp(-x^2 / 2) q P(q^2), q = 1 / |z| (P below |z| = 2, R beyond); Phi = erfc / 2 for
+//   x < 0, else 1 - erfc / 2. exp's argument is -x^2 / 2 with x^2 split exactly into hi + lo (an FMA):
+//   exp(-hi / 2) (1 - lo / 2) keeps the negative tail's relative error at the polynomials' (Cephes' erfcf,
+//   which rounds x^2, is 4e-6 there). Past |x| = 13 (Phi(-13) = 6e-39) Phi is 0 or 1.
+constexpr float kSqrtHalf = 0.70710678118654752f, kGeluErfLimit = 13.f;
+constexpr float kErfT[] = {7.853861353153693e-5f, -8.010193625184903e-4f, 5.188327685732524e-3f,
+                           -2.685381193529856e-2f, 1.128358514861418e-1f, -3.761262582423300e-1f,
+                           1.128379165726710e+0f};  // erf(z) = z T(z^2), |z| < 1
+constexpr float kErfcP[] = {2.326819970068386e-2f, -1.387039388740657e-1f, 3.687424674597105e-1f,
+                            -5.824733027278666e-1f, 6.210004621745983e-1f, -4.944515323274145e-1f,
+                            3.404879937665872e-1f, -2.741127028184656e-1f, 5.638259427386472e-1f};  // 1 <= |z| < 2
+constexpr float kErfcR[] = {-1.047766399936249e+1f, 1.297719955372516e+1f, -7.495518717768503e+0f,
+                            2.921019019210786e+0f, -1.015265279202700e+0f, 4.218463358204948e-1f,
+                            -2.820767439740514e-1f, 5.641895067754075e-1f};  // |z| >= 2
+
+// The scalar levels (and fp16, fp64 everywhere): erfc in double, one rounding to the dtype.
+template <typename scalar_t>
+inline scalar_t gelu_erf_scalar(scalar_t x) {
+  const double xd = static_cast<double>(x);
+  return static_cast<scalar_t>(xd * (0.5 * std::erfc(xd * -0.70710678118654752440)));
+}
+
+#if defined(__AVX512F__)
+using FloatVec = __m512;
+constexpr int64_t kFloatLanes = 16;
+
+template <size_t N>
+inline __m512 horner(__m512 y, const float (&c)[N]) {
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c[i]));
+  return p;
+}
+
+inline __m512 gelu_erf_ps(__m512 x) {
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f), limit = _mm512_set1_ps(kGeluErfLimit);
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+  const __m512 z = _mm512_mul_ps(xc, _mm512_set1_ps(kSqrtHalf));
+  const __m512 a = _mm512_abs_ps(z);
+  // 1/2 + (z / 2) T(z^2) in one rounding: Phi falls to 0.08 at z = -1, so every rounding before it counts six-fold
+  const __m512 phi_in = _mm512_fmadd_ps(_mm512_mul_ps(half, z), horner(_mm512_mul_ps(z, z), kErfT), half);
+  const __m512 hi = _mm512_mul_ps(xc, xc);
+  const __m512 lo = _mm512_fmsub_ps(xc, xc, hi);  // x^2 - hi, exactly
+  __m512 e = exp_ps(_mm512_mul_ps(_mm512_set1_ps(-0.5f), hi));
+  e = _mm512_fnmadd_ps(_mm512_mul_ps(half, lo), e, e);  // exp(-x^2 / 2), to second order in lo
+  const __m512 q = _mm512_div_ps(one, a);  // inf at z = 0: that lane takes phi_in
+  const __m512 y = _mm512_mul_ps(q, q);
+  const __m512 p = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(2.f), _CMP_LT_OQ), horner(y, kErfcR),
+                                        horner(y, kErfcP));
+  const __m512 tail = _mm512_mul_ps(half, _mm512_mul_ps(_mm512_mul_ps(e, q), p));  // Phi(-|x|)
+  const __m512 phi_out = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                          _mm512_sub_ps(one, tail), tail);
+  __m512 phi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, one, _CMP_LT_OQ), phi_out, phi_in);
+  phi = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_sub_ps(_mm512_setzero_ps(), limit), _CMP_NLT_UQ), phi);
+  return _mm512_mul_ps(x, phi);
+}
+
+inline __m512 vec_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 load_lanes(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes_mask(n), p); }
+inline __m512 load_lanes(const c10::BFloat16* p, int64_t n) { return load_bf16(p, lanes_mask(n)); }
+inline void store_lanes(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, lanes_mask(n), v); }
+inline void store_lanes(c10::BFloat16* p, __m512 v, int64_t n) { store_bf16(p, v, lanes_mask(n)); }
+inline __m512 round_lanes(const float*, __m512 v) { return v; }
+inline __m512 round_lanes(const c10::BFloat16*, __m512 v) { return round_bf16(v); }
+#elif defined(CONVEYOR_AVX2)
+using FloatVec = __m256;
+constexpr int64_t kFloatLanes = 8;
+
+template <size_t N>
+inline __m256 horner(__m256 y, const float (&c)[N]) {
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(c[i]));
+  return p;
+}
+
+inline __m256 gelu_erf_ps(__m256 x) {  // the AVX-512 path's ops, 8 lanes
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f), limit = _mm256_set1_ps(kGeluErfLimit);
+  const __m256 neg_limit = _mm256_set1_ps(-kGeluErfLimit);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, neg_limit), limit);
+  const __m256 z = _mm256_mul_ps(xc, _mm256_set1_ps(kSqrtHalf));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), z);
+  const __m256 phi_in = _mm256_fmadd_ps(_mm256_mul_ps(half, z), horner(_mm256_mul_ps(z, z), kErfT), half);
+  const __m256 hi = _mm256_mul_ps(xc, xc);
+  const __m256 lo = _mm256_fmsub_ps(xc, xc, hi);
+  __m256 e = exp_ps(_mm256_mul_ps(_mm256_set1_ps(-0.5f), hi));
+  e = _mm256_fnmadd_ps(_mm256_mul_ps(half, lo), e, e);
+  const __m256 q = _mm256_div_ps(one, a);
+  const __m256 y = _mm256_mul_ps(q, q);
+  const __m256 p = _mm256_blendv_ps(horner(y, kErfcR), horner(y, kErfcP),
+                                    _mm256_cmp_ps(a, _mm256_set1_ps(2.f), _CMP_LT_OQ));
+  const __m256 tail = _mm256_mul_ps(half, _mm256_mul_ps(_mm256_mul_ps(e, q), p));
+  const __m256 phi_out = _mm256_blendv_ps(_mm256_sub_ps(one, tail), tail,
+                                      _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  __m256 phi = _mm256_blendv_ps(phi_out, phi_in, _mm256_cmp_ps(a, one, _CMP_LT_OQ));
+  phi = _mm256_and_ps(phi, _mm256_cmp_ps(x, neg_limit, _CMP_NLT_UQ));
+  return _mm256_mul_ps(x, phi);
+}
+
+inline __m256 vec_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+
+inline __m256 load_lanes(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float buf[8] = {0.f};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(float));
+  return _mm256_load_ps(buf);
+}
+inline __m256 load_lanes(const c10::BFloat16* p, int64_t n) { return load_bf16(p, n); }
+
+inline void store_lanes(float* p, __m256 v, int64_t n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(p, v);
+    return;
+  }
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
+}
+inline void store_lanes(c10::BFloat16* p, __m256 v, int64_t n) {
+  if (n >= 8) store_bf16(p, v);
+  else store_bf16_tail(p, v, n);
+}
+inline __m256 round_lanes(const float*, __m256 v) { return v; }
+inline __m256 round_lanes(const c10::BFloat16*, __m256 v) { return round_bf16(v); }
+#endif
+
+#if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
+template <typename scalar_t>
+constexpr bool kVectorGelu = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+// n elements from their own pointers (locals: the vector stores may alias anything the caller captured).
+template <typename scalar_t>
+void gelu_erf_span(const scalar_t* x, scalar_t* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += kFloatLanes) store_lanes(out + j, gelu_erf_ps(load_lanes(x + j, n - j)), n - j);
+}
+
+// gelu(gate) rounds to the dtype, then the product does, as torch's two ops.
+template <typename scalar_t>
+void gelu_erf_mul_span(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += kFloatLanes) {
+    const FloatVec gelu = round_lanes(gate, gelu_erf_ps(load_lanes(gate + j, n - j)));
+    store_lanes(out + j, vec_mul(gelu, load_lanes(up + j, n - j)), n - j);
+  }
+}
+#else
+template <typename scalar_t>
+constexpr bool kVectorGelu = false;
+
+template <typename scalar_t>
+void gelu_erf_span(const scalar_t*, scalar_t*, int64_t) {}
+
+template <typename scalar_t>
+void gelu_erf_mul_span(const scalar_t*, const scalar_t*, scalar_t*, int64_t) {}
+#endif
+
+// Elementwise: any split of the range gives every element the same bits.
+template <typename scalar_t>
+void gelu_erf_elements(const scalar_t* x, scalar_t* out, int64_t n) {
+  conveyor_parallel::parallel_for(0, n, 4096, [=](int64_t begin, int64_t end) {
+    if constexpr (kVectorGelu<scalar_t>) {
+      gelu_erf_span(x + begin, out + begin, end - begin);
+    } else {
+      for (int64_t i = begin; i < end; ++i) out[i] = gelu_erf_scalar(x[i]);
+    }
+  });
+}
+
+// gelu_erf(gate) * up over a fused (T, 2I) gate|up (ModernBERT's GeGLU: Wi's input|gate halves).
+template <typename scalar_t>
+void gelu_erf_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t inter) {
+  conveyor_parallel::parallel_for(0, rows, kRowGrain, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gate_up + r * 2 * inter;
+      if constexpr (kVectorGelu<scalar_t>) {
+        gelu_erf_mul_span(g, g + inter, out + r * inter, inter);
+      } else {
+        for (int64_t j = 0; j < inter; ++j)
+          out[r * inter + j] = round_to<scalar_t>(static_cast<float>(gelu_erf_scalar(g[j])) *
+                                                  static_cast<float>(g[inter + j]));
+      }
+    }
+  });
+}
+
+torch::Tensor gelu_erf(torch::Tensor x) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_erf", [&] {
+    gelu_erf_elements<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.numel());
+  });
+  return out;
+}
+
+torch::Tensor gelu_erf_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_erf_mul: expects (T, 2I)");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gelu_erf_mul", [&] {
+    gelu_erf_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter);
+  });
+  return out;
+}
+
 // Apertus' xIELU, with its four per-layer scalars already as transformers computes them (alpha_p and alpha_n
 // after their softplus): x > 0: alpha_p * x * x + beta * x; else (expm1(min(x, eps)) - x) * alpha_n + beta * x,
 // rounding to the dtype after each op as torch's chain of ops does. Scalar per element (torch's expm1 splits
@@ -539,6 +750,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) with torch's rounding (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
+  m.def("gelu_erf", &gelu_erf, "the exact (erf) GELU, one formula for every element (CPU)", release());
+  m.def("gelu_erf_mul", &gelu_erf_mul, "gelu_erf(gate) * up over a fused (T, 2I) gate|up (CPU)", release());
   m.def("xielu", &xielu, "Apertus' xIELU activation with torch's rounding, per element (CPU)", release());
   m.def("argmax_rows", &argmax_rows, "first-max argmax per row (CPU)", release());
   m.def("rope_write_kv", &rope_write_kv, "rotary on q|k and K/V scatter into cache slots (CPU)", release());

@@ -1,0 +1,249 @@
+"""ModernBERT encoders (embedders): transformers' ModernBertModel, pre-LN with rotary positions.
+
+    embeddings: tok_embeddings, LayerNorm (no position table: rotary on q and k)
+    each layer: x = x + Wo(attention(rope(Wqkv(LN(x))))); x = x + Wo(gelu(input) * gate), input|gate = Wi(LN(x))
+    final_norm after the last layer; layer 0 has no attention LayerNorm; LayerNorms without bias (norm_bias=False)
+
+Every `global_attn_every_n_layers`-th layer (0, 3, 6, ...) attends globally, with rope base `global_rope_theta`;
+the others attend a bidirectional window: row i sees keys j with |i - j| <= local_attention / 2 (transformers'
+sliding_window), with rope base `local_rope_theta`.
+
+Global layers run the paged kernel as BERT's do: every row's token_pos is its sequence's last position
+(runner/model_runner.py), so each row sees all of its keys. A local window cannot be said that way: the kernel's
+window is the last `window` keys up to token_pos, and a row near a sequence's end needs fewer keys before it than
+one in the middle. So local layers attend in torch, straight from this forward's q, k, v (the whole sequence is
+always in one forward): one sequence at a time, in query chunks against their band of keys, in fp32. Each chunk's
+inputs are fresh copies, so a row's bits depend on its own sequence only, never on its place in the batch; local
+layers keep no K/V (cache_specs lists the global layers only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from conveyor.kernels import AttentionMetadata, KernelBackend
+from conveyor.models.cache_specs import CacheSpec, KVSpec
+from conveyor.models.config import ModelConfig
+from conveyor.models.family import Family, register
+from conveyor.models.layers import LayerNorm, RotaryEmbedding, RowInvariantLinear
+from conveyor.models.tensors import Weight
+from conveyor.models.weights import WeightLoader, tensor_getters
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
+
+EMBEDDINGS = "embeddings."
+# Query rows per block of local attention: scores are (heads, CHUNK, CHUNK + 2 * half window) fp32 at a time.
+CHUNK = 128
+
+
+def _layer(i: int) -> str:
+    return f"layers.{i}."
+
+
+class ModernBertAttention(nn.Module):
+    """Fused Wqkv, rotary (in fp32, rounded once, as transformers), global or bidirectional-window attention, Wo."""
+
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
+        self.qkv_proj = RowInvariantLinear(hidden, 3 * width, config.attention_bias, ops)
+        self.o_proj = RowInvariantLinear(width, hidden, config.attention_bias, ops)
+        self.half_window = config.window(layer)  # 0: global
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, 3 * self.num_heads, self.head_dim)  # (T, 3H, D)
+        q, k, v = qkv.split(self.num_heads, dim=1)  # (T, H, D) each
+        q, k = (RotaryEmbedding.apply(t.float(), *rope).to(x.dtype) for t in (q, k))
+        if self.half_window:
+            out = _banded_attention(q, k, v, meta.seq_token_counts, self.half_window, self.scale)
+        else:
+            self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+            out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: list[int], half_window: int,
+                      scale: float) -> torch.Tensor:
+    """q, k, v (T, H, D): whole sequences of `counts` rows, end to end -> (T, H, D); row i of a sequence attends its
+    keys j with |i - j| <= half_window. Query rows go CHUNK at a time against the keys their band reaches:
+
+        keys   [lo - w ........................ hi + w)
+        rows          [lo ........... hi)        (w: half_window)
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for count in counts:
+        for lo in range(0, count, CHUNK):
+            hi = min(lo + CHUNK, count)
+            first, end = max(0, lo - half_window), min(count, hi + half_window)
+            rows = _heads_first(q[start + lo:start + hi])  # (H, R, D)
+            keys, values = _heads_first(k[start + first:start + end]), _heads_first(v[start + first:start + end])
+            scores = torch.matmul(rows, keys.transpose(1, 2)).mul_(scale)  # (H, R, K)
+            offsets = (torch.arange(lo, hi, device=q.device)[:, None]
+                       - torch.arange(first, end, device=q.device)[None, :])  # (R, K)
+            scores.masked_fill_((offsets.abs() > half_window)[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start + lo:start + hi] = torch.matmul(probs, values).transpose(0, 1)  # (R, H, D)
+        start += count
+    return out
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """(R, H, D) -> a fresh contiguous fp32 (H, R, D): the matmuls see the same buffer layout wherever the rows sat."""
+    return x.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+class ModernBertMLP(nn.Module):
+    """GeGLU: Wi gives input|gate, Wo(gelu(input) * gate), the exact GELU rounded before the product."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.ops = ops
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.up_proj = RowInvariantLinear(hidden, 2 * inter, config.mlp_bias, ops)
+        self.down_proj = RowInvariantLinear(inter, hidden, config.mlp_bias, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.gelu_erf_mul(self.up_proj(x)))
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelBackend) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.attn_norm = LayerNorm(config.hidden_size, eps, bias=False) if layer else None  # layer 0: identity
+        self.attention = ModernBertAttention(config, layer, ops)
+        self.mlp_norm = LayerNorm(config.hidden_size, eps, bias=False)
+        self.mlp = ModernBertMLP(config, ops)
+
+
+class ModernBertModel(nn.Module):
+    """The encoder's last hidden states (after final_norm) for pooling (models/pooling.py); it has no LM head."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        hidden, positions = config.hidden_size, config.max_position_embeddings
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, hidden, device="meta")  # assigned at load
+        self.embed_norm = LayerNorm(hidden, config.layer_norm_eps, bias=False)
+        self.layers = nn.ModuleList(ModernBertLayer(config, i, ops) for i in range(config.num_hidden_layers))
+        self.final_norm = LayerNorm(hidden, config.layer_norm_eps, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, None)
+        self.local_rotary = RotaryEmbedding(config.head_dim, positions, config.local_rope_theta, None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{self.config.architecture} is an encoder without an LM head: it cannot generate "
+                                  f"logits, only pool its hidden states (hidden_states)")
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> the final-normed output (len(rows), hidden) at the token rows `rows`, in the
+        model dtype. Whole sequences only; `meta.token_pos` is each sequence's last position on all its rows."""
+        x = self.embed_norm(self.embed_tokens(input_ids))  # (T, hidden)
+        # cos and sin rounded to the model dtype, as transformers hands them to its fp32 rotary
+        global_rope, local_rope = (tuple(t.float() for t in rotary.tables(positions, x.dtype))
+                                   for rotary in (self.rotary, self.local_rotary))
+        caches: Iterator[KVCache] = iter(kv_caches)  # the global layers', in order
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.attention
+            normed = x if layer.attn_norm is None else layer.attn_norm(x)
+            if attn.half_window:
+                x = x + attn(normed, local_rope, None, meta)
+            else:
+                x = x + attn(normed, global_rope, next(caches), meta)
+            if i == last:  # the MLP and final norm are per row: only the pooled rows need them
+                x = x[rows]
+            x = x + layer.mlp(layer.mlp_norm(x))
+        return self.final_norm(x)
+
+    def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
+        """Fill the model from transformers' names (a task model's `model.` prefix already stripped)."""
+        get, _ = tensor_getters(weights, loader, 0.0)
+        cfg = self.config
+
+        def linear(module: RowInvariantLinear, name: str, bias: bool) -> None:
+            loader.linear(module, [get(name + ".weight")], [get(name + ".bias")] if bias else None)
+
+        self.embed_tokens = loader.embedding(get(EMBEDDINGS + "tok_embeddings.weight"))
+        self.embed_norm.weight = loader.param(get(EMBEDDINGS + "norm.weight"))
+        for i, layer in enumerate(self.layers):
+            p = _layer(i)
+            if layer.attn_norm is not None:
+                layer.attn_norm.weight = loader.param(get(p + "attn_norm.weight"))
+            linear(layer.attention.qkv_proj, p + "attn.Wqkv", cfg.attention_bias)
+            linear(layer.attention.o_proj, p + "attn.Wo", cfg.attention_bias)
+            layer.mlp_norm.weight = loader.param(get(p + "mlp_norm.weight"))
+            linear(layer.mlp.up_proj, p + "mlp.Wi", cfg.mlp_bias)
+            linear(layer.mlp.down_proj, p + "mlp.Wo", cfg.mlp_bias)
+        self.final_norm.weight = loader.param(get("final_norm.weight"))
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """K/V in the block pool for the global layers only (kept just for the forward that writes it)."""
+        cfg = self.config
+        return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, 0)
+                for layer in self.layers if not layer.attention.half_window]
+
+
+def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ModernBertConfig (config.json of transformers 4.48+ or 5) -> ModelConfig fields.
+
+    sliding_window is the half window (transformers' own property): a local layer's row sees +-sliding_window."""
+    if raw.get("norm_bias"):
+        raise NotImplementedError("norm_bias (LayerNorm biases)")
+    act = raw.get("hidden_activation", "gelu")
+    if act != "gelu":
+        raise NotImplementedError(f"hidden_activation {act!r}")
+    hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
+    every = int(raw.get("global_attn_every_n_layers", 3))
+    types = raw.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    bias = bool(raw.get("attention_bias", False))
+    return dict(
+        num_key_value_heads=heads, head_dim=hidden // heads, hidden_act="gelu", bidirectional=True,
+        attention_bias=bias, attention_out_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)),
+        tie_word_embeddings=False, layer_norm_eps=float(raw.get("norm_eps", 1e-5)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+        sliding_window=int(raw.get("local_attention", 128)) // 2, layer_types=tuple(types), **_rope(raw),
+    )
+
+
+def _rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """Global and local rope bases: transformers 5 nests them per layer type in rope_parameters; older files
+    keep global_rope_theta and local_rope_theta."""
+    params = raw.get("rope_parameters") or {}
+    full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    for kind in (full, local, raw.get("rope_scaling") or {}):
+        rope_type = kind.get("rope_type", kind.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"rope_type {rope_type!r}")
+    return dict(rope_theta=float(full.get("rope_theta", raw.get("global_rope_theta", 160_000.0))),
+                local_rope_theta=float(local.get("rope_theta", raw.get("local_rope_theta", 10_000.0))),
+                rope_scaling=None)
+
+
+def weight_names(config: ModelConfig) -> list[str]:
+    """What ModernBertModel.load_weights reads, the token embeddings first (checkpoint.select_weights checks it)."""
+    names = [EMBEDDINGS + "tok_embeddings.weight", EMBEDDINGS + "norm.weight"]
+    for i in range(config.num_hidden_layers):
+        p = _layer(i)
+        names += [p + "attn_norm.weight"] if i else []
+        parts = [(p + "attn.Wqkv", config.attention_bias), (p + "attn.Wo", config.attention_bias),
+                 (p + "mlp.Wi", config.mlp_bias), (p + "mlp.Wo", config.mlp_bias)]
+        names += [f"{name}.{kind}" for name, bias in parts for kind in ("weight", "bias")[:1 + bias]]
+        names.append(p + "mlp_norm.weight")
+    return names + ["final_norm.weight"]
+
+
+# ModernBertFor* checkpoints (MaskedLM, SequenceClassification) keep the encoder under `model.`.
+register(Family("modernbert", "conveyor.models.modernbert:ModernBertModel", hf_fields, weight_renames={"model.": ""},
+                weight_names=weight_names))
