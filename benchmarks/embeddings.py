@@ -110,17 +110,20 @@ def write_minilm(out: Path, llama_src: Path, converter_libs: Path) -> None:
 
     hf = out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
+    # bert-base-uncased's layout: [PAD] 0, [unused*], [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103 (the ids
+    # llama.cpp assumes for a `bert` vocabulary whose file names no CLS / SEP)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    head = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + specials[1:]
     chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()[]{}<>=+-*/_#@$%&|~`^")
     counts = collections.Counter(w for w in " ".join(_docstring_words(2_000_000)).lower().split() if w.isalpha())
-    words = [w for w, _ in counts.most_common() if len(w) > 1][:30522 - len(specials) - 2 * len(chars)]
-    vocab_list = specials + chars + [f"##{c}" for c in chars] + words
-    vocab_list += [f"[unused{i}]" for i in range(30522 - len(vocab_list))]
+    words = [w for w, _ in counts.most_common() if len(w) > 1][:30522 - len(head) - 2 * len(chars)]
+    vocab_list = head + chars + [f"##{c}" for c in chars] + words
+    vocab_list += [f"[unused{i}]" for i in range(99, 99 + 30522 - len(vocab_list))]
     tok = tokenizers.Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab_list)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+                                                       special_tokens=[("[CLS]", 101), ("[SEP]", 102)])
     tok.add_special_tokens(specials)
     tok.save(str(hf / "tokenizer.json"))
     (hf / "tokenizer_config.json").write_text(json.dumps({
@@ -150,10 +153,12 @@ def write_minilm(out: Path, llama_src: Path, converter_libs: Path) -> None:
 def _docstring_words(limit: int) -> list[str]:
     """Words of the standard library's docstrings, up to `limit` of them."""
     words: list[str] = []
+    # (the standard library only: some installed packages act on sys.argv when imported)
     for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
         if len(words) > limit:
             break
-        if info.name.startswith("_") or info.name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
+        if (info.name not in sys.stdlib_module_names or info.name.startswith("_")
+                or info.name in ("antigravity", "this", "idlelib", "tkinter", "turtle")):
             continue
         try:
             module = importlib.import_module(info.name)

@@ -3,10 +3,9 @@
     embeddings: word + token type (0) + absolute position, LayerNorm
     each layer: x = LN(x + o(attention(qkv(x)))); x = LN(x + down(gelu(up(x))))
 
-XLM-RoBERTa is the same network with positions counted from pad_token_id + 1. Attention runs through the paged
-kernel as the decoders' does; it is bidirectional through the metadata alone: the runner gives every row of a
-sequence that sequence's last position as token_pos (runner/model_runner.py), so each row sees all of its keys,
-while `positions` keeps the real ones for the position table. The whole sequence is always in one forward.
+XLM-RoBERTa is the same network with positions counted from pad_token_id + 1. The whole sequence is always in one
+forward, so each row attends all of its text straight from this forward's q, k, v (models/encoder_attention.py:
+per text, on fresh fp32 copies, so bitwise the same alone or in any batch); nothing is kept in the K/V blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.encoder_attention import sequence_attention
 from conveyor.models.family import Family, register
 from conveyor.models.layers import LayerNorm, RowInvariantLinear
 from conveyor.models.tensors import Weight
@@ -56,9 +56,7 @@ class BertAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, 3 * self.num_heads, self.head_dim)  # (T, 3H, D)
         q, k, v = qkv.split(self.num_heads, dim=1)  # (T, H, D) each
-        self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        # every row's token_pos is its sequence's last position: it attends all of the sequence
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        out = sequence_attention(q, k, v, meta.seq_token_counts, self.scale)  # (T, H, D): all of its text
         return self.norm(x + self.o_proj(out.reshape(num_tokens, -1)))
 
 

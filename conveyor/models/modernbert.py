@@ -8,13 +8,11 @@ Every `global_attn_every_n_layers`-th layer (0, 3, 6, ...) attends globally, wit
 the others attend a bidirectional window: row i sees keys j with |i - j| <= local_attention / 2 (transformers'
 sliding_window), with rope base `local_rope_theta`.
 
-Global layers run the paged kernel as BERT's do: every row's token_pos is its sequence's last position
-(runner/model_runner.py), so each row sees all of its keys. A local window cannot be said that way: the kernel's
-window is the last `window` keys up to token_pos, and a row near a sequence's end needs fewer keys before it than
-one in the middle. So local layers attend in torch, straight from this forward's q, k, v (the whole sequence is
-always in one forward): one sequence at a time, in query chunks against their band of keys, in fp32. Each chunk's
-inputs are fresh copies, so a row's bits depend on its own sequence only, never on its place in the batch; local
-layers keep no K/V (cache_specs lists the global layers only).
+Every layer attends as the other encoders do (models/encoder_attention.py), straight from this forward's q, k, v
+(the whole sequence is always in one forward): one sequence at a time, in query chunks against the keys they
+reach (the whole text on global layers, the band on local ones), in fp32 on fresh copies, so a row's bits depend
+on its own sequence only. (The paged kernel's window is the last `window` keys up to a row's position: a
+symmetric band cannot be said that way.) Local layers keep no K/V (cache_specs lists the global layers only).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
+from conveyor.models.encoder_attention import sequence_attention
 from conveyor.models.family import Family, register
 from conveyor.models.layers import LayerNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.tensors import Weight
@@ -35,8 +34,6 @@ from conveyor.models.weights import WeightLoader, tensor_getters
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 
 EMBEDDINGS = "embeddings."
-# Query rows per block of local attention: scores are (heads, CHUNK, CHUNK + 2 * half window) fp32 at a time.
-CHUNK = 128
 
 
 def _layer(i: int) -> str:
@@ -62,43 +59,8 @@ class ModernBertAttention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, 3 * self.num_heads, self.head_dim)  # (T, 3H, D)
         q, k, v = qkv.split(self.num_heads, dim=1)  # (T, H, D) each
         q, k = (RotaryEmbedding.apply(t.float(), *rope).to(x.dtype) for t in (q, k))
-        if self.half_window:
-            out = _banded_attention(q, k, v, meta.seq_token_counts, self.half_window, self.scale)
-        else:
-            self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-            out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        out = sequence_attention(q, k, v, meta.seq_token_counts, self.scale, self.half_window)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
-
-
-def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: list[int], half_window: int,
-                      scale: float) -> torch.Tensor:
-    """q, k, v (T, H, D): whole sequences of `counts` rows, end to end -> (T, H, D); row i of a sequence attends its
-    keys j with |i - j| <= half_window. Query rows go CHUNK at a time against the keys their band reaches:
-
-        keys   [lo - w ........................ hi + w)
-        rows          [lo ........... hi)        (w: half_window)
-    """
-    out = torch.empty_like(q)
-    start = 0
-    for count in counts:
-        for lo in range(0, count, CHUNK):
-            hi = min(lo + CHUNK, count)
-            first, end = max(0, lo - half_window), min(count, hi + half_window)
-            rows = _heads_first(q[start + lo:start + hi])  # (H, R, D)
-            keys, values = _heads_first(k[start + first:start + end]), _heads_first(v[start + first:start + end])
-            scores = torch.matmul(rows, keys.transpose(1, 2)).mul_(scale)  # (H, R, K)
-            offsets = (torch.arange(lo, hi, device=q.device)[:, None]
-                       - torch.arange(first, end, device=q.device)[None, :])  # (R, K)
-            scores.masked_fill_((offsets.abs() > half_window)[None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[start + lo:start + hi] = torch.matmul(probs, values).transpose(0, 1)  # (R, H, D)
-        start += count
-    return out
-
-
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """(R, H, D) -> a fresh contiguous fp32 (H, R, D): the matmuls see the same buffer layout wherever the rows sat."""
-    return x.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 class ModernBertMLP(nn.Module):

@@ -5,9 +5,8 @@
 
 No linear has a bias; the LayerNorms have. Checkpoints keep nomic's own names (transformers 5 saves them so too,
 converting only in memory): emb_ln, encoder.layers.N.attn.Wqkv (q|k|v), mlp.fc11 (up), fc12 (gate), fc2, norm1,
-norm2; gate|up is fused at load. Attention runs through the paged kernel as BERT's does (bidirectional through the
-metadata: every row's token_pos is its sequence's last position), rotary fused into the K/V write where the kernels
-run, rounding after each op as transformers' rotary does.
+norm2; gate|up is fused at load. Attention is BERT's (models/encoder_attention.py: each row attends all of its text,
+from this forward's q, k, v), after rotary on q and k, rounding after each op as transformers' rotary does.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
+from conveyor.models.encoder_attention import sequence_attention
 from conveyor.models.family import Family, register
 from conveyor.models.layers import LayerNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.tensors import Weight
@@ -53,15 +53,10 @@ class NomicBertAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, 3 * H * D)
-        if self.ops.fuses_rope:
-            q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
-                                      meta.slot_mapping, self.num_heads)
-        else:
-            qk, v = qkv.view(num_tokens, 3 * self.num_heads, self.head_dim).split(
-                [2 * self.num_heads, self.num_heads], dim=1)
-            q, k = RotaryEmbedding.apply(qk, *rope).split(self.num_heads, dim=1)  # (T, H, D) each
-            self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, H, D)
+        qk, v = qkv.view(num_tokens, 3 * self.num_heads, self.head_dim).split([2 * self.num_heads, self.num_heads],
+                                                                              dim=1)
+        q, k = RotaryEmbedding.apply(qk, *rope).split(self.num_heads, dim=1)  # (T, H, D) each
+        out = sequence_attention(q, k, v, meta.seq_token_counts, self.scale)  # (T, H, D): all of its text
         return self.norm(x + self.o_proj(out.reshape(num_tokens, -1)))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from conveyor.kernels import KernelSettings, resolve_backend
 from conveyor.loading.hf_loader import load_hf_dir
-from conveyor.models import modernbert
+from conveyor.models import encoder_attention
 from conveyor.models.config import ModelConfig, ModelConfigError
 from conveyor.models.registry import build_model
 from tests.models.encoder_compare import (VOCAB, assert_rows_match_and_stand_alone, hf_rows, random_sequences,
@@ -21,7 +21,13 @@ transformers = pytest.importorskip("transformers")
 TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
             local_attention=16, global_attn_every_n_layers=3, max_position_embeddings=512, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-LENGTHS = (37, 5, modernbert.CHUNK + 22, 17)  # past the window; under it; two query chunks; one and a bit windows
+QUERY_CHUNK = 64  # (encoder_attention.CHUNK, made small here so one sequence spans several query chunks)
+LENGTHS = (37, 5, QUERY_CHUNK * 2 + 22, 17)  # past the window; under it; three query chunks; one and a bit windows
+
+
+@pytest.fixture(autouse=True)
+def _small_query_chunks(monkeypatch):
+    monkeypatch.setattr(encoder_attention, "CHUNK", QUERY_CHUNK)
 
 
 def _hf_model(kind: str = "model", **overrides):
