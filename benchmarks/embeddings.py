@@ -265,8 +265,12 @@ async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args)
     from quantized import smollm2_path
 
     smol = smollm2_path()
-    server = Server(["--model", str(smol), "--model", str(gguf_path), "--models-max", "2", "--parallel", "4",
-                     "--ctx-size", "16384"], Path("/tmp/bench_embed_itl.log"))
+    # a preset per model (llama-server's INI): the embedder may get its own --threads
+    preset = Path("/tmp/bench_embed_itl.ini")
+    embedder_threads = f"threads = {args.embedder_threads}\n" if args.embedder_threads else ""
+    preset.write_text(f"[{smol.stem}]\nmodel = {smol}\nparallel = 4\nctx-size = 16384\n\n"
+                      f"[{gguf_path.stem}]\nmodel = {gguf_path}\nparallel = 4\nctx-size = 16384\n{embedder_threads}")
+    server = Server(["--models-preset", str(preset), "--models-max", "2"], Path("/tmp/bench_embed_itl.log"))
     try:
         async with httpx.AsyncClient() as client:
             await _post_all(server.url, gguf_path.stem, texts[:4], 4, 1)  # loads the embedder
@@ -287,7 +291,7 @@ async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args)
 
     before, during = gaps(t_burst - 6, t_burst), gaps(t_burst, t_done)
     q = lambda xs, p: float(np.percentile(xs, p))  # noqa: E731
-    return {"burst_s": t_done - t_burst, "texts": len(texts),
+    return {"burst_s": t_done - t_burst, "texts": len(texts), "embedder_threads": args.embedder_threads,
             "itl_ms_before": {"p50": q(before, 50), "p99": q(before, 99), "n": len(before)},
             "itl_ms_during": {"p50": q(during, 50), "p99": q(during, 99), "n": len(during)},
             "p99_ratio": q(during, 99) / q(before, 99)}
@@ -313,6 +317,8 @@ def main() -> None:
     p.add_argument("--runs", default="conveyor,llama-server,sentence-transformers")
     p.add_argument("--itl", action="store_true", help="instead: 4 SmolLM2 chats' inter-token latency while the "
                    "texts are embedded by the same server (two models)")
+    p.add_argument("--embedder-threads", type=int, default=0,
+                   help="with --itl: the embedder's own --threads (0: the default, every core)")
     p.add_argument("--out", help="JSON results (vectors left out)")
     args = p.parse_args()
     if args.write:
