@@ -106,7 +106,8 @@ XLMR_SPECIALS = {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "m
 def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens", normalize: bool = True,
                   classifier: bool = False) -> str:
     """A tiny random BERT (all-MiniLM-style: mean pooling, normalised) or XLM-R (BGE-style: CLS) embedder as
-    sentence-transformers saves it; `classifier`: an XLM-R cross-encoder (bge-reranker's shape) instead."""
+    sentence-transformers saves it; `classifier`: a cross-encoder instead (BERT: ms-marco MiniLM's head on the
+    pooler; XLM-R: bge-reranker's)."""
     transformers = pytest.importorskip("transformers")
     os.makedirs(path, exist_ok=True)
     if kind in ("bert", "modernbert", "nomic_bert"):
@@ -114,7 +115,8 @@ def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens",
         shape = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, max_position_embeddings=128, pad_token_id=0)
         if kind == "bert":
-            model = transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False)
+            model = (transformers.BertForSequenceClassification(transformers.BertConfig(**shape, num_labels=1))
+                     if classifier else transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False))
         elif kind == "modernbert":  # layers 0 and 3 global, 1 and 2 local (+-4): texts longer than the window
             model = transformers.ModernBertModel(transformers.ModernBertConfig(
                 **{**shape, "num_hidden_layers": 4}, local_attention=8, global_attn_every_n_layers=3,

@@ -459,8 +459,9 @@ class EngineCore:
         return "reranking" if self.pooling.score is not None else "embedding"
 
     def make_pooling_request(self, prompt_token_ids: list[int], request_id: str | None = None,
-                             priority: int = 0) -> Request:
-        """An embedding (or a reranker's score) of one tokenized text: prefill only, nothing generated."""
+                             priority: int = 0, token_type_ids: list[int] | None = None) -> Request:
+        """An embedding (or a reranker's score) of one tokenized text: prefill only, nothing generated.
+        `token_type_ids`: each token's segment, for encoders that read them (a BERT cross-encoder's pair)."""
         if self.pooling is None:
             raise InvalidRequestError(f"{self.model_name} generates text: it serves no embeddings or scores (start "
                                       f"it with --embeddings or --reranking, or serve an embedding model)", "model")
@@ -477,6 +478,11 @@ class EngineCore:
         request = Request(request_id or self.next_request_id(), list(prompt_token_ids), SamplingParams(max_tokens=1),
                           priority=priority, cache_prompt=self.config.enable_prefix_caching and not whole)
         request.pooling, request.pool_whole = True, whole
+        if token_type_ids is not None and any(token_type_ids):
+            types = self.model_config.type_vocab_size
+            if len(token_type_ids) != len(prompt_token_ids) or not all(0 <= t < types for t in token_type_ids):
+                raise InvalidRequestError(f"token types must be one per token, each in [0, {types})", "input")
+            request.token_type_ids = list(token_type_ids)
         return request
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -12,6 +12,7 @@ from conveyor.config import EngineConfig, engine_config_from_env
 from conveyor.engine.engine import EngineCore
 from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.errors import InvalidRequestError
 from conveyor.loading import Checkpoint
 
 
@@ -86,6 +87,10 @@ class LLM:
             request = self.engine.make_pooling_request(ids)
             self.engine.add_request(request)
             order.append(request.request_id)
+        return self._pooled(order)
+
+    def _pooled(self, order: list[str]) -> list[list[float]]:
+        """Step until every request in `order` is pooled; their vectors in that order."""
         results: dict[str, list[float]] = {}
         while self.engine.has_work():
             for out in self.engine.step():
@@ -94,6 +99,22 @@ class LLM:
                         raise RuntimeError(f"embedding failed: {out.error}")
                     results[out.request_id] = out.pooled
         return [results[rid] for rid in order]
+
+    def score(self, query: str, documents: list[str], instruction: str | None = None) -> list[float]:
+        """A reranker's relevance of each document to `query` (in [0, 1], input order), read as /v1/rerank
+        reads it: a cross-encoder's pair, or a yes/no reranker's prompt with `instruction`."""
+        from conveyor.engine.rerank_prompt import pair_tokens
+
+        if self.engine.pooling_task != "reranking":
+            raise InvalidRequestError(f"{self.engine.model_name} is not a reranker (serve a cross-encoder, or start a "
+                                      f"yes/no reranker with reranking=True)", "model")
+        order = []
+        for document in documents:
+            ids, types = pair_tokens(self.tokenizer, self.engine.pooling, query, document, instruction)
+            request = self.engine.make_pooling_request(ids, token_type_ids=types)
+            self.engine.add_request(request)
+            order.append(request.request_id)
+        return [vector[0] for vector in self._pooled(order)]
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> CompletionResult | list[CompletionResult]:

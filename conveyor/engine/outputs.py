@@ -43,6 +43,7 @@ class ScheduledChunk:
     window_block_table: tuple[int, ...] = ()
     # Pooling requests (embeddings, scores): the chunk ends the prompt and its rows are pooled, not sampled.
     pool: bool = False
+    token_type_ids: list[int] | None = None  # an encoder's segment per token of this chunk (None: type 0)
 
 
 @dataclass

@@ -72,6 +72,8 @@ class Request:
     pooling: bool = False
     pool_whole: bool = False
     pooled: list[float] | None = None  # the result, once its last chunk ran
+    # An encoder's segment of each prompt token (a cross-encoder's second text is type 1); None: all type 0.
+    token_type_ids: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -260,6 +260,8 @@ class Scheduler:
             window_block_table=tuple(self.kv.window_table(request.request_id)),
             sample=start + num_new == request.num_tokens and not request.pooling, sampling_params=params,
             pool=start + num_new == request.num_tokens and request.pooling,
+            token_type_ids=(request.token_type_ids[start:start + num_new] if request.token_type_ids is not None
+                            else None),
             prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
             output_token_ids=tuple(request.output_token_ids) if needs_history else None,
         )

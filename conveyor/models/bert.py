@@ -33,6 +33,8 @@ POOLER = "pooler.dense."  # the CLS row's dense + tanh: kept when present (a BER
 QKV = ("query", "key", "value")
 # XLMRobertaForSequenceClassification's head (bge-reranker): tanh(dense(first row)), then out_proj to the labels.
 CLASSIFIER = ("classifier.dense.", "classifier.out_proj.")
+# BertForSequenceClassification's (ms-marco MiniLM cross-encoders): the pooler's tanh(dense(first row)), then this.
+BERT_CLASSIFIER = "classifier."
 
 
 def _layer(i: int) -> str:
@@ -106,10 +108,11 @@ class BertModel(nn.Module):
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+                      meta: AttentionMetadata, rows: torch.Tensor,
+                      token_types: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions (T,) -> the last layer's output (len(rows), hidden) at the token rows `rows`, in the
         model dtype. `meta.token_pos` must be each sequence's last position on all its rows (bidirectional)."""
-        x = self._embed(input_ids, positions)  # (T, hidden)
+        x = self._embed(input_ids, positions, token_types)  # (T, hidden)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer.attention(x, kv_cache, meta)
@@ -128,11 +131,13 @@ class BertModel(nn.Module):
         x = torch.tanh(nn.functional.linear(first_rows.float(), dense_w, dense_b))
         return nn.functional.linear(x, out_w, out_b)
 
-    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """transformers' order: (word + token type) + position, then LayerNorm; every token is type 0."""
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               token_types: torch.Tensor | None) -> torch.Tensor:
+        """transformers' order: (word + token type) + position, then LayerNorm; type 0 where `token_types` is None
+        (a cross-encoder's pair has its second text as type 1)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.token_type_embeddings is not None:
-            x = x + self.token_type_embeddings[0]
+            x = x + (self.token_type_embeddings[0] if token_types is None else self.token_type_embeddings[token_types])
         x = x + self.position_embeddings[positions + self.config.position_offset]
         return self.embed_norm(x)
 
@@ -165,9 +170,12 @@ class BertModel(nn.Module):
             linear(mlp.up_proj, [p + "intermediate.dense"])
             linear(mlp.down_proj, [p + "output.dense"])
             norm(mlp.norm, p + "output.LayerNorm")
-        if CLASSIFIER[1] + "weight" in weights:
+        heads = (CLASSIFIER if CLASSIFIER[1] + "weight" in weights
+                 else (POOLER, BERT_CLASSIFIER) if BERT_CLASSIFIER + "weight" in weights and POOLER + "weight" in weights
+                 else ())
+        if heads:
             self.classifier = [(loader.dense(get(n + "weight")).float(), loader.dense(get(n + "bias")).float())
-                               for n in CLASSIFIER]
+                               for n in heads]
         if POOLER + "weight" in weights:
             self.pooler = RowInvariantLinear(self.config.hidden_size, self.config.hidden_size, True, self.ops)
             linear(self.pooler, [POOLER.rstrip(".")])
@@ -189,10 +197,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"position_embedding_type {kind!r}")
     if raw.get("is_decoder") or raw.get("add_cross_attention"):
         raise NotImplementedError("BERT as a decoder (is_decoder, add_cross_attention)")
-    if raw.get("model_type") == "bert" and any(str(a).endswith("ForSequenceClassification")
-                                               for a in raw.get("architectures") or ()):
-        # its second text is token type 1, which the engine does not carry yet: scores would be silently wrong
-        raise NotImplementedError("BERT cross-encoders (BertForSequenceClassification)")
     act = raw.get("hidden_act", "gelu")
     if act != "gelu":
         raise NotImplementedError(f"hidden_act {act!r}")
@@ -222,7 +226,8 @@ def weight_names(config: ModelConfig) -> list[str]:
 
 
 register(Family("bert", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"bert.": ""},
-                weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias")),
+                weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias",
+                                                             BERT_CLASSIFIER + "weight", BERT_CLASSIFIER + "bias")),
          Family("xlm-roberta", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"roberta.": ""},
                 weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias", *(
                     part + kind for part in CLASSIFIER for kind in ("weight", "bias")))))

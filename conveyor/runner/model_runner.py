@@ -32,6 +32,7 @@ class ForwardInputs:
     sample_chunk_indices: list[int]  # chunk index of each sampled row (a chunk with drafts has several)
     # Pooling chunks: (chunk index, first row, rows) of what each pools, in order.
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    token_types: torch.Tensor | None = None  # (T,) an encoder's segment per row, where some chunk has types
 
 
 def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype,
@@ -123,8 +124,10 @@ class ModelRunner:
         # One pass gives the sampled rows' and the pooled rows' final hidden states; only the former meet the head.
         num_sampled = inputs.logits_indices.shape[0]
         pooled_rows = torch.cat([torch.arange(first, first + n) for _, first, n in inputs.pool_spans])
+        # (token types only where some text has them: only the encoders that read them take the argument)
+        types = {} if inputs.token_types is None else {"token_types": inputs.token_types}
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                          torch.cat([inputs.logits_indices, pooled_rows.to(self.device)]))
+                                          torch.cat([inputs.logits_indices, pooled_rows.to(self.device)]), **types)
         logits = self.model.compute_logits(hidden[:num_sampled]) if num_sampled else None
         at = num_sampled
         for chunk_index, _, n in inputs.pool_spans:
@@ -236,7 +239,7 @@ class ModelRunner:
         return ForwardInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
             meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sample_chunk_indices=sample_chunks, pool_spans=pool_spans,
+            sample_chunk_indices=sample_chunks, pool_spans=pool_spans, token_types=_token_types(plan, dev),
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
@@ -312,6 +315,14 @@ def _state_metadata(plan: SchedulerOutput, device: torch.device) -> StateMetadat
     return StateMetadata.build([len(c.token_ids) for c in plan.chunks], [c.state_slot for c in plan.chunks],
                                [c.start_position == 0 for c in plan.chunks],
                                [sorted(c.state_snapshots) for c in plan.chunks], device=device)
+
+
+def _token_types(plan: SchedulerOutput, device: torch.device) -> torch.Tensor | None:
+    """(T,) int64 segments of every row, where some chunk carries them (others: type 0); else None."""
+    if all(c.token_type_ids is None for c in plan.chunks):
+        return None
+    types = [t for c in plan.chunks for t in (c.token_type_ids or [0] * len(c.token_ids))]
+    return torch.tensor(types, dtype=torch.long, device=device)
 
 
 def _pool_span(chunk_index: int, first_row: int, num_rows: int, config: PoolingConfig) -> tuple[int, int, int]:

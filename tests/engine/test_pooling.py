@@ -109,23 +109,29 @@ def test_encoders_match_sentence_transformers(tmp_path, kind, pooling):
     llm.engine.kv.check_integrity()  # nothing cached: every block back
 
 
-def test_cross_encoder_scores_match_transformers(tmp_path):
-    """An XLM-R cross-encoder (bge-reranker's head) scores (query, document) pairs as transformers does."""
+@pytest.mark.parametrize("kind", ["xlm-roberta", "bert"])
+def test_cross_encoder_scores_match_transformers(tmp_path, kind):
+    """Cross-encoders score (query, document) pairs as transformers does: bge-reranker's XLM-R head, and a BERT
+    (ms-marco MiniLM's head on the pooler) whose second text is token type 1."""
     transformers = pytest.importorskip("transformers")
     from tests.pooling_models import write_encoder
 
-    path = write_encoder(tmp_path / "reranker", "xlm-roberta", classifier=True)
+    path = write_encoder(tmp_path / "reranker", kind, classifier=True)
     llm = LLM(model=path, dtype="float32")
     assert llm.engine.pooling_task == "reranking"
-    hf = transformers.XLMRobertaForSequenceClassification.from_pretrained(path).eval()
-    backend = llm.tokenizer.backend
-    pairs = [("capital of france", "paris is the capital of france."), ("capital of france", "a dog")]
-    ids = [backend.encode(q, pair=d).ids for q, d in pairs]
-    ours = llm.embed(ids)
-    for (score,), pair_ids in zip(ours, ids):
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    query, documents = "capital of france", ["paris is the capital of france.", "a dog", "the fox"]
+    ours = llm.score(query, documents)
+    for score, document in zip(ours, documents):
+        encoding = llm.tokenizer.backend.encode(query, pair=document)
         with torch.no_grad():
-            logit = hf(torch.tensor([pair_ids])).logits[0, 0]
+            logit = hf(input_ids=torch.tensor([encoding.ids]),
+                       token_type_ids=torch.tensor([encoding.type_ids])).logits[0, 0]
         assert abs(score - torch.sigmoid(logit).item()) < 1e-5
+    assert llm.score(query, documents[:1]) == ours[:1]  # alone or with others: bitwise
+    if kind == "bert":  # the types matter: all type 0 scores differently
+        encoding = llm.tokenizer.backend.encode(query, pair=documents[0])
+        assert llm.embed([encoding.ids])[0][0] != ours[0]
 
 
 def test_pooling_engines_take_bf16_weights_on_amx_only():

@@ -8,7 +8,6 @@ import tokenizers
 import torch
 
 from conveyor.kernels import AttentionMetadata, resolve_backend
-from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.hf_loader import load_hf_dir
 from conveyor.models.bert import BertModel
 from conveyor.models.config import ModelConfig, ModelConfigError
@@ -87,13 +86,7 @@ TABLES = [[5, 2], [9, 0, 7], [3]]  # scattered blocks on purpose
 ALONE_TABLES = [[[1, 4]], [[6, 8, 10]], [[12]]]  # other blocks when alone
 
 
-def test_a_bert_cross_encoder_is_refused(tmp_path):
-    """Its second text is token type 1, which the engine does not carry: refused rather than scored wrongly."""
-    with pytest.raises(LoadError, match="cross-encoder"):
-        load_hf_dir(_write_dir(_hf_model("bert_classifier"), tmp_path))
-
-
-@pytest.mark.parametrize("kind", ["bert", "bert_masked_lm", "xlmr", "xlmr_classifier"])
+@pytest.mark.parametrize("kind", ["bert", "bert_classifier", "bert_masked_lm", "xlmr", "xlmr_classifier"])
 def test_rows_match_transformers_and_alone(kind, tmp_path):
     hf = _hf_model(kind)
     checkpoint = load_hf_dir(_write_dir(hf, tmp_path))

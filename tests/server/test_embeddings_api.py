@@ -95,7 +95,7 @@ def test_a_generating_model_refuses_embeddings(tiny):
 
 def test_rerank_and_score_on_a_yes_no_reranker(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from conveyor.server.apis.rerank import pair_tokens
+    from conveyor.engine.rerank_prompt import pair_tokens
 
     path = write_qwen3_reranker(tmp_path / "tiny-reranker")
     documents = ["Paris is the capital of France.", "Bananas are yellow.", "The capital of France is Paris."]
@@ -114,10 +114,37 @@ def test_rerank_and_score_on_a_yes_no_reranker(tmp_path):
         tokenizer = served.core.tokenizer
         yes, no = tokenizer.token_to_id("yes"), tokenizer.token_to_id("no")
         for i, document in enumerate(documents):
-            ids = pair_tokens(served.app.state.serving, "capital of France?", document, None)
+            ids, _ = pair_tokens(served.core.tokenizer, served.core.pooling, "capital of France?", document)
             with torch.no_grad():
                 logits = hf(torch.tensor([ids])).logits[0, -1]
             expected = torch.sigmoid(logits[yes] - logits[no]).item()
             assert abs(by_index[i] - expected) < 1e-4
         embeddings = httpx.post(f"{served.url}/v1/embeddings", json={"input": "x"})
         assert embeddings.status_code == 400
+
+
+def test_rerank_on_a_bert_cross_encoder(tmp_path):
+    """A cross-encoder's /v1/rerank: each (query, document) pair with its second text as token type 1, scored as
+    transformers' BertForSequenceClassification scores it; Cohere's {"text": ...} documents accepted."""
+    transformers = pytest.importorskip("transformers")
+    from tests.pooling_models import write_encoder
+
+    path = write_encoder(tmp_path / "tiny-cross-encoder", "bert", classifier=True)
+    documents = ["paris is the capital of france.", {"text": "a dog"}, "the fox"]
+    with serve(load_hf_dir(path), EngineConfig(parallel=4, dtype="float32")) as served:
+        reply = httpx.post(f"{served.url}/v1/rerank", json={"query": "capital of france", "documents": documents})
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+        backend = served.core.tokenizer.backend
+        for result in results:
+            document = documents[result["index"]]
+            encoding = backend.encode("capital of france", pair=document if isinstance(document, str)
+                                      else document["text"])
+            with torch.no_grad():
+                logit = hf(input_ids=torch.tensor([encoding.ids]),
+                           token_type_ids=torch.tensor([encoding.type_ids])).logits[0, 0]
+            assert abs(result["relevance_score"] - torch.sigmoid(logit).item()) < 1e-5
+        assert [r["relevance_score"] for r in results] == sorted((r["relevance_score"] for r in results), reverse=True)
+        served.wait_until(lambda: served.engine.num_in_flight == 0, what="requests to finish")
+        served.core.kv.check_integrity()

@@ -120,14 +120,17 @@ def tokenize_inputs(serving, inputs: EmbeddingInput, add_special_tokens: bool, t
     return prompts
 
 
-async def run_pooled(serving, http: Request, prompts: list[list[int]], priority: int) -> list[list[float]]:
+async def run_pooled(serving, http: Request, prompts: list[list[int]], priority: int,
+                     token_types: list[list[int]] | None = None) -> list[list[float]]:
     """Each prompt's pooled vector (or score), in order. Validated first (a 400 before anything runs); then fed to
     the engine a window at a time: a 503 only if not even the first fits the queue; a client that leaves aborts
     what is still running."""
     core, engine = serving.core, serving.engine
     base_id = uuid.uuid4().hex[:12]
     try:
-        requests = [core.make_pooling_request(ids, f"emb-{base_id}-{i}", priority) for i, ids in enumerate(prompts)]
+        requests = [core.make_pooling_request(ids, f"emb-{base_id}-{i}", priority,
+                                              token_types[i] if token_types is not None else None)
+                    for i, ids in enumerate(prompts)]
     except InvalidRequestError as exc:
         raise errors.invalid(str(exc), exc.param) from None
     if serving.draining:

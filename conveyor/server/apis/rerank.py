@@ -11,19 +11,12 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from conveyor.engine.rerank_prompt import pair_tokens
 from conveyor.server import errors
 from conveyor.server.apis.body import parse_body
 from conveyor.server.apis.embeddings import _priority, check_task, run_pooled
 from conveyor.server.limits import RequestLimits
 from conveyor.server.protocol import MAX_EMBEDDING_INPUTS, RerankRequest, ScoreRequest
-
-# Qwen3-Reranker's prompt (its model card), the instruction in the middle.
-YES_NO_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
-                 'Note that the answer can only be "yes" or "no".')
-YES_NO_TEMPLATE = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<Instruct>: {instruction}\n"
-                   "<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
-DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-
 
 def add_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
 
@@ -78,24 +71,16 @@ async def _scores(serving, http: Request, queries: list[str], documents: list[st
     if sum(len(q) + len(d) for q, d in zip(queries, documents)) > limits.max_prompt_chars:
         raise errors.invalid(f"the texts hold more than {limits.max_prompt_chars} characters (--max-prompt-chars)",
                              "documents")
-    prompts = [pair_tokens(serving, q, d, instruction) for q, d in zip(queries, documents)]
+    pairs = [pair_tokens(serving.tokenizer, serving.core.pooling, q, d, instruction)
+             for q, d in zip(queries, documents)]
+    prompts, types = [ids for ids, _ in pairs], [t for _, t in pairs]
     limit = serving.core.max_model_len
     for i, ids in enumerate(prompts):
         if len(ids) > limit:
             raise errors.invalid(f"document {i} with its query is {len(ids)} tokens, more than the model's context "
                                  f"of {limit}", "documents")
-    scores = [vector[0] for vector in await run_pooled(serving, http, prompts, priority)]
+    scores = [vector[0] for vector in await run_pooled(serving, http, prompts, priority, types)]
     return scores, sum(len(p) for p in prompts)
-
-
-def pair_tokens(serving, query: str, document: str, instruction: str | None) -> list[int]:
-    """A (query, document) pair as the reranker reads it."""
-    tokenizer = serving.tokenizer
-    if serving.core.pooling.score == "yes_no":
-        text = YES_NO_TEMPLATE.format(system=YES_NO_SYSTEM, instruction=instruction or DEFAULT_INSTRUCTION,
-                                      query=query, document=document)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.backend.encode(query, pair=document, add_special_tokens=True).ids
 
 
 def _document_text(document: str | dict, index: int) -> str:
