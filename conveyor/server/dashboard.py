@@ -35,6 +35,7 @@ def engine_snapshot(engine: AsyncEngine, metrics: ServerMetrics, model_id: str) 
         "kernels": core.kernel_report(),
         "weights": {"weight_dtype": core.config.weight_dtype, "formats": dict(core.weight_formats)},
         "slots_total": core.max_batch_size,
+        "task": core.pooling_task or "generation",  # an embedding or reranking model's rows pool, not decode
         "requests": [_request_row(r, now) for r in running] + [_request_row(r, now) for r in waiting],
         "num_running": len(running),
         "queue_depth": engine.num_waiting,
@@ -57,7 +58,7 @@ def _request_row(request: Request, now: float) -> dict:
     if status == RequestStatus.QUEUED:
         state = "preempted" if request.num_preemptions else "queued"
     elif status == RequestStatus.PREFILLING:
-        state = "prefilling"
+        state = "pooling" if request.pooling else "prefilling"  # an embedding or score: prefill, then its vector
     else:
         state = "decoding"
     num_output = len(request.output_token_ids)

@@ -148,3 +148,9 @@ def test_rerank_on_a_bert_cross_encoder(tmp_path):
         assert [r["relevance_score"] for r in results] == sorted((r["relevance_score"] for r in results), reverse=True)
         served.wait_until(lambda: served.engine.num_in_flight == 0, what="requests to finish")
         served.core.kv.check_integrity()
+
+
+def test_the_dashboard_names_the_task(embedder, tiny):
+    assert httpx.get(f"{embedder.url}/v1/dashboard").json()["task"] == "embedding"
+    with serve(tiny) as served:
+        assert httpx.get(f"{served.url}/v1/dashboard").json()["task"] == "generation"

@@ -156,5 +156,8 @@ def test_request_rows_name_each_state():
     prefill = _request_row(request(RequestStatus.PREFILLING, computed=4), 101.0)
     assert (prefill["state"], prefill["computed_tokens"], prefill["prompt_tokens"], prefill["tok_s"]) == \
         ("prefilling", 4, 10, None)
+    embedding = request(RequestStatus.PREFILLING, computed=4)
+    embedding.pooling = True  # an embedding or a reranker's score: its prefill is all it does
+    assert _request_row(embedding, 101.0)["state"] == "pooling"
     decode = _request_row(request(RequestStatus.DECODING, computed=14, outputs=5), 102.0)
     assert (decode["state"], decode["output_tokens"], decode["tok_s"]) == ("decoding", 5, 2.0)  # 4 tokens in 2 s

@@ -355,9 +355,10 @@ function renderSlots(s) {
   const rows = s.requests.map((r) => {
     const tr = document.createElement("tr");
     tr.dataset.state = r.state;
-    if (r.state === "prefilling" || r.state === "decoding") tr.className = "active";
+    const prefill = r.state === "prefilling" || r.state === "pooling";  // pooling: an embedding's or a score's
+    if (prefill || r.state === "decoding") tr.className = "active";
     const progress = el("td");
-    if (r.state === "prefilling") {
+    if (prefill) {
       const bar = el("progress");
       bar.max = r.prompt_tokens;
       bar.value = r.computed_tokens;
