@@ -19,6 +19,7 @@ import pytest
 
 from cluster_harness import free_port, start, wait_for, wait_healthy
 from conveyor.testing import write_tiny_model_dir
+from tests.pooling_models import write_qwen3_embedder
 
 SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
 pytestmark = [pytest.mark.timeout(240),
@@ -34,14 +35,15 @@ def gateway(tmp_path_factory):
     model = write_tiny_model_dir(root / "tiny-model")
     replicas = [start(f"replica-{i}", model, str(root)) for i in range(2)]
     other = start("replica-other", write_tiny_model_dir(root / "other-model", seed=1), str(root))
+    embedder = start("replica-embedder", write_qwen3_embedder(root / "tiny-embedder"), str(root))
     gateway_proc = None
     try:
-        wait_healthy([*replicas, other])
+        wait_healthy([*replicas, other, embedder])
         port = free_port()
         log = open(root / "smg.log", "w")
         gateway_proc = subprocess.Popen(
             [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-             "--worker-urls", *[r.url for r in (*replicas, other)], "--health-check-interval-secs", "1",
+             "--worker-urls", *[r.url for r in (*replicas, other, embedder)], "--health-check-interval-secs", "1",
              "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -49,17 +51,17 @@ def gateway(tmp_path_factory):
         def ready() -> bool:  # every replica registered (with the model it reported) and ready
             assert gateway_proc.poll() is None, (root / "smg.log").read_text()[-3000:]
             try:
-                return len(_workers(url)) == 3
+                return len(_workers(url)) == 4
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, 60, "smg to come up with its three replicas")
-        yield url, replicas, other
+        wait_for(ready, 60, "smg to come up with its four replicas")
+        yield url, replicas, other, embedder
     finally:
         if gateway_proc is not None:
             gateway_proc.kill()
             gateway_proc.wait(timeout=10)
-        for replica in (*replicas, other):
+        for replica in (*replicas, other, embedder):
             replica.stop()
 
 
@@ -80,7 +82,7 @@ def _chat(url: str, i: int, max_tokens: int = 8, model: str = "tiny-model") -> h
 
 
 def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
-    url, replicas, _ = gateway
+    url, replicas, *_ = gateway
     before = [_hits(r) for r in replicas]
     for i in range(6):
         assert _chat(url, i).status_code == 200
@@ -91,7 +93,7 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(gateway):
 
 def test_agent_apis_pass_through_the_gateway(gateway):
     """Anthropic Messages through SMG reach a replica and come back as the replica answers them."""
-    url, replicas, _ = gateway
+    url, replicas, *_ = gateway
     body = {"model": "tiny-model", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "question for the agents"}]}
     direct = httpx.post(f"{replicas[0].url}/v1/messages", json=body, timeout=60)
@@ -113,10 +115,11 @@ def _completed(replica) -> int:
 def test_replicas_of_different_models_are_routed_by_model(gateway):
     """Each request reaches only replicas serving the model it names; a model no replica serves is a 404
     (model_not_found) that reaches none; /v1/models lists each model once."""
-    url, replicas, other = gateway
-    assert _workers(url) == {replicas[0].url: "tiny-model", replicas[1].url: "tiny-model", other.url: "other-model"}
+    url, replicas, other, embedder = gateway
+    assert _workers(url) == {replicas[0].url: "tiny-model", replicas[1].url: "tiny-model", other.url: "other-model",
+                             embedder.url: "tiny-embedder"}
     assert sorted(m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]) == \
-        ["other-model", "tiny-model"]
+        ["other-model", "tiny-embedder", "tiny-model"]
     for model, serving in (("other-model", [other]), ("tiny-model", replicas)):
         before = {r.url: _completed(r) for r in (*replicas, other)}
         for i in range(4):
@@ -136,7 +139,7 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
     "running > 0" was when 12 short requests all finished first. The requests are long (12 x 256 tokens
     over 4 slots: at least 3 rounds of 256 decode steps), so the kill lands while most are in flight;
     if a starved test process ever saw them all done first, the test still holds (nothing lost)."""
-    url, replicas, _ = gateway
+    url, replicas, *_ = gateway
     completed = [_completed(r) for r in replicas]
     assert _chat(url, 99).status_code == 200
     [busy] = [r for r, before in zip(replicas, completed) if _completed(r) > before]  # cache_aware's choice
@@ -149,3 +152,17 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 12, f"{in_flight} were in flight at the kill"
     assert _chat(url, 999).status_code == 200  # and it keeps serving on the survivor
+
+
+def test_embeddings_and_rerank_pass_through_the_gateway(gateway):
+    """/v1/embeddings through SMG reaches the embedding replica and comes back bit for bit as it answers; /v1/rerank
+    to it comes back as the replica's own 400 (it embeds, it does not rerank)."""
+    url, _, _, embedder = gateway
+    body = {"model": "tiny-embedder", "input": ["hello there", "general kenobi"], "encoding_format": "float"}
+    direct = httpx.post(f"{embedder.url}/v1/embeddings", json=body, timeout=60)
+    routed = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    assert [d["embedding"] for d in routed.json()["data"]] == [d["embedding"] for d in direct.json()["data"]]
+    refused = httpx.post(f"{url}/v1/rerank", json={"model": "tiny-embedder", "query": "q", "documents": ["d"]},
+                         timeout=60)
+    assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
