@@ -19,15 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import APIRouter
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conveyor.cluster.registry import Registry
 from conveyor.loading import Tokenizer
 from conveyor.server.app import api_key_matches, invalid_api_key
+from conveyor.server.asgi_body import read_body, replay
 from conveyor.server.errors import APIError
 from conveyor.server.limits import RequestLimits, parse_json
-
-_BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 @dataclass(frozen=True)
@@ -77,12 +76,12 @@ class ModelDispatch:
         try:
             if self.api_key is not None and not api_key_matches(_headers(scope), self.api_key):
                 raise invalid_api_key()  # before saying which models exist
-            body = await _read_body(scope, receive)
+            body = await read_body(scope, receive)
             app = self.apps[self.resolve(self._named(body))]
         except APIError as exc:  # a 413 from the body-size cap included
             await exc.response(scope["path"])(scope, receive, send)
             return
-        await app(scope, _replay(body, receive), send)
+        await app(scope, replay(body, receive), send)
 
     def find(self, name: str) -> RoutedModel | None:
         """The routed model with this id or checkpoint name."""
@@ -137,31 +136,3 @@ def add_model_routes(router: APIRouter, dispatch: ModelDispatch) -> None:
 
 def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-
-async def _read_body(scope: Scope, receive: Receive) -> bytes:
-    """The whole request body (b"" for a method without one); the router's body-size cap stops a large one."""
-    if scope["method"] not in _BODY_METHODS:
-        return b""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise APIError(400, "the client disconnected", "invalid_request_error")
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body already read, then the connection's own messages (its disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

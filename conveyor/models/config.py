@@ -181,7 +181,7 @@ class ModelConfig:
     activation_sparsity: tuple[float, ...] = ()
     # --- pooling models (embedders, rerankers: models/pooling.py) -------------------------------------------
     # Every token of a sequence sees every other (encoders: BERT, XLM-RoBERTa, ModernBERT; EmbeddingGemma): the
-    # whole sequence runs in one forward and leaves no K/V behind (engine/scheduler.py, runner/model_runner.py).
+    # whole sequence runs in one forward and leaves no K/V behind (engine/scheduler.py, models/encoder_attention.py).
     bidirectional: bool = False
     # BERT-style absolute position embeddings (models/bert.py): a position p reads row p + position_offset of the
     # table (XLM-RoBERTa counts from pad_token_id + 1 = 2); max_position_embeddings is then the longest input, the

@@ -198,15 +198,9 @@ class ModelRunner:
         window_slots: list[int] = []
         window_tables = [] if windowed else None
         pool_spans: list[tuple[int, int, int]] = []
-        # Bidirectional models see their whole sequence from every row: each row's attention reaches the
-        # sequence's last position (the chunk is the whole sequence), while rotary or absolute positions stay.
-        bidirectional = self.config.bidirectional
-        visible: list[int] = [] if bidirectional else None
         for i, chunk in enumerate(plan.chunks):
             n = len(chunk.token_ids)
             pos = range(chunk.start_position, chunk.start_position + n)
-            if bidirectional:
-                visible += [chunk.start_position + n - 1] * n
             if chunk.pool:  # the rows its pooling reads: all (mean), the first (CLS) or the last
                 pool_spans.append(_pool_span(i, len(input_ids), n, self.pooler.config))
             table = chunk.block_table
@@ -228,7 +222,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev), token_seq=torch.tensor(token_seq, dtype=torch.int32, device=dev),
-            token_pos=(torch.tensor(visible, dtype=torch.int32) if bidirectional else pos_tensor).to(dev),
+            token_pos=pos_tensor.to(dev),
             seq_lens=[c.start_position + len(c.token_ids) for c in plan.chunks],
             seq_token_counts=[len(c.token_ids) for c in plan.chunks],
             state=_state_metadata(plan, dev),

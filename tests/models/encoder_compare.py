@@ -38,7 +38,8 @@ def block_tables(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def bidirectional_metadata(lengths: list[int], tables: list[list[int]]) -> AttentionMetadata:
-    """The runner's bidirectional metadata: every row of a sequence has token_pos = its length - 1."""
+    """One forward's metadata over these sequences (the encoders read only seq_token_counts; every row's token_pos
+    is its sequence's last position, as a bidirectional reader of the paged cache would need)."""
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for n, table in zip(lengths, tables) for p in range(n)]
     table_tensor = torch.zeros(len(lengths), max(len(t) for t in tables), dtype=torch.int32)
     for i, table in enumerate(tables):

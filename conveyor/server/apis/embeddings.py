@@ -30,10 +30,7 @@ def add_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
-        serving.metrics.api_requests.labels("embeddings").inc()
-        body = await parse_body(request, EmbeddingRequest, limits)
-        serving.check_model(body.model)
-        check_task(serving, "embedding")
+        body = await pooling_body(serving, request, EmbeddingRequest, "embeddings", limits)
         prompts = tokenize_inputs(serving, body.input, body.add_special_tokens, body.truncate_prompt_tokens,
                                   prompt_prefix(serving, body.prompt_name), limits)
         vectors = await run_pooled(serving, request, prompts, _priority(body.priority, request))
@@ -49,14 +46,21 @@ def add_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
     @router.post("/embedding")
     @router.post("/embeddings")  # llama-server's aliases
     async def llama_embedding(request: Request) -> list[dict]:
-        serving.metrics.api_requests.labels("embeddings").inc()
-        body = await parse_body(request, LlamaEmbeddingRequest, limits)
-        serving.check_model(body.model)
-        check_task(serving, "embedding")
+        body = await pooling_body(serving, request, LlamaEmbeddingRequest, "embeddings", limits)
         prompts = tokenize_inputs(serving, body.content, True, None, "", limits)
         vectors = await run_pooled(serving, request, prompts, _priority(body.priority, request))
         # llama-server wraps a pooled vector in a list (an unpooled model would list one per token)
         return [{"index": i, "embedding": [vector]} for i, vector in enumerate(vectors)]
+
+
+async def pooling_body(serving, request: Request, body_type: type, api: str, limits: RequestLimits):
+    """A pooling route's body: counted for its API, parsed under the limits, its model checked and the engine's task
+    matched (embeddings on an embedding model, rerank and score on a reranker)."""
+    serving.metrics.api_requests.labels(api).inc()
+    body = await parse_body(request, body_type, limits)
+    serving.check_model(body.model)
+    check_task(serving, "embedding" if api == "embeddings" else "reranking")
+    return body
 
 
 def check_task(serving, task: str) -> None:

@@ -13,8 +13,7 @@ from fastapi import APIRouter, Request
 
 from conveyor.engine.rerank_prompt import pair_tokens
 from conveyor.server import errors
-from conveyor.server.apis.body import parse_body
-from conveyor.server.apis.embeddings import _priority, check_task, run_pooled
+from conveyor.server.apis.embeddings import _priority, pooling_body, run_pooled
 from conveyor.server.limits import RequestLimits
 from conveyor.server.protocol import MAX_EMBEDDING_INPUTS, RerankRequest, ScoreRequest
 
@@ -25,10 +24,7 @@ def add_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
     @router.post("/v1/reranking")
     @router.post("/reranking")  # llama-server's aliases
     async def rerank(request: Request) -> dict:
-        serving.metrics.api_requests.labels("rerank").inc()
-        body = await parse_body(request, RerankRequest, limits)
-        serving.check_model(body.model)
-        check_task(serving, "reranking")
+        body = await pooling_body(serving, request, RerankRequest, "rerank", limits)
         documents = [_document_text(d, i) for i, d in enumerate(body.documents)]
         scores, tokens = await _scores(serving, request, [body.query] * len(documents), documents, body.instruction,
                                        _priority(body.priority, request), limits)
@@ -45,10 +41,7 @@ def add_routes(router: APIRouter, serving, limits: RequestLimits) -> None:
     @router.post("/v1/score")
     @router.post("/score")
     async def score(request: Request) -> dict:
-        serving.metrics.api_requests.labels("score").inc()
-        body = await parse_body(request, ScoreRequest, limits)
-        serving.check_model(body.model)
-        check_task(serving, "reranking")
+        body = await pooling_body(serving, request, ScoreRequest, "score", limits)
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if len(first) == 1:

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from conveyor.config import ServerConfig
 from conveyor.server import errors
@@ -29,7 +29,8 @@ from conveyor.server.apis.responses_api import add_store_routes
 from conveyor.server.app import api_key_check, api_key_matches, invalid_api_key
 from conveyor.server.errors import APIError
 from conveyor.server.metrics import CONTENT_TYPE
-from conveyor.server.limits import RequestLimits, parse_json, too_large
+from conveyor.server.asgi_body import read_body, replay
+from conveyor.server.limits import RequestLimits, parse_json
 from conveyor.server.multimodel.metrics import MultiModelMetrics
 from conveyor.server.multimodel.registry import ModelEntry, ModelRegistry, ModelState, ModelUnavailable
 from conveyor.server.protocol import ModelActionRequest
@@ -37,7 +38,6 @@ from conveyor.server.webui import add_webui_routes
 
 logger = logging.getLogger(__name__)
 
-_BODY_METHODS = (b"POST", b"PUT", b"PATCH")
 
 
 class MultiModelApp:
@@ -61,7 +61,7 @@ class MultiModelApp:
             await invalid_api_key().response(path)(scope, receive, send)
             return
         try:
-            body = await _read_body(scope, receive, self.config.max_request_bytes)
+            body = await read_body(scope, receive, self.config.max_request_bytes)
             name = self._model_named(scope, body)
             if self.draining:
                 raise errors.overloaded()
@@ -75,7 +75,7 @@ class MultiModelApp:
         if entry is None:
             return  # the client left while its model loaded
         try:
-            await entry.app(scope, _replay(body, receive), send)
+            await entry.app(scope, replay(body, receive), send)
         finally:
             self.registry.release(entry)
 
@@ -147,43 +147,11 @@ def _is_front_route(scope: Scope) -> bool:
         (path.startswith("/v1/responses/") and method in ("GET", "DELETE"))
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body (b"" for a GET), 413 past the limit."""
-    if scope["method"].encode() not in _BODY_METHODS:
-        return b""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise APIError(400, "the client disconnected", "invalid_request_error")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
 async def _disconnected(receive: Receive) -> bool:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return True
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body already read, then the connection's own messages (its disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def model_card(entry: ModelEntry) -> dict:
