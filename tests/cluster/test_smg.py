@@ -155,8 +155,9 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
 
 
 def test_embeddings_and_rerank_pass_through_the_gateway(gateway):
-    """/v1/embeddings through SMG reaches the embedding replica and comes back bit for bit as it answers; /v1/rerank
-    to it comes back as the replica's own 400 (it embeds, it does not rerank)."""
+    """/v1/embeddings through SMG reaches the embedding replica and comes back bit for bit as it answers. /v1/rerank
+    comes back as a replica's own 400 (none of them reranks): SMG 1.13 picks the rerank worker without regard to
+    the model named (seen in CI: it reached a generating replica), so which replica's refusal it is varies."""
     url, _, _, embedder = gateway
     body = {"model": "tiny-embedder", "input": ["hello there", "general kenobi"], "encoding_format": "float"}
     direct = httpx.post(f"{embedder.url}/v1/embeddings", json=body, timeout=60)
@@ -165,4 +166,6 @@ def test_embeddings_and_rerank_pass_through_the_gateway(gateway):
     assert [d["embedding"] for d in routed.json()["data"]] == [d["embedding"] for d in direct.json()["data"]]
     refused = httpx.post(f"{url}/v1/rerank", json={"model": "tiny-embedder", "query": "q", "documents": ["d"]},
                          timeout=60)
-    assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]  # the embedder's own refusal, or a chat replica's
+    assert "serves /v1/embeddings" in message or "serves no reranking" in message, message
