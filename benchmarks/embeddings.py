@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pkgutil
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantized import _free_port, _stop, _wait_healthy, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+CHAT_TOKENS = 256  # each --itl chat's length: the streams start a new one when one ends
 QWEN3_EMBEDDING_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                            num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0,
                            tie_word_embeddings=True, rms_norm_eps=1e-6)
@@ -247,19 +249,25 @@ print(json.dumps({{"seconds": time.perf_counter() - start, "vectors": vectors.to
 
 
 async def _chat_until(client: httpx.AsyncClient, url: str, model: str, prompt: str, stop: asyncio.Event,
-                      arrivals: list[float]) -> None:
-    """A greedy streaming completion whose token arrival times go into `arrivals`, read until `stop` is set."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as reply:
-        async for line in reply.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                arrivals.append(time.perf_counter())
-            if stop.is_set():
-                return
+                      arrivals: list[list[float]]) -> None:
+    """Greedy streaming completions of CHAT_TOKENS tokens, one after another until `stop` is set; each one's token
+    arrival times are a list in `arrivals`. Chats of a fixed length keep the contexts' spread the same before and
+    during the burst (one endless chat would step slower as its context grows, burst or not)."""
+    for n in itertools.count():
+        body = {"model": model, "prompt": f"{prompt} part {n}.", "max_tokens": CHAT_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        times: list[float] = []
+        arrivals.append(times)
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.perf_counter())
+                if stop.is_set():
+                    return
 
 
 async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args) -> dict:
-    """One server with two models: SmolLM2 streams 4 long greedy chats; meanwhile the embedder gets `texts`.
+    """One server with two models: SmolLM2 streams 4 greedy chats at a time; meanwhile the embedder gets `texts`.
     The chats' inter-token gaps before the burst against those during it (p50, p99)."""
     from multi_model import Server
     from quantized import smollm2_path
@@ -270,7 +278,8 @@ async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args)
     embedder_threads = f"threads = {args.embedder_threads}\n" if args.embedder_threads else ""
     preset.write_text(f"[{smol.stem}]\nmodel = {smol}\nparallel = 4\nctx-size = 16384\n\n"
                       f"[{gguf_path.stem}]\nmodel = {gguf_path}\nparallel = 4\nctx-size = 16384\n{embedder_threads}")
-    server = Server(["--models-preset", str(preset), "--models-max", "2"], Path("/tmp/bench_embed_itl.log"))
+    share = ["--models-background-share", str(args.background_share)] if args.background_share else []
+    server = Server(["--models-preset", str(preset), "--models-max", "2", *share], Path("/tmp/bench_embed_itl.log"))
     try:
         async with httpx.AsyncClient() as client:
             await _post_all(server.url, gguf_path.stem, texts[:4], 4, 1)  # loads the embedder
@@ -286,12 +295,13 @@ async def measure_chat_itl_during_burst(gguf_path: Path, texts: list[str], args)
     finally:
         server.stop()
 
-    def gaps(lo: float, hi: float) -> list[float]:
-        return [(b - a) * 1000 for s in streams for a, b in zip(s, s[1:]) if lo <= b <= hi]
+    def gaps(lo: float, hi: float) -> list[float]:  # within one completion (not the wait for the next one's first)
+        return [(b - a) * 1000 for chats in streams for s in chats for a, b in zip(s, s[1:]) if lo <= b <= hi]
 
     before, during = gaps(t_burst - 6, t_burst), gaps(t_burst, t_done)
     q = lambda xs, p: float(np.percentile(xs, p))  # noqa: E731
-    return {"burst_s": t_done - t_burst, "texts": len(texts), "embedder_threads": args.embedder_threads,
+    return {"burst_s": t_done - t_burst, "texts": len(texts), "texts_per_s": len(texts) / (t_done - t_burst),
+            "embedder_threads": args.embedder_threads, "background_share": args.background_share or "default",
             "itl_ms_before": {"p50": q(before, 50), "p99": q(before, 99), "n": len(before)},
             "itl_ms_during": {"p50": q(during, 50), "p99": q(during, 99), "n": len(during)},
             "p99_ratio": q(during, 99) / q(before, 99)}
@@ -319,6 +329,8 @@ def main() -> None:
                    "texts are embedded by the same server (two models)")
     p.add_argument("--embedder-threads", type=int, default=0,
                    help="with --itl: the embedder's own --threads (0: the default, every core)")
+    p.add_argument("--background-share", type=float, default=0,
+                   help="with --itl: the server's --models-background-share (0: its default)")
     p.add_argument("--out", help="JSON results (vectors left out)")
     args = p.parse_args()
     if args.write:

@@ -256,12 +256,15 @@ class ModelsConfig:
     models_autoload: bool = True  # load a model on its first request (off: only POST /models/load and pins)
     models_contention: str = "wait_then_fail"  # when a load does not fit and no loaded model is idle
     models_wait_timeout: float = 60.0  # seconds a request waits under wait_then_fail before its 503
+    # The cores' share embedding and reranking models get while generating models stream (1: no turns).
+    models_background_share: float = 1 / 3
 
     def __post_init__(self) -> None:
         _require(self.models_max >= 1, "models_max must be at least 1")
         _require(self.models_contention in CONTENTION_POLICIES,
                  f"models_contention must be one of {', '.join(CONTENTION_POLICIES)}")
         _require(self.models_wait_timeout > 0, "models_wait_timeout must be positive")
+        _require(0 < self.models_background_share <= 1, "models_background_share must be in (0, 1]")
         self.memory_budget_bytes  # a bad budget fails at startup
 
     @property
@@ -578,6 +581,10 @@ FLAGS: list[Flag] = [
               "on when it returns), wait_then_fail / wait_then_preempt (after --models-wait-timeout)"),
     Flag(("--models-wait-timeout",), "models_wait_timeout", float,
          help="seconds a request waits for room under wait_then_fail and wait_then_preempt"),
+    Flag(("--models-background-share",), "models_background_share", float,
+         help="share of the cores embedding and reranking models get while generating models stream: the "
+              "engines take turns, a chat's step waits at most about share/(1-share) of itself (1 = no turns: "
+              "every engine steps at once, on every core)"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

@@ -229,6 +229,7 @@ def test_model_given_twice_is_a_multi_model_server_and_once_is_the_engine_model(
     (("--models-memory-budget", "auto"), "models_memory_budget must be none or a byte count"),
     (("--models-max", "0"), "models_max must be at least 1"),
     (("--models-wait-timeout", "0"), "models_wait_timeout must be positive"),
+    (("--models-background-share", "0"), "models_background_share must be in"),
 ])
 def test_bad_models_flags_are_refused_with_the_reason(flags, message):
     with pytest.raises(config.ConfigError, match=message):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config import EngineConfig
+from conveyor.engine.compute_share import ComputeShare, install_yield_points
 from conveyor.engine.engine import EngineCore
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.engine.outputs import RequestOutput
@@ -65,8 +66,13 @@ class _Call:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, max_queue_depth: int | None = None,
-                 max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES) -> None:
+                 max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+                 compute_share: ComputeShare | None = None) -> None:
+        """compute_share: the process's turns on the cores when other engines run beside this one (a
+        multi-model server); this one steps in the background if it pools, in the foreground if it generates."""
         self.core = core
+        self.compute_share = compute_share
+        self._yield_points_for: EngineCore | None = None
         self.max_queue_depth = max_queue_depth or (core.config.max_queue_depth if core is not None else 0)
         self._loop_ready = threading.Event()
         self.max_consecutive_failures = max_consecutive_failures
@@ -237,6 +243,8 @@ class AsyncEngine:
         try:
             self._loop_steps()
         finally:
+            if self.compute_share is not None:
+                self.compute_share.set_foreground_active(self, False)
             if not self._suspending:
                 self._close_core()
 
@@ -261,11 +269,13 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 block = not core.has_work()
+                if block and self.compute_share is not None:
+                    self.compute_share.set_foreground_active(self, False)  # idle: background steps uncapped
                 if not self._drain_commands(block):
                     break
                 if not core.has_work():
                     continue
-                outputs = core.step()
+                outputs = self._step(core)
                 if outputs:
                     self._deliver(outputs)
                 if core.counters.consecutive_failures >= self.max_consecutive_failures:
@@ -274,6 +284,24 @@ class AsyncEngine:
         except Exception as exc:  # a bug in the loop itself must not leave clients hanging
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {exc}")
+
+    def _step(self, core: EngineCore) -> list[RequestOutput]:
+        share = self.compute_share
+        if share is None:
+            return core.step()
+        if getattr(core, "pooling", None) is None:
+            share.set_foreground_active(self, True)
+            with share.foreground():
+                return core.step()
+        if self._yield_points_for is not core:  # (a resumed engine has a new core)
+            self._num_layers = install_yield_points(core.runner.model, share)
+            self._yield_points_for = core
+        before = core.scheduler.stats.num_prompt_tokens_computed
+        with share.background(self._num_layers) as turn:
+            core.scheduler.step_token_cap = turn.token_cap
+            outputs = core.step()
+            turn.tokens = core.scheduler.stats.num_prompt_tokens_computed - before
+        return outputs
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued add/abort commands; returns False on shutdown."""

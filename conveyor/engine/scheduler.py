@@ -72,6 +72,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._decode_ticks_since_prefill = 0
         self.proposer = NgramProposer()
+        # Most prompt tokens the next tick takes, below the configured chunk (None: no cap). A background
+        # engine sets it while streaming engines share the cores (engine/compute_share.py).
+        self.step_token_cap: int | None = None
 
     # -- queue -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +101,8 @@ class Scheduler:
                              key=lambda r: (-r.priority, -r.num_computed_tokens))
         parked = [r for r in self.running if not _is_decode_row(r)]
         chunk = self.config.chunk_size(decoding=bool(decode_rows))
+        if self.step_token_cap is not None:
+            chunk = max(1, min(chunk, self.step_token_cap))
         if self.config.tick_policy == TickPolicy.MIXED:
             self._schedule_rows(out, decode_rows, budget=None)
             self._schedule_rows(out, parked, budget=chunk)
@@ -187,6 +192,8 @@ class Scheduler:
         chunk, together at most the token cap (the head always goes). A prompt longer than a chunk is
         the last one admitted, so at most one prefill is ever parked."""
         cap = self.config.batch_prefill_token_cap(chunk)
+        if self.step_token_cap is not None:
+            cap = self.step_token_cap if cap is None else min(cap, self.step_token_cap)
         admitted = tokens = 0
         while self.waiting and admitted < self.config.max_batch_prefill:
             request = self.waiting[0]

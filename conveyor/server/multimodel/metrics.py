@@ -53,6 +53,17 @@ class ModelsCollector(Collector):
         for (name, outcome), count in sorted(registry.contention_outcomes.items()):
             contention.add_metric([name, outcome], count)
         yield from (state, memory, active, loads, failures, unloads, seconds, contention)
+        share = registry.compute_share
+        if share is not None:
+            stats = share.stats
+            yield CounterMetricFamily("conveyor_compute_share_foreground_steps", "Steps of generating models, "
+                                      "taken in turns with pooling models (--models-background-share)",
+                                      value=stats.foreground_steps)
+            yield CounterMetricFamily("conveyor_compute_share_background_slices", "Slices of the cores pooling "
+                                      "models ran in", value=stats.background_slices)
+            yield CounterMetricFamily("conveyor_compute_share_background_yields", "Pooling models' forwards "
+                                      "paused between layers for a waiting generating model's step",
+                                      value=stats.background_yields)
         yield from _per_model_series(registry)
 
 

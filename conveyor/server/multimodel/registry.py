@@ -28,6 +28,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.engine.compute_share import ComputeShare
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.loading.heap import trim_heap
 from conveyor.server.deferred import on_daemon_thread
@@ -122,7 +123,10 @@ class ModelEntry:
 class ModelRegistry:
     def __init__(self, specs: list[ModelSpec], load_model: LoadModel, *, memory_budget: int | None = None,
                  max_loaded: int = 4, autoload: bool = True, contention: str = "wait_then_fail",
-                 wait_timeout: float = 60.0, show_progress: bool | None = None) -> None:
+                 wait_timeout: float = 60.0, show_progress: bool | None = None,
+                 compute_share: ComputeShare | None = None) -> None:
+        """compute_share: the engines' turns on the cores, which the loader gives each engine (its counters
+        are in /metrics)."""
         self.entries = {spec.name: ModelEntry(spec, estimate_bytes=source_bytes(spec.source)) for spec in specs}
         self.default_name = specs[0].name  # a request that names no model
         self._load_model = load_model
@@ -132,6 +136,7 @@ class ModelRegistry:
         self.contention = contention
         self.wait_timeout = wait_timeout
         self.show_progress = show_progress
+        self.compute_share = compute_share
         self.contention_outcomes: Counter = Counter()  # (model, outcome): waited, failed, timed_out
         self.closing = False
         self._changed = asyncio.Event()

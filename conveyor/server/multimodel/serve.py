@@ -10,6 +10,7 @@ import time
 import uvicorn
 
 from conveyor.config import EngineConfig, ModelsConfig, ServerConfig
+from conveyor.engine.compute_share import ComputeShare
 from conveyor.engine.load_progress import LoadProgress
 from conveyor.server.apis.response_store import ResponseStore
 from conveyor.server.lifecycle import ABORT_WAIT_S, POLL_S, GracefulServer
@@ -20,15 +21,17 @@ from conveyor.server.multimodel.registry import LoadedModel, ModelRegistry, Mode
 logger = logging.getLogger(__name__)
 
 
-def engine_app_loader(response_store: ResponseStore):
+def engine_app_loader(response_store: ResponseStore, compute_share: ComputeShare | None = None):
     """load_model for the registry: a model's engine (built on the thread that steps it) and its own app,
     without the page and with its metrics (the front serves the page and merges every model's /metrics).
-    quiet (other models are streaming): loaded on one intra-op thread, so their steps keep the cores."""
+    quiet (other models are streaming): loaded on one intra-op thread, so their steps keep the cores.
+    compute_share: the engines' turns on the cores (pooling models in the background)."""
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import create_app
 
     def load_model(spec: ModelSpec, progress: LoadProgress, quiet: bool) -> LoadedModel:
-        engine = AsyncEngine.from_config(spec.engine_config, progress=progress, load_threads=1 if quiet else 0)
+        engine = AsyncEngine.from_config(spec.engine_config, progress=progress, load_threads=1 if quiet else 0,
+                                         compute_share=compute_share)
         app = create_app(engine, dataclasses.replace(spec.server_config, webui=False, metrics=True),
                          response_store=response_store)
         def resume(resume_progress: LoadProgress, resume_quiet: bool) -> dict[str, int]:
@@ -45,9 +48,11 @@ def build_multi_model_app(models: ModelsConfig, engine: EngineConfig, server: Se
     """ConfigError (before anything loads) for a catalog that does not hold together."""
     specs = build_catalog(models, engine, server)
     store = ResponseStore(server.responses_store_max, server.responses_store_max_bytes)
-    registry = ModelRegistry(specs, load_model or engine_app_loader(store), memory_budget=models.memory_budget_bytes,
+    share = ComputeShare(models.models_background_share) if models.models_background_share < 1 else None
+    registry = ModelRegistry(specs, load_model or engine_app_loader(store, share), memory_budget=models.memory_budget_bytes,
                              max_loaded=models.models_max, autoload=models.models_autoload,
-                             contention=models.models_contention, wait_timeout=models.models_wait_timeout)
+                             contention=models.models_contention, wait_timeout=models.models_wait_timeout,
+                             compute_share=share)
     for spec in specs:
         logger.info("model %s: %s%s", spec.name, spec.source, " (pinned)" if spec.pinned else "")
     return MultiModelApp(registry, server, store)
