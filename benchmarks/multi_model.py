@@ -12,7 +12,7 @@ the bytes a load reads and packs are what a quantized file's are); plus the bund
 Three measurements, each on a fresh `conveyor serve` with several models:
   switch   --models-max 1 over the two 1B files: A, B, then A again (evicted, its file in the page cache):
            time to the first token of that request, which includes unloading B and loading A.
-  load     SmolLM2 streams 4 long greedy requests; meanwhile the 1B loads (POST /models/load): the
+  load     SmolLM2 streams 4 greedy chats at a time (256 tokens each, one after another); meanwhile the 1B loads (POST /models/load): the
            inter-token gaps of SmolLM2's streams during the load against those before it (p50, p99).
   together C requests of 64 tokens on one 1B model alone, then C/2 on each of the two 1B models at once
            (both loaded): output tokens per second, together / alone.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+CHAT_TOKENS = 256  # each streaming chat of the load measurement
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from quantized import smollm2_path, write_llama_1b_shape  # noqa: E402  (a sibling script)
 
@@ -141,6 +143,16 @@ def _gaps(streams: list[dict], window: tuple[float, float]) -> list[float]:
     return [t1 - t0 for s in streams for t0, t1 in zip(s["arrivals"], s["arrivals"][1:]) if lo <= t1 <= hi]
 
 
+async def _chats_until(client: httpx.AsyncClient, url: str, model: str, prompt: str, stop: asyncio.Event) -> list[dict]:
+    """Greedy streaming completions of CHAT_TOKENS tokens one after another until `stop` is set. Chats of one
+    length keep the contexts' spread alike before and during a load (one long chat steps slower as it grows)."""
+    chats = []
+    for n in itertools.count():
+        chats.append(await stream(client, url, model, f"{prompt} part {n}.", CHAT_TOKENS))
+        if stop.is_set():
+            return chats
+
+
 async def measure_load_interference(files: tuple[Path, Path], folder: Path) -> dict:
     smol = str(smollm2_path())
     server = Server(["--model", smol, "--model", str(files[0]), "--models-max", "2", "--parallel", "4",
@@ -149,15 +161,18 @@ async def measure_load_interference(files: tuple[Path, Path], folder: Path) -> d
         async with httpx.AsyncClient() as client:
             name = Path(smol).stem
             await stream(client, server.url, name, "Warm up", 8)
-            tasks = [asyncio.ensure_future(stream(client, server.url, name, f"Story {i}:", 900)) for i in range(4)]
-            await asyncio.sleep(6)  # the streams settle: the 'before' window
+            stop = asyncio.Event()
+            tasks = [asyncio.ensure_future(_chats_until(client, server.url, name, f"Story {i}:", stop))
+                     for i in range(4)]
+            await asyncio.sleep(8)  # the streams settle: the 'before' window
             t_load = time.perf_counter()
             await client.post(f"{server.url}/models/load", json={"model": files[0].stem}, timeout=600)
             t_loaded = time.perf_counter()
-            streams = await asyncio.gather(*tasks)
+            stop.set()
+            streams = [chat for chats in await asyncio.gather(*tasks) for chat in chats]
     finally:
         server.stop()
-    before, during = _gaps(streams, (t_load - 5, t_load)), _gaps(streams, (t_load, t_loaded))
+    before, during = _gaps(streams, (t_load - 6, t_load)), _gaps(streams, (t_load, t_loaded))
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000  # noqa: E731
     return {"load_s": t_loaded - t_load, "itl_ms_before": {"p50": q(before, 50), "p99": q(before, 99), "n": len(before)},
             "itl_ms_during": {"p50": q(during, 50), "p99": q(during, 99), "n": len(during)},
