@@ -154,3 +154,68 @@ def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens",
     with open(os.path.join(path, "modules.json"), "w") as f:
         json.dump(modules, f)
     return str(path)
+
+
+# EmbeddingGemma's named prompts (config_sentence_transformers.json of google/embeddinggemma-300m, a few of them).
+EMBEDDINGGEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: ",
+                          "Classification": "task: classification | query: ",
+                          "STS": "task: sentence similarity | query: "}
+
+
+def write_embeddinggemma(path, sliding_window: int = 8) -> str:
+    """A tiny random EmbeddingGemma as sentence-transformers saves google/embeddinggemma-300m: transformers'
+    Gemma3TextModel with use_bidirectional_attention (no head, no `model.` prefix), mean pooling, two Dense layers
+    without bias (hidden -> 2 x hidden -> hidden, Identity), Normalize, and its prompts. Six layers, the last global
+    (Gemma 3's pattern, which llama.cpp assumes); config.json keeps `sliding_window` as written (the whole window:
+    transformers reads +-sliding_window // 2 from it), so texts of a dozen tokens reach past it."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    tokenizer = smollm_tokenizer()
+    config = transformers.Gemma3TextConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=512, sliding_window=sliding_window, use_bidirectional_attention=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    config.architectures = ["Gemma3TextModel"]
+    torch.manual_seed(0)
+    model = transformers.Gemma3TextModel(config)
+    with torch.no_grad():  # random weights (norms too) large enough that texts differ visibly
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:  # (transformers rewrites an odd window as even)
+        json.dump({**raw, "sliding_window": sliding_window}, f, indent=2)
+    tokenizer.backend.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<|endoftext|>",
+                   "eos_token": "<|endoftext|>", "model_max_length": 512}, f)
+    with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 512, "do_lower_case": False}, f)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    os.makedirs(os.path.join(path, "1_Pooling"))
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+                   "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+                   "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
+                   "include_prompt": True}, f)
+    gen = torch.Generator().manual_seed(1)
+    for folder, (inputs, outputs) in (("2_Dense", (64, 128)), ("3_Dense", (128, 64))):
+        os.makedirs(os.path.join(path, folder))
+        with open(os.path.join(path, folder, "config.json"), "w") as f:
+            json.dump({"in_features": inputs, "out_features": outputs, "bias": False,
+                       "activation_function": "torch.nn.modules.linear.Identity"}, f)
+        save_file({"linear.weight": torch.randn(outputs, inputs, generator=gen) * 0.2},
+                  os.path.join(path, folder, "model.safetensors"))
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with open(os.path.join(path, "config_sentence_transformers.json"), "w") as f:
+        json.dump({"prompts": EMBEDDINGGEMMA_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"}, f)
+    return str(path)

@@ -30,14 +30,11 @@ from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig
-from conveyor.models.pooling import PoolingConfig
+from conveyor.models.pooling import DenseSpec, PoolingConfig
 
-# llama.cpp tensor name (without the `blk.N.` prefix) -> Hugging Face module name.
-GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-                  # Gemma 4's per-layer embeddings (PLE)
-                  "per_layer_token_embd": "model.embed_tokens_per_layer",
-                  "per_layer_model_proj": "model.per_layer_model_projection",
-                  "per_layer_proj_norm": "model.per_layer_projection_norm"}
+# llama.cpp tensor name (without the `blk.N.` prefix) -> the shared decoder's Hugging Face module name; a family's
+# gguf_tensors (models/family.py) add to these or, for the encoders, replace them.
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -47,62 +44,12 @@ BLOCK_TENSORS = {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v fused in the file
 }
-# Where an architecture's tensor means something else: Gemma's ffn_norm is the norm before the MLP (its
-# post_attention_layernorm is post_attention_norm); Phi-3's ffn_up holds gate|up fused.
-ARCH_BLOCK_TENSORS = {
-    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    # GLM-4: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
-    "glm4": {"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"},
-    # Gemma 4: Gemma's sandwich, and each layer's PLE gate, projection and norm
-    "gemma4": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
-               "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
-               # 26B-A4B: the experts' input norm, and the norms after the dense MLP and after the experts
-               "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
-               "post_ffw_norm_2": "post_feedforward_layernorm_2"},
-    # Gemma 3n: Gemma 4's, plus AltUp's and LAuReL's per-layer tensors
-    "gemma3n": {"ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
-                "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
-                "altup_correct_coef": "altup.correction_coefs", "altup_predict_coef": "altup.prediction_coefs",
-                "altup_router": "altup.modality_router", "altup_router_norm": "altup.router_norm",
-                "laurel_l": "laurel.linear_left", "laurel_r": "laurel.linear_right",
-                "laurel_post_norm": "laurel.post_laurel_norm"},
-    # Llama 4: the ungated shared expert beside the routed ones
-    "llama4": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-               "ffn_down_shexp": "mlp.shared_expert.down_proj"},
-    # DeepSeek-V3 (models/mla.py): latent attention; kv_b split per head into k_b (transposed) and v_b by newer
-    # converters, kept whole by older ones; the choice-only expert bias; shared experts.
-    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
-                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
-                  "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
-                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-                  **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}},
-}
-# The encoders' names (models/bert.py, transformers' BertModel without its `bert.` prefix): whole tensors and, per
-# `blk.N.`, those of encoder.layer.N. XLM-RoBERTa's classifier head is `cls` (dense) then `cls.output` (out_proj).
-ENCODER_TENSORS = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
-                   "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
-                   "cls": "classifier.dense", "cls.output": "classifier.out_proj"}
-ENCODER_BLOCK_TENSORS = {
-    "attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
-    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
-    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
-ENCODER_ARCHITECTURES = ("bert",)
+_DECODER_LAYERS = "model.layers."
 # Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
 HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
-# Block tensors HF keeps as bare buffers (no `.weight`): Gemma 4's per-layer scalar.
-# Gemma 3n's AltUp output scale likewise (a bare parameter).
-BARE_BLOCK_TENSORS = {"layer_output_scale": "layer_scalar", "altup_correct_scale": "altup.correct_output_scale"}
-# Gemma 4 26B-A4B's router input scale and per-expert weight scale (`.scale` beside the router and the experts).
-EXPERT_SCALES = {"ffn_gate_inp.scale": "moe.router.scale", "ffn_down_exps.scale": "moe.router.per_expert_scale"}
 # Gemma 3n's AltUp (un)embedding projections: one (n - 1, H, H) stack in the file, one HF tensor each.
 STACKED_TENSORS = {"altup_proj.weight": "model.altup_projections", "altup_unembd_proj.weight":
                    "model.altup_unembed_projections"}
-# Architectures whose q/k rows convert_hf_to_gguf interleaves (LlamaModel.permute and its subclasses; not
-# Apertus, whose converter sets undo_permute = False).
-PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3", "mistral3")
 # Apertus: xIELU's four scalars per layer live in metadata arrays (raw, before softplus), not tensors.
 XIELU_KEYS = ("alpha_p", "alpha_n", "beta", "eps")
 # Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
@@ -168,20 +115,21 @@ def load_gguf(path: str) -> Checkpoint:
     path = parts[0]
     config = config_from_gguf(reader, path)
     arch = field_value(reader, "general.architecture")
+    family = families.for_gguf(arch)  # the names and transforms of the file's architecture (config_from_gguf's)
     mapping = _FileMappings([_FileMapping(r) for r in readers])
     del readers
     weights: dict[str, Weight] = {}
+    dense: dict[str, gguf.gguf_reader.ReaderTensor] = {}
     hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS or (hybrid is not None and hybrid.skip(tensor.name)):
             continue
+        if tensor.name.partition(".")[0] in GGUF_DENSE:
+            dense[tensor.name] = tensor
+            continue
         if tensor.name in STACKED_TENSORS:
             for i, weight in enumerate(_unstack(tensor, path)):
                 weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
-            continue
-        layer, _, kind = tensor.name.removeprefix("blk.").partition(".")
-        if arch == "gemma4" and kind in EXPERT_SCALES:
-            weights[f"model.layers.{layer}.{EXPERT_SCALES[kind]}"] = _to_torch(tensor, path)
             continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
@@ -189,11 +137,12 @@ def load_gguf(path: str) -> Checkpoint:
         if hybrid is not None:
             weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
             continue
-        name = hf_name(tensor.name, path, arch)
+        name = hf_name(tensor.name, path, family)
         if tensor.name.split(".")[-2] in HEAD_STACKED_TENSORS:
             weights[name] = _to_torch(tensor, path, flatten_heads=True)
             continue
-        weights[name] = _unpermute(arch, config, name, _to_torch(tensor, path), mapping.release)
+        weight = _to_torch(tensor, path)
+        weights[name] = _unpermute(config, name, weight, mapping.release) if family.gguf_permuted_qk else weight
     if hybrid is not None:
         hybrid.report()
     if config.hidden_act == "xielu":
@@ -203,7 +152,7 @@ def load_gguf(path: str) -> Checkpoint:
     if tokenizer.eos_token_ids:
         # The tokenizer knows the end-of-turn tokens the template uses; metadata names only one.
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
-    pooling = gguf_pooling(field_value(reader, f"{arch}.pooling_type"), path)
+    pooling = _with_dense(gguf_pooling(field_value(reader, f"{arch}.pooling_type"), path), dense, path)
     mapping.release_all()  # metadata and vocabulary pages
     del reader
     return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
@@ -226,34 +175,45 @@ def gguf_pooling(value: Any, source: str) -> PoolingConfig | None:
     return PoolingConfig(pooling=GGUF_POOLING[int(value)])
 
 
-def hf_name(gguf_name: str, source: str = "", arch: str = "llama") -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+# llama.cpp's build_dense_out: sentence-transformers' Dense layers after pooling, in this order, no activation
+# (convert_hf_to_gguf --sentence-transformers-dense-modules writes EmbeddingGemma's 2_Dense and 3_Dense so).
+GGUF_DENSE = ("dense_2", "dense_3")
+
+
+def _with_dense(pooling: PoolingConfig | None, tensors: dict[str, gguf.gguf_reader.ReaderTensor],
+                source: str) -> PoolingConfig | None:
+    """The file's dense layers (`dense_2.weight`, an optional `.bias`, ...) added to its pooling, in fp32."""
+    if not tensors:
+        return pooling
+    if pooling is None:
+        raise LoadError(f"{source}: dense layers ({', '.join(sorted(tensors))}) but no pooling_type to apply them to")
+
+    def dense(name: str) -> torch.Tensor | None:
+        tensor = tensors.get(name)
+        if tensor is None:
+            return None
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)]))
+
+    return replace(pooling, dense=tuple(DenseSpec(dense(f"{name}.weight"), dense(f"{name}.bias"))
+                                        for name in GGUF_DENSE if f"{name}.weight" in tensors))
+
+
+def hf_name(gguf_name: str, source: str = "", family: families.Family | None = None) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, by the shared decoder's names and the
+    family's gguf_tensors (an encoder's: its own alone, under its own layer prefix)."""
+    own = family.gguf_tensors if family is not None else {}
+    prefix = family.gguf_layer_prefix if family is not None else _DECODER_LAYERS
+    names = own if prefix != _DECODER_LAYERS else {**GLOBAL_TENSORS, **BLOCK_TENSORS, **own}
     base, _, suffix = gguf_name.rpartition(".")
-    if arch in ENCODER_ARCHITECTURES:
-        return _encoder_name(gguf_name, base, suffix, source)
-    if base in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    names = {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS.get(arch, {})}
-    if match and match.group(2) == "attn_sinks":  # GPT-OSS: a bare parameter in HF, `.weight` in the file
-        return f"model.layers.{match.group(1)}.self_attn.sinks"
-    if match and suffix == "weight" and match.group(2) in BARE_BLOCK_TENSORS:
-        return f"model.layers.{match.group(1)}.{BARE_BLOCK_TENSORS[match.group(2)]}"
+    if match is None and base in names:
+        return f"{names[base]}.{suffix}"
     if match and match.group(2) in names:
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{suffix}"
-    if match and f"{match.group(2)}.{suffix}" in names:  # a whole name (DeepSeek's exp_probs_b.bias)
-        return f"model.layers.{match.group(1)}.{names[match.group(2) + '.' + suffix]}"
+        return f"{prefix}{match.group(1)}.{names[match.group(2)]}.{suffix}"
+    if match and f"{match.group(2)}.{suffix}" in names:  # a whole name: a bare HF tensor (DeepSeek's exp_probs_b.bias)
+        return f"{prefix}{match.group(1)}.{names[match.group(2) + '.' + suffix]}"
     raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in GGUF file")
-
-
-def _encoder_name(gguf_name: str, base: str, suffix: str, source: str) -> str:
-    """`blk.3.attn_q.weight` -> `encoder.layer.3.attention.self.query.weight` (models/bert.py's names)."""
-    if base in ENCODER_TENSORS:
-        return f"{ENCODER_TENSORS[base]}.{suffix}"
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in ENCODER_BLOCK_TENSORS:
-        return f"encoder.layer.{match.group(1)}.{ENCODER_BLOCK_TENSORS[match.group(2)]}.{suffix}"
-    raise LoadError(f"{source}: unexpected tensor {gguf_name!r} in a BERT GGUF file")
 
 
 def _xielu_weights(reader: gguf.GGUFReader, num_layers: int, source: str) -> dict[str, torch.Tensor]:
@@ -271,7 +231,9 @@ def _xielu_weights(reader: gguf.GGUFReader, num_layers: int, source: str) -> dic
 
 
 def _is_moe_tensor(gguf_name: str) -> bool:
-    return gguf_name.split(".")[-2] in (*EXPERT_TENSORS, "ffn_gate_inp")
+    """Routers and expert stacks with their biases (a `.scale` beside them is the family's: Gemma 4's)."""
+    kind, suffix = gguf_name.split(".")[-2:]
+    return kind in (*EXPERT_TENSORS, "ffn_gate_inp") and suffix in ("weight", "bias")
 
 
 def _moe_weights(config: ModelConfig, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:
@@ -392,15 +354,14 @@ def _warn_dequantized(reader: gguf.GGUFReader) -> None:
                        "load (more memory, slower)", names[0], more, kind)
 
 
-def _unpermute(arch: str, config: ModelConfig, name: str, weight: Weight, release) -> Weight:
-    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to llama (and granite, smollm3,
-    mistral3) q/k only (weights and biases).
+def _unpermute(config: ModelConfig, name: str, weight: Weight, release) -> Weight:
+    """Undo convert_hf_to_gguf's rotary row interleave, which it applies to the q/k of LlamaModel and its subclasses
+    only (weights and biases: the families with gguf_permuted_qk).
 
     Per head, HF keeps rows [x0..x(d/2-1) | y0..y(d/2-1)] (rotate-half); llama.cpp stores x0 y0 x1 y1 ...
     A quantized row is a whole output feature, so the same permutation moves raw block rows.
     """
-    if arch not in PERMUTED_ARCHITECTURES or not name.endswith(("q_proj.weight", "k_proj.weight",
-                                                                "q_proj.bias", "k_proj.bias")):
+    if not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return weight
     heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
     rows = weight.raw if isinstance(weight, QuantizedTensor) else weight

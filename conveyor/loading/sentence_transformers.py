@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from conveyor.loading.checkpoint import LoadError
 from conveyor.models.pooling import DenseSpec, PoolingConfig, PoolingConfigError
 
-_MODULE = "sentence_transformers.models."
+# The Hub's files name modules `sentence_transformers.models.Dense`; sentence-transformers >= 5 saves each one's
+# own module path (`sentence_transformers.base.modules.dense.Dense`): the class name decides.
+_PACKAGE = "sentence_transformers."
 # Pooling modes sentence-transformers writes (pooling_mode_<name>: true, or pooling_mode: <name>) -> ours.
 _MODES = {"lasttoken": "last", "mean_tokens": "mean", "mean": "mean", "cls_token": "cls", "cls": "cls"}
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
@@ -32,7 +34,8 @@ def read_pooling(path: str) -> PoolingConfig | None:
         raise LoadError(f"{modules_path}: expected a list of modules")
     pooling, normalize, dense = None, False, []
     for module in modules:
-        kind = str(module.get("type", "")).removeprefix(_MODULE)
+        kind = str(module.get("type", ""))
+        kind = kind.rpartition(".")[2] if kind.startswith(_PACKAGE) else kind
         where = os.path.join(path, module.get("path") or "")
         if kind == "Transformer":
             continue

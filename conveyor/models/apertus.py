@@ -19,4 +19,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(hidden_act="xielu", qk_norm=True, attention_bias=bias, attention_out_bias=bias)
 
 
-register(Family("apertus", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))
+# GGUF: xIELU's scalars live in the file's metadata (loading/gguf_loader.py reads them for hidden_act xielu); its q/k
+# rows are not permuted (the converter sets undo_permute = False)
+register(Family("apertus", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES,
+                gguf_architectures=("apertus",), gguf_fields=lambda meta, base, tensors: dict(hidden_act="xielu")))

@@ -1,4 +1,4 @@
-"""BERT and XLM-RoBERTa encoders (embedders, and later cross-encoders): transformers' BertModel, post-LN.
+"""BERT and XLM-RoBERTa encoders (embedders and cross-encoders): transformers' BertModel, post-LN.
 
     embeddings: word + token type (0) + absolute position, LayerNorm
     each layer: x = LN(x + o(attention(qkv(x)))); x = LN(x + down(gelu(up(x))))
@@ -10,6 +10,7 @@ per text, on fresh fp32 copies, so bitwise the same alone or in any batch); noth
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -25,6 +26,8 @@ from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, tensor_getters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint names (transformers' BertModel; BertFor*/XLMRobertaFor* prefix them with bert./roberta., which the
 # families' weight_renames strip).
@@ -126,9 +129,12 @@ class BertModel(nn.Module):
         return self.classifier is not None
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
-        """A cross-encoder's logits (R, labels) from each text's first-token hidden state (R, hidden)."""
-        (dense_w, dense_b), (out_w, out_b) = self.classifier
-        x = torch.tanh(nn.functional.linear(first_rows.float(), dense_w, dense_b))
+        """A cross-encoder's logits (R, labels) from each text's first-token hidden state (R, hidden): tanh after
+        every layer of the head but the last."""
+        *hidden, (out_w, out_b) = self.classifier
+        x = first_rows.float()
+        for weight, bias in hidden:
+            x = torch.tanh(nn.functional.linear(x, weight, bias))
         return nn.functional.linear(x, out_w, out_b)
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -170,7 +176,8 @@ class BertModel(nn.Module):
             linear(mlp.up_proj, [p + "intermediate.dense"])
             linear(mlp.down_proj, [p + "output.dense"])
             norm(mlp.norm, p + "output.LayerNorm")
-        heads = (CLASSIFIER if CLASSIFIER[1] + "weight" in weights
+        # (a GGUF's head may be out_proj alone: its converter drops the pooler that came before; gguf_fields below)
+        heads = (tuple(n for n in CLASSIFIER if n + "weight" in weights) if CLASSIFIER[1] + "weight" in weights
                  else (POOLER, BERT_CLASSIFIER) if BERT_CLASSIFIER + "weight" in weights and POOLER + "weight" in weights
                  else ())
         if heads:
@@ -225,9 +232,49 @@ def weight_names(config: ModelConfig) -> list[str]:
     return names + [f"{part}.{kind}" for part in parts for kind in ("weight", "bias")]
 
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's BertModel and its subclasses (DistilBERT: no token types; RoBERTa and XLM-RoBERTa: the
+    position table already cut at the padding offset, so positions count from 0 here) as transformers' config.
+
+    A classifier head makes the file a cross-encoder, run as the xlm-roberta family (which keeps that head), as is
+    XLM-RoBERTa's `t5` vocabulary. RoBERTa's head is two layers (`cls`, `cls.output`); BERT's is the pooler's dense
+    and `classifier`, but the converter drops the pooler and keeps `cls.output` alone, which is scored as llama.cpp
+    scores it (see the warning). `cls` alone (the labels transformers makes up) is refused, as nothing in llama.cpp
+    reads it as a score either."""
+    if meta("attention.causal", False):
+        raise ValueError("a causal bert model is not supported")
+    head = {"cls.weight", "cls.output.weight"} & tensors.keys()
+    if head == {"cls.weight"}:
+        raise ValueError("a classifier head of cls alone (a cross-encoder converted with transformers' default "
+                         "labels, its pooler dropped) is not supported; cls.output, with or without cls, is")
+    if head == {"cls.output.weight"}:
+        logger.warning("a BERT cross-encoder whose pooler the GGUF converter dropped: scored as llama.cpp scores it "
+                       "(cls.output on the first token's hidden state, without the pooler's tanh(dense) before it), "
+                       "so its scores differ from the original model's (the order mostly holds, the scale does not); "
+                       "the Hugging Face directory scores as trained")
+    types = tensors.get("token_types.weight")
+    raw = dict(model_type="bert", hidden_size=base["hidden_size"], num_attention_heads=base["num_attention_heads"],
+               max_position_embeddings=base["max_position_embeddings"],
+               type_vocab_size=types[1] if types is not None else 0,  # GGUF shapes are reversed
+               layer_norm_eps=float(meta("attention.layer_norm_epsilon", 1e-12)))
+    roberta = meta("tokenizer.ggml.model") == "t5" or bool(head)
+    return dict(hf_fields(raw), architecture="xlm-roberta" if roberta else "bert")
+
+
+# llama.cpp's names for transformers' BertModel ones (without its `bert.` prefix): whole tensors and, per `blk.N.`,
+# those of encoder.layer.N. The classifier head is `cls` (dense) then `cls.output` (out_proj).
+GGUF_TENSORS = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+                "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+                "cls": "classifier.dense", "cls.output": "classifier.out_proj",
+                "attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+
 register(Family("bert", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"bert.": ""},
                 weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias",
-                                                             BERT_CLASSIFIER + "weight", BERT_CLASSIFIER + "bias")),
+                                                             BERT_CLASSIFIER + "weight", BERT_CLASSIFIER + "bias"),
+                gguf_architectures=("bert",), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS,
+                gguf_layer_prefix="encoder.layer."),
          Family("xlm-roberta", "conveyor.models.bert:BertModel", hf_fields, weight_renames={"roberta.": ""},
                 weight_names=weight_names, optional_weights=(POOLER + "weight", POOLER + "bias", *(
                     part + kind for part in CLASSIFIER for kind in ("weight", "bias")))))

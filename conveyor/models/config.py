@@ -48,7 +48,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    sliding_window: int | None = None  # Mistral: each token sees only the last N positions (ModernBERT: +-N)
+    sliding_window: int | None = None  # Mistral: each token sees only the last N positions (bidirectional: +-N)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # --- what the other dense families change (defaults: Llama) -------------------------------

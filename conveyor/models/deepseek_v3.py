@@ -52,4 +52,48 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", bias="gate.e_score_correction_bias",
                            shared_block="shared_experts")
 
-register(Family("deepseek_v3", "conveyor.models.mla:DeepseekV3ForCausalLM", hf_fields, expert_names=EXPERT_NAMES))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """llama.cpp's `deepseek2` (src/models/deepseek2.cpp) as DeepSeek-V3: MLA widths from the lora ranks,
+    key_length_mla / value_length_mla (older files: key_length / value_length) and rope.dimension_count; the
+    rotary pairs stay interleaved in the file (llama.cpp's NORM rope, no permute); experts after
+    leading_dense_block_count layers, routed by sigmoid (expert_gating_func 2) only."""
+    rope_dim = int(meta("rope.dimension_count"))
+    key_mla = meta("attention.key_length_mla")
+    key_mla, value_mla = ((int(key_mla), int(meta("attention.value_length_mla"))) if key_mla is not None
+                          else (base["head_dim"], int(meta("attention.value_length"))))
+    dims = MLADims(q_lora_rank=int(meta("attention.q_lora_rank", 0)), kv_lora_rank=int(meta("attention.kv_lora_rank")),
+                   qk_nope_head_dim=key_mla - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=value_mla)
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn" and meta("rope.scaling.yarn_log_multiplier"):
+        # the converter wrote 0.1 * mscale_all_dim; the released configs have mscale == mscale_all_dim
+        mscale = float(meta("rope.scaling.yarn_log_multiplier")) / 0.1
+        scaling = dict(scaling, mscale=mscale, mscale_all_dim=mscale)
+    layers, num_experts = base["num_hidden_layers"], int(meta("expert_count", 0))
+    fields = dict(mla=dims, num_key_value_heads=1, head_dim=rope_dim, rope_scaling=scaling,
+                  attention_scale=softmax_scale(key_mla, scaling or {}), dense_mlp_layers=tuple(range(layers)))
+    if not num_experts:
+        return fields
+    if int(meta("expert_gating_func", 0)) != 2:  # llama.cpp's default is softmax (DeepSeek-V2)
+        raise ValueError("deepseek2 routing other than sigmoid (expert_gating_func 2) is not supported")
+    width, dense = int(meta("expert_feed_forward_length")), int(meta("leading_dense_block_count", 0))
+    return dict(fields, num_experts=num_experts, num_experts_per_tok=int(meta("expert_used_count")),
+                moe_intermediate_size=width, norm_topk_prob=bool(meta("expert_weights_norm", False)),
+                moe_scoring="sigmoid", moe_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensors,
+                moe_renorm_eps=1e-20, moe_num_groups=int(meta("expert_group_count", 1) or 1),
+                moe_topk_groups=int(meta("expert_group_used_count", 1) or 1),
+                routed_scaling_factor=float(meta("expert_weights_scale", 1.0) or 1.0),
+                shared_expert_intermediate_size=width * int(meta("expert_shared_count", 0)),
+                dense_mlp_layers=tuple(range(min(dense, layers))))
+
+
+# llama.cpp's names for the latent attention (models/mla.py): kv_b split per head into k_b (transposed) and v_b by
+# newer converters, kept whole by older ones; the choice-only expert bias; the shared experts.
+GGUF_TENSORS = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+                "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}}
+
+register(Family("deepseek_v3", "conveyor.models.mla:DeepseekV3ForCausalLM", hf_fields, expert_names=EXPERT_NAMES,
+                gguf_architectures=("deepseek2",), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))

@@ -15,4 +15,6 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
 
 
-register(Family("ernie4_5", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+register(Family("ernie4_5", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("ernie4_5",),
+                # rotated as HF does in the file: no permute to undo
+                gguf_fields=lambda meta, base, tensors: dict(rope_interleaved=True)))

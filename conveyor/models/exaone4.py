@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -26,4 +26,15 @@ def _pattern_types(pattern: Any, layers: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
 
 
-register(Family("exaone4", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(norm_layout="post")
+    window = meta("attention.sliding_window")
+    if window:  # the global layers are NoPE
+        types = gguf_layer_types(meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 4)
+        fields.update(sliding_window=int(window), layer_types=types,
+                      no_rope_layers=tuple(i for i, kind in enumerate(types) if kind != "sliding_attention"))
+    return fields
+
+
+register(Family("exaone4", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("exaone4",),
+                gguf_fields=gguf_fields))

@@ -12,7 +12,16 @@ FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", 
                   "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_next", "granite_hybrid",
                   "nemotron_h", "falcon_h1", "mamba2", "bert", "modernbert", "nomic_bert")
 
-register(*(Family(architecture, "conveyor.models.llama:LlamaForCausalLM")
-           for architecture in ("llama", "mistral", "qwen2", "qwen3")))
+
+def _llama_gguf_fields(meta, base, tensors) -> dict:
+    # convert_hf_to_gguf writes Mixtral as llama with experts (its q/k permuted as Llama's)
+    return dict(architecture="mixtral") if base.get("num_experts") else {}
+
+
+register(Family("llama", "conveyor.models.llama:LlamaForCausalLM", gguf_architectures=("llama",),
+                gguf_fields=_llama_gguf_fields, gguf_permuted_qk=True),
+         Family("mistral", "conveyor.models.llama:LlamaForCausalLM"),  # a GGUF of it is llama's
+         *(Family(architecture, "conveyor.models.llama:LlamaForCausalLM", gguf_architectures=(architecture,))
+           for architecture in ("qwen2", "qwen3")))
 for _name in FAMILY_MODULES:
     importlib.import_module(f"conveyor.models.{_name}")

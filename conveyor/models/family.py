@@ -1,9 +1,10 @@
 """Model families: what each architecture (a Hugging Face `model_type`) changes, declared by its own module.
 
 A family module (models/gemma.py, models/qwen3_5.py, ...) ends with `register(Family(...))`: its config fields,
-its tensor names where they differ from the shared decoder's, and the model class that runs it. The central
-config, the model registry and the loaders look families up here and name none of them; the first lookup
-imports every family module (models/families.py lists them), so adding a family is one new file and one line.
+its tensor names where they differ from the shared decoder's, the model class that runs it, and how llama.cpp's
+GGUF files of it read (their `general.architecture`, metadata and tensor names). The central config, the model
+registry and the loaders look families up here and name none of them; the first lookup imports every family
+module (models/families.py lists them), so adding a family is one new file and one line.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Family:
-    architecture: str  # the HF model_type (GGUF architectures map onto these in loading/gguf_config.py)
+    architecture: str  # the HF model_type
     model_class: str  # "module:Class" that runs it, imported when a model is built
     hf_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # raw HF config -> ModelConfig fields
     weight_renames: dict[str, str] = field(default_factory=dict)  # checkpoint name part -> the decoder's
@@ -25,6 +26,20 @@ class Family:
     hybrid: bool = False  # pre-norm residual steps of attention / recurrent / channel mixers (models/hybrid.py)
     multimodal_type: str | None = None  # the model_type of the multimodal directory whose text part this is
     expert_names: Any = None  # config.ExpertNames: where its checkpoints keep the sparse MLP (MoE families)
+    # llama.cpp's `general.architecture` values written for it (the first family that lists one loads it)
+    gguf_architectures: tuple[str, ...] = ()
+    # (meta, base, tensors) -> ModelConfig fields beyond those every GGUF file gives (loading/gguf_config.py):
+    # meta(key, default) reads the file's `{arch}.{key}` (`tokenizer.*` and `general.*` keys whole), base holds the
+    # fields read so far, tensors maps each tensor's name to its GGUF shape (reversed: columns first).
+    # ValueError: a file it cannot run.
+    gguf_fields: Callable[..., dict[str, Any]] | None = None
+    # llama.cpp tensor name -> HF module where they differ from the shared decoder's (loading/gguf_loader.py): a
+    # whole name (token_embd), a `blk.N.` one without the prefix (ffn_norm), or one with its suffix
+    # (ffn_gate_inp.scale: a bare HF tensor). A family with its own gguf_layer_prefix (the encoders) is named by
+    # these alone.
+    gguf_tensors: dict[str, str] = field(default_factory=dict)
+    gguf_layer_prefix: str = "model.layers."  # the HF prefix of `blk.N.` tensors
+    gguf_permuted_qk: bool = False  # q/k rows interleaved by convert_hf_to_gguf (LlamaModel.permute): undone at load
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -46,6 +61,32 @@ def _load() -> None:
 def get(architecture: str) -> Family | None:
     _load()
     return _FAMILIES.get(architecture)
+
+
+def for_gguf(arch: str) -> Family | None:
+    """The family a GGUF file of llama.cpp's `general.architecture` `arch` loads as (None: none)."""
+    _load()
+    return next((f for f in _FAMILIES.values() if arch in f.gguf_architectures), None)
+
+
+def gguf_architectures() -> tuple[str, ...]:
+    """Every GGUF `general.architecture` some family loads, in registration order."""
+    _load()
+    return tuple(dict.fromkeys(arch for f in _FAMILIES.values() for arch in f.gguf_architectures))
+
+
+def gguf_layer_types(pattern: Any, num_layers: int, default: int, global_first: bool = False) -> tuple[str, ...]:
+    """llama.cpp's `attention.sliding_window_pattern` as HF layer types: a bool per layer (True: sliding), or every
+    n-th layer global: the last of each n (Gemma's), or with `global_first` the first (ModernBERT's; 0: none)."""
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    elif global_first:
+        n = default if pattern is None else int(pattern)
+        sliding = [n == 0 or i % n != 0 for i in range(num_layers)]
+    else:
+        n = int(pattern or default)
+        sliding = [(i + 1) % n != 0 for i in range(num_layers)]
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
 def architectures() -> tuple[str, ...]:

@@ -3,7 +3,9 @@
 (1 + w) RMSNorms (the 1 added at load), norms before and after attention and MLP ("sandwich"),
 GeGLU with tanh-GELU, embeddings scaled by sqrt(hidden), softmax scale from query_pre_attn_scalar,
 and sliding-window attention on the local layers. Gemma 3 adds per-head QK-norm and its own rope
-base on the local layers; Gemma 2 soft-caps attention scores and final logits.
+base on the local layers; Gemma 2 soft-caps attention scores and final logits. EmbeddingGemma is Gemma 3
+run bidirectionally (use_bidirectional_attention; GGUF `gemma-embedding`): a pooling model whose sliding layers
+attend a band either side, each text whole in one forward (models/encoder_attention.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
+
+# Layers in llama.cpp's Gemma *27B* (scaled by hidden / heads, not head_dim: gemma_pytorch's config).
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+# llama.cpp's ffn_norm is Gemma's norm before the MLP (its post_attention_layernorm is post_attention_norm).
+GGUF_TENSORS = {"ffn_norm": "pre_feedforward_layernorm"}
 
 
 def layer_types(raw: dict[str, Any], num_layers: int, default_pattern: int) -> tuple[str, ...]:
@@ -39,7 +46,21 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
     if gemma3:
         fields.update(qk_norm=True, **_gemma3_rope(raw))
+    if gemma3 and raw.get("use_bidirectional_attention"):
+        fields.update(_bidirectional(raw))
     return fields
+
+
+def _bidirectional(raw: dict[str, Any]) -> dict[str, Any]:
+    """EmbeddingGemma (Gemma3TextModel, use_bidirectional_attention): every layer attends both ways, a sliding one
+    the keys j with |i - j| <= sliding_window // 2 (transformers' config makes the window sliding_window // 2 + 1,
+    exclusive; llama.cpp's symmetric one is n_swa / 2 either side). Kept as the half window, as ModernBERT's."""
+    if raw.get("attn_logit_softcapping"):
+        raise NotImplementedError("attn_logit_softcapping with use_bidirectional_attention")
+    window = raw.get("sliding_window")
+    if window is not None and int(window) < 2:
+        raise NotImplementedError(f"a bidirectional sliding_window of {window}")
+    return dict(bidirectional=True, sliding_window=int(window) // 2 if window else None)
 
 
 def _activation(raw: dict[str, Any]) -> str:
@@ -64,5 +85,31 @@ def _gemma3_rope(raw: dict[str, Any]) -> dict[str, Any]:
                 rope_scaling=full if kind != "default" else None)
 
 
-register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields),
-         Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma2Model / Gemma3Model / EmbeddingGemma (`gemma-embedding`: bidirectional, the
+    whole window in sliding_window): what the file leaves to the architecture."""
+    gemma3 = base["architecture"] == "gemma3_text"
+    embedding = meta("general.architecture") == "gemma-embedding"
+    layers, hidden, heads = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
+    per_head = (hidden // heads if layers == _GGUF_27B_LAYERS[base["architecture"]] and not embedding
+                else base["head_dim"])
+    # NOTE: no norm offset: the converter already stored (1 + w) in the file.
+    fields: dict[str, Any] = dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden),
+        attention_scale=per_head ** -0.5, final_logit_softcapping=meta("final_logit_softcapping") or None,
+        attn_logit_softcapping=meta("attn_logit_softcapping") or None)
+    window = meta("attention.sliding_window")
+    if window:
+        fields.update(sliding_window=int(window) // 2 if embedding else int(window), layer_types=gguf_layer_types(
+            meta("attention.sliding_window_pattern"), layers, 6 if gemma3 else 2))
+    if embedding:
+        fields.update(bidirectional=True)
+    if gemma3:
+        fields.update(local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)))
+    return fields
+
+
+register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("gemma2",),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS),
+         Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields,
+                gguf_architectures=("gemma3", "gemma-embedding"), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))

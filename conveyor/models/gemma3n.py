@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from conveyor.models import gemma
-from conveyor.models.family import Family, register
+from conveyor.models import gemma, gemma4
+from conveyor.models.family import Family, gguf_layer_types, register
 from conveyor.models.kv_sharing import kv_sources
 
 
@@ -82,5 +82,41 @@ def weight_names(config) -> list[str]:
     return names
 
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma3NModel: the sliding pattern per layer, MLP widths per layer, shared_kv_layers,
+    AltUp's inputs and active stream, the PLE width, each layer's gaussian top-k as its std multiplier (Phi^-1 of
+    the share; -inf where dense), LAuReL's rank from its tensor; norms hold w. llama.cpp itself fixes the sharing
+    at 20 layers and the sparsity at 0.95 on the first 10: the released E2B and E4B say the same."""
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    types = gguf_layer_types(meta("attention.sliding_window_pattern"), layers, 5)
+    widths = meta("feed_forward_length")
+    widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
+    sources = kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    scales = meta("activation_sparsity_scale") or []
+    shares = tuple(0.5 * (1.0 + math.erf(float(m) / math.sqrt(2.0))) for m in scales)  # the normal CDF: Phi(Phi^-1(s))
+    return dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
+        qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
+        layer_types=types, final_logit_softcapping=meta("final_logit_softcapping") or None,
+        local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (),
+        kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        hidden_size_per_layer_input=int(meta("embedding_length_per_layer_input")),
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"][1]),
+        altup_num_inputs=int(meta("altup.num_inputs", 4)), altup_active_idx=int(meta("altup.active_idx", 0)),
+        laurel_rank=int(tensors["blk.0.laurel_l.weight"][1]),
+        activation_sparsity=shares if any(shares) else ())
+
+
+# llama.cpp's names: Gemma 4's (PLE), plus AltUp's and LAuReL's per-layer tensors (AltUp's output scale a bare
+# tensor in HF)
+GGUF_TENSORS = {**gemma4.GGUF_PLE_TENSORS,
+                "altup_correct_coef": "altup.correction_coefs", "altup_predict_coef": "altup.prediction_coefs",
+                "altup_router": "altup.modality_router", "altup_router_norm": "altup.router_norm",
+                "altup_correct_scale.weight": "altup.correct_output_scale",
+                "laurel_l": "laurel.linear_left", "laurel_r": "laurel.linear_right",
+                "laurel_post_norm": "laurel.post_laurel_norm"}
+
 register(Family("gemma3n_text", "conveyor.models.gemma3n_model:Gemma3nForCausalLM", hf_fields,
-                weight_names=weight_names, multimodal_type="gemma3n"))
+                weight_names=weight_names, multimodal_type="gemma3n", gguf_architectures=("gemma3n",),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))

@@ -16,7 +16,7 @@ from typing import Any
 
 from conveyor.models import gemma
 from conveyor.models.config import ExpertNames
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
 from conveyor.models.kv_sharing import kv_sources
 
 
@@ -143,5 +143,51 @@ def shares_k_as_v(config, layer: int) -> bool:
 # renamed from router.* / experts.* at load (WEIGHT_RENAMES); gate|up stacked (E, 2I, H)
 EXPERT_NAMES = ExpertNames("moe", "gate_proj", "up_proj", "down_proj", router_name="router.proj")
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's Gemma4Model: key_length is the global layers' head dim (key_length_swa the sliding
+    ones'), head_count_kv and feed_forward_length per layer where they differ, the sliding pattern per layer, the
+    last shared_kv_layers layers reading earlier K/V, v = k where a global layer has no attn_v, and the
+    proportional rope as rope_freqs (1 for the pairs that turn, 1e30 for the rest: read as rope_scaling by
+    loading/gguf_config.py); norms hold w as HF does."""
+    layers, hidden = base["num_hidden_layers"], base["hidden_size"]
+    types = gguf_layer_types(meta("attention.sliding_window_pattern"), layers, 6)
+    sliding, full = int(meta("attention.key_length_swa", base["head_dim"])), base["head_dim"]
+    dims = tuple(sliding if kind == "sliding_attention" else full for kind in types)
+    kv = meta("attention.head_count_kv")
+    kv_heads = tuple(int(n) for n in kv) if isinstance(kv, list) else (int(kv),) * layers
+    widths = meta("feed_forward_length")
+    widths = tuple(int(n) for n in widths) if isinstance(widths, list) else ()
+    sources = kv_sources(list(types), int(meta("attention.shared_kv_layers", 0) or 0))
+    owners_full = [i for i in range(layers) if sources[i] == i and types[i] == "full_attention"]
+    ple = int(meta("embedding_length_per_layer_input", 0) or 0)
+    return dict(
+        hidden_act="gelu_tanh", norm_layout="sandwich", embedding_multiplier=math.sqrt(hidden), attention_scale=1.0,
+        qk_norm=True, qk_norm_scope="head", v_norm=True, sliding_window=int(meta("attention.sliding_window")),
+        layer_types=types,
+        final_logit_softcapping=meta("final_logit_softcapping") or None, head_dim=sliding,
+        num_key_value_heads=kv_heads[0], local_rope_theta=float(meta("rope.freq_base_swa", 10000.0)),
+        layer_head_dims=dims if len(set(dims)) > 1 else (), layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else (),
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else (), intermediate_size=widths[0] if widths else
+        base["intermediate_size"], kv_source_layers=sources if sources != tuple(range(layers)) else (),
+        attention_k_eq_v=bool(owners_full) and all(f"blk.{i}.attn_v.weight" not in tensors for i in owners_full),
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"][1]) if ple else 0)
+
+
+# llama.cpp's names for Gemma 4 and 3n: the per-layer embeddings (PLE), Gemma's sandwich (ffn_norm before the MLP),
+# and each layer's PLE gate, projection and norm
+GGUF_PLE_TENSORS = {"per_layer_token_embd": "model.embed_tokens_per_layer",
+                    "per_layer_model_proj": "model.per_layer_model_projection",
+                    "per_layer_proj_norm": "model.per_layer_projection_norm",
+                    "ffn_norm": "pre_feedforward_layernorm", "inp_gate": "per_layer_input_gate",
+                    "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm"}
+# and Gemma 4's: the per-layer scalar (a bare tensor in HF), and 26B-A4B's experts' input norm, the norms after the
+# dense MLP and after the experts, the router's input scale and the per-expert scale
+GGUF_TENSORS = {**GGUF_PLE_TENSORS, "layer_output_scale.weight": "layer_scalar",
+                "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                "post_ffw_norm_2": "post_feedforward_layernorm_2", "ffn_gate_inp.scale": "moe.router.scale",
+                "ffn_down_exps.scale": "moe.router.per_expert_scale"}
+
 register(Family("gemma4_text", "conveyor.models.gemma4_model:Gemma4ForCausalLM", hf_fields, WEIGHT_RENAMES,
-                weight_names, multimodal_type="gemma4", expert_names=EXPERT_NAMES))
+                weight_names, multimodal_type="gemma4", expert_names=EXPERT_NAMES, gguf_architectures=("gemma4",),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))

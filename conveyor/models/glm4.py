@@ -18,4 +18,12 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1.5625e-07)))
 
 
-register(Family("glm4", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    rotary = int(meta("rope.dimension_count", base["head_dim"] // 2))
+    return dict(norm_layout="sandwich", rope_interleaved=True, partial_rotary_factor=rotary / base["head_dim"])
+
+
+# llama.cpp's names: Gemma's sandwich (ffn_norm before the MLP) with gate|up fused in ffn_up
+register(Family("glm4", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES,
+                gguf_architectures=("glm4",), gguf_fields=gguf_fields,
+                gguf_tensors={"ffn_norm": "pre_feedforward_layernorm", "ffn_up": "mlp.gate_up_proj"}))

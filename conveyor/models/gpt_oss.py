@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from conveyor.models.config import ExpertNames
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
 
 # transformers' GptOssConfig default when a config.json carries no rope parameters (every release has them).
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -59,4 +59,28 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float,
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router", stacked_transposed=True,
                            stacked_interleaved=True)
 
-register(Family("gpt_oss", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))
+
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """What llama.cpp fixes for `gpt-oss` (src/models/openai-moe.cpp): sinks, biases everywhere, the top-k logits
+    softmaxed (never renormalised), the clamped SwiGLU at alpha 1.702 and limit 7, every 2nd layer full attention by
+    default.
+
+    YaRN is kept untruncated, as every gpt-oss config.json says (`truncate: false`, OpenAI's reference); llama.cpp
+    rounds the ramp's ends to whole dims (docs/models.md, known differences)."""
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        scaling = dict(scaling, truncate=False)
+    fields: dict[str, Any] = dict(rope_scaling=scaling, attention_sinks=True, moe_scoring="topk_softmax",
+                                  moe_linear_bias=True, moe_activation="swiglu_oai", swiglu_alpha=1.702,
+                                  swiglu_limit=7.0, norm_topk_prob=False)
+    window = meta("attention.sliding_window")
+    if window:
+        fields.update(sliding_window=int(window), layer_types=gguf_layer_types(
+            meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 2))
+    return fields
+
+
+# llama.cpp's sinks are a `.weight` tensor; HF's a bare parameter
+register(Family("gpt_oss", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES,
+                gguf_architectures=("gpt-oss",), gguf_fields=gguf_fields,
+                gguf_tensors={"attn_sinks.weight": "self_attn.sinks"}))

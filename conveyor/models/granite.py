@@ -15,4 +15,10 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 attention_bias=bool(raw.get("attention_bias", False)))
 
 
-register(Family("granite", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    return dict(embedding_multiplier=float(meta("embedding_scale", 1.0)), attention_scale=meta("attention.scale"),
+                residual_multiplier=float(meta("residual_scale", 1.0)), logits_scaling=float(meta("logit_scale", 1.0)))
+
+
+register(Family("granite", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("granite",),
+                gguf_fields=gguf_fields, gguf_permuted_qk=True))

@@ -25,4 +25,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-register(Family("hunyuan_v1_dense", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES))
+register(Family("hunyuan_v1_dense", "conveyor.models.llama:LlamaForCausalLM", hf_fields, WEIGHT_RENAMES,
+                gguf_architectures=("hunyuan-dense",),
+                # the file's rope base already holds the NTK-alpha stretch
+                gguf_fields=lambda meta, base, tensors: dict(qk_norm_after_rope=True)))

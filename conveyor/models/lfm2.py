@@ -72,6 +72,8 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 MOE_EXPERT_NAMES = ExpertNames("feed_forward", "w1", "w3", "w2")
 
-register(Family("lfm2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True),
+# GGUF files: their config fields and tensors are loading/gguf_hybrid.py's
+register(Family("lfm2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
+                gguf_architectures=("lfm2",)),
          Family("lfm2_moe", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True,
-                expert_names=MOE_EXPERT_NAMES))
+                expert_names=MOE_EXPERT_NAMES, gguf_architectures=("lfm2moe",)))

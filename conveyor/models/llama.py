@@ -21,6 +21,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.apertus import XIELU_PARAMS
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
+from conveyor.models.encoder_attention import sequence_attention
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
@@ -55,6 +56,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, ops) if config.qk_norm or l2_norm else None
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim ** -0.5
         self.window = config.window(layer)
+        # EmbeddingGemma: every row attends its whole text (a sliding layer: +-window) from this forward's q, k, v.
+        self.bidirectional = config.bidirectional
         # Llama 4's rotary layers attend within chunks (the kernels' negative window); its K/V is kept whole.
         self.attend_window = -config.attention_chunk if config.attention_chunk and self.rotary_dim else self.window
         self.softcap = config.attn_logit_softcapping or 0.0
@@ -75,7 +78,7 @@ class LlamaAttention(nn.Module):
             gate = query_gate[..., self.head_dim:].reshape(num_tokens, self.q_size)
             qkv = torch.cat([query_gate[..., :self.head_dim].reshape(num_tokens, self.q_size), kv], dim=-1)
         elif (self.ops.fuses_rope and self.q_norm is None and self.rotary_dim == self.head_dim
-              and not self.temperature[0]):
+              and not self.temperature[0] and not self.bidirectional):
             # rotary + cache write fused into one pass
             q = self.ops.rope_write_kv(qkv, rope[0].squeeze(1), rope[1].squeeze(1), kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads)
@@ -95,6 +98,9 @@ class LlamaAttention(nn.Module):
         if self.temperature[0]:
             q = _scale_queries(q, meta.token_pos, *self.temperature)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        if self.bidirectional:  # the whole text is in this forward; nothing is kept (models/encoder_attention.py)
+            out = sequence_attention(q, k, v, meta.seq_token_counts, self.scale, self.window)  # (T, H, D)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, gate)
 
@@ -355,9 +361,11 @@ class LlamaForCausalLM(nn.Module):
             attn.sinks = loader.dense(get(p + "self_attn.sinks")).float()
 
     def cache_specs(self) -> list[CacheSpec]:
-        """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer."""
+        """What each layer keeps per token (the runner allocates it): K/V in the block pool, every layer (a
+        bidirectional model's blocks only hold its text's place while it runs: one group, no window)."""
         cfg = self.config
-        return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.window(i)) for i in range(cfg.num_hidden_layers)]
+        return [KVSpec(cfg.num_key_value_heads, cfg.head_dim, 0 if cfg.bidirectional else cfg.window(i))
+                for i in range(cfg.num_hidden_layers)]
 
     def _load_mlp(self, mlp: nn.Module, get: Callable[[str], Weight], prefix: str, loader: WeightLoader,
                   fused: Callable[[str, str, list[str]], list[Weight]]) -> None:

@@ -55,5 +55,28 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 # renamed from feed_forward.* at load (WEIGHT_RENAMES)
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", router_name="router", stacked_transposed=True)
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """What llama.cpp fixes for `llama4` (src/models/llama4.cpp): unless the file says sliding_window 0 (every
+    layer rotary, unchunked), every 4th layer is NoPE with temperature 0.1 by floor 8192 and offset 1, and the
+    rotary layers attend in 8192-token chunks; q/k L2-norm except with 128 experts (Maverick); q/k not permuted;
+    the top-k weights never renormalised."""
+    layers, width = base["num_hidden_layers"], base["moe_intermediate_size"]
+    fields: dict[str, Any] = dict(rope_interleaved=True, qk_l2_norm=base["num_experts"] != 128,
+                                  shared_expert_intermediate_size=width, moe_scoring="sigmoid", moe_weight_input=True,
+                                  norm_topk_prob=False)
+    window = meta("attention.sliding_window")
+    if window is not None and int(window) == 0:
+        return fields
+    step = int(meta("attention.sliding_window_pattern", 4))
+    return dict(fields, no_rope_layers=tuple(i for i in range(layers) if (i + 1) % step == 0),
+                attn_temperature_beta=0.1, attn_temperature_length=8192, attn_temperature_offset=1,
+                attn_temperature_nope_only=True, attention_chunk=8192)
+
+
+# llama.cpp's names: the ungated shared expert beside the routed ones
+GGUF_TENSORS = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
 register(Family("llama4_text", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, WEIGHT_RENAMES,
-                multimodal_type="llama4", expert_names=EXPERT_NAMES))
+                multimodal_type="llama4", expert_names=EXPERT_NAMES, gguf_architectures=("llama4",),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))

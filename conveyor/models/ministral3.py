@@ -23,4 +23,17 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 attention_bias=False)
 
 
-register(Family("ministral3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    scaling = base["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn" and meta("rope.scaling.yarn_log_multiplier"):
+        # llama.cpp's attention factor: mscale 1 over mscale_all_dim = the log multiplier
+        scaling = dict(scaling, mscale=1.0, mscale_all_dim=float(meta("rope.scaling.yarn_log_multiplier")))
+    beta = float(meta("attention.temperature_scale", 0.0) or 0.0)
+    original = (scaling or {}).get("original_max_position_embeddings", 0)
+    if beta and not original:
+        raise ValueError("attention.temperature_scale without rope.scaling.original_context_length")
+    return dict(rope_scaling=scaling, attn_temperature_beta=beta, attn_temperature_length=int(original))
+
+
+register(Family("ministral3", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("mistral3",),
+                gguf_fields=gguf_fields, gguf_permuted_qk=True))

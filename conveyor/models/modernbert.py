@@ -26,7 +26,7 @@ from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig
 from conveyor.models.encoder_attention import sequence_attention
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
 from conveyor.models.layers import LayerNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, tensor_getters
@@ -206,6 +206,36 @@ def weight_names(config: ModelConfig) -> list[str]:
     return names + ["final_norm.weight"]
 
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's ModernBertModel: sliding_window is the whole local window (local_attention), every
+    sliding_window_pattern-th layer global from layer 0, the global rope base rope.freq_base and the local one
+    freq_base_swa (llama.cpp's default: the global one); norm_eps written as layer_norm_rms_epsilon (the
+    LayerNorms are plain ones). The classifier head (ModernBertForSequenceClassification's) is refused."""
+    act = meta("hidden_activation", "gelu")
+    if act != "gelu":
+        raise ValueError(f"hidden_activation {act!r} (supported: gelu)")
+    head = sorted({"cls.weight", "cls.output.weight", "cls.norm.weight"} & tensors.keys())
+    if head:
+        raise ValueError(f"ModernBERT's classifier head ({', '.join(head)}: a cross-encoder) is not supported")
+    layers, window = base["num_hidden_layers"], int(meta("attention.sliding_window", 0) or 0)
+    types = (gguf_layer_types(meta("attention.sliding_window_pattern"), layers, 3, global_first=True) if window
+             else ("full_attention",) * layers)
+    eps = meta("attention.layer_norm_epsilon") or meta("attention.layer_norm_rms_epsilon") or 1e-5
+    bias = "blk.0.attn_qkv.bias" in tensors
+    return dict(
+        num_key_value_heads=base["num_attention_heads"], hidden_act="gelu", bidirectional=True,
+        attention_bias=bias, attention_out_bias=bias, mlp_bias="blk.0.ffn_up.bias" in tensors,
+        tie_word_embeddings=False, layer_norm_eps=float(eps), sliding_window=window // 2 or None, layer_types=types,
+        local_rope_theta=float(meta("rope.freq_base_swa", base["rope_theta"])), rope_scaling=None)
+
+
+# llama.cpp's names for transformers' (without a task model's `model.` prefix): whole tensors and, per `blk.N.`,
+# those of layers.N
+GGUF_TENSORS = {"token_embd": EMBEDDINGS + "tok_embeddings", "token_embd_norm": EMBEDDINGS + "norm",
+                "output_norm": "final_norm", "attn_norm": "attn_norm", "attn_qkv": "attn.Wqkv",
+                "attn_output": "attn.Wo", "ffn_norm": "mlp_norm", "ffn_up": "mlp.Wi", "ffn_down": "mlp.Wo"}
+
 # ModernBertFor* checkpoints (MaskedLM, SequenceClassification) keep the encoder under `model.`.
 register(Family("modernbert", "conveyor.models.modernbert:ModernBertModel", hf_fields, weight_renames={"model.": ""},
-                weight_names=weight_names))
+                weight_names=weight_names, gguf_architectures=("modern-bert",), gguf_fields=gguf_fields,
+                gguf_tensors=GGUF_TENSORS, gguf_layer_prefix="layers."))

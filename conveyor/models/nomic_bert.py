@@ -197,6 +197,32 @@ def weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf's NomicBertModel (nomic-embed-text v1 and v1.5; v2's experts are `nomic-bert-moe`): the
+    remote code's config as the shared keys say it (context_length: the positions trained, 2048; rope.freq_base:
+    rotary_emb_base), with what the converter asserts: SwiGLU, no linear biases, post-LN, rotary over whole heads."""
+    if meta("attention.causal", False):
+        raise ValueError("a causal nomic-bert model is not supported")
+    biases = sorted(n for n in tensors if n.endswith(("attn_qkv.bias", "attn_output.bias", "ffn_up.bias",
+                                                       "ffn_down.bias")))
+    if biases:
+        raise ValueError(f"linear biases ({biases[0]}, ...) are not supported")
+    types = tensors.get("token_types.weight")
+    return hf_fields(dict(
+        vocab_size=base["vocab_size"], hidden_size=base["hidden_size"], num_attention_heads=base["num_attention_heads"],
+        num_hidden_layers=base["num_hidden_layers"], intermediate_size=base["intermediate_size"],
+        max_position_embeddings=base["max_position_embeddings"], rope_theta=base["rope_theta"], hidden_act="silu",
+        type_vocab_size=types[1] if types is not None else 0,  # GGUF shapes are reversed
+        layer_norm_eps=float(meta("attention.layer_norm_epsilon", 1e-12))))
+
+
+# llama.cpp's names for nomic's: whole tensors and, per `blk.N.`, those of encoder.layers.N
+GGUF_TENSORS = {"token_embd": EMBEDDINGS + "word_embeddings", "token_types": EMBEDDINGS + "token_type_embeddings",
+                "token_embd_norm": EMBED_NORM, "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj",
+                "attn_output_norm": NORMS[0], "ffn_up": "mlp.fc11", "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2",
+                "layer_output_norm": NORMS[1]}
+
 # NomicBertFor* checkpoints keep the encoder under `nomic_bert.`.
 register(Family("nomic_bert", "conveyor.models.nomic_bert:NomicBertModel", hf_fields,
-                weight_renames={"nomic_bert.": ""}, weight_names=weight_names))
+                weight_renames={"nomic_bert.": ""}, weight_names=weight_names, gguf_architectures=("nomic-bert",),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS, gguf_layer_prefix="encoder.layers."))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, gguf_layer_types, register
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -35,5 +35,20 @@ def olmo3_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 local_rope_theta=local_theta if scaled or local_theta != theta else None)
 
 
-register(Family("olmo2", "conveyor.models.llama:LlamaForCausalLM", hf_fields),
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    """convert_hf_to_gguf writes OLMo 3 as olmo2, with its sliding-window keys."""
+    full = tuple(tensors["blk.0.attn_q_norm.weight"]) != (base["head_dim"],)
+    fields: dict[str, Any] = dict(norm_layout="post", qk_norm=True, qk_norm_scope="full" if full else "head")
+    window = meta("attention.sliding_window")
+    if window:  # OLMo 3: its sliding layers rotate unscaled (llama.cpp's freq_scale_swa = 1)
+        fields.update(sliding_window=int(window), layer_types=gguf_layer_types(
+            meta("attention.sliding_window_pattern"), base["num_hidden_layers"], 4))
+        local = float(meta("rope.freq_base_swa", base["rope_theta"]))
+        if base["rope_scaling"] or local != base["rope_theta"]:
+            fields.update(local_rope_theta=local)
+    return fields
+
+
+register(Family("olmo2", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("olmo2",),
+                gguf_fields=gguf_fields),
          Family("olmo3", "conveyor.models.llama:LlamaForCausalLM", olmo3_hf_fields))

@@ -21,4 +21,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
-register(Family("olmoe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))
+register(Family("olmoe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES,
+                gguf_architectures=("olmoe",),
+                # llama.cpp's build_moe_ffn does not renormalise OLMoE's top-k, whatever the metadata says
+                gguf_fields=lambda meta, base, tensors: dict(norm_topk_prob=False)))

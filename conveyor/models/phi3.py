@@ -17,4 +17,11 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 attention_bias=bool(raw.get("attention_bias", False)))
 
 
-register(Family("phi3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    # Phi-3's q|k|v (attn_qkv) and gate|up (ffn_up) stay fused in the file; longrope: its factor tensors
+    window = meta("attention.sliding_window")
+    return dict(sliding_window=int(window) if window else None)
+
+
+register(Family("phi3", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("phi3",),
+                gguf_fields=gguf_fields, gguf_tensors={"ffn_up": "mlp.gate_up_proj"}))

@@ -66,7 +66,8 @@ def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 MOE_EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
+# GGUF files: their config fields and tensors are loading/gguf_hybrid.py's
 register(Family("qwen3_5_text", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
-                multimodal_type="qwen3_5"),
+                multimodal_type="qwen3_5", gguf_architectures=("qwen35",)),
          Family("qwen3_5_moe_text", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True,
-                multimodal_type="qwen3_5_moe", expert_names=MOE_EXPERT_NAMES))
+                multimodal_type="qwen3_5_moe", expert_names=MOE_EXPERT_NAMES, gguf_architectures=("qwen35moe",)))

@@ -26,4 +26,5 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
-register(Family("qwen3_moe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES))
+register(Family("qwen3_moe", "conveyor.models.moe_llama:MoEForCausalLM", hf_fields, expert_names=EXPERT_NAMES,
+                gguf_architectures=("qwen3moe",)))

@@ -31,4 +31,4 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
 register(Family("qwen3_next", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
-                expert_names=EXPERT_NAMES))
+                expert_names=EXPERT_NAMES, gguf_architectures=("qwen3next",)))

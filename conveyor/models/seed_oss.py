@@ -14,4 +14,5 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)))
 
 
-register(Family("seed_oss", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+register(Family("seed_oss", "conveyor.models.llama:LlamaForCausalLM", hf_fields,
+                gguf_architectures=("seed_oss",)))

@@ -25,4 +25,10 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-register(Family("smollm3", "conveyor.models.llama:LlamaForCausalLM", hf_fields))
+def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
+    # llama.cpp hard-codes SmolLM3's NoPE step (every 4th layer) and ignores its window
+    return dict(no_rope_layers=tuple(range(3, base["num_hidden_layers"], 4)))
+
+
+register(Family("smollm3", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("smollm3",),
+                gguf_fields=gguf_fields, gguf_permuted_qk=True))

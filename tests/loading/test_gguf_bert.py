@@ -1,10 +1,11 @@
 """BERT and XLM-RoBERTa GGUF files as llama.cpp's converter writes them (arch `bert`, a `bert` WordPiece or `t5`
 Unigram vocabulary): loaded, they tokenize as the source directory's tokenizer.json and embed (or score) as the
-directory does."""
+directory does; a BERT cross-encoder, whose pooler the converter drops, scores as llama.cpp scores it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import gguf
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import tokenizers
 import torch
+from safetensors.torch import load_file
 from tiny_checkpoints import write_encoder_gguf
 
 from conveyor.engine.llm import LLM
@@ -27,9 +29,10 @@ TEXTS = ["Hello, World!", "the capital of France is Paris.", "UPPER case; with-d
 PAIRS = [("the capital of france", "Paris is the capital."), ("a dog", "THE quick fox!")]
 
 
-def _bert_dir(path) -> str:
-    """write_encoder's BERT with its special tokens registered as added tokens, as BERT's tokenizer.json has them."""
-    write_encoder(path, "bert")
+def _bert_dir(path, classifier: bool = False) -> str:
+    """write_encoder's BERT (an embedder, or an ms-marco-style cross-encoder) with its special tokens registered as
+    added tokens, as BERT's tokenizer.json has them."""
+    write_encoder(path, "bert", classifier=classifier)
     backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     backend.add_special_tokens(list(BERT_SPECIALS.values()))
     backend.save(os.path.join(path, "tokenizer.json"))
@@ -64,7 +67,8 @@ def _xlmr_dir(path, classifier: bool = False) -> str:
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("encoders")
     return {"bert": _bert_dir(root / "bert"), "xlmr": _xlmr_dir(root / "xlmr"),
-            "reranker": _xlmr_dir(root / "reranker", classifier=True)}
+            "reranker": _xlmr_dir(root / "reranker", classifier=True),
+            "bert_reranker": _bert_dir(root / "bert_reranker", classifier=True)}
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +140,64 @@ def test_quantized_matrices_stay_quantized(dirs, tmp_path, qtype):
     assert torch.nn.functional.cosine_similarity(ours, theirs).min() > 0.99
 
 
-def test_one_layer_classifier_head_is_refused(dirs, tmp_path):
-    """BERT cross-encoders come out of the converter as `cls.output` alone (their pooler dropped): not loadable."""
+def _bert_pair_logits(hf_dir: str, tokenizer, head: str) -> list[float]:
+    """transformers' BertForSequenceClassification on each of PAIRS (the second text as token type 1): its own
+    logit (`head` "pooler": classifier(tanh(pooler(first row)))), or llama.cpp's reading of the converted file
+    ("no pooler": classifier(first row))."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.BertForSequenceClassification.from_pretrained(hf_dir).eval()
+    logits = []
+    for query, document in PAIRS:
+        encoding = tokenizer.backend.encode(query, document)
+        ids, types = torch.tensor([encoding.ids]), torch.tensor([encoding.type_ids])
+        with torch.no_grad():
+            if head == "pooler":
+                logits.append(hf(input_ids=ids, token_type_ids=types).logits[0, 0].item())
+            else:
+                first = hf.bert(input_ids=ids, token_type_ids=types).last_hidden_state[:, 0]
+                logits.append(hf.classifier(first)[0, 0].item())
+    return logits
+
+
+def _rerank(llm: LLM) -> torch.Tensor:
+    assert llm.engine.pooling_task == "reranking"
+    return torch.tensor([llm.score(query, [document])[0] for query, document in PAIRS])
+
+
+def test_bert_cross_encoder_scores_as_llama_cpp(ggufs, dirs, caplog):
+    """The converter drops a BERT cross-encoder's pooler and writes its `classifier` as cls.output alone: the file is
+    a reranker scoring as llama.cpp does (cls.output on the first row), which is not the model's own score (said
+    in a warning)."""
+    with caplog.at_level(logging.WARNING, logger="conveyor.models.bert"):
+        llm = LLM(model=ggufs["bert_reranker"], dtype="float32")
+    assert "pooler" in caplog.text
+    assert llm.engine.runner.model.config.architecture == "xlm-roberta"  # the family that keeps cls / cls.output
+    ours = _rerank(llm)
+    llama_cpp = torch.sigmoid(torch.tensor(_bert_pair_logits(dirs["bert_reranker"], llm.tokenizer, "no pooler")))
+    torch.testing.assert_close(ours, llama_cpp, atol=1e-5, rtol=0)
+    trained = _rerank(LLM(model=dirs["bert_reranker"], dtype="float32"))
+    assert (ours - trained).abs().max() > 1e-3  # the pooler matters: the directory scores otherwise
+
+
+def test_bert_cross_encoder_with_its_pooler_scores_as_the_hf_directory(dirs, tmp_path):
+    """A BERT cross-encoder file that carries its pooler as `cls` (RoBERTa's head: tanh(cls), then cls.output, which
+    is BERT's pooler then classifier) scores as the directory and transformers do."""
+    hf_dir = dirs["bert_reranker"]
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    path = write_encoder_gguf(tmp_path / "bert_reranker.gguf", hf_dir,
+                              extra={"cls.weight": state["bert.pooler.dense.weight"].numpy(),
+                                     "cls.bias": state["bert.pooler.dense.bias"].numpy()})
+    llm = LLM(model=path, dtype="float32")
+    ours = _rerank(llm)
+    torch.testing.assert_close(ours, _rerank(LLM(model=hf_dir, dtype="float32")), atol=1e-5, rtol=0)
+    trained = torch.sigmoid(torch.tensor(_bert_pair_logits(hf_dir, llm.tokenizer, "pooler")))
+    torch.testing.assert_close(ours, trained, atol=1e-5, rtol=0)
+
+
+def test_a_head_of_cls_alone_is_refused(dirs, tmp_path):
+    """`cls` without cls.output (a cross-encoder converted with transformers' default two labels: its `classifier`
+    written as cls, its pooler dropped) is no score llama.cpp or we can read: refused."""
     path = write_encoder_gguf(tmp_path / "bert.gguf", dirs["bert"],
-                              extra={"cls.output.weight": np.zeros((1, 64), np.float32)})
-    with pytest.raises(LoadError, match="one-layer classifier head"):
+                              extra={"cls.weight": np.zeros((2, 64), np.float32)})
+    with pytest.raises(LoadError, match="cls alone"):
         load_checkpoint(path)

@@ -17,7 +17,8 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.kernels import cpu_backend
 from conveyor.loading import load_checkpoint
 from conveyor.loading.checkpoint import LoadError, QuantizedTensor
-from conveyor.loading.gguf_loader import ARCH_BLOCK_TENSORS, BLOCK_TENSORS, GLOBAL_TENSORS
+from conveyor.loading.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS
+from conveyor.models.deepseek_v3 import GGUF_TENSORS
 from conveyor.testing import add_tiny_bpe_vocab
 
 Q = gguf.GGMLQuantizationType
@@ -27,7 +28,7 @@ TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediat
             routed_scaling_factor=2.5, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32,
             qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
             max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
-_NAMES = {hf: g for g, hf in {**BLOCK_TENSORS, **ARCH_BLOCK_TENSORS["deepseek2"]}.items()}
+_NAMES = {hf: g for g, hf in {**BLOCK_TENSORS, **GGUF_TENSORS}.items()}
 
 
 def _hf_model() -> transformers.PreTrainedModel:

@@ -625,12 +625,16 @@ def write_encoder_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32,
     """A tiny BERT or XLM-RoBERTa directory (tests/pooling_models.py) as convert_hf_to_gguf's BertModel /
     XLMRobertaModel write it: arch `bert`, the bert./roberta. prefix and the pooler dropped, XLM-R's position table
     cut at its padding offset, matrices in `qtype` (the position and type tables, norms and biases F32), the pooling
-    from the sentence-transformers files, and the vocabulary as `bert` (WordPiece) or `t5` (Unigram); `extra`: more
-    tensors by GGUF name."""
+    from the sentence-transformers files, and the vocabulary as `bert` (WordPiece) or `t5` (Unigram). A cross-encoder
+    with labels of its own (not transformers' default two) has them written and its `classifier` renamed
+    `classifier.out_proj` (cls.output); `extra`: more tensors by GGUF name."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     roberta = cfg["model_type"] == "xlm-roberta"
     offset = cfg["pad_token_id"] + 1 if roberta else 0
+    labels = cfg.get("id2label")
+    if labels and len(labels) == 2 and labels.get("0") == "LABEL_0":  # BertModel.__init__: dummy labels
+        labels = None
     writer = gguf.GGUFWriter(str(path), "bert")
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"] - offset)
@@ -639,10 +643,9 @@ def write_encoder_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32,
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_layer_norm_eps(cfg["layer_norm_eps"])
     writer.add_causal_attention(False)
-    pooling_path = os.path.join(hf_dir, "1_Pooling", "config.json")
-    if os.path.isfile(pooling_path):
-        with open(pooling_path) as f:
-            writer.add_pooling_type(next(_GGUF_POOLING[k] for k, on in json.load(f).items() if on is True))
+    _add_pooling(writer, hf_dir)
+    if labels:
+        writer.add_classifier_output_labels([v for _, v in sorted(labels.items())])
     writer.add_token_type_count(cfg["type_vocab_size"])
     (_add_unigram_vocab if roberta else _add_wordpiece_vocab)(writer, hf_dir)
     for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
@@ -651,9 +654,84 @@ def write_encoder_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32,
             continue
         if name == "embeddings.position_embeddings.weight":
             tensor = tensor[offset:]
-        gguf_name = gguf_family_name(name, "bert", cfg["num_hidden_layers"])
-        matrix = tensor.dim() == 2 and not gguf_name.startswith(("position_embd", "token_types"))
-        _add_tensor(writer, gguf_name, tensor.float().numpy(), qtype if matrix else None)
+        if labels and name in ("classifier.weight", "classifier.bias"):
+            name = name.replace("classifier.", "classifier.out_proj.")
+        _add_encoder_tensor(writer, "bert", cfg["num_hidden_layers"], name, tensor, qtype)
+    return _finish(writer, path, extra)
+
+
+def write_nomic_bert_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32) -> str:
+    """A tiny NomicBERT directory (tests/pooling_models.py) as convert_hf_to_gguf's NomicBertModel writes one from
+    nomic's own config (checked against its output): arch `nomic-bert`, the shared keys (rotary_emb_base as
+    rope.freq_base; context_length here the config's, where the converter writes the 2048 positions nomic-embed-text
+    was trained for), the pooling, a `bert` vocabulary; matrices in `qtype`."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    writer = gguf.GGUFWriter(str(path), "nomic-bert")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_rope_freq_base(cfg.get("rope_parameters", cfg).get("rope_theta", cfg.get("rotary_emb_base")))
+    writer.add_layer_norm_eps(cfg["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    _add_pooling(writer, hf_dir)
+    writer.add_token_type_count(cfg["type_vocab_size"])
+    _add_wordpiece_vocab(writer, hf_dir)
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        _add_encoder_tensor(writer, "nomic-bert", cfg["num_hidden_layers"], name, tensor, qtype)
+    return _finish(writer, path)
+
+
+def write_modernbert_gguf(path, hf_dir: str, qtype=gguf.GGMLQuantizationType.F32,
+                          extra: dict[str, np.ndarray] | None = None) -> str:
+    """A tiny ModernBERT directory with a byte-level BPE tokenizer (as ModernBERT's) the way convert_hf_to_gguf's
+    ModernBertModel writes it (checked against its output): arch `modern-bert`, norm_eps as layer_norm_rms_epsilon,
+    the whole local window as sliding_window and global_attn_every_n_layers as its pattern, both rope bases, a `gpt2`
+    vocabulary (pre-tokenizer `modern-bert`) wrapped in [CLS] ... [SEP] by add_bos / add_eos; matrices in `qtype`."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    rope = cfg.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(str(path), "modern-bert")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_rope_freq_base(rope.get("full_attention", {}).get("rope_theta", cfg.get("global_rope_theta")))
+    writer.add_rope_freq_base_swa(rope.get("sliding_attention", {}).get("rope_theta", cfg.get("local_rope_theta")))
+    writer.add_layer_norm_rms_eps(cfg["norm_eps"])
+    writer.add_causal_attention(False)
+    _add_pooling(writer, hf_dir)
+    writer.add_sliding_window(cfg["local_attention"])
+    writer.add_sliding_window_pattern(cfg["global_attn_every_n_layers"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_string("modern-bert.hidden_activation", cfg["hidden_activation"])  # (newer gguf-py's add_hidden_act)
+    writer.add_uint32("modern-bert.classifier.pooling_type", {"cls": 2, "mean": 1}[cfg["classifier_pooling"]])
+    _add_byte_level_vocab(writer, hf_dir)
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        _add_encoder_tensor(writer, "modern-bert", cfg["num_hidden_layers"], name.removeprefix("model."), tensor,
+                            qtype)
+    return _finish(writer, path, extra)
+
+
+def _add_pooling(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+    pooling_path = os.path.join(hf_dir, "1_Pooling", "config.json")
+    if os.path.isfile(pooling_path):
+        with open(pooling_path) as f:
+            writer.add_pooling_type(next(_GGUF_POOLING[k] for k, on in json.load(f).items() if on is True))
+
+
+def _add_encoder_tensor(writer: gguf.GGUFWriter, arch: str, num_layers: int, name: str, tensor: torch.Tensor,
+                        qtype) -> None:
+    gguf_name = gguf_family_name(name, arch, num_layers)
+    matrix = tensor.dim() == 2 and not gguf_name.startswith(("position_embd", "token_types"))
+    _add_tensor(writer, gguf_name, tensor.float().numpy(), qtype if matrix else None)
+
+
+def _finish(writer: gguf.GGUFWriter, path, extra: dict[str, np.ndarray] | None = None) -> str:
     for name, array in (extra or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -715,3 +793,29 @@ def _add_unigram_vocab(writer: gguf.GGUFWriter, hf_dir: str) -> None:
     writer.add_add_space_prefix(True)
     writer.add_remove_extra_whitespaces(True)
     _add_special_ids(writer, tokens, specials, add_sep=True)
+
+
+def _add_byte_level_vocab(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+    """ModernBertModel.set_vocab (_set_vocab_gpt2): tokenizer.json's tokens and merges, the special ones CONTROL,
+    bos / eos the CLS / SEP of config.json, and every text wrapped in them (matched against the converter's output
+    on this file's directory)."""
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        merges = json.load(f)["model"]["merges"]
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tokens, specials = _hf_vocab(hf_dir)
+    control = set(specials.values())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("modern-bert")
+    writer.add_token_list(tokens)
+    writer.add_token_types([_CONTROL if t in control else _NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_sep_token_id(cfg["sep_token_id"])
+    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer.add_unk_token_id(tokens.index(specials["unk"]))
+    writer.add_mask_token_id(tokens.index(specials["mask"]))
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(True)
+    writer.add_add_sep_token(False)  # set_vocab's True, overridden by gguf-py's SpecialVocab from the post-processor

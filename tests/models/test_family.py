@@ -17,6 +17,14 @@ def test_every_registered_family_names_a_class_that_exists():
     assert families.is_hybrid("lfm2") and not families.is_hybrid("llama")
 
 
+def test_each_gguf_architecture_is_one_familys():
+    """llama.cpp's `general.architecture` values: each listed by one family, which the GGUF loader finds by it."""
+    listed = [arch for name in families.architectures() for arch in families.get(name).gguf_architectures]
+    assert len(listed) == len(set(listed)) and {"llama", "gemma3", "bert", "nomic-bert", "modern-bert"} <= set(listed)
+    assert families.for_gguf("hunyuan-dense").architecture == "hunyuan_v1_dense"
+    assert families.for_gguf("gpt2") is None
+
+
 def test_the_config_and_loaders_import_no_family_until_one_is_looked_up():
     code = ("import sys; import conveyor.models.config, conveyor.loading.checkpoint, conveyor.loading.hf_loader, "
             "conveyor.loading.gguf_config; before = set(sys.modules); "
