@@ -9,5 +9,6 @@ decode.py     decode role: import the handoff, decode in the continuous batch, s
 router.py     router role: HTTP front (tokenizers only), dispatch, failover, merge, /router/stats
 models.py     which model a request through the router is for; /v1/models with the nodes serving each
 remote.py     one routed request: attempts, retries, the stream spliced across a retry
+forward.py    embeddings, rerank and score: forwarded over HTTP to a node serving the model
 serve.py      `conveyor serve --node-role ...` wiring
 """

@@ -1,6 +1,6 @@
 """The router's background health monitor: a TCP connect to every peer's serving address, and on
 that connection the question which models the node serves (InfoFrame -> NodeInfoFrame: the ids
-its GET /v1/models lists), kept in the registry.
+its GET /v1/models lists, and where its HTTP API listens), kept in the registry.
 
 It covers the decode pool too, which the router never dials for requests (the prefill
 nodes do): a decode node that stops accepting leaves the rotation before a prefill node
@@ -59,6 +59,7 @@ class HealthMonitor:
             answer = await asyncio.wait_for(transport.read_frame(reader), self.timeout)
             if isinstance(answer, NodeInfoFrame):
                 pool.set_models(node, answer.models)  # before it (re)joins the rotation
+                pool.set_http_address(node, answer.http_address)
         except (PeerClosed, WireError, *_TRANSPORT_ERRORS):
             pass  # accepting is what makes it online
         finally:

@@ -12,6 +12,9 @@ names:
     anything else: one routed model and no --strict-model-name  -> the default model (as a single
                                                                    node answers any name)
                    otherwise                                    -> 404 model_not_found
+
+Embeddings, rerank and score skip the apps: forward.py sends them to a node's own HTTP API by the same
+table, except that a model only nodes serve is theirs (a pooling request needs no tokenizer).
 """
 
 from __future__ import annotations

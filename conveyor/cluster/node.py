@@ -73,13 +73,15 @@ def logprobs_from_wire(logprobs: list[LogprobWire]) -> list[TokenLogprob]:
 
 class FrameServer:
     """Accepts one request frame per connection and hands it to `handle(frame, reader, writer)`; answers
-    an InfoFrame itself. `models`: the ids its GET /v1/models lists (empty: unknown, nothing is checked)."""
+    an InfoFrame itself. `models`: the ids its GET /v1/models lists (empty: unknown, nothing is checked);
+    `http_address`: where its own HTTP API listens (None: not said)."""
 
     role = "node"
 
-    def __init__(self, bind: str, models: Sequence[str] = ()) -> None:
+    def __init__(self, bind: str, models: Sequence[str] = (), http_address: str | None = None) -> None:
         self.bind = bind
         self.models = list(models)
+        self.http_address = http_address
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self.num_bad_frames = 0
@@ -125,7 +127,8 @@ class FrameServer:
             except _TRANSPORT_ERRORS:
                 return
             if isinstance(frame, InfoFrame):
-                await _try_send(writer, NodeInfoFrame(role=self.role, models=self.models))
+                await _try_send(writer, NodeInfoFrame(role=self.role, models=self.models,
+                                                      http_address=self.http_address))
                 return
             try:
                 await self.handle(frame, reader, writer)

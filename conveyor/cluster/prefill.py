@@ -73,8 +73,9 @@ class PrefillStats:
 class PrefillNode(FrameServer):
     role = "prefill"
 
-    def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = ()) -> None:
-        super().__init__(config.serving_bind or "", models)
+    def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = (),
+                 http_address: str | None = None) -> None:
+        super().__init__(config.serving_bind or "", models, http_address)
         self.engine = engine
         self.core = engine.core
         self.decode_peers = config.decode_peer_list

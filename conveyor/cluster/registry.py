@@ -6,6 +6,8 @@ live per-node load telemetry, so spreading evenly is the honest strategy. A node
 rotation when a dispatch to it fails or the health monitor cannot connect, and rejoins when a
 probe succeeds. Each probe also asks the node for its models (health.py); a node that has not
 said (an older node) is taken to serve the router's default model, as every node was before.
+The probe also learns where each node's own HTTP API listens: pooling requests (embeddings,
+rerank, score) go there (forward.py), to the node of the model with the fewest in flight.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from conveyor.cluster.transport import reachable_address
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class Node:
     last_error: str | None = None
     last_change: float = field(default_factory=time.time)
     models: tuple[str, ...] | None = None  # the ids its GET /v1/models lists; None: not said (yet)
+    http_address: str | None = None  # host:port of its own HTTP API, as the router dials it; None: not said
 
     @property
     def online(self) -> bool:
@@ -46,7 +51,8 @@ class Node:
                 "in_flight": self.num_in_flight, "failures": self.num_failures,
                 "times_marked_unreachable": self.num_marked_unreachable, "last_error": self.last_error,
                 "status_since": round(self.last_change, 3),
-                "models": list(self.models) if self.models is not None else None}
+                "models": list(self.models) if self.models is not None else None,
+                "http_address": self.http_address}
 
 
 class Pool:
@@ -83,6 +89,14 @@ class Pool:
             logger.info("router: %s node %s serves %s", self.role, node.address, ", ".join(models) or "no model")
             node.models = models
 
+    def set_http_address(self, node: Node, address: str | None) -> None:
+        """`address`: the node's --host:--port as it said it (a wildcard host is dialed at its serving host)."""
+        try:
+            node.http_address = reachable_address(address, node.address) if address is not None else None
+        except ValueError:
+            logger.warning("router: %s node %s said a malformed HTTP address %r", self.role, node.address, address)
+            node.http_address = None
+
     def mark_unreachable(self, node: Node, reason: str) -> None:
         node.last_error = reason
         if node.online:
@@ -108,6 +122,7 @@ class RoutingStats:
     num_rejected_no_decode: int = 0
     num_rejected_overloaded: int = 0
     num_cancelled: int = 0  # the client left first
+    num_forwarded: int = 0  # of the requests, embeddings / rerank / score sent to a node's HTTP API (forward.py)
 
     def view(self) -> dict:
         return {name.removeprefix("num_"): value for name, value in vars(self).items()}

@@ -6,7 +6,8 @@ dispatches each choice to nodes serving the request's model (remote.py: grammar,
 and seed travel in the frames) and answers through the node's own reply code (server/reply.py)
 over a RemoteGroup of the relayed deltas: the same SSE or JSON, reply parsing, logprobs, usage
 from the workers' token counts, and finish_reason as the engine reports it. Which model a request
-is for, and the app per model, are models.py's.
+is for, and the app per model, are models.py's; embeddings, rerank and score go to a node's own HTTP
+API (forward.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from conveyor.cluster.dashboard import router_snapshot
+from conveyor.cluster.forward import PoolingForwarder, add_pooling_routes
 from conveyor.cluster.health import HealthMonitor
 from conveyor.cluster.models import ModelDispatch, RoutedModel, add_model_routes, model_card
 from conveyor.cluster.node import to_wire
@@ -62,6 +64,9 @@ class RouterMetrics:
         self.finished = Counter("conveyor_router_requests_finished", "Routed requests by finish_reason",
                                 ["finish_reason"], registry=self.prometheus)
         self.api_requests = api_requests_counter(self.prometheus)
+        self.forwarded = Counter("conveyor_router_forwarded_requests", "Embeddings, rerank and score requests "
+                                 "forwarded to a node, by endpoint and the status answered", ["endpoint", "status"],
+                                 registry=self.prometheus)
 
     def render(self) -> bytes:
         return generate_latest(self.prometheus)
@@ -75,8 +80,8 @@ class _RegistryCollector:
         up = GaugeMetricFamily("conveyor_router_node_up", "1 while the node is online", labels=["role", "address"])
         dispatched = CounterMetricFamily("conveyor_router_dispatched", "Attempts sent to (or naming) the node",
                                          labels=["role", "address"])
-        in_flight = GaugeMetricFamily("conveyor_router_node_in_flight", "Requests in flight on the prefill node",
-                                      labels=["role", "address"])
+        in_flight = GaugeMetricFamily("conveyor_router_node_in_flight", "Requests in flight on the node (routed to "
+                                      "a prefill node, or forwarded to its HTTP API)", labels=["role", "address"])
         for pool in self.registry.pools():
             for node in pool.nodes:
                 up.add_metric([node.role, node.address], 1 if node.online else 0)
@@ -260,6 +265,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     store = ResponseStore(server.responses_store_max, server.responses_store_max_bytes)  # shared: GET finds any
     apps = {m.model_id: _model_app(m, serving, registry, limits, server, store) for m, serving in zip(models, servings)}
     dispatch = ModelDispatch(models, apps, registry, limits, server.api_key, server.strict_model_name)
+    forwarder = PoolingForwarder(dispatch, limits, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -268,6 +274,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
         try:
             yield
         finally:
+            await forwarder.stop()
             await monitor.stop()
 
     app = FastAPI(title="conveyor router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -301,6 +308,7 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
         add_webui_routes(app)
     api = APIRouter()
     add_model_routes(api, dispatch)
+    add_pooling_routes(api, forwarder)  # embeddings, rerank, score: to a node of the model, over HTTP
     add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, num_awaiting(), dispatch.default),
                          lambda: False)
     app.include_router(api, dependencies=[Depends(api_key_check(server.api_key))])

@@ -15,6 +15,7 @@ import gguf
 import uvicorn
 from fastapi import FastAPI
 
+from conveyor.cluster.transport import join_address
 from conveyor.config import ClusterConfig, EngineConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ def build_cluster_server(engine_config: EngineConfig, server_config: ServerConfi
     engine = AsyncEngine.from_config(engine_config)
     app = create_app(engine, server_config)
     role = PrefillNode if cluster.node_role == "prefill" else DecodeNode
-    attach_node(app, role(engine, cluster, models=[app.state.serving.model_id]))  # what its /v1/models lists
+    # It tells the router what its /v1/models lists, and where its HTTP API is (for embeddings, rerank, score).
+    attach_node(app, role(engine, cluster, models=[app.state.serving.model_id],
+                          http_address=join_address(server_config.host, server_config.port)))
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_config=None,
                             timeout_graceful_shutdown=SOCKET_CLOSE_TIMEOUT_S)
     return GracefulServer(config, app.state.lifecycle)

@@ -14,6 +14,7 @@ from conveyor.cluster import wire
 from conveyor.cluster.wire import Frame, WireError
 
 CONNECT_TIMEOUT_S = 2.0
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # bind-all: a listener's address, never one to dial
 STREAM_LIMIT = 16 << 20  # read-buffer high-water mark; a handoff frame is MBs, fewer pause/resume rounds
 
 
@@ -27,6 +28,20 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """(host, port) -> 'host:port' ('[v6]:port' for an IPv6 host), as parse_address reads it back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def reachable_address(address: str, peer: str) -> str:
+    """`address` as a peer dials it: a wildcard host (a node's --host 0.0.0.0 or ::) is reached at the
+    host the peer already reaches that node by (its serving address, `peer`)."""
+    host, port = parse_address(address)
+    if host in WILDCARD_HOSTS:
+        host = parse_address(peer)[0]
+    return join_address(host, port)
 
 
 def numeric_address(address: str) -> tuple[str, int] | None:

@@ -15,9 +15,9 @@ from typing import Literal
 import msgspec
 
 MAGIC = b"CNVY"
-# 2: TokenFrame.stop_sequence; 3: InfoFrame / NodeInfoFrame and the model a generate or handoff frame is for
-# (frames refuse unknown fields, so peers must agree)
-VERSION = 3
+# 2: TokenFrame.stop_sequence; 3: InfoFrame / NodeInfoFrame and the model a generate or handoff frame is for;
+# 4: NodeInfoFrame.http_address (frames refuse unknown fields, so peers must agree)
+VERSION = 4
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
 MAX_FRAME_BYTES = 1 << 30
 # TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
@@ -142,10 +142,12 @@ class InfoFrame(msgspec.Struct, tag="info", forbid_unknown_fields=True):
 
 
 class NodeInfoFrame(msgspec.Struct, tag="node_info", forbid_unknown_fields=True):
-    """The answer: the node's role and the model ids its own GET /v1/models lists."""
+    """The answer: the node's role, the model ids its own GET /v1/models lists, and where its own HTTP API
+    listens (--host:--port; the router forwards embeddings, rerank and score there: cluster/forward.py)."""
 
     role: str
     models: list[str]
+    http_address: str | None = None
 
 
 Frame = GenerateFrame | HandoffFrame | TokenFrame | ErrorFrame | InfoFrame | NodeInfoFrame

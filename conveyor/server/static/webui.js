@@ -396,8 +396,9 @@ function renderRouter(s) {
   });
   $("nodes").tBodies[0].replaceChildren(...rows);
   const r = s.routing;
-  $("router-text").textContent = `${r.requests} routed · ${r.completed} completed · ${r.failed} failed · ` +
-    `${r.cancelled} cancelled · ${s.awaiting_first_token} awaiting a first token`;
+  $("router-text").textContent = `${r.requests} routed (${r.forwarded} embeddings, rerank, score) · ` +
+    `${r.completed} completed · ${r.failed} failed · ${r.cancelled} cancelled · ` +
+    `${s.awaiting_first_token} awaiting a first token`;
 }
 
 // A line over the last HISTORY_S seconds; gaps (no value) break the line.
