@@ -53,6 +53,13 @@ def model_card(model: RoutedModel, registry: Registry) -> dict:
             "nodes": nodes}
 
 
+def node_model_card(model_id: str, nodes: dict) -> dict:
+    """The /v1/models entry of a model only nodes serve (an embedder, a reranker): the router forwards its
+    pooling requests (forward.py) but holds no tokenizer for it, so its chats are 404s."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "conveyor", "root": model_id,
+            "nodes": nodes, "routed": "pooling only"}
+
+
 def model_not_found(message: str) -> APIError:
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
@@ -123,18 +130,30 @@ class ModelDispatch:
 
 
 def add_model_routes(router: APIRouter, dispatch: ModelDispatch) -> None:
-    """GET /v1/models (each routed model once, with the online nodes serving it) and /v1/models/{id}."""
+    """GET /v1/models (each routed model once, with the online nodes serving it; then the models only nodes
+    serve, whose pooling requests the router forwards) and /v1/models/{id}."""
 
     @router.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(m, dispatch.registry) for m in dispatch.models.values()]}
+        cards = [model_card(m, dispatch.registry) for m in dispatch.models.values()]
+        cards += [node_model_card(model_id, nodes) for model_id, nodes in _node_only(dispatch).items()]
+        return {"object": "list", "data": cards}
 
     @router.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict:
         found = dispatch.find(name)
-        if found is None:
+        if found is not None:
+            return model_card(found, dispatch.registry)
+        nodes = _node_only(dispatch).get(name)
+        if nodes is None:
             raise dispatch.unknown(name)
-        return model_card(found, dispatch.registry)
+        return node_model_card(name, nodes)
+
+
+def _node_only(dispatch: ModelDispatch) -> dict[str, dict]:
+    """Models the online nodes serve that the router routes no chats for, with their nodes by role."""
+    return {model_id: nodes for model_id, nodes in sorted(dispatch.registry.models().items())
+            if dispatch.find(model_id) is None}
 
 
 def _headers(scope: Scope) -> dict[str, str]:

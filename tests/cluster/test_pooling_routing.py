@@ -193,6 +193,11 @@ def test_pooling_routes_by_model_and_a_model_no_node_serves_is_a_404(cluster):
     to_chat = router.post("/v1/embeddings", json={"model": chat, "input": "x"})  # the chat node's own refusal
     assert to_chat.status_code == 400 and "generates text" in to_chat.json()["error"]["message"]
     assert to_chat.content == _direct(cluster["prefill"], "/v1/embeddings", {"model": chat, "input": "x"}).content
+    listed = {m["id"]: m for m in router.get("/v1/models").json()["data"]}
+    assert set(listed) == {chat, EMBEDDER} and listed[EMBEDDER]["routed"] == "pooling only"
+    assert listed[EMBEDDER]["nodes"]["prefill"] == [cluster["embedder"].serving]
+    assert router.get(f"/v1/models/{EMBEDDER}").json()["id"] == EMBEDDER
+    assert router.get("/v1/models/no-such-model").status_code == 404
     reply = router.post("/v1/chat/completions", json={"model": chat, "max_tokens": 4, "temperature": 0,
                                                       "messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 200, reply.text  # chats still go over the wire to the prefill/decode pair
