@@ -257,7 +257,7 @@ class ModelsConfig:
     models_contention: str = "wait_then_fail"  # when a load does not fit and no loaded model is idle
     models_wait_timeout: float = 60.0  # seconds a request waits under wait_then_fail before its 503
     # The cores' share embedding and reranking models get while generating models stream (1: no turns).
-    models_background_share: float = 1 / 3
+    models_background_share: float = 0.33
 
     def __post_init__(self) -> None:
         _require(self.models_max >= 1, "models_max must be at least 1")

@@ -104,10 +104,10 @@ XLMR_SPECIALS = {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "m
 
 
 def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens", normalize: bool = True,
-                  classifier: bool = False) -> str:
+                  classifier: bool = False, classifier_pooling: str = "mean") -> str:
     """A tiny random BERT (all-MiniLM-style: mean pooling, normalised) or XLM-R (BGE-style: CLS) embedder as
     sentence-transformers saves it; `classifier`: a cross-encoder instead (BERT: ms-marco MiniLM's head on the
-    pooler; XLM-R: bge-reranker's)."""
+    pooler; XLM-R: bge-reranker's; ModernBERT: gte-reranker-modernbert's, pooled by `classifier_pooling`)."""
     transformers = pytest.importorskip("transformers")
     os.makedirs(path, exist_ok=True)
     if kind in ("bert", "modernbert", "nomic_bert"):
@@ -118,9 +118,12 @@ def write_encoder(path, kind: str = "bert", pooling: str | None = "mean_tokens",
             model = (transformers.BertForSequenceClassification(transformers.BertConfig(**shape, num_labels=1))
                      if classifier else transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False))
         elif kind == "modernbert":  # layers 0 and 3 global, 1 and 2 local (+-4): texts longer than the window
-            model = transformers.ModernBertModel(transformers.ModernBertConfig(
+            config = transformers.ModernBertConfig(
                 **{**shape, "num_hidden_layers": 4}, local_attention=8, global_attn_every_n_layers=3,
-                cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3))
+                cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
+                **(dict(num_labels=1, classifier_pooling=classifier_pooling) if classifier else {}))
+            model = (transformers.ModernBertForSequenceClassification(config) if classifier
+                     else transformers.ModernBertModel(config))
         else:
             model = transformers.NomicBertModel(transformers.NomicBertConfig(**shape))
         specials = BERT_SPECIALS

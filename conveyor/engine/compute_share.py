@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-DEFAULT_BACKGROUND_SHARE = 1 / 3
+DEFAULT_BACKGROUND_SHARE = 0.33  # (--models-background-share: config.py)
 _EMA = 0.2  # weight of the newest measurement in the running step times
 # Fewest tokens a capped background step takes (below this its GEMMs lose more than the turns gain).
 MIN_BACKGROUND_TOKENS = 16

@@ -478,7 +478,9 @@ class EngineCore:
         request = Request(request_id or self.next_request_id(), list(prompt_token_ids), SamplingParams(max_tokens=1),
                           priority=priority, cache_prompt=self.config.enable_prefix_caching and not whole)
         request.pooling, request.pool_whole = True, whole
-        if token_type_ids is not None and any(token_type_ids):
+        # A model without a segment table reads every token as type 0, whatever its tokenizer's pair template says
+        # (ModernBERT: transformers' takes no token_type_ids).
+        if token_type_ids is not None and any(token_type_ids) and self.model_config.type_vocab_size:
             types = self.model_config.type_vocab_size
             if len(token_type_ids) != len(prompt_token_ids) or not all(0 <= t < types for t in token_type_ids):
                 raise InvalidRequestError(f"token types must be one per token, each in [0, {types})", "input")

@@ -44,10 +44,10 @@ def resolve_pooling(config: EngineConfig, checkpoint: Checkpoint, model: nn.Modu
 
 
 def _score(checkpoint: Checkpoint, model: nn.Module) -> dict:
-    """How a reranker scores: its classifier head where the model has one, else the odds of "yes" over "no"
-    (Qwen3-Reranker's reading)."""
+    """How a reranker scores: its classifier head, on the row its config pools (the first token's; ModernBERT's
+    may be the mean), where the model has one, else the odds of "yes" over "no" (Qwen3-Reranker's reading)."""
     if getattr(model, "has_classifier", False):
-        return dict(score="classifier", pooling="cls")
+        return dict(score="classifier", pooling=checkpoint.config.classifier_pooling)
     tokenizer = checkpoint.tokenizer
     yes, no = tokenizer.token_to_id("yes"), tokenizer.token_to_id("no")
     if yes is None or no is None or not callable(getattr(model, "compute_logits", None)):

@@ -189,6 +189,9 @@ class ModelConfig:
     position_offset: int = 0
     type_vocab_size: int = 0  # rows of the token type (segment) table (BERT 2, XLM-R 1); every token is type 0
     layer_norm_eps: float = 1e-12  # the encoders' LayerNorms (mean and variance, with bias); rms_norm_eps is RMSNorm's
+    # A cross-encoder's pooled row, which its classifier head reads: "cls" (the first token's) or "mean" (of every
+    # token: ModernBertForSequenceClassification's classifier_pooling, as gte-reranker-modernbert's)
+    classifier_pooling: str = "cls"
 
     def __post_init__(self) -> None:
         if families.get(self.architecture) is None:
@@ -231,6 +234,8 @@ class ModelConfig:
         if self.position_offset < 0 or self.type_vocab_size < 0:
             raise ModelConfigError(f"position_offset ({self.position_offset}) and type_vocab_size "
                                    f"({self.type_vocab_size}) must be >= 0")
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise ModelConfigError(f"unsupported classifier pooling {self.classifier_pooling!r} (supported: cls, mean)")
         if self.attn_temperature_beta and self.attn_temperature_length <= 0:
             raise ModelConfigError("an attention temperature needs a positive length (original context)")
         if self.attention_chunk < 0:

@@ -13,10 +13,14 @@ Every layer attends as the other encoders do (models/encoder_attention.py), stra
 reach (the whole text on global layers, the band on local ones), in fp32 on fresh copies, so a row's bits depend
 on its own sequence only. (The paged kernel's window is the last `window` keys up to a row's position: a
 symmetric band cannot be said that way.) Local layers keep no K/V (cache_specs lists the global layers only).
+
+A ModernBertForSequenceClassification checkpoint (gte-reranker-modernbert) is a cross-encoder: its head reads the
+pooled row (config.classifier_pooling: the first token's or the mean of all) as out(LayerNorm(gelu(dense(row)))).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -34,6 +38,10 @@ from conveyor.models.weights import WeightLoader, tensor_getters
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads, head_dim) each
 
 EMBEDDINGS = "embeddings."
+# ModernBertForSequenceClassification's head: ModernBertPredictionHead (dense, gelu, LayerNorm without bias), then
+# `classifier` to the labels; dropout sits between them, off at inference. (ModernBertForMaskedLM has the same
+# `head.` but no `classifier.`: only a checkpoint with `classifier.weight` scores.)
+HEAD_DENSE, HEAD_NORM, CLASSIFIER = "head.dense.", "head.norm.", "classifier."
 
 
 def _layer(i: int) -> str:
@@ -87,6 +95,24 @@ class ModernBertLayer(nn.Module):
         self.mlp = ModernBertMLP(config, ops)
 
 
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A cross-encoder's head in fp32. It sees one pooled row per text, so plain torch ops are row-invariant here."""
+
+    dense_weight: torch.Tensor  # (hidden, hidden)
+    dense_bias: torch.Tensor | None  # classifier_bias (False in the released rerankers)
+    norm_weight: torch.Tensor  # (hidden,): norm_bias is refused (hf_fields)
+    out_weight: torch.Tensor  # (labels, hidden)
+    out_bias: torch.Tensor  # (labels,)
+    eps: float
+
+    def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
+        """pooled (R, hidden) -> logits (R, labels), fp32."""
+        x = nn.functional.gelu(nn.functional.linear(pooled.float(), self.dense_weight, self.dense_bias))
+        x = nn.functional.layer_norm(x, x.shape[-1:], self.norm_weight, None, self.eps)
+        return nn.functional.linear(x, self.out_weight, self.out_bias)
+
+
 class ModernBertModel(nn.Module):
     """The encoder's last hidden states (after final_norm) for pooling (models/pooling.py); it has no LM head."""
 
@@ -101,6 +127,7 @@ class ModernBertModel(nn.Module):
         self.final_norm = LayerNorm(hidden, config.layer_norm_eps, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, None)
         self.local_rotary = RotaryEmbedding(config.head_dim, positions, config.local_rope_theta, None)
+        self.classifier: ClassifierHead | None = None  # set at load when the checkpoint has one (a cross-encoder)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError(f"{self.config.architecture} is an encoder without an LM head: it cannot generate "
@@ -129,6 +156,15 @@ class ModernBertModel(nn.Module):
             x = x + layer.mlp(layer.mlp_norm(x))
         return self.final_norm(x)
 
+    @property
+    def has_classifier(self) -> bool:
+        return self.classifier is not None
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits (R, labels) from each text's pooled row (R, hidden), pooled as
+        config.classifier_pooling says (engine/pooling_setup.py)."""
+        return self.classifier(pooled)
+
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         """Fill the model from transformers' names (a task model's `model.` prefix already stripped)."""
         get, _ = tensor_getters(weights, loader, 0.0)
@@ -149,6 +185,13 @@ class ModernBertModel(nn.Module):
             linear(layer.mlp.up_proj, p + "mlp.Wi", cfg.mlp_bias)
             linear(layer.mlp.down_proj, p + "mlp.Wo", cfg.mlp_bias)
         self.final_norm.weight = loader.param(get("final_norm.weight"))
+        if CLASSIFIER + "weight" in weights:
+            def fp32(name: str) -> torch.Tensor | None:
+                return loader.dense(get(name)).float() if name in weights else None
+
+            self.classifier = ClassifierHead(
+                fp32(HEAD_DENSE + "weight"), fp32(HEAD_DENSE + "bias"), fp32(HEAD_NORM + "weight"),
+                fp32(CLASSIFIER + "weight"), fp32(CLASSIFIER + "bias"), cfg.layer_norm_eps)
 
     def cache_specs(self) -> list[CacheSpec]:
         """K/V in the block pool for the global layers only (kept just for the forward that writes it)."""
@@ -166,6 +209,12 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     act = raw.get("hidden_activation", "gelu")
     if act != "gelu":
         raise NotImplementedError(f"hidden_activation {act!r}")
+    head_act = raw.get("classifier_activation", "gelu")
+    if "ModernBertForSequenceClassification" in (raw.get("architectures") or []) and head_act != "gelu":
+        raise NotImplementedError(f"classifier_activation {head_act!r}")
+    pooling = raw.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        raise NotImplementedError(f"classifier_pooling {pooling!r}")
     hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
     every = int(raw.get("global_attn_every_n_layers", 3))
     types = raw.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
@@ -176,6 +225,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=False, layer_norm_eps=float(raw.get("norm_eps", 1e-5)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
         sliding_window=int(raw.get("local_attention", 128)) // 2, layer_types=tuple(types), **_rope(raw),
+        classifier_pooling=pooling,
     )
 
 
@@ -216,7 +266,8 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
         raise ValueError(f"hidden_activation {act!r} (supported: gelu)")
     head = sorted({"cls.weight", "cls.output.weight", "cls.norm.weight"} & tensors.keys())
     if head:
-        raise ValueError(f"ModernBERT's classifier head ({', '.join(head)}: a cross-encoder) is not supported")
+        raise ValueError(f"ModernBERT's classifier head ({', '.join(head)}: a cross-encoder) is not supported in "
+                         f"GGUF; its Hugging Face directory (ModernBertForSequenceClassification) is")
     layers, window = base["num_hidden_layers"], int(meta("attention.sliding_window", 0) or 0)
     types = (gguf_layer_types(meta("attention.sliding_window_pattern"), layers, 3, global_first=True) if window
              else ("full_attention",) * layers)
@@ -237,5 +288,8 @@ GGUF_TENSORS = {"token_embd": EMBEDDINGS + "tok_embeddings", "token_embd_norm": 
 
 # ModernBertFor* checkpoints (MaskedLM, SequenceClassification) keep the encoder under `model.`.
 register(Family("modernbert", "conveyor.models.modernbert:ModernBertModel", hf_fields, weight_renames={"model.": ""},
-                weight_names=weight_names, gguf_architectures=("modern-bert",), gguf_fields=gguf_fields,
-                gguf_tensors=GGUF_TENSORS, gguf_layer_prefix="layers."))
+                weight_names=weight_names, optional_weights=(
+                    HEAD_DENSE + "weight", HEAD_DENSE + "bias", HEAD_NORM + "weight", CLASSIFIER + "weight",
+                    CLASSIFIER + "bias"),
+                gguf_architectures=("modern-bert",), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS,
+                gguf_layer_prefix="layers."))

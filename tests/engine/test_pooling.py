@@ -109,24 +109,26 @@ def test_encoders_match_sentence_transformers(tmp_path, kind, pooling):
     llm.engine.kv.check_integrity()  # nothing cached: every block back
 
 
-@pytest.mark.parametrize("kind", ["xlm-roberta", "bert"])
-def test_cross_encoder_scores_match_transformers(tmp_path, kind):
-    """Cross-encoders score (query, document) pairs as transformers does: bge-reranker's XLM-R head, and a BERT
-    (ms-marco MiniLM's head on the pooler) whose second text is token type 1."""
+@pytest.mark.parametrize("kind,classifier_pooling", [("xlm-roberta", "cls"), ("bert", "cls"), ("modernbert", "cls"),
+                                                     ("modernbert", "mean")])
+def test_cross_encoder_scores_match_transformers(tmp_path, kind, classifier_pooling):
+    """Cross-encoders score (query, document) pairs as transformers does: bge-reranker's XLM-R head, a BERT
+    (ms-marco MiniLM's head on the pooler) whose second text is token type 1, and ModernBERT's head on the first row
+    or the mean of all (gte-reranker-modernbert; no token types: its tokenizer's type 1 is dropped)."""
     transformers = pytest.importorskip("transformers")
     from tests.pooling_models import write_encoder
 
-    path = write_encoder(tmp_path / "reranker", kind, classifier=True)
+    path = write_encoder(tmp_path / "reranker", kind, classifier=True, classifier_pooling=classifier_pooling)
     llm = LLM(model=path, dtype="float32")
-    assert llm.engine.pooling_task == "reranking"
+    assert llm.engine.pooling_task == "reranking" and llm.engine.pooling.pooling == classifier_pooling
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
     query, documents = "capital of france", ["paris is the capital of france.", "a dog", "the fox"]
     ours = llm.score(query, documents)
     for score, document in zip(ours, documents):
         encoding = llm.tokenizer.backend.encode(query, pair=document)
+        types = {} if kind == "modernbert" else {"token_type_ids": torch.tensor([encoding.type_ids])}
         with torch.no_grad():
-            logit = hf(input_ids=torch.tensor([encoding.ids]),
-                       token_type_ids=torch.tensor([encoding.type_ids])).logits[0, 0]
+            logit = hf(input_ids=torch.tensor([encoding.ids]), **types).logits[0, 0]
         assert abs(score - torch.sigmoid(logit).item()) < 1e-5
     assert llm.score(query, documents[:1]) == ours[:1]  # alone or with others: bitwise
     if kind == "bert":  # the types matter: all type 0 scores differently

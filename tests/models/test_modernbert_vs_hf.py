@@ -1,6 +1,7 @@
 """ModernBERT (models/modernbert.py) against transformers: every row of several sequences run in one forward matches
 last_hidden_state, with sequences longer than the local window (so the window matters) and longer than one query
-chunk of local attention, and each sequence's rows are bitwise those of running it alone."""
+chunk of local attention, and each sequence's rows are bitwise those of running it alone; a cross-encoder's head
+(ModernBertForSequenceClassification) gives transformers' logits."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conveyor.kernels import KernelSettings, resolve_backend
 from conveyor.loading.hf_loader import load_hf_dir
 from conveyor.models import encoder_attention
 from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.pooling import pool_rows
 from conveyor.models.registry import build_model
 from tests.models.encoder_compare import (VOCAB, assert_rows_match_and_stand_alone, hf_rows, random_sequences,
                                           run_rows, write_dir)
@@ -33,13 +35,16 @@ def _small_query_chunks(monkeypatch):
 def _hf_model(kind: str = "model", **overrides):
     cfg = transformers.ModernBertConfig(**{**TINY, **overrides}, attn_implementation="eager")
     torch.manual_seed(0)
-    model = (transformers.ModernBertForMaskedLM if kind == "masked_lm" else transformers.ModernBertModel)(cfg).eval()
+    model = {"model": transformers.ModernBertModel, "masked_lm": transformers.ModernBertForMaskedLM,
+             "classifier": transformers.ModernBertForSequenceClassification}[kind](cfg).eval()
     with torch.no_grad():  # LayerNorms start at 1 and init is small: randomize so attention is far from uniform
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             elif "Wqkv" in name:
                 p.mul_(8.0)
+            elif name.startswith(("head.dense", "classifier")):  # logits far from 0 and far apart
+                p.normal_(0, 0.5)
     return model
 
 
@@ -64,7 +69,30 @@ def test_rows_match_transformers_and_alone(kind, tmp_path):
         model = build_model(config, checkpoint.weights, dtype, torch.device("cpu"),
                             ops=resolve_backend(torch.device("cpu"), dtype))
         assert len(model.cache_specs()) == 2  # the global layers' K/V only
+        assert not model.has_classifier  # the masked LM's `head.` without `classifier.` scores nothing
         assert_rows_match_and_stand_alone(model, seqs, want, dtype, atol)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_cross_encoder_logits_match_transformers(pooling, tmp_path):
+    """ModernBertForSequenceClassification (gte-reranker-modernbert): its head on the first row or on the mean of
+    every row, as classifier_pooling says, gives transformers' logits; the other pooling would not."""
+    hf = _hf_model("classifier", classifier_pooling=pooling, num_labels=1, classifier_bias=pooling == "mean")
+    checkpoint = load_hf_dir(write_dir(hf, tmp_path))
+    assert checkpoint.config.classifier_pooling == pooling
+    model = build_model(checkpoint.config, checkpoint.weights, torch.float32, torch.device("cpu"),
+                        ops=resolve_backend(torch.device("cpu"), torch.float32))
+    assert model.has_classifier and (model.classifier.dense_bias is not None) == (pooling == "mean")
+    seqs = random_sequences(LENGTHS)
+    rows = run_rows(model, seqs, 0, torch.float32).split([len(s) for s in seqs])
+    with torch.no_grad():
+        want = torch.cat([hf(input_ids=torch.tensor([s])).logits for s in seqs])  # (len(seqs), 1)
+    ours = model.classify(torch.stack([pool_rows(r, pooling) for r in rows]))
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    other = model.classify(torch.stack([pool_rows(r, "mean" if pooling == "cls" else "cls") for r in rows]))
+    assert (other - want).abs().max() > 0.1
+    with pytest.raises(ModelConfigError, match="classifier_activation"):
+        ModelConfig.from_hf_dict({**hf.config.to_dict(), "classifier_activation": "silu"})
 
 
 def test_rows_select_the_pooled_rows():
@@ -111,3 +139,6 @@ def test_config_fields():
         ModelConfig.from_hf_dict({**old, "hidden_activation": "gelu_new"})
     with pytest.raises(ModelConfigError, match="linear"):
         ModelConfig.from_hf_dict({**old, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert config.classifier_pooling == "cls"  # transformers' default
+    with pytest.raises(ModelConfigError, match="classifier_pooling"):
+        ModelConfig.from_hf_dict({**old, "classifier_pooling": "max"})

@@ -150,6 +150,36 @@ def test_rerank_on_a_bert_cross_encoder(tmp_path):
         served.core.kv.check_integrity()
 
 
+def test_rerank_on_a_modernbert_cross_encoder(tmp_path):
+    """gte-reranker-modernbert's shape: ModernBertForSequenceClassification pooling the mean of every row. /v1/rerank
+    and /v1/score give transformers' sigmoid(logit) for each pair (its tokenizer's type-1 second text read as type 0,
+    as transformers' ModernBERT takes no token types)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.pooling_models import write_encoder
+
+    path = write_encoder(tmp_path / "tiny-modernbert-reranker", "modernbert", classifier=True,
+                         classifier_pooling="mean")
+    query, documents = "capital of france", ["paris is the capital of france.", {"text": "a dog"}, "the fox"]
+    texts = [d if isinstance(d, str) else d["text"] for d in documents]
+    with serve(load_hf_dir(path), EngineConfig(parallel=4, dtype="float32")) as served:
+        reply = httpx.post(f"{served.url}/v1/rerank", json={"query": query, "documents": documents})
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        scores = httpx.post(f"{served.url}/v1/score", json={"text_1": query, "text_2": texts})
+        assert scores.status_code == 200, scores.text
+        by_index = [d["score"] for d in scores.json()["data"]]
+        assert {r["index"]: r["relevance_score"] for r in results} == dict(enumerate(by_index))
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+        backend = served.core.tokenizer.backend
+        for i, text in enumerate(texts):
+            with torch.no_grad():
+                logit = hf(input_ids=torch.tensor([backend.encode(query, pair=text).ids])).logits[0, 0]
+            assert abs(by_index[i] - torch.sigmoid(logit).item()) < 1e-5
+        assert [r["relevance_score"] for r in results] == sorted((r["relevance_score"] for r in results), reverse=True)
+        served.wait_until(lambda: served.engine.num_in_flight == 0, what="requests to finish")
+        served.core.kv.check_integrity()
+
+
 def test_the_dashboard_names_the_task(embedder, tiny):
     assert httpx.get(f"{embedder.url}/v1/dashboard").json()["task"] == "embedding"
     with serve(tiny) as served:
