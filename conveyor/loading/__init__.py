@@ -4,9 +4,8 @@ loader.py         load_checkpoint(path): picks the loader from the path
 hub.py            resolve_model: ORG/NAME[:QUANT] -> a cached directory or GGUF file (huggingface_hub)
 checkpoint.py     Checkpoint, LoadError, the expected HF weight names
 hf_loader.py      config.json + *.safetensors + tokenizer.json/tokenizer_config.json
-gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF (the family's own names from
-                  the registry where they differ), undo llama.cpp's q/k row permutation
-gguf_hybrid.py    hybrid GGUFs (lfm2, qwen35): their config fields, HF names, and the converter's transforms undone
+gguf_loader.py    GGUF tensors as views of the file (GGML blocks kept), rename to HF (the family's own names, or its
+                  own renamer, from the registry where they differ), undo llama.cpp's q/k row permutation
 gguf_config.py    GGUF metadata -> ModelConfig: the keys every file shares (incl. rope scaling), then the
                   family's own (its gguf_fields, models/family.py)
 gguf_tokenizer.py GGUF vocabulary -> `tokenizers` BPE (byte-level or SentencePiece-style), the encoders'

@@ -13,7 +13,6 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
-from conveyor.loading import gguf_hybrid
 from conveyor.loading.checkpoint import LoadError
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
@@ -41,11 +40,12 @@ def _scalar(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
 
 def config_from_gguf(reader: gguf.GGUFReader, source: str) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
-    if arch in gguf_hybrid.UNSUPPORTED_HYBRIDS:
-        raise LoadError(f"{source}: GGUF architecture {arch!r} ({gguf_hybrid.UNSUPPORTED_HYBRIDS[arch]}) is not "
-                        f"supported yet; hybrids that load: {', '.join(gguf_hybrid.HYBRID_GGUF_ARCHITECTURES)}")
     family = families.for_gguf(arch)
     if family is None:
+        what = families.gguf_not_yet(arch)
+        if what:
+            raise LoadError(f"{source}: GGUF architecture {arch!r} ({what}) is not supported yet; hybrids that load: "
+                            f"{', '.join(families.gguf_architectures(hybrid_only=True))}")
         raise LoadError(f"{source}: unsupported GGUF architecture {arch!r}; supported: "
                         f"{', '.join(families.gguf_architectures())}")
     tensors = {t.name: t for t in reader.tensors}
@@ -104,9 +104,6 @@ def _build_config(reader: gguf.GGUFReader, arch: str, family: families.Family, t
         counts = {int(n) for n in kv_heads} - {0}
         if len(counts) > 1:  # (Gemma 4's global layers have their own: its layer_kv_heads)
             raise LoadError(f"{source}: per-layer K/V head counts {sorted(counts)} are not supported")
-    if arch in gguf_hybrid.HYBRID_GGUF_ARCHITECTURES:
-        fields.update(gguf_hybrid.config_fields(arch, lambda key: field_value(reader, f"{arch}.{key}"), tensors,
-                                                fields, source))
     return ModelConfig(**fields)
 
 

@@ -25,7 +25,6 @@ from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf, field_value
 from conveyor.loading.gguf_split import part_names, whole_name
-from conveyor.loading.gguf_hybrid import HYBRID_GGUF_ARCHITECTURES, HybridTensors
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
 from conveyor.models import family as families
@@ -45,12 +44,7 @@ BLOCK_TENSORS = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v fused in the file
 }
 _DECODER_LAYERS = "model.layers."
-# Per-head stacks (H, N, K) read as one (H * N, K) matrix: DeepSeek's attn_k_b / attn_v_b.
-HEAD_STACKED_TENSORS = ("attn_k_b", "attn_v_b")
-# Gemma 3n's AltUp (un)embedding projections: one (n - 1, H, H) stack in the file, one HF tensor each.
-STACKED_TENSORS = {"altup_proj.weight": "model.altup_projections", "altup_unembd_proj.weight":
-                   "model.altup_unembed_projections"}
-# Apertus: xIELU's four scalars per layer live in metadata arrays (raw, before softplus), not tensors.
+# hidden_act xielu: the activation's four scalars per layer live in metadata arrays (raw, before softplus).
 XIELU_KEYS = ("alpha_p", "alpha_n", "beta", "eps")
 # Mixture of experts: the router, and each expert stack (E, N, K) split into E tensors under the family's names.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down",
@@ -120,31 +114,37 @@ def load_gguf(path: str) -> Checkpoint:
     del readers
     weights: dict[str, Weight] = {}
     dense: dict[str, gguf.gguf_reader.ReaderTensor] = {}
-    hybrid = HybridTensors(arch, config, path, mapping.release) if arch in HYBRID_GGUF_ARCHITECTURES else None
+    own = family.gguf_weights(config, mapping.release) if family.gguf_weights is not None else None
+    num_skipped = 0
     for tensor in reader.tensors:
-        if tensor.name in CONFIG_TENSORS or (hybrid is not None and hybrid.skip(tensor.name)):
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        layer = re.match(r"blk\.(\d+)\.", tensor.name)
+        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:  # a draft head (MTP) we do not run
+            num_skipped += 1
             continue
         if tensor.name.partition(".")[0] in GGUF_DENSE:
             dense[tensor.name] = tensor
             continue
-        if tensor.name in STACKED_TENSORS:
-            for i, weight in enumerate(_unstack(tensor, path)):
-                weights[f"{STACKED_TENSORS[tensor.name]}.{i}.weight"] = weight
-            continue
         if config.num_experts and _is_moe_tensor(tensor.name):
             weights.update(_moe_weights(config, tensor, path))
             continue
-        if hybrid is not None:
-            weights.update(hybrid.hf_weights(tensor.name, _to_torch(tensor, path)))
+        if own is not None:
+            try:
+                weights.update(own.weights(tensor.name, _to_torch(tensor, path)))
+            except ValueError as exc:
+                raise LoadError(f"{path}: {exc}") from exc
             continue
         name = hf_name(tensor.name, path, family)
-        if tensor.name.split(".")[-2] in HEAD_STACKED_TENSORS:
-            weights[name] = _to_torch(tensor, path, flatten_heads=True)
+        if "{}" in name:  # a stack in the file, one HF tensor per entry
+            weights.update((name.format(i), weight) for i, weight in enumerate(_unstack(tensor, path)))
             continue
         weight = _to_torch(tensor, path)
         weights[name] = _unpermute(config, name, weight, mapping.release) if family.gguf_permuted_qk else weight
-    if hybrid is not None:
-        hybrid.report()
+    if num_skipped:
+        logger.info("%s: skipped %d tensors of the multi-token-prediction head", path, num_skipped)
+    if own is not None:
+        own.report(path)
     if config.hidden_act == "xielu":
         weights.update(_xielu_weights(reader, config.num_hidden_layers, path))
     _warn_dequantized(reader)
@@ -308,11 +308,11 @@ def _check_split(readers: list[gguf.GGUFReader], parts: list[str]) -> None:
         raise LoadError(f"{parts[0]}: the split GGUF's parts hold {found} tensors, its metadata says {expected}")
 
 
-def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str, flatten_heads: bool = False) -> Weight:
+def _to_torch(tensor: gguf.gguf_reader.ReaderTensor, source: str) -> Weight:
     """A view of the file: float tensors keep their dtype, block-quantized ones stay GGML rows. HF shape order;
-    `flatten_heads`: a (H, N, K) stack as one (H * N, K) matrix."""
+    a per-head stack (H, N, K) as one (H * N, K) matrix (the experts' and `{}` stacks are split before)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    if flatten_heads and len(shape) == 3:
+    if len(shape) == 3:
         shape = (shape[0] * shape[1], shape[2])
     kind = tensor.tensor_type
     data = tensor.data

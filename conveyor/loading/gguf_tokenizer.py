@@ -10,9 +10,9 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from conveyor.loading.checkpoint import LoadError
-from conveyor.loading.family_templates import FAMILY_CHAT_TEMPLATES
 from conveyor.loading.gguf_config import field_value
 from conveyor.loading.tokenizer import Tokenizer, build_tokenizer
+from conveyor.models import family as families
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, source: str) -> Tokenizer:
     add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
     template = field_value(reader, "tokenizer.chat_template")
     arch = field_value(reader, "general.architecture")
-    if template is None and arch in FAMILY_CHAT_TEMPLATES:
+    family = families.for_gguf(arch) if template is None else None
+    if family is not None and family.chat_template is not None:  # its one chat format, so not a guess
         logger.info("%s: no chat template in the file; using the %s family's", source, arch)
-        template = FAMILY_CHAT_TEMPLATES[arch]
+        template = family.chat_template
     return build_tokenizer(backend, special, template,
                            extra_eos_ids=[i for i in extra_eos if i is not None], add_bos=add_bos, add_eos=add_eos)
 

@@ -87,7 +87,8 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
 
 
 # llama.cpp's names for the latent attention (models/mla.py): kv_b split per head into k_b (transposed) and v_b by
-# newer converters, kept whole by older ones; the choice-only expert bias; the shared experts.
+# newer converters (per-head stacks (H, N, K), which the loader reads as one (H * N, K) matrix), kept whole by older
+# ones; the choice-only expert bias; the shared experts.
 GGUF_TENSORS = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
                 "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
                 "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",

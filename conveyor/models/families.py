@@ -11,6 +11,16 @@ FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", 
                   "seed_oss", "hunyuan_dense", "apertus", "gemma4", "gemma3n", "mixtral", "qwen3_moe", "olmoe",
                   "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_next", "granite_hybrid",
                   "nemotron_h", "falcon_h1", "mamba2", "bert", "modernbert", "nomic_bert")
+# llama.cpp's hybrid architectures whose GGUF files no family loads yet, and what they are (a clearer refusal).
+GGUF_NOT_YET = {
+    "granitehybrid": "Granite 4.0 hybrid: Mamba2 and attention",
+    "nemotron_h": "Nemotron-H: Mamba2, attention and MLP layers",
+    "nemotron_h_moe": "Nemotron-H MoE: Mamba2, attention and MoE layers",
+    "falcon-h1": "Falcon-H1: Mamba2 and attention in parallel",
+    "mamba2": "Mamba2",
+    "mamba": "Mamba",
+    "jamba": "Jamba: Mamba and attention with MoE",
+}
 
 
 def _llama_gguf_fields(meta, base, tensors) -> dict:

@@ -35,11 +35,15 @@ class Family:
     gguf_fields: Callable[..., dict[str, Any]] | None = None
     # llama.cpp tensor name -> HF module where they differ from the shared decoder's (loading/gguf_loader.py): a
     # whole name (token_embd), a `blk.N.` one without the prefix (ffn_norm), or one with its suffix
-    # (ffn_gate_inp.scale: a bare HF tensor). A family with its own gguf_layer_prefix (the encoders) is named by
-    # these alone.
+    # (ffn_gate_inp.scale: a bare HF tensor); `{}` in the HF name: a stack, one HF tensor per entry (Gemma 3n's
+    # AltUp). A family with its own gguf_layer_prefix (the encoders) is named by these alone.
     gguf_tensors: dict[str, str] = field(default_factory=dict)
     gguf_layer_prefix: str = "model.layers."  # the HF prefix of `blk.N.` tensors
     gguf_permuted_qk: bool = False  # q/k rows interleaved by convert_hf_to_gguf (LlamaModel.permute): undone at load
+    # (config, release) -> a file's own renamer where names and values differ more than gguf_tensors says (the
+    # hybrids: models/hybrid_gguf.py): .weights(gguf_name, weight) -> {HF name: weight}, .report(source) at the end
+    gguf_weights: Callable[..., Any] | None = None
+    chat_template: str | None = None  # its one chat format, for GGUF files converted without a template
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -69,10 +73,17 @@ def for_gguf(arch: str) -> Family | None:
     return next((f for f in _FAMILIES.values() if arch in f.gguf_architectures), None)
 
 
-def gguf_architectures() -> tuple[str, ...]:
-    """Every GGUF `general.architecture` some family loads, in registration order."""
+def gguf_architectures(hybrid_only: bool = False) -> tuple[str, ...]:
+    """Every GGUF `general.architecture` some family (a hybrid one) loads, in registration order."""
     _load()
-    return tuple(dict.fromkeys(arch for f in _FAMILIES.values() for arch in f.gguf_architectures))
+    return tuple(dict.fromkeys(arch for f in _FAMILIES.values() if f.hybrid or not hybrid_only
+                               for arch in f.gguf_architectures))
+
+
+def gguf_not_yet(arch: str) -> str | None:
+    """What a GGUF `general.architecture` that no family loads yet is (None: not one we know)."""
+    _load()
+    return importlib.import_module("conveyor.models.families").GGUF_NOT_YET.get(arch)
 
 
 def gguf_layer_types(pattern: Any, num_layers: int, default: int, global_first: bool = False) -> tuple[str, ...]:

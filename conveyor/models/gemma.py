@@ -109,7 +109,32 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     return fields
 
 
+# The instruction format (text only), as in Google's tokenizer_config.json, for GGUF files converted without it:
+# no system role, a system message is prepended to the first user turn; the assistant's role is "model".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
 register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("gemma2",),
-                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS),
+                gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS, chat_template=CHAT_TEMPLATE),
          Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields,
-                gguf_architectures=("gemma3", "gemma-embedding"), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS))
+                gguf_architectures=("gemma3", "gemma-embedding"), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS,
+                chat_template=CHAT_TEMPLATE))

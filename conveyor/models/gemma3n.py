@@ -109,8 +109,9 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
 
 
 # llama.cpp's names: Gemma 4's (PLE), plus AltUp's and LAuReL's per-layer tensors (AltUp's output scale a bare
-# tensor in HF)
+# tensor in HF) and AltUp's (un)embedding projections (one (n - 1, H, H) stack in the file, one HF tensor each)
 GGUF_TENSORS = {**gemma4.GGUF_PLE_TENSORS,
+                "altup_proj": "model.altup_projections.{}", "altup_unembd_proj": "model.altup_unembed_projections.{}",
                 "altup_correct_coef": "altup.correction_coefs", "altup_predict_coef": "altup.prediction_coefs",
                 "altup_router": "altup.modality_router", "altup_router_norm": "altup.router_norm",
                 "altup_correct_scale.weight": "altup.correct_output_scale",

@@ -129,7 +129,7 @@ def test_q8_0_matrices_stay_blocks(tmp_path, caplog, family: str, value_head_dim
     hf = tiny_hf_hybrid(family, **({"linear_value_head_dim": value_head_dim} if value_head_dim else {}))
     _round_to(hf, Q.Q8_0)
     write_hybrid_gguf(tmp_path / "tiny.gguf", hf, Q.Q8_0)
-    with caplog.at_level(logging.WARNING, logger="conveyor.loading.gguf_hybrid"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.models.qwen3_5"):
         ck = load_checkpoint(str(tmp_path / "tiny.gguf"))
     config, weights = _hf_dir(hf, tmp_path)
 
