@@ -1,10 +1,10 @@
 """Scale-out of whole replicas behind SGLang's model gateway (`smg`, PyPI), not a gateway of ours.
 
-Two single-node replicas of one model, a third of another model, and `smg launch --policy
-cache_aware` on loopback: requests sharing a long system prompt land on one replica (its
+Two single-node replicas of one model, a multi-model replica of two others, an embedder, and `smg launch
+--policy cache_aware` on loopback: requests sharing a long system prompt land on one replica (its
 prefix-cache hit counter rises), each request reaches only replicas serving the model it names
-(SMG reads each replica's model from its GET /v1/models), and a replica killed under load loses
-no request."""
+(SMG reads each worker's model from its GET /v1/models; the multi-model replica is given as one worker URL
+per model, /model/<name>), and a replica killed under load loses no request."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def gateway(tmp_path_factory):
     root = tmp_path_factory.mktemp("smg")
     model = write_tiny_model_dir(root / "tiny-model")
     replicas = [start(f"replica-{i}", model, str(root)) for i in range(2)]
-    other = start("replica-other", write_tiny_model_dir(root / "other-model", seed=1), str(root))
+    # a multi-model replica: SMG learns one model per worker URL, so it is given each model's own base URL
+    other = start("replica-other", write_tiny_model_dir(root / "other-model", seed=1), str(root),
+                  extra=["--model", str(write_tiny_model_dir(root / "third-model", seed=2))])
     embedder = start("replica-embedder", write_qwen3_embedder(root / "tiny-embedder"), str(root))
     gateway_proc = None
     try:
@@ -43,7 +45,8 @@ def gateway(tmp_path_factory):
         log = open(root / "smg.log", "w")
         gateway_proc = subprocess.Popen(
             [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-             "--worker-urls", *[r.url for r in (*replicas, other, embedder)], "--health-check-interval-secs", "1",
+             "--worker-urls", *[r.url for r in (*replicas, embedder)], *_model_urls(other),
+             "--health-check-interval-secs", "1",
              "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -51,11 +54,11 @@ def gateway(tmp_path_factory):
         def ready() -> bool:  # every replica registered (with the model it reported) and ready
             assert gateway_proc.poll() is None, (root / "smg.log").read_text()[-3000:]
             try:
-                return len(_workers(url)) == 4
+                return len(_workers(url)) == 5
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, 60, "smg to come up with its four replicas")
+        wait_for(ready, 60, "smg to come up with its five workers (four replicas, one with two models)")
         yield url, replicas, other, embedder
     finally:
         if gateway_proc is not None:
@@ -63,6 +66,11 @@ def gateway(tmp_path_factory):
             gateway_proc.wait(timeout=10)
         for replica in (*replicas, other, embedder):
             replica.stop()
+
+
+def _model_urls(replica) -> list[str]:
+    """A multi-model replica's models, each at its own base URL (/model/<name>)."""
+    return [f"{replica.url}/model/{name}" for name in ("other-model", "third-model")]
 
 
 def _workers(url: str) -> dict[str, str]:
@@ -108,28 +116,35 @@ def test_agent_apis_pass_through_the_gateway(gateway):
     assert routed.json()["output"][-1]["content"][0]["text"] == direct.json()["output"][-1]["content"][0]["text"]
 
 
-def _completed(replica) -> int:
-    return httpx.get(f"{replica.url}/health", timeout=5).json()["batch"]["total_completed"]
+def _completed(replica_url: str) -> int:
+    """Requests a replica (or one model of a multi-model replica, at its own base URL) has completed; a model
+    not loaded yet has completed none."""
+    health = httpx.get(f"{replica_url}/health", timeout=5).json()
+    return health["batch"]["total_completed"] if "batch" in health else 0
 
 
 def test_replicas_of_different_models_are_routed_by_model(gateway):
-    """Each request reaches only replicas serving the model it names; a model no replica serves is a 404
-    (model_not_found) that reaches none; /v1/models lists each model once."""
+    """Each request reaches only replicas serving the model it names (the multi-model replica's two models at
+    their own base URLs); a model no replica serves is a 404 (model_not_found) that reaches none; /v1/models
+    lists each model once."""
     url, replicas, other, embedder = gateway
-    assert _workers(url) == {replicas[0].url: "tiny-model", replicas[1].url: "tiny-model", other.url: "other-model",
-                             embedder.url: "tiny-embedder"}
+    other_model, third_model = _model_urls(other)
+    assert _workers(url) == {replicas[0].url: "tiny-model", replicas[1].url: "tiny-model",
+                             other_model: "other-model", third_model: "third-model", embedder.url: "tiny-embedder"}
     assert sorted(m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]) == \
-        ["other-model", "tiny-embedder", "tiny-model"]
-    for model, serving in (("other-model", [other]), ("tiny-model", replicas)):
-        before = {r.url: _completed(r) for r in (*replicas, other)}
+        ["other-model", "third-model", "tiny-embedder", "tiny-model"]
+    workers = [r.url for r in replicas] + [other_model, third_model]
+    for model, serving in (("other-model", [other_model]), ("third-model", [third_model]),
+                           ("tiny-model", [r.url for r in replicas])):
+        before = {w: _completed(w) for w in workers}
         for i in range(4):
             assert _chat(url, 300 + i, model=model).status_code == 200
-        gained = {r.url: _completed(r) - before[r.url] for r in (*replicas, other)}
-        assert sum(gained[r.url] for r in serving) == 4 and sum(gained.values()) == 4, (model, gained)
-    before = [_completed(r) for r in (*replicas, other)]
+        gained = {w: _completed(w) - before[w] for w in workers}
+        assert sum(gained[w] for w in serving) == 4 and sum(gained.values()) == 4, (model, gained)
+    before = [_completed(w) for w in workers]
     refused = _chat(url, 400, model="no-such-model")
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
-    assert [_completed(r) for r in (*replicas, other)] == before
+    assert [_completed(w) for w in workers] == before
 
 
 def test_killing_a_replica_under_load_loses_no_request(gateway):
@@ -140,9 +155,9 @@ def test_killing_a_replica_under_load_loses_no_request(gateway):
     over 4 slots: at least 3 rounds of 256 decode steps), so the kill lands while most are in flight;
     if a starved test process ever saw them all done first, the test still holds (nothing lost)."""
     url, replicas, *_ = gateway
-    completed = [_completed(r) for r in replicas]
+    completed = [_completed(r.url) for r in replicas]
     assert _chat(url, 99).status_code == 200
-    [busy] = [r for r, before in zip(replicas, completed) if _completed(r) > before]  # cache_aware's choice
+    [busy] = [r for r, before in zip(replicas, completed) if _completed(r.url) > before]  # cache_aware's choice
     hits = _hits(busy)
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(_chat, url, 100 + i, 256) for i in range(12)]

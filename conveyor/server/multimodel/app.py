@@ -2,7 +2,10 @@
 every other request to the app of the model it names.
 
 The model is the body's `model` field (POST), else the `?model=` query parameter; a POST that names
-none goes to the first model listed, any other request to the most recently used loaded model. A POST
+none goes to the first model listed, any other request to the most recently used loaded model. Under
+`/model/<name>/` each model also has a base URL of its own, answering as a single-model server would
+(its /health, its /v1/models, every route of its app): a gateway that learns one model per worker URL
+(SGLang's SMG) then routes by model over replicas that serve different sets. A POST
 then holds its model (registry.lease, loading it first) until its response, streamed or not, has been
 sent, and runs through that model's own app (server/app.py: every route a single-model server has). A
 GET reads a loaded model's state (/props, /slots, /v1/dashboard...) and neither loads nor holds it.
@@ -49,12 +52,59 @@ class MultiModelApp:
         self.front = _front_app(self, response_store)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _is_front_route(scope):
+        if scope["type"] == "http" and scope["path"].startswith(MODEL_PREFIX):
+            await self._one_model(scope, receive, send)
+        elif scope["type"] == "http" and not _is_front_route(scope):
             await self._dispatch(scope, receive, send)
         else:
             await self.front(scope, receive, send)
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _one_model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/model/<name>/<route>: the model's own base URL. Its model list comes from the registry, and its
+        health too until it is loaded (a model not loaded yet is healthy: its first request loads it); the rest,
+        as its loaded /health, is its app's."""
+        found = self._split_model_path(scope["path"])
+        if found is None:
+            served = ", ".join(self.registry.entries)
+            await _model_not_found(f"{scope['path']} names no served model (served: {served}); "
+                                   f"a model's own base URL is {MODEL_PREFIX}<name>").response(scope["path"])(
+                scope, receive, send)
+            return
+        name, route = found
+        entry = self.registry.entry(name)
+        loaded = entry.state is ModelState.LOADED and entry.app is not None
+        if scope["method"] == "GET" and route in ("/health", "/v1/models", "/models", f"/v1/models/{name}") \
+                and not (route == "/health" and loaded and not self.draining):  # a loaded one's own /health
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            if route != "/health" and self.config.api_key is not None \
+                    and not api_key_matches(headers, self.config.api_key):
+                await invalid_api_key().response(scope["path"])(scope, receive, send)
+                return
+            if route == "/health":
+                body = {"status": "shutting_down" if self.draining else "ok", "model": name,
+                        "state": entry.state.value}
+                reply = JSONResponse(body, status_code=503 if self.draining else 200)
+            else:
+                card = model_card(entry)
+                reply = JSONResponse(card if route.startswith("/v1/models/") else {"object": "list", "data": [card]})
+            await reply(scope, receive, send)
+            return
+        prefix = MODEL_PREFIX + name
+        inner = dict(scope, path=route, raw_path=route.encode("latin-1"),
+                     root_path=scope.get("root_path", "") + prefix)
+        await self._dispatch(inner, receive, send, pinned=name)
+
+    def _split_model_path(self, path: str) -> tuple[str, str] | None:
+        """(model name, the route after it) of a /model/<name>/... path; names may hold slashes (Hub names):
+        the longest served name that fits wins."""
+        rest = path[len(MODEL_PREFIX):]
+        for name in sorted(self.registry.entries, key=len, reverse=True):
+            if rest == name or rest.startswith(name + "/"):
+                return name, rest[len(name):] or "/"
+        return None
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send, pinned: str | None = None) -> None:
+        """Runs the request on its model's app; `pinned`: the model its path names (its own base URL)."""
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.config.api_key is not None and not api_key_matches(headers, self.config.api_key):
@@ -62,7 +112,7 @@ class MultiModelApp:
             return
         try:
             body = await read_body(scope, receive, self.config.max_request_bytes)
-            name = self._model_named(scope, body)
+            name = self._model_named(scope, body, pinned)
             if self.draining:
                 raise errors.overloaded()
             if scope["method"] in ("GET", "HEAD"):
@@ -93,9 +143,11 @@ class MultiModelApp:
         watching it never keeps it from unloading (its stream ends when the model's engine stops)."""
         await app(scope, receive, send)
 
-    def _model_named(self, scope: Scope, body: bytes) -> str:
+    def _model_named(self, scope: Scope, body: bytes, pinned: str | None = None) -> str:
         """The model a request is for. A body that is not a JSON object (or names its model with anything but
-        a string) is answered here, with the 400 its model's app would give, without loading a model for it."""
+        a string) is answered here, with the 400 its model's app would give, without loading a model for it.
+        Under a model's own base URL (`pinned`) the path decides (SMG sends a rerank as model "unknown"); a body
+        naming another served model is a 400."""
         named = None
         if body.strip():  # (an empty POST, as a slot erase may send, names no model)
             parsed = parse_json(body, self.limits)
@@ -107,6 +159,12 @@ class MultiModelApp:
         if named is None:
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             named = query.get("model", [None])[0]
+        if pinned is not None:  # another served model is a mistake; any other name, as a single-model server
+            if named is not None and named != pinned and named in self.registry.entries:
+                raise errors.invalid(f"this URL ({MODEL_PREFIX}{pinned}/...) serves the model '{pinned}', and the "
+                                     f"request names '{named}': send it to {MODEL_PREFIX}{named}/... or leave the "
+                                     "model out", "model")
+            return pinned
         if named is not None:
             return named
         if scope["method"] == "POST":
@@ -134,6 +192,13 @@ class MultiModelApp:
             self.registry.release(entry)  # the client left just as its model came
             return None
         return entry
+
+
+MODEL_PREFIX = "/model/"  # /model/<name>/...: one model's own base URL
+
+
+def _model_not_found(message: str) -> APIError:
+    return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
 def _is_front_route(scope: Scope) -> bool:

@@ -148,6 +148,28 @@ def test_every_api_routes_by_model_and_errors_keep_their_api_shape(models_dir, r
         _check_integrity(multi)
 
 
+def test_each_model_has_a_base_url_of_its_own_that_answers_as_a_single_model_server(models_dir, reference):
+    """/model/<name>/...: what a gateway that learns one model per worker URL (SMG) is given."""
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_max=2)) as (url, multi):
+        base = f"{url}/model/m2"
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "model": "m2", "state": "unloaded"}
+        listed = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [card["id"] for card in listed] == ["m2"]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        assert _chat(client, "m2", PROMPTS[1]) == reference["m2", PROMPTS[1]]
+        # the path decides: a body without a model, or naming this one, runs here; another model is a 400
+        plain = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}).json()
+        assert plain["model"] == "m2"
+        wrong = httpx.post(f"{base}/v1/chat/completions",
+                           json={"model": "m0", "messages": [{"role": "user", "content": "x"}]})
+        assert wrong.status_code == 400 and "/model/m0/" in wrong.json()["error"]["message"]
+        assert httpx.get(f"{base}/props").json()["model_alias"] == "m2"  # a GET of its state, loaded now
+        assert httpx.get(f"{url}/model/m1/props").json()["error"]["code"] == "model_not_loaded"
+        missing = httpx.get(f"{url}/model/nope/v1/models")
+        assert missing.status_code == 404 and "m0, m1, m2" in missing.json()["error"]["message"]
+        _check_integrity(multi)
+
+
 def test_load_and_unload_by_request_and_without_autoload(models_dir):
     with serve_multi(ModelsConfig(models_dir=models_dir, models_autoload=False)) as (url, multi):
         chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -176,6 +198,10 @@ def test_the_api_key_is_checked_before_a_model_loads(models_dir):
         chat = {"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 401
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        # and under a model's own base URL
+        assert httpx.post(f"{url}/model/m2/v1/chat/completions", json=chat).status_code == 401
+        assert httpx.get(f"{url}/model/m2/v1/models").status_code == 401
+        assert httpx.get(f"{url}/model/m2/health").status_code == 200
         assert multi.registry.entries["m2"].num_loads == 0
         ok = httpx.post(f"{url}/v1/chat/completions", json=chat, headers={"x-api-key": "secret"}, timeout=60)
         assert ok.status_code == 200
