@@ -12,8 +12,9 @@ from conveyor.server.metrics import histogram_totals
 
 
 def router_snapshot(registry: Registry, metrics, num_awaiting_first_token: int, model_id: str) -> dict:
-    """`metrics`: RouterMetrics (conveyor/cluster/router.py); `model_id`: the default model's."""
-    ttft_sum, ttft_count = histogram_totals(metrics.ttft)
+    """`metrics`: RouterMetrics (conveyor/cluster/router.py); `model_id`: the model whose TTFT and awaiting
+    count are shown (the default, or the one the page's ?model= picked); nodes are shown with their models."""
+    ttft_sum, ttft_count = histogram_totals(metrics.ttft, model=model_id)
     return {
         "role": "router",
         "model": model_id,

@@ -70,13 +70,13 @@ class PoolingForwarder:
             answer = await self._attempts(http, body, model)
         except APIError as exc:
             stats.num_failed += 1
-            self.metrics.forwarded.labels(http.url.path, str(exc.status)).inc()
+            self.metrics.forwarded.labels(model, http.url.path, str(exc.status)).inc()
             raise
         if answer.status_code < 400:
             stats.num_completed += 1
         else:
             stats.num_failed += 1
-        self.metrics.forwarded.labels(http.url.path, str(answer.status_code)).inc()
+        self.metrics.forwarded.labels(model, http.url.path, str(answer.status_code)).inc()
         return answer
 
     def resolve(self, name: str | None) -> str:

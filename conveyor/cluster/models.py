@@ -6,6 +6,7 @@ Responses and tokenizer routes over a RouterServing that dispatches only to the 
 that model (router.py). `ModelDispatch` sends every request to the app of the model its body
 names:
 
+    (the body's `model`, else a GET's `?model=`)
     no `model`, or the default model's id / checkpoint name    -> the default model (as before)
     another routed model's id or checkpoint name                -> that model
     a model only nodes serve (the router holds no tokenizer)    -> 404 model_not_found, saying so
@@ -20,6 +21,7 @@ table, except that a model only nodes serve is theirs (a pooling request needs n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 from fastapi import APIRouter
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -60,6 +62,11 @@ def node_model_card(model_id: str, nodes: dict) -> dict:
             "nodes": nodes, "routed": "pooling only"}
 
 
+def _query_model(scope: Scope) -> str | None:
+    """`?model=NAME`: how a GET (the page's /props, a tokenizer route) names its model."""
+    return parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
+
+
 def model_not_found(message: str) -> APIError:
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
@@ -87,7 +94,7 @@ class ModelDispatch:
             if self.api_key is not None and not api_key_matches(_headers(scope), self.api_key):
                 raise invalid_api_key()  # before saying which models exist
             body = await read_body(scope, receive)
-            app = self.apps[self.resolve(self._named(body))]
+            app = self.apps[self.resolve(self._named(body) or _query_model(scope))]
         except APIError as exc:  # a 413 from the body-size cap included
             await exc.response(scope["path"])(scope, receive, send)
             return

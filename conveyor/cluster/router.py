@@ -57,15 +57,17 @@ class RouterMetrics:
     def __init__(self, registry: Registry) -> None:
         self.prometheus = CollectorRegistry()
         self.prometheus.register(_RegistryCollector(registry))
+        # Per model (its id, as clients name it), as a multi-model node labels its series.
         self.ttft = Histogram("conveyor_router_time_to_first_token_seconds", "Arrival at the router to the first "
-                              "token", buckets=_LATENCY_BUCKETS, registry=self.prometheus)
+                              "token", ["model"], buckets=_LATENCY_BUCKETS, registry=self.prometheus)
         self.e2e = Histogram("conveyor_router_e2e_request_latency_seconds", "Arrival at the router to the last delta",
-                             buckets=_LATENCY_BUCKETS, registry=self.prometheus)
-        self.finished = Counter("conveyor_router_requests_finished", "Routed requests by finish_reason",
-                                ["finish_reason"], registry=self.prometheus)
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=self.prometheus)
+        self.finished = Counter("conveyor_router_requests_finished", "Routed requests by model and finish_reason",
+                                ["model", "finish_reason"], registry=self.prometheus)
         self.api_requests = api_requests_counter(self.prometheus)
         self.forwarded = Counter("conveyor_router_forwarded_requests", "Embeddings, rerank and score requests "
-                                 "forwarded to a node, by endpoint and the status answered", ["endpoint", "status"],
+                                 "forwarded to a node, by model, endpoint and the status answered",
+                                 ["model", "endpoint", "status"],
                                  registry=self.prometheus)
 
     def render(self) -> bytes:
@@ -90,6 +92,12 @@ class _RegistryCollector:
         yield up
         yield dispatched
         yield in_flight
+        online = GaugeMetricFamily("conveyor_router_model_nodes_online", "Online nodes serving the model, by role",
+                                   labels=["model", "role"])
+        for model, by_role in sorted(self.registry.models().items()):
+            for role in ("prefill", "decode"):
+                online.add_metric([model, role], len(by_role[role]))
+        yield online
         for name, value in self.registry.stats.view().items():
             yield CounterMetricFamily(f"conveyor_router_{name}", f"Router routing count: {name}", value=value)
 
@@ -202,7 +210,7 @@ class RemoteGroup:
                 first.set_exception(exc)
                 return
             first.set_result(out)
-            self.serving.metrics.ttft.observe(time.monotonic() - self.arrival)
+            self.serving.metrics.ttft.labels(self.serving.model_id).observe(time.monotonic() - self.arrival)
             self._merged.put_nowait((index, out))
             while not out.finished:
                 try:
@@ -228,8 +236,8 @@ class RemoteGroup:
 
     def _finish(self, out: RequestOutput) -> None:
         metrics, stats = self.serving.metrics, self.serving.registry.stats
-        metrics.e2e.observe(time.monotonic() - self.arrival)
-        metrics.finished.labels(out.finish_reason or "unknown").inc()
+        metrics.e2e.labels(self.serving.model_id).observe(time.monotonic() - self.arrival)
+        metrics.finished.labels(self.serving.model_id, out.finish_reason or "unknown").inc()
         if out.finish_reason == "error":
             stats.num_failed += 1
         else:
@@ -309,8 +317,12 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     api = APIRouter()
     add_model_routes(api, dispatch)
     add_pooling_routes(api, forwarder)  # embeddings, rerank, score: to a node of the model, over HTTP
-    add_dashboard_routes(api, lambda: router_snapshot(registry, metrics, num_awaiting(), dispatch.default),
-                         lambda: False)
+    def snapshot(model: str | None) -> dict:  # ?model=: one routed model's TTFT and awaiting count
+        chosen = dispatch.default if model is None else dispatch.resolve(model)
+        awaiting = sum(s.num_awaiting_first_token for s in servings if s.model_id == chosen)
+        return router_snapshot(registry, metrics, awaiting, chosen)
+
+    add_dashboard_routes(api, snapshot, lambda: False)
     app.include_router(api, dependencies=[Depends(api_key_check(server.api_key))])
     # Every other route: the app of the model the request names (mounted last, so the routes above win).
     app.mount("/", dispatch)

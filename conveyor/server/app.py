@@ -91,23 +91,25 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None,
     api = _api_router(engine, serving, model_id, limits)
     add_agent_routes(api, serving, limits, config, response_store)
     add_pooling_routes(api, serving, limits)
-    add_dashboard_routes(api, lambda: dashboard.engine_snapshot(engine, metrics, model_id),
+    add_dashboard_routes(api, lambda _model: dashboard.engine_snapshot(engine, metrics, model_id),
                           lambda: serving.draining or not engine.is_alive)
     app.include_router(api, dependencies=[Depends(api_key_check(config.api_key))])
     return app
 
 
-def add_dashboard_routes(router: APIRouter, snapshot: Callable[[], dict], stop: Callable[[], bool]) -> None:
-    """The page's live view (a node's or the cluster router's `snapshot`): one JSON snapshot, or a
-    stream of them (SSE, a few per second, ending when `stop()`: draining or dead)."""
+def add_dashboard_routes(router: APIRouter, snapshot: Callable[[str | None], dict], stop: Callable[[], bool]) -> None:
+    """The page's live view (a node's or the cluster router's `snapshot`, given the `?model=` asked for, if
+    any): one JSON snapshot, or a stream of them (SSE, a few per second, ending when `stop()`: draining or
+    dead)."""
 
     @router.get("/v1/dashboard")
-    async def dashboard_once() -> dict:
-        return snapshot()
+    async def dashboard_once(model: str | None = None) -> dict:
+        return snapshot(model)
 
     @router.get("/v1/dashboard/stream")
-    async def dashboard_stream() -> Response:
-        return SSEResponse(dashboard.snapshot_stream(snapshot, stop))
+    async def dashboard_stream(model: str | None = None) -> Response:
+        snapshot(model)  # an unknown ?model= is answered now (404), not inside the stream
+        return SSEResponse(dashboard.snapshot_stream(lambda: snapshot(model), stop))
 
 
 def add_tokenizer_routes(router: APIRouter, token_text: TokenText, vocab_size: int, limits: RequestLimits) -> None:

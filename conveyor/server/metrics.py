@@ -201,13 +201,16 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def histogram_totals(histogram: Histogram) -> tuple[float, float]:
-    """A prometheus Histogram's (sum, count), read through its public collect()."""
+def histogram_totals(histogram: Histogram, **labels: str) -> tuple[float, float]:
+    """A prometheus Histogram's (sum, count), read through its public collect(): summed over its label sets,
+    or over those matching `labels` (a router's per-model series)."""
     total, count = 0.0, 0.0
     for family in histogram.collect():
         for sample in family.samples:
+            if any(sample.labels.get(key) != value for key, value in labels.items()):
+                continue
             if sample.name.endswith("_sum"):
-                total = sample.value
+                total += sample.value
             elif sample.name.endswith("_count"):
-                count = sample.value
+                count += sample.value
     return total, count
