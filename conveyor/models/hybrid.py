@@ -238,6 +238,13 @@ class HybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, caches, meta, logits_indices))
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions (T,) -> the final-normed hidden states (len(rows), hidden) of the token rows `rows`:
+        what the head reads, and what an MTP head (models/mtp.py) drafts from."""
         cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_multiplier != 1.0:
@@ -247,10 +254,14 @@ class HybridForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        _, x = self.norm.add_and_norm(residual[logits_indices], x[logits_indices])
-        logits = self.lm_head(x).float()
-        if cfg.logits_scaling != 1.0:  # Granite divides; Falcon-H1's lm_head_multiplier m is 1 / m here
-            logits = logits / cfg.logits_scaling
+        _, x = self.norm.add_and_norm(residual[rows], x[rows])
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (R, hidden) -> float32 logits (R, vocab)."""
+        logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:  # Granite divides; Falcon-H1's lm_head_multiplier m is 1 / m here
+            logits = logits / self.config.logits_scaling
         return logits
 
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.runner.sampler import SamplingRow
+from conveyor.runner.sampler import Sampler, SamplingRow
 
 
 @dataclass
@@ -39,6 +39,8 @@ class _DraftState:
 
 
 class DraftRunner:
+    wants_hidden = False  # the target's hidden states feed an MTP head (runner/mtp_runner.py), not a draft model
+
     def __init__(self, runner, recurrent: bool = False) -> None:  # runner: ModelRunner over the draft model
         self.runner = runner
         self.recurrent = recurrent  # a hybrid draft: its state rolls back through the rows' rollback slots
@@ -61,7 +63,7 @@ class DraftRunner:
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
         while steps:
             logits, _ = self.runner.forward(SchedulerOutput(chunks=steps))  # (R, V), one row per step chunk
-            tokens = self._pick(logits, steps, sampled, probs)
+            tokens = pick_drafts(self.runner.sampler, logits, steps, sampled, probs)
             next_steps = []
             for step, token in zip(steps, tokens):
                 proposal = proposals[step.request_id]
@@ -101,21 +103,23 @@ class DraftRunner:
         return ScheduledChunk(chunk.request_id, tokens, valid, chunk.block_table, True, chunk.sampling_params,
                               state_slot=chunk.state_slot, state_snapshots=[(len(tokens), chunk.rollback_slot)])
 
-    def _pick(self, logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str],
-              probs: dict[str, list[torch.Tensor]]) -> list[int]:
-        tokens = self.runner.sampler.ops.argmax(logits)
-        rows = [i for i, s in enumerate(steps) if s.request_id in sampled]
-        if rows:
-            sampler = self.runner.sampler
-            sampling_rows = [SamplingRow(steps[i].request_id, steps[i].sampling_params) for i in rows]
-            q = sampler.probabilities(logits[rows], [r.params for r in sampling_rows])  # (S, V)
-            noise = torch.empty_like(q).exponential_(generator=sampler.generator_for(sampling_rows[0]))
-            drawn = (q / noise).argmax(dim=-1)
-            tokens = tokens.clone()
-            tokens[rows] = drawn
-            for j, i in enumerate(rows):
-                probs[steps[i].request_id].append(q[j])
-        return tokens.tolist()
+
+def pick_drafts(sampler: Sampler, logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str],
+                probs: dict[str, list[torch.Tensor]]) -> list[int]:
+    """One draft per step row: the argmax for greedy rows; for sampled rows a draw from the draft distribution q,
+    appended to probs[request] for rejection sampling (runner/rejection.py)."""
+    tokens = sampler.ops.argmax(logits)
+    rows = [i for i, s in enumerate(steps) if s.request_id in sampled]
+    if rows:
+        sampling_rows = [SamplingRow(steps[i].request_id, steps[i].sampling_params) for i in rows]
+        q = sampler.probabilities(logits[rows], [r.params for r in sampling_rows])  # (S, V)
+        noise = torch.empty_like(q).exponential_(generator=sampler.generator_for(sampling_rows[0]))
+        drawn = (q / noise).argmax(dim=-1)
+        tokens = tokens.clone()
+        tokens[rows] = drawn
+        for j, i in enumerate(rows):
+            probs[steps[i].request_id].append(q[j])
+    return tokens.tolist()
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
