@@ -74,7 +74,7 @@ class EngineConfig:
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
-    draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | none (the seeds' spelling)
+    draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | mtp | none (the seeds' spelling)
     decode_storage_backend: str = "auto"  # the seeds' flag: auto | paged, both our one paged pool
     prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
     draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
@@ -112,6 +112,8 @@ class EngineConfig:
                  f"decode_storage_backend must be one of {', '.join(DECODE_STORAGE_BACKENDS)}")
         _require(self.draft_kind != "draft-model" or self.draft_model is not None,
                  "--draft-kind draft-model needs --draft-model PATH")
+        _require(self.draft_kind != "mtp" or self.draft_model is None,
+                 "--draft-kind mtp drafts with the model's own MTP head; --draft-model is for --draft-kind draft-model")
         _require(1 <= self.draft_block_size <= 16, "draft_block_size must be in [1, 16]")
         _require(self.prompt_lookup_max_batch >= 0, "prompt_lookup_max_batch must be >= 0")
         _require(self.draft_policy in ("adaptive", "enable", "decline"),
@@ -323,7 +325,7 @@ def _split_peers(text: str | None) -> list[str]:
 
 
 AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
-DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "none")
+DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "mtp", "none")
 # --pooling values, llama-server's: rank = a reranker's score (as --reranking).
 POOLING_FLAG_VALUES = ("auto", "last", "mean", "cls", "rank")
 DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
@@ -339,11 +341,11 @@ for _name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"):
     _KV_CACHE_TYPE_REFUSALS[_name] = f"{_name} KV is not offered: conveyor's kernels read q8_0 blocks only"
 
 _OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's tokenizer "
-                 "(--draft-kind draft-model --draft-model PATH), prompt lookup (--draft-kind prompt-lookup) "
-                 "and auto (both, chosen per row)")
+                 "(--draft-kind draft-model --draft-model PATH), the model's own MTP head (--draft-kind mtp: "
+                 "Qwen3.5 / Qwen3-Next), prompt lookup (--draft-kind prompt-lookup) and auto (prompt lookup and a "
+                 "draft model, chosen per row)")
 # Seed values that name a feature conveyor does not have: refused with what to use instead.
 REFUSED_VALUES: dict[tuple[str, str], str] = {
-    ("draft_kind", "mtp"): f"conveyor has no MTP heads; {_OUR_DRAFTERS}",
     ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
     **{(dest, value): f"{why} (supported: {_KV_TYPES_TEXT})" for dest in ("cache_type_k", "cache_type_v")
        for value, why in _KV_CACHE_TYPE_REFUSALS.items()},
@@ -502,8 +504,10 @@ FLAGS: list[Flag] = [
          "speculative decoding by prompt lookup: draft up to N tokens per step for greedy requests (0 = off)"),
     Flag(("--speculative-max-rows",), "speculative_max_rows", int,
          "cap on decode rows + draft tokens in one tick (drafts are free only while the step is bandwidth-bound)"),
-    Flag(("--draft-kind",), "draft_kind", choices=DRAFT_KINDS,
-         help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, none"),
+    # --spec-type: llama-server's spelling (its `mtp` and `none` mean ours)
+    Flag(("--draft-kind", "--spec-type"), "draft_kind", choices=DRAFT_KINDS,
+         help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, "
+              "mtp (the model's own multi-token-prediction head: Qwen3.5 / Qwen3-Next), none"),
     Flag(("--decode-storage-backend",), "decode_storage_backend", choices=DECODE_STORAGE_BACKENDS,
          help="the seeds' KV storage choice: auto and paged are both conveyor's one paged block pool (dense is refused)"),
     Flag(("--prompt-lookup-max-batch",), "prompt_lookup_max_batch", int,

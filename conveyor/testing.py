@@ -390,13 +390,33 @@ def _moe_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def tiny_hybrid_checkpoint(architecture: str, seed: int = 0, **overrides) -> Checkpoint:
-    """tiny_checkpoint as a random hybrid of TINY_HYBRID (weights under that family's HF names)."""
+def tiny_hybrid_checkpoint(architecture: str, seed: int = 0, mtp: bool = False, **overrides) -> Checkpoint:
+    """tiny_checkpoint as a random hybrid of TINY_HYBRID (weights under that family's HF names); `mtp`: with a
+    random multi-token-prediction head (Qwen3.5 / Qwen3-Next, random_mtp_weights)."""
     tokenizer = smollm_tokenizer()
     config = tiny_config(tokenizer.vocab_size, eos_token_ids=tuple(tokenizer.eos_token_ids),
                          **{**TINY_HYBRID[architecture], **overrides})
     return Checkpoint(config=config, weights=random_hybrid_weights(config, seed), tokenizer=tokenizer,
-                      source="<tiny random>", name=f"tiny-random-{architecture}")
+                      source="<tiny random>", name=f"tiny-random-{architecture}",
+                      mtp_weights=random_mtp_weights(config, seed + 1) if mtp else {})
+
+
+def random_mtp_weights(config: ModelConfig, seed: int = 1, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """A random MTP head under its Hugging Face names (mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*, mtp.norm): its
+    layer is one more full-attention layer of the family (models/mtp.py)."""
+    from conveyor.models.hybrid_layout import layer_prefix
+    from conveyor.models.mtp import layer_config
+
+    extended = layer_config(config)
+    prefix = layer_prefix(extended, config.num_hidden_layers)
+    weights = {"mtp.layers.0." + name[len(prefix):]: w
+               for name, w in random_hybrid_weights(extended, seed, scale).items() if name.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed)
+    h = config.hidden_size
+    weights["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * scale
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{name}.weight"] = torch.randn(h, generator=gen) * scale
+    return weights
 
 
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:

@@ -96,6 +96,15 @@ def test_speculation_spellings():
     assert _engine("--prompt-lookup-max-batch", "2").prompt_lookup_max_batch == 2
     with pytest.raises(ConfigError, match="needs --draft-model"):
         _engine("--draft-kind", "draft-model")
+    # MTP: the seeds' --draft-kind mtp and llama-server's --spec-type mtp; the model's own head, no draft model.
+    mtp = _engine("--draft-kind", "mtp")
+    assert (mtp.draft_kind, mtp.ngram_enabled, mtp.draft_model_enabled) == ("mtp", False, False)
+    assert _engine("--spec-type", "mtp").draft_kind == "mtp"
+    assert _engine(env={"CONVEYOR_DRAFT_KIND": "mtp"}).draft_kind == "mtp"
+    with pytest.raises(ConfigError, match="own MTP head"):
+        _engine("--draft-kind", "mtp", "--draft-model", "/x.gguf")
+    with pytest.raises(SystemExit):
+        _engine("--spec-type", "eagle3")
 
 
 # Every flag's environment variable means what the flag means, in every boolean spelling. Generated
@@ -210,9 +219,9 @@ def test_a_seed_value_we_lack_is_refused_naming_what_we_offer(dest, value, capsy
 
 
 def test_the_draft_refusal_names_the_alternatives():
-    for value in ("mtp", "dflash"):
+    for value in ("dflash",):
         message = config.REFUSED_VALUES[("draft_kind", value)]
-        assert all(kind in message for kind in ("draft-model", "prompt-lookup", "auto"))
+        assert all(kind in message for kind in ("draft-model", "mtp", "prompt-lookup", "auto"))
 
 
 def test_model_given_twice_is_a_multi_model_server_and_once_is_the_engine_model():

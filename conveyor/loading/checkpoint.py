@@ -37,6 +37,9 @@ class Checkpoint:
     # An embedder or reranker: how its vectors are pooled (sentence-transformers' files, a GGUF's pooling_type);
     # None: a generating model (the --embeddings / --pooling flags may still pool it).
     pooling: PoolingConfig | None = None
+    # A multi-token-prediction head beside the model (Qwen3.5 / Qwen3-Next: mtp.*, HF names): loaded only for
+    # --draft-kind mtp (models/mtp.py); empty when the checkpoint has none.
+    mtp_weights: dict[str, Weight] = field(default_factory=dict, repr=False, compare=False)
 
 
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:

@@ -28,6 +28,7 @@ from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
 from conveyor.models import family as families
+from conveyor.models import mtp
 from conveyor.models.config import ModelConfig
 from conveyor.models.pooling import DenseSpec, PoolingConfig
 
@@ -115,13 +116,19 @@ def load_gguf(path: str) -> Checkpoint:
     weights: dict[str, Weight] = {}
     dense: dict[str, gguf.gguf_reader.ReaderTensor] = {}
     own = family.gguf_weights(config, mapping.release) if family.gguf_weights is not None else None
+    # The MTP head the converter appends as block N (Qwen3.5 / Qwen3-Next): named as one more layer of the family.
+    own_mtp = family.gguf_weights(mtp.layer_config(config), mapping.release) if own is not None else None
+    head: dict[str, Weight] = {}
     num_skipped = 0
     for tensor in reader.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
         layer = re.match(r"blk\.(\d+)\.", tensor.name)
-        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:  # a draft head (MTP) we do not run
-            num_skipped += 1
+        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
+            if own_mtp is not None and int(layer.group(1)) == config.num_hidden_layers:
+                head.update(_mtp_tensor(config, own_mtp, tensor, path))
+            else:  # a draft head we do not run
+                num_skipped += 1
             continue
         if tensor.name.partition(".")[0] in GGUF_DENSE:
             dense[tensor.name] = tensor
@@ -143,6 +150,7 @@ def load_gguf(path: str) -> Checkpoint:
         weights[name] = _unpermute(config, name, weight, mapping.release) if family.gguf_permuted_qk else weight
     if num_skipped:
         logger.info("%s: skipped %d tensors of the multi-token-prediction head", path, num_skipped)
+    head = mtp.from_gguf_block(config, head) if head else {}
     if own is not None:
         own.report(path)
     if config.hidden_act == "xielu":
@@ -157,7 +165,20 @@ def load_gguf(path: str) -> Checkpoint:
     del reader
     return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=model_name(path), release_pages=mapping.release, pooling=pooling)
+                      source=path, name=model_name(path), release_pages=mapping.release, pooling=pooling,
+                      mtp_weights=head)
+
+
+def _mtp_tensor(config: ModelConfig, own: Any, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:
+    """One tensor of the appended MTP block under the family's HF names (its nextn.* ones left as they are)."""
+    if ".nextn." in tensor.name:
+        return {tensor.name: _to_torch(tensor, source)}
+    if config.num_experts and _is_moe_tensor(tensor.name):
+        return _moe_weights(config, tensor, source)
+    try:
+        return own.weights(tensor.name, _to_torch(tensor, source))
+    except ValueError as exc:
+        raise LoadError(f"{source}: {exc}") from exc
 
 
 # llama.cpp's llama_pooling_type, as its converter writes `{arch}.pooling_type` from sentence-transformers'

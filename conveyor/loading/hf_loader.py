@@ -31,7 +31,8 @@ def load_hf_dir(path: str) -> Checkpoint:
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
-                      source=path, name=model_name(path), pooling=read_pooling(path))
+                      source=path, name=model_name(path), pooling=read_pooling(path),
+                      mtp_weights={n: w for n, w in weights.items() if n.startswith("mtp.")})
 
 
 def decoder_names(weights: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +88,7 @@ def read_json(path: str) -> dict[str, Any]:
 def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
     """A multimodal checkpoint's text model under text-only names (model.language_model.* -> model.*; Llama 4's
     language_model.model.* and language_model.lm_head.* -> model.*, lm_head.*); select_weights then drops the
-    rest (the vision tower model.visual.* or vision_model.*, the MTP head mtp.*)."""
+    rest (the vision tower model.visual.* or vision_model.*; the MTP head mtp.* goes to Checkpoint.mtp_weights)."""
     def text_name(name: str) -> str:
         if name.startswith("model.language_model."):
             return "model." + name[len("model.language_model."):]

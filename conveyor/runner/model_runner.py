@@ -16,6 +16,7 @@ from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_
 from conveyor.models.config import ModelConfig
 from conveyor.models.pooling import Pooler, PoolingConfig, pool_rows
 from conveyor.runner.draft_runner import DraftRunner, Proposal
+from conveyor.runner.mtp_runner import MTPRunner
 from conveyor.runner.rejection import rejection_sample
 from conveyor.runner.sampler import Sampler, SamplingRow
 
@@ -57,11 +58,12 @@ def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: tor
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
-                 drafter: DraftRunner | None = None, num_state_slots: int = 0, num_window_blocks: int = 0,
+                 drafter: DraftRunner | MTPRunner | None = None, num_state_slots: int = 0,
+                 num_window_blocks: int = 0,
                  kv_types: KVCacheTypes = KVCacheTypes(), pooler: Pooler | None = None) -> None:
         self.model = model
         self.pooler = pooler  # pooling models (and --embeddings): pooled rows -> vectors or scores
-        self.drafter = drafter  # draft-model speculation: proposes drafts before the target's forward
+        self.drafter = drafter  # draft-model or MTP speculation: proposes drafts before the target's forward
         self.config = config
         self.block_size = block_size
         self.device = device
@@ -117,6 +119,8 @@ class ModelRunner:
         """One forward over the plan: logits (R, V) of the rows that sample, and the inputs built for it; pooling
         chunks' vectors go into `out.pooled`."""
         inputs = self.prepare_inputs(plan)
+        if self.drafter is not None and self.drafter.wants_hidden and not inputs.pool_spans:
+            return self._forward_recording(plan, inputs), inputs
         if not inputs.pool_spans:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                 inputs.logits_indices)
@@ -137,6 +141,15 @@ class ModelRunner:
                 out.pooled[chunk.request_id] = result.tolist()
             at += n
         return logits, inputs
+
+    def _forward_recording(self, plan: SchedulerOutput, inputs: ForwardInputs) -> torch.Tensor | None:
+        """MTP drafting: one pass gives the sampled rows' final hidden states (-> logits) and every row's, which
+        the drafter keeps as its head's input; rows are normed one by one, so the logits are the plain forward's."""
+        num_sampled, num_tokens = inputs.logits_indices.shape[0], inputs.input_ids.shape[0]
+        rows = torch.cat([inputs.logits_indices, torch.arange(num_tokens, device=self.device)])
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows)
+        self.drafter.record(plan.chunks, hidden[num_sampled:])
+        return self.model.compute_logits(hidden[:num_sampled]) if num_sampled else None
 
     def _pool(self, rows: torch.Tensor) -> torch.Tensor:
         """One sequence's pooled rows -> its vector, or a reranker's one score."""

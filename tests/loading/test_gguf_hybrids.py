@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_checkpoints import tiny_hf_hybrid, write_hybrid_gguf
 
+from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading import LoadError, load_checkpoint
@@ -24,6 +25,7 @@ from conveyor.models.config import ModelConfig
 from conveyor.models.registry import build_model
 from conveyor.models.weights import weight_bytes_by_format
 from conveyor.runner.model_runner import ModelRunner
+from conveyor.testing import random_mtp_weights
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.randint(0, 128, (13,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -183,3 +185,25 @@ def test_hybrids_not_supported_yet_are_named(tmp_path, arch: str) -> None:
     writer.close()
     with pytest.raises(LoadError, match=f"GGUF architecture '{arch}' .* is not supported yet"):
         load_checkpoint(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_the_mtp_head_llama_cpp_appends_is_read_for_mtp_drafting(tmp_path, family: str) -> None:
+    """convert_hf_to_gguf appends the MTP head as block N (blk.N.nextn.eh_proj / enorm / hnorm / shared_head_norm
+    and the block's own tensors): it loads to the HF directory's mtp.* tensors (norms stored as 1 + w), and drafts."""
+    hf = tiny_hf_hybrid(family)
+    config, _ = _hf_dir(hf, tmp_path)
+    head = random_mtp_weights(config)
+    write_hybrid_gguf(tmp_path / "tiny.gguf", hf, mtp=head)
+    ck = load_checkpoint(str(tmp_path / "tiny.gguf"))
+    assert set(ck.mtp_weights) == set(head)
+    for name, want in head.items():
+        plus_one = _stored_plus_one(family, name) or name.startswith("mtp.pre_fc_norm_")  # enorm, hnorm in the file
+        assert torch.equal(ck.mtp_weights[name].float(), want + 1 if plus_one else want), name
+
+    prompts = ["<|im_start|>user\nhi there<|im_end|>", "a b c d e f g"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(checkpoint=ck, parallel=2, speculative_ngram=0).generate(prompts, params)
+    spec = LLM(checkpoint=ck, parallel=2, draft_kind="mtp", draft_policy="enable", speculative_max_rows=64)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0

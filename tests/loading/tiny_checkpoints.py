@@ -256,17 +256,19 @@ def tiny_hf_hybrid(family: str, **overrides) -> transformers.PreTrainedModel:
 def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGMLQuantizationType.F32,
                       fuse_qkv: bool = False, mtp_layers: int = 0, pre: str | None = None,
                       chat_template: str | None = None, legacy_ssm_in: bool = False,
-                      add_vocab=add_tiny_bpe_vocab) -> None:
+                      add_vocab=add_tiny_bpe_vocab, mtp: dict[str, torch.Tensor] | None = None) -> None:
     """`model` as convert_hf_to_gguf writes it (`lfm2`, `qwen35`, `lfm2moe`, `qwen3next`, `qwen35moe`) from the
     tensors save_pretrained writes: its metadata keys, gguf-py's tensor names and the converter's transforms
     (conv squeezed; Qwen: A_log -> -exp(A_log), dt_bias -> ssm_dt.bias, norms but the DeltaNet's stored as
     1 + w; Qwen3.5 and Qwen3.5-MoE: value heads grouped -> tiled; Qwen3-Next: in_proj_qkvz regrouped into
     attn_qkv and attn_gate; MoE: experts stacked (E, N, K), LFM2-MoE's expert_bias -> exp_probs_b.bias).
     Matrices in `qtype`, the rest F32 as the converter keeps it. `fuse_qkv`: --fuse-qkv; `mtp_layers`: random
-    MTP blocks appended; `legacy_ssm_in`: Qwen3-Next's in_proj_qkvz kept whole as ssm_in, as older converters did."""
+    MTP blocks appended; `legacy_ssm_in`: Qwen3-Next's in_proj_qkvz kept whole as ssm_in, as older converters did;
+    `mtp`: an MTP head under its HF names (mtp.*), appended as _Qwen35MtpMixin does (one block)."""
     cfg = model.config
     arch = HYBRID_GGUF_ARCH[cfg.model_type]
     layers = cfg.num_hidden_layers
+    mtp_layers = 1 if mtp else mtp_layers
     writer = gguf.GGUFWriter(str(path), arch)
     _hybrid_metadata(writer, arch, cfg, layers + mtp_layers, qtype)
     add_vocab(writer)  # benchmarks pass a real tokenizer's (benchmarks/hybrid_gguf.py)
@@ -277,20 +279,39 @@ def write_hybrid_gguf(path, model: transformers.PreTrainedModel, qtype=gguf.GGML
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers + mtp_layers)
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[str, torch.Tensor]] = {}
-    for hf_name, tensor in _saved_tensors(model).items():
+    for hf_name, tensor in {**_saved_tensors(model), **_mtp_as_layer(cfg, mtp or {})}.items():
         for name, tensor in _converted(cfg, arch, hf_name, tensor, experts, legacy_ssm_in):
             final = name.startswith("blk.")  # named by the converter itself, not through gguf-py's map
             tensors[name if final else names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor
     if fuse_qkv:
         _fuse_qkv(tensors, cfg)
     for i in range(layers, layers + mtp_layers):
-        tensors.update(_random_mtp_block(i, cfg))
+        tensors.update(_random_mtp_block(i, cfg) if not mtp else {})
     for name, tensor in tensors.items():
         _add_tensor(writer, name, tensor.float().numpy(), qtype if _converter_quantizes(name, tensor) else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# _Qwen35MtpMixin: the head's own tensors -> the appended block's nextn.* (named here: gguf-py 0.19 has no
+# NEXTN names for qwen35 yet; newer ones map model.layers.N.eh_proj etc. to these).
+_MTP_HEAD = {"mtp.fc": "eh_proj", "mtp.pre_fc_norm_embedding": "enorm", "mtp.pre_fc_norm_hidden": "hnorm",
+             "mtp.norm": "shared_head_norm"}
+
+
+def _mtp_as_layer(cfg, head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """_Qwen35MtpMixin.modify_tensors on an HF MTP head: mtp.layers.0.* -> model.layers.N.*, the rest ->
+    blk.N.nextn.{eh_proj, enorm, hnorm, shared_head_norm}; the model's transforms (norms + 1) follow."""
+    out, n = {}, cfg.num_hidden_layers
+    for name, tensor in head.items():
+        if name.startswith("mtp.layers.0."):
+            out[f"model.layers.{n}." + name[len("mtp.layers.0."):]] = tensor
+        else:
+            stem, _, suffix = name.rpartition(".")
+            out[f"blk.{n}.nextn.{_MTP_HEAD[stem]}.{suffix}"] = tensor
+    return out
 
 
 def _saved_tensors(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:

@@ -145,6 +145,7 @@ def test_multimodal_checkpoint_loads_its_text_part(family, tmp_path):
     checkpoint = load_checkpoint(str(tmp_path))
     assert checkpoint.config.architecture == f"{family}_text"
     assert not any("visual" in name or "mtp" in name for name in checkpoint.weights)
+    assert set(checkpoint.mtp_weights) == {"mtp.fc.weight"}  # kept aside, for --draft-kind mtp only
     _assert_greedy_matches(float32_runner(checkpoint.config, checkpoint.weights), hf)
 
 

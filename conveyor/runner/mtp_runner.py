@@ -1,0 +1,136 @@
+"""MTP drafting: the model's own multi-token-prediction head (models/mtp.py) proposes the drafts.
+
+The head at position q reads the target's hidden state h_q and the token x_{q+1}, so unlike a draft model it
+cannot catch up from tokens alone: the target's forward hands every row's hidden state to `record()`, which
+keeps them per request until the token after each is known, and the head consumes them in order:
+
+    positions          start ....... p-1 | p          (p: the decode row's token x_p, not yet in the target)
+    pending hiddens    h_start ..... h_{p-1}
+    head input tokens  x_{start+1} .. x_p             -> last row: the first draft d_1
+    chained rows       (d_1, out_{p-1}) at p, (d_2, out_p) at p+1, ...   -> d_2, d_3, ...
+
+The head's K/V is its own (one layer, the target's block tables: freed with the request's blocks). A verify
+chunk's rows come back as pending hiddens; the next chunk's start position cuts them to what was accepted (or
+recomputed, on a hybrid's rollback), so accepted positions are rewritten from the target's hidden states and
+rejected ones are overwritten later. Rows that do not draft are flushed through the head in batches of
+FLUSH_ROWS, so a long prompt never waits in memory and a later draft finds the head's K/V filled in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
+from conveyor.runner.draft_runner import Proposal, pick_drafts
+
+FLUSH_ROWS = 32  # pending rows of a row that does not draft, fed to the head in one go
+
+
+@dataclass
+class _Pending:
+    """Target hidden states whose head rows are not computed yet, at positions start, start + 1, ..."""
+
+    start: int
+    token_ids: list[int]  # the tokens at those positions
+    hiddens: torch.Tensor  # (n, H) the target's final hidden states there
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+class MTPRunner:
+    wants_hidden = True  # ModelRunner.forward hands this runner the target's hidden states (record())
+
+    def __init__(self, runner) -> None:  # runner: a ModelRunner over the MTPHead (its K/V tensors and sampler)
+        self.runner = runner
+        self.head = runner.model
+        self._pending: dict[str, _Pending] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._pending.pop(request_id, None)
+        self.runner.sampler.forget(request_ids)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(copies)
+
+    def record(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """After the target's forward: hidden (T, H), every row of `chunks` in order."""
+        at, flush = 0, []
+        for chunk in chunks:
+            rows = hidden[at:at + len(chunk.token_ids)]
+            at += len(chunk.token_ids)
+            if chunk.pool:
+                continue
+            pending = self._append(chunk, rows)
+            # A verify chunk's rows wait for the next chunk to say which drafts were accepted.
+            if not (chunk.num_draft_tokens or chunk.draft) and len(pending.token_ids) > FLUSH_ROWS:
+                flush.append(chunk)
+        if flush:
+            self._flush(flush)
+
+    def propose(self, chunks: list[ScheduledChunk]) -> dict[str, Proposal]:
+        """One proposal per decode chunk with a DraftRequest: all rows advance together, one forward per draft."""
+        proposals = {c.request_id: Proposal([]) for c in chunks}
+        wanted = {c.request_id: c.draft.num_tokens for c in chunks}
+        sampled = {c.request_id for c in chunks if not c.sampling_params.greedy}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
+        steps, inputs = [], []
+        for chunk in chunks:
+            pending = self._pending.get(chunk.request_id)
+            if pending is None or pending.end != chunk.start_position:  # no hidden state at p-1: nothing to draft from
+                continue
+            del self._pending[chunk.request_id]  # consumed: the verify chunk's rows come next
+            steps.append(ScheduledChunk(chunk.request_id, pending.token_ids[1:] + chunk.token_ids[:1], pending.start,
+                                        chunk.block_table, True, chunk.sampling_params))
+            inputs.append(pending.hiddens)
+        while steps:
+            last = self._forward(steps, torch.cat(inputs))  # (R, H): each step's last row
+            tokens = pick_drafts(self.runner.sampler, self.head.compute_logits(last), steps, sampled, probs)
+            next_steps, inputs = [], []
+            for i, (step, token) in enumerate(zip(steps, tokens)):
+                proposal = proposals[step.request_id]
+                proposal.token_ids.append(token)
+                if len(proposal.token_ids) < wanted[step.request_id]:
+                    position = step.start_position + len(step.token_ids)
+                    next_steps.append(ScheduledChunk(step.request_id, [token], position, step.block_table, True,
+                                                     step.sampling_params))
+                    inputs.append(last[i:i + 1])  # the head's own output stands in for the target's next hidden
+            steps = next_steps
+        for request_id in sampled:
+            if probs[request_id]:
+                proposals[request_id].probs = torch.stack(probs[request_id])  # (k, V)
+        return proposals
+
+    def _append(self, chunk: ScheduledChunk, rows: torch.Tensor) -> _Pending:
+        """The chunk's rows after the pending ones before its start (a new start cuts off rejected drafts)."""
+        old = self._pending.get(chunk.request_id)
+        keep = chunk.start_position - old.start if old is not None and old.start <= chunk.start_position <= old.end else 0
+        if keep:
+            pending = _Pending(old.start, old.token_ids[:keep] + chunk.token_ids, torch.cat([old.hiddens[:keep], rows]))
+        else:
+            pending = _Pending(chunk.start_position, list(chunk.token_ids), rows.clone())
+        self._pending[chunk.request_id] = pending
+        return pending
+
+    def _flush(self, chunks: list[ScheduledChunk]) -> None:
+        """Every pending row but the last (whose next token is not known yet) through the head, for its K/V."""
+        steps, inputs = [], []
+        for chunk in chunks:
+            pending = self._pending[chunk.request_id]
+            steps.append(ScheduledChunk(chunk.request_id, pending.token_ids[1:], pending.start, chunk.block_table,
+                                        False, chunk.sampling_params))
+            inputs.append(pending.hiddens[:-1])
+            self._pending[chunk.request_id] = _Pending(pending.end - 1, pending.token_ids[-1:],
+                                                       pending.hiddens[-1:].clone())
+        self._forward(steps, torch.cat(inputs))
+
+    def _forward(self, steps: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """The head over the steps' rows (hidden (T, H): h at each row's position), its K/V written -> its output at
+        the last row of each step that samples (R, H)."""
+        inputs = self.runner.prepare_inputs(SchedulerOutput(chunks=steps))
+        out = self.head(inputs.input_ids, hidden, inputs.positions, self.runner.kv_caches, inputs.meta)  # (T, H)
+        return out[inputs.logits_indices]

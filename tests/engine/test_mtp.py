@@ -1,0 +1,150 @@
+"""MTP drafting (--draft-kind mtp) on tiny random Qwen3.5 / Qwen3-Next checkpoints with a multi-token-prediction
+head: greedy output bitwise plain decoding at 1 and 16 concurrent requests, with a random head (drafts rejected),
+a head built to agree with the target (drafts accepted) and one that agrees only sometimes (partial acceptance:
+the hybrid's state rolled back); sampled rows verified by rejection sampling; every KV block and state slot back.
+
+transformers has no MTP for Qwen3.5, so plain decoding is the reference.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.loading import Checkpoint, LoadError
+from conveyor.testing import tiny_hybrid_checkpoint
+
+pytestmark = pytest.mark.batch_invariant
+
+PROMPTS = [f"Echo {i}: " + "alpha beta gamma delta " * (1 + i % 4) for i in range(16)]
+FAMILIES = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"]
+
+
+def _greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12 + 5 * (i % 3), ignore_eos=True)
+
+
+def _mtp(checkpoint: Checkpoint, parallel: int, **extra) -> LLM:
+    extra.setdefault("speculative_max_rows", 64)
+    return LLM(checkpoint=checkpoint, parallel=parallel, draft_kind="mtp", draft_policy="enable", **extra)
+
+
+def _plain(checkpoint: Checkpoint, prompts: list[str]) -> list[list[int]]:
+    llm = LLM(checkpoint=checkpoint, parallel=len(prompts), speculative_ngram=0)
+    return [o.token_ids for o in llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])]
+
+
+def _check_released(llm: LLM) -> None:
+    llm.engine.kv.check_integrity()
+    assert llm.engine.pool.stats().num_used == 0
+    assert llm.engine.states.all_free()
+
+
+def agreeing_head(checkpoint: Checkpoint, noise: float = 0.0) -> Checkpoint:
+    """A bigram target (every layer's output projection zeroed: h_q = norm(embed(x_q))) and an MTP head that computes
+    the same map from the token it reads (fc selects the normed embedding, its layer adds nothing, its norm is the
+    target's final norm), so its drafts are the target's next tokens; `noise` on fc makes some of them miss."""
+    weights = {name: torch.zeros_like(w) if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+               else w for name, w in checkpoint.weights.items()}
+    head = {name: torch.zeros_like(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
+            for name, w in checkpoint.mtp_weights.items()}
+    h = checkpoint.config.hidden_size
+    select = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(5))
+    head["mtp.fc.weight"] = torch.cat([select, torch.zeros(h, h)], dim=1)
+    head["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # scales by 1 + w: 1
+    head["mtp.norm.weight"] = weights["model.norm.weight"].clone()
+    return replace(checkpoint, weights=weights, mtp_weights=head)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def random_head(request):
+    checkpoint = tiny_hybrid_checkpoint(request.param, mtp=True)
+    return checkpoint, _plain(checkpoint, PROMPTS)
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_random_head_greedy_is_plain_decoding(random_head, concurrency):
+    checkpoint, want = random_head
+    spec = _mtp(checkpoint, concurrency)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0
+    report = spec.engine.speculation_report()["draft_model"]
+    assert report["kind"] == "mtp" and report["draft_tokens"] > 0
+    _check_released(spec)
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    checkpoint = agreeing_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False))
+    return checkpoint, _plain(checkpoint, PROMPTS)
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_an_agreeing_head_has_its_drafts_accepted(bigram, concurrency):
+    checkpoint, want = bigram
+    assert len({tuple(w) for w in want}) > 1 and len(set(want[0])) > 4  # not stuck on one token
+    spec = _mtp(checkpoint, concurrency)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > 0
+    assert stats.num_model_accepted_tokens >= 0.9 * stats.num_model_draft_tokens
+    # k = 4 drafts per verify round: far fewer steps than one token per step.
+    plain = LLM(checkpoint=checkpoint, parallel=concurrency, speculative_ngram=0)
+    plain.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert spec.engine.counters.num_steps < plain.engine.counters.num_steps / 2
+    _check_released(spec)
+
+
+def test_partial_acceptance_rolls_the_hybrid_state_back_exactly():
+    checkpoint = agreeing_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False),
+                               noise=0.02)  # measured: ~75 % of the drafts accepted
+    want = _plain(checkpoint, PROMPTS)
+    spec = _mtp(checkpoint, 16, block_size=4)  # small blocks: drafts cross them
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    stats = spec.engine.scheduler.stats
+    assert 0 < stats.num_model_accepted_tokens < 0.9 * stats.num_model_draft_tokens
+    _check_released(spec)
+
+
+def test_sampled_rows_draft_and_are_verified(bigram):
+    checkpoint, _ = bigram
+    spec = _mtp(checkpoint, 8)
+    outs = spec.generate(PROMPTS[:8], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > 0
+    assert stats.num_model_accepted_tokens > stats.num_model_draft_tokens / 2  # p ~ q: min(1, p/q) ~ 1
+    _check_released(spec)
+
+
+def test_prefix_hits_and_chunked_prefill_keep_greedy_exact(random_head):
+    checkpoint, want = random_head
+    spec = _mtp(checkpoint, 16, prefill_chunk_size=7)
+    params = [_greedy(i) for i in range(len(PROMPTS))]
+    assert [g.token_ids for g in spec.generate(PROMPTS, params)] == want
+    assert [g.token_ids for g in spec.generate(PROMPTS, params)] == want  # the second time from the prefix cache
+    _check_released(spec)
+
+
+def test_a_model_without_an_mtp_head_is_refused():
+    with pytest.raises(LoadError, match="no multi-token-prediction head"):
+        _mtp(tiny_hybrid_checkpoint("qwen3_5_text"), 1)
+
+
+def test_preemption_keeps_greedy_exact(random_head):
+    checkpoint, _ = random_head
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True) for _ in range(8)]  # ~6 blocks each
+    plain = LLM(checkpoint=checkpoint, parallel=8, ctx_size=8 * 512, speculative_ngram=0)
+    want = [o.token_ids for o in plain.generate(PROMPTS[:8], params)]
+    probe = _mtp(checkpoint, 8, ctx_size=8 * 512, enable_prefix_caching=False)  # a block holds the head's K/V too
+    budget = 33 * probe.engine.pool_plan.bytes_per_block + probe.engine.states.total_bytes
+    tight = _mtp(checkpoint, 8, ctx_size=8 * 512, kv_cache_budget=str(budget), enable_prefix_caching=False)
+    assert [g.token_ids for g in tight.generate(PROMPTS[:8], params)] == want
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    assert tight.engine.scheduler.stats.num_model_draft_tokens > 0
+    _check_released(tight)
