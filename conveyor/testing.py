@@ -419,6 +419,25 @@ def random_mtp_weights(config: ModelConfig, seed: int = 1, scale: float = 0.2) -
     return weights
 
 
+def agreeing_mtp_head(checkpoint: Checkpoint, noise: float = 0.0) -> Checkpoint:
+    """`checkpoint` (with an MTP head) made a bigram model whose MTP head agrees with it: every layer's output
+    projection zeroed (h_q = final_norm(embed(x_q)), so the next token is a function of the current one) and the
+    head computing the same map from the token it reads (fc selects the normed embedding, its layer adds nothing,
+    its norm is the final norm). Its drafts are the target's next tokens; `noise` on fc makes some of them miss.
+    The forwards cost what the model's shape costs: the zeros are multiplied like any weight."""
+    from dataclasses import replace
+
+    zeroed = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+    weights = {name: torch.zeros_like(w) if name.endswith(zeroed) else w for name, w in checkpoint.weights.items()}
+    head = {name: torch.zeros_like(w) if name.endswith(zeroed) else w for name, w in checkpoint.mtp_weights.items()}
+    h = checkpoint.config.hidden_size
+    select = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(5))
+    head["mtp.fc.weight"] = torch.cat([select, torch.zeros(h, h)], dim=1)
+    head["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h) - checkpoint.config.norm_weight_offset + 1  # scale 1
+    head["mtp.norm.weight"] = weights["model.norm.weight"].clone()
+    return replace(checkpoint, weights=weights, mtp_weights=head)
+
+
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     """The tiny random model as a Hugging Face directory, for tests that start real server processes."""
     import json

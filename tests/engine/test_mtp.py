@@ -6,15 +6,12 @@ the hybrid's state rolled back); sampled rows verified by rejection sampling; ev
 transformers has no MTP for Qwen3.5, so plain decoding is the reference.
 """
 
-from dataclasses import replace
-
 import pytest
-import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading import Checkpoint, LoadError
-from conveyor.testing import tiny_hybrid_checkpoint
+from conveyor.testing import agreeing_mtp_head, tiny_hybrid_checkpoint
 
 pytestmark = pytest.mark.batch_invariant
 
@@ -42,22 +39,6 @@ def _check_released(llm: LLM) -> None:
     assert llm.engine.states.all_free()
 
 
-def agreeing_head(checkpoint: Checkpoint, noise: float = 0.0) -> Checkpoint:
-    """A bigram target (every layer's output projection zeroed: h_q = norm(embed(x_q))) and an MTP head that computes
-    the same map from the token it reads (fc selects the normed embedding, its layer adds nothing, its norm is the
-    target's final norm), so its drafts are the target's next tokens; `noise` on fc makes some of them miss."""
-    weights = {name: torch.zeros_like(w) if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
-               else w for name, w in checkpoint.weights.items()}
-    head = {name: torch.zeros_like(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
-            for name, w in checkpoint.mtp_weights.items()}
-    h = checkpoint.config.hidden_size
-    select = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(5))
-    head["mtp.fc.weight"] = torch.cat([select, torch.zeros(h, h)], dim=1)
-    head["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # scales by 1 + w: 1
-    head["mtp.norm.weight"] = weights["model.norm.weight"].clone()
-    return replace(checkpoint, weights=weights, mtp_weights=head)
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def random_head(request):
     checkpoint = tiny_hybrid_checkpoint(request.param, mtp=True)
@@ -78,7 +59,7 @@ def test_random_head_greedy_is_plain_decoding(random_head, concurrency):
 
 @pytest.fixture(scope="module")
 def bigram():
-    checkpoint = agreeing_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False))
+    checkpoint = agreeing_mtp_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False))
     return checkpoint, _plain(checkpoint, PROMPTS)
 
 
@@ -100,7 +81,7 @@ def test_an_agreeing_head_has_its_drafts_accepted(bigram, concurrency):
 
 
 def test_partial_acceptance_rolls_the_hybrid_state_back_exactly():
-    checkpoint = agreeing_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False),
+    checkpoint = agreeing_mtp_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False),
                                noise=0.02)  # measured: ~75 % of the drafts accepted
     want = _plain(checkpoint, PROMPTS)
     spec = _mtp(checkpoint, 16, block_size=4)  # small blocks: drafts cross them
