@@ -59,8 +59,12 @@ class Pool {
   // body(begin, end) over [0, n) in chunks of at least `grain`; returns when every chunk is done.
   void run(int64_t n, int64_t grain, const Body& body) {
     const int64_t helpers = std::min<int64_t>(at::get_num_threads() - 1, kMaxHelpers);
+    if (helpers <= 0 || n <= grain || n >= kClosed || at::in_parallel_region()) {
+      body(0, n);  // without taking the pool: a one-thread caller (a model loading beside others that stream,
+      return;      // its packing seconds long) must not leave every other caller's loops on one thread
+    }
     std::unique_lock<std::mutex> owner(run_mu_, std::try_to_lock);  // busy (another caller): run inline
-    if (!owner.owns_lock() || helpers <= 0 || n <= grain || n >= kClosed || at::in_parallel_region()) {
+    if (!owner.owns_lock()) {
       body(0, n);
       return;
     }
