@@ -80,8 +80,8 @@ class MTPRunner:
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
         steps, inputs = [], []
         for chunk in chunks:
-            pending = self._pending.get(chunk.request_id)
-            if pending is None or pending.end != chunk.start_position:  # no hidden state at p-1: nothing to draft from
+            pending = _cut(self._pending.get(chunk.request_id), chunk.start_position)
+            if pending is None:  # no hidden state at p-1: nothing to draft from
                 continue
             del self._pending[chunk.request_id]  # consumed: the verify chunk's rows come next
             steps.append(ScheduledChunk(chunk.request_id, pending.token_ids[1:] + chunk.token_ids[:1], pending.start,
@@ -107,10 +107,9 @@ class MTPRunner:
 
     def _append(self, chunk: ScheduledChunk, rows: torch.Tensor) -> _Pending:
         """The chunk's rows after the pending ones before its start (a new start cuts off rejected drafts)."""
-        old = self._pending.get(chunk.request_id)
-        keep = chunk.start_position - old.start if old is not None and old.start <= chunk.start_position <= old.end else 0
-        if keep:
-            pending = _Pending(old.start, old.token_ids[:keep] + chunk.token_ids, torch.cat([old.hiddens[:keep], rows]))
+        old = _cut(self._pending.get(chunk.request_id), chunk.start_position)
+        if old is not None:
+            pending = _Pending(old.start, old.token_ids + chunk.token_ids, torch.cat([old.hiddens, rows]))
         else:
             pending = _Pending(chunk.start_position, list(chunk.token_ids), rows.clone())
         self._pending[chunk.request_id] = pending
@@ -134,3 +133,14 @@ class MTPRunner:
         inputs = self.runner.prepare_inputs(SchedulerOutput(chunks=steps))
         out = self.head(inputs.input_ids, hidden, inputs.positions, self.runner.kv_caches, inputs.meta)  # (T, H)
         return out[inputs.logits_indices]
+
+
+def _cut(pending: _Pending | None, position: int) -> _Pending | None:
+    """The pending rows before `position`, where they reach it (rows past it: drafts the target rejected, or a
+    hybrid's accepted drafts it recomputes); None when none are left or they stop short of it."""
+    if pending is None or not pending.start < position <= pending.end:
+        return None
+    keep = position - pending.start
+    if keep == len(pending.token_ids):
+        return pending
+    return _Pending(pending.start, pending.token_ids[:keep], pending.hiddens[:keep])

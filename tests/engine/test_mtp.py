@@ -103,6 +103,16 @@ def test_sampled_rows_draft_and_are_verified(bigram):
     _check_released(spec)
 
 
+def test_sampled_rows_with_a_random_head_are_rejected_and_run_on(random_head):
+    checkpoint, _ = random_head
+    spec = _mtp(checkpoint, 8)
+    outs = spec.generate(PROMPTS[:8], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    stats = spec.engine.scheduler.stats
+    assert stats.num_model_draft_tokens > stats.num_model_accepted_tokens  # residual draws where q was wrong
+    _check_released(spec)
+
+
 def test_prefix_hits_and_chunked_prefill_keep_greedy_exact(random_head):
     checkpoint, want = random_head
     spec = _mtp(checkpoint, 16, prefill_chunk_size=7)
