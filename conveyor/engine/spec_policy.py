@@ -1,4 +1,5 @@
-"""Adaptive draft-model policy: is a verify round worth it at this load level, on this machine?
+"""Adaptive draft policy (a draft model or an MTP head): is a verify round worth it at this load level, on this
+machine?
 
 A draft round costs k draft forwards plus a wider target forward; it pays only when enough drafts
 are accepted, and whether it does depends on the pairing, the hardware and the batch size (at

@@ -187,19 +187,27 @@ def test_hybrids_not_supported_yet_are_named(tmp_path, arch: str) -> None:
         load_checkpoint(str(tmp_path / "m.gguf"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
-def test_the_mtp_head_llama_cpp_appends_is_read_for_mtp_drafting(tmp_path, family: str) -> None:
+@pytest.mark.parametrize(("family", "qtype"), [("qwen3_5", Q.F32), ("qwen3_next", Q.F32), ("qwen3_5_moe", Q.F32),
+                                               ("qwen3_5", Q.Q8_0)])
+def test_the_mtp_head_llama_cpp_appends_is_read_for_mtp_drafting(tmp_path, family: str, qtype: Q) -> None:
     """convert_hf_to_gguf appends the MTP head as block N (blk.N.nextn.eh_proj / enorm / hnorm / shared_head_norm
-    and the block's own tensors): it loads to the HF directory's mtp.* tensors (norms stored as 1 + w), and drafts."""
+    and the block's own tensors): it loads to the HF directory's mtp.* tensors (norms stored as 1 + w; Q8_0
+    matrices kept as blocks), and drafts."""
     hf = tiny_hf_hybrid(family)
     config, _ = _hf_dir(hf, tmp_path)
     head = random_mtp_weights(config)
-    write_hybrid_gguf(tmp_path / "tiny.gguf", hf, mtp=head)
+    write_hybrid_gguf(tmp_path / "tiny.gguf", hf, qtype, mtp=head)
     ck = load_checkpoint(str(tmp_path / "tiny.gguf"))
     assert set(ck.mtp_weights) == set(head)
     for name, want in head.items():
+        got = ck.mtp_weights[name]
+        if isinstance(got, QuantizedTensor):
+            assert qtype == Q.Q8_0 and tuple(got.shape) == tuple(want.shape), name
+            got = got.dequantize()
+            want = torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), qtype), qtype)))
         plus_one = _stored_plus_one(family, name) or name.startswith("mtp.pre_fc_norm_")  # enorm, hnorm in the file
-        assert torch.equal(ck.mtp_weights[name].float(), want + 1 if plus_one else want), name
+        assert torch.equal(got.float(), want + 1 if plus_one else want), name
+    assert qtype == Q.F32 or isinstance(ck.mtp_weights["mtp.fc.weight"], QuantizedTensor)
 
     prompts = ["<|im_start|>user\nhi there<|im_end|>", "a b c d e f g"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
