@@ -33,7 +33,8 @@ def load_draft_model(config: EngineConfig, target: Checkpoint, draft_checkpoint:
                      dtype: torch.dtype, device: torch.device, ops: KernelBackend) -> DraftModel | None:
     """The draft model when --draft-model (or a checkpoint) is given and --draft-kind allows it; else None.
     A draft whose tokenizer differs from the target's is refused (LoadError) before anything runs."""
-    if config.draft_kind in ("none", "prompt-lookup", "mtp") or (draft_checkpoint is None and config.draft_model is None):
+    if config.draft_kind in ("none", "prompt-lookup", "mtp") or (draft_checkpoint is None
+                                                                  and config.draft_model is None):
         return None
     if not ops.speculation:
         logger.warning("--draft-model ignored: speculation needs a batch-invariant backend (this one: %s)", ops.name)

@@ -64,7 +64,8 @@ def from_gguf_block(config: ModelConfig, weights: Mapping[str, Weight]) -> dict[
     """The appended block's tensors, renamed to HF names by the family's own renamer (model.layers.N.*, nextn.*
     still under blk.N.) -> the head's HF names (mtp.*). The converter's copies of the embedding and head
     (nextn.embed_tokens, nextn.shared_head_head) are the target's and dropped."""
-    layer, block = layer_prefix(layer_config(config), config.num_hidden_layers), f"blk.{config.num_hidden_layers}.nextn."
+    layer = layer_prefix(layer_config(config), config.num_hidden_layers)
+    block = f"blk.{config.num_hidden_layers}.nextn."
     out = {}
     for name, weight in weights.items():
         if name.startswith(layer):

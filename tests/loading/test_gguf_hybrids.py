@@ -204,7 +204,8 @@ def test_the_mtp_head_llama_cpp_appends_is_read_for_mtp_drafting(tmp_path, famil
         if isinstance(got, QuantizedTensor):
             assert qtype == Q.Q8_0 and tuple(got.shape) == tuple(want.shape), name
             got = got.dequantize()
-            want = torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), qtype), qtype)))
+            blocks = gguf.quants.quantize(want.numpy(), qtype)
+            want = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, qtype)))
         plus_one = _stored_plus_one(family, name) or name.startswith("mtp.pre_fc_norm_")  # enorm, hnorm in the file
         assert torch.equal(got.float(), want + 1 if plus_one else want), name
     assert qtype == Q.F32 or isinstance(ck.mtp_weights["mtp.fc.weight"], QuantizedTensor)
