@@ -8,6 +8,7 @@ outputs back to the loop in one call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import concurrent.futures
 import logging
 import queue
@@ -16,6 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.compute_share import ComputeShare, install_yield_points
@@ -285,12 +288,19 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {exc}")
 
+    @functools.cached_property
+    def _serving_threads(self) -> int:
+        return torch.get_num_threads()  # (read on the engine thread, before any step changed it)
+
     def _step(self, core: EngineCore) -> list[RequestOutput]:
         share = self.compute_share
         if share is None:
             return core.step()
         if getattr(core, "pooling", None) is None:
             share.set_foreground_active(self, True)
+            threads = share.foreground_threads(self._serving_threads)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)  # this engine thread's own count
             with share.foreground():
                 return core.step()
         if self._yield_points_for is not core:  # (a resumed engine has a new core)

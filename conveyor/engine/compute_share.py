@@ -92,6 +92,11 @@ class ComputeShare:
         with self._cond:
             (self._foreground_active.add if active else self._foreground_active.discard)(id(engine))
 
+    def foreground_threads(self, serving_threads: int) -> int:
+        """Intra-op threads for a foreground step: with several foreground engines busy, each steps on its share
+        of the cores at once instead of all of them stepping on every core (oversubscribed)."""
+        return max(1, serving_threads // max(1, len(self._foreground_active)))
+
     def foreground_busy(self) -> bool:
         return bool(self._foreground_running or self._foreground_waiting or self._foreground_active)
 

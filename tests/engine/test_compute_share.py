@@ -184,3 +184,36 @@ def test_yield_points_go_before_every_layer_of_a_model():
     assert install_yield_points(model, Counting()) == 3
     model(torch.zeros(1, 4))
     assert Counting.calls == 3
+
+
+def test_busy_foreground_engines_split_the_threads_between_them():
+    share, engines = ComputeShare(), [object(), object(), object()]
+    assert share.foreground_threads(2) == 2  # (none marked active yet: all of them)
+    share.set_foreground_active(engines[0], True)
+    assert share.foreground_threads(2) == 2
+    share.set_foreground_active(engines[1], True)
+    assert share.foreground_threads(2) == 1 and share.foreground_threads(8) == 4
+    share.set_foreground_active(engines[2], True)
+    assert share.foreground_threads(2) == 1  # never below one
+    share.set_foreground_active(engines[1], False), share.set_foreground_active(engines[2], False)
+    assert share.foreground_threads(2) == 2
+
+
+def test_a_step_on_one_thread_gives_the_bits_of_a_step_on_two(tiny_checkpoint):
+    """Foreground engines step on fewer threads while another one is busy: a request's tokens and logprobs
+    must not depend on that (the kernels' loops and torch's ops are thread-count invariant here)."""
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+
+    prompts = [[1, 2, 3, 4, 5], [7] * 20, list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            llm = LLM(checkpoint=tiny_checkpoint, parallel=4)
+            results.append([(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)])
+    finally:
+        torch.set_num_threads(threads)
+    assert results[0] == results[1]
