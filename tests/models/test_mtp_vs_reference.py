@@ -9,13 +9,16 @@ embeddings (positions q), then the target's lm_head.
 import json
 
 import pytest
+import tokenizers
 import torch
 from hf_compare import BLOCK, float32_runner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_hybrid_vs_hf import hf_hybrid
 
+from conveyor.engine.llm import LLM
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.loading import load_checkpoint
 from conveyor.loading.checkpoint import select_weights
 from conveyor.models import mtp
 from conveyor.models.config import ModelConfig
@@ -79,3 +82,28 @@ def test_head_logits_match_the_reference(tmp_path):
     step = ScheduledChunk("r", ids[1:9], 0, table, True, SamplingParams(temperature=0))
     last = drafter._forward([step], pending.hiddens[:8])
     torch.testing.assert_close(model.compute_logits(last)[0], want_logits[7], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.batch_invariant
+def test_an_hf_directory_drafts_with_its_own_head(tmp_path):
+    """A Qwen3.5 directory as the Hub ships one, mtp.* beside the model in model.safetensors: the loader keeps the
+    head aside, --draft-kind mtp drafts with it, and greedy output is plain decoding's."""
+    hf = hf_hybrid("qwen3_5")
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    head = random_mtp_weights(config)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, **{name: w.contiguous() for name, w in head.items()}}, tmp_path / "model.safetensors")
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+
+    checkpoint = load_checkpoint(str(tmp_path))
+    assert set(checkpoint.mtp_weights) == set(head) and not any(n.startswith("mtp.") for n in checkpoint.weights)
+    prompts = [" ".join(f"t{(7 * i + j) % 128}" for j in range(5 + 3 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(checkpoint=checkpoint, parallel=4, speculative_ngram=0).generate(prompts, params)]
+    spec = LLM(checkpoint=checkpoint, parallel=4, draft_kind="mtp", draft_policy="enable", speculative_max_rows=64)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0
+    spec.engine.kv.check_integrity()
