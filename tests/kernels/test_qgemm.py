@@ -6,6 +6,10 @@ quantized per 32-block to int8, so the error is that of the activation rounding,
 exact dequantization of rows (the embedding path), and bitwise row invariance at every M.
 """
 
+import os
+import subprocess
+import sys
+
 import gguf
 import pytest
 import torch
@@ -123,6 +127,56 @@ def test_rows_are_bitwise_independent_of_m_and_position(qtype):
     # A row in the middle of a batch equals the row alone.
     assert torch.equal(backend.quantized_linear(x[20:45], packed, qtype, out_features, in_features, None),
                        single[20:45])
+
+
+# AMX (amx_int8) against the VNNI tiles it replaces from 16 rows on: per type, rows by M and by batch start.
+AMX_ROWS = (1, 15, 16, 17, 64, 100, 256)
+AMX_STARTS = (0, 3, 40)
+
+
+def amx_cases() -> dict[str, torch.Tensor]:
+    """Each type's outputs for rows [start, start + M) of one input (K = 512; K = 8192 for Q4_K, where an AMX
+    work item spans fewer rows than M), with a bias; keyed by 'type K M start'."""
+    out = {}
+    gen = torch.Generator().manual_seed(11)
+    # One and three chunks (the pipeline's ends), and K = 8192 for Q4_K.
+    for qtype, in_features in [(q, 512) for q in TYPES] + [(Q.Q4_1, 32), (Q.Q8_0, 96), (Q.Q4_K, 8192)]:
+        out_features = 40  # two whole 16-column groups and a partial one
+        packed = backend.pack_quantized(random_raw(qtype, out_features, in_features, seed=12), qtype, in_features)
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+        x = (torch.randn(AMX_STARTS[-1] + AMX_ROWS[-1], in_features, generator=gen) * 2).bfloat16()
+        for m in AMX_ROWS:
+            for start in AMX_STARTS:
+                out[f"{type_name(qtype)} {in_features} {m} {start}"] = backend.quantized_linear(
+                    x[start:start + m], packed, qtype, out_features, in_features, bias)
+    return out
+
+
+@pytest.mark.skipif(backend.qgemm.backend() != "amx_int8", reason="AMX int8 runs only in AMX builds on AMX CPUs")
+def test_amx_rows_equal_the_vnni_paths_bit_for_bit(tmp_path):
+    """The AMX tiles (from 16 rows on) and, with CONVEYOR_DISABLE_AMX (decided once per process), the AVX-512
+    VNNI tiles give every row the same bits at every M and batch position; and each row its M = 1 bits."""
+    path = tmp_path / "vnni.pt"
+    code = ("import sys, torch, tests.kernels.test_qgemm as t; "
+            "assert t.backend.qgemm.backend() == 'avx512_vnni'; torch.save(t.amx_cases(), sys.argv[1])")
+    env = {**os.environ, "CONVEYOR_DISABLE_AMX": "1"}
+    result = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    vnni, amx = torch.load(path), amx_cases()
+    assert vnni.keys() == amx.keys()
+    for key, got in amx.items():
+        assert torch.equal(got.view(torch.int16), vnni[key].view(torch.int16)), key  # bits: -0.0 is not 0.0
+    # Row i of [start, start + M) has the bits of row start + i in the 256-row batch (M = 1: the row alone, on VNNI).
+    for name in {key.split()[0] for key in amx}:
+        for in_features in {key.split()[1] for key in amx if key.startswith(name + " ")}:
+            base = amx[f"{name} {in_features} 256 0"]
+            for m in AMX_ROWS:
+                for start in AMX_STARTS:
+                    got = amx[f"{name} {in_features} {m} {start}"].view(torch.int16)
+                    overlap = max(0, min(m, 256 - start))
+                    want = base[start:start + overlap].view(torch.int16)
+                    assert torch.equal(got[:overlap], want), (name, in_features, m, start)
 
 
 # Rows per expert: empty experts, single rows, a 17-row expert past the 8-row tile (T from 1 to 40).

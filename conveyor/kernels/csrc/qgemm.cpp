@@ -38,6 +38,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -349,10 +350,48 @@ inline int32_t int16_pair_word(int32_t lo, int32_t hi) {
   return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xFFFF));
 }
 
+#if defined(QG_AVX512)
+// One 32-block of quantize_row, 16 values per vector: per value the same float ops (|v| into the max, v inv
+// rounded to nearest even, clamped to +-127), so the same bytes, scale and sums as its scalar loop. NaN
+// lanes are dropped from the max as std::max drops them, and clamp to -127 as its std::max(-127, r) does.
+inline void quantize_block16x2(const uint16_t* x, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16) {
+  __m512 v[2], r[2];
+  __m512 amax = _mm512_setzero_ps();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * h));
+    v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __m512 a = _mm512_abs_ps(v[h]);
+    amax = _mm512_max_ps(amax, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a));
+  }
+  const float m = _mm512_reduce_max_ps(amax);
+  const float scale = m / 127.f;
+  const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  int32_t half[2];
+  for (int h = 0; h < 2; ++h) {
+    r[h] = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[h] = _mm512_min_ps(_mm512_max_ps(r[h], _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));  // NaN -> -127
+    const __m512i qi = _mm512_cvtps_epi32(r[h]);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
+    half[h] = _mm512_reduce_add_epi32(qi);
+  }
+  *d = scale;
+  *b = half[0] + half[1];
+  *s = scale * static_cast<float>(half[0] + half[1]);
+  b16[0] = half[0];
+  b16[1] = half[1];
+}
+#endif
+
 // `seed` (QuantRows::seed, the type's `offset`): only where the tiles read it (seeded_sums), else null.
 void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, int32_t* b, int32_t* b16,
                   int32_t* seed, int offset) {
   for (int64_t c = 0; c < k / 32; ++c) {
+#if defined(QG_AVX512)
+    if (seed == nullptr) {  // (the seeds are AVX2's)
+      quantize_block16x2(x + 32 * c, q + 32 * c, d + c, s + c, b + c, b16 + 2 * c);
+      continue;
+    }
+#endif
     float v[32];
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) {
@@ -581,19 +620,40 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
 
 #if CONVEYOR_HAS_AMX && defined(__AMX_INT8__)  // amx.h: AMX tiles (+ BF16), here with INT8
 #define QG_AMX 1
-// AMX int8 for 16-row blocks (batched decode, prefill): tdpbsud gives each (row, column) chunk sum
-// as the same exact integer VNNI computes, then `combine` applies the same float ops, so a row's
-// bits are those of the VNNI path at M = 1: switching paths by M keeps batch invariance.
+// AMX int8 for 16-row blocks (batched decode, prefill). Per 32-k chunk one tdpbssd of the rows' int8
+// (16 x 32 bytes) and the chunk's B tile (8 k-groups x 64 bytes: unpack's vectors, dpbusd's and the tile's
+// shape alike) gives every (row, column) chunk sum as an exact integer. B holds the weights signed,
+// q - offset (every type fits s8), so the tile's sum is S - offset bx, the integer `combine` forms; the
+// float step then applies combine's float ops in its order: a row's bits are the VNNI path's at M = 1.
+//
+// Where the time goes, per chunk and 16-row block (8192 multiply-adds), measured on a 2-vCPU Sapphire Rapids
+// VM with a standalone loop of this shape (benchmarks/results.md, issue #43): the tile work (A and B loads,
+// the product, the store of the sums) ~10.5 ns, the float step (per row: convert, scale product, FMA; + the
+// min for Q4_1/Q5_1/K-quants; Q6_K twice) ~10 ns, and the two do not overlap there: ~0.35-0.4 TMAC/s per
+// core at best, ~12% of the tile unit's int8 peak (a 32-k product does half a full 64-k tile's work in the
+// same time, so even alone it caps at 50%). Everything else is paid per column group, not per chunk and row
+// block: an item unpacks its group's weights once into a panel (tile layout, signed) with each chunk's 16
+// column scales, and every 16-row block of the item runs on it; the int8 rows are re-laid so that a
+// block's A tiles are one sequential stream (amx_tile_rows).
 constexpr int kAmxRows = 16;
+// Rows of one work item: its int8 rows (rows x K bytes) stay near this size, in L2, while it walks them.
+constexpr int64_t kAmxItemActBytes = 512 * 1024;
 
-// tmm0/1: C (16 x 16 int32); tmm2: A (16 rows x 32 k); tmm3: B (8 k-groups x 64);
-// tmm4: A (16 rows x 16 k); tmm5/6: B (4 k-groups x 64), Q6_K's two halves.
-inline void amx_configure() {
+// Two sets of tiles, by chunk parity P, so a chunk's product runs while the other's sums are stored and
+// scaled. Q6_K sums a chunk in halves (a scale per 16 k): C tmm(2P), tmm(2P + 1) (k 0..15 / 16..31), A tmm4/5
+// (16 x 16 bytes), B tmm6/7 (4 k-groups x 64). Every other type: C tmm(P) (16 x 16 int32), A tmm(2 + P)
+// (16 x 32 bytes), B tmm(4 + P) (8 k-groups x 64).
+inline void amx_configure(bool halves) {
   conveyor_amx::TileConfig cfg;
-  const int rows[7] = {16, 16, 16, 8, 16, 4, 4}, colsb[7] = {64, 64, 32, 64, 16, 64, 64};
-  for (int i = 0; i < 7; ++i) {
-    cfg.rows[i] = static_cast<uint8_t>(rows[i]);
-    cfg.colsb[i] = static_cast<uint16_t>(colsb[i]);
+  auto tile = [&](int i, int rows, int colsb) {
+    cfg.rows[i] = static_cast<uint8_t>(rows);
+    cfg.colsb[i] = static_cast<uint16_t>(colsb);
+  };
+  if (halves) {
+    for (int i = 0; i < 4; ++i) tile(i, 16, 64);
+    tile(4, 16, 16), tile(5, 16, 16), tile(6, 4, 64), tile(7, 4, 64);
+  } else {
+    tile(0, 16, 64), tile(1, 16, 64), tile(2, 16, 32), tile(3, 16, 32), tile(4, 8, 64), tile(5, 8, 64);
   }
   _tile_loadconfig(&cfg);
 }
@@ -605,87 +665,191 @@ bool amx_enabled() {
   return ok;
 }
 
-// The tile work of chunk kc: its B tile unpacked to `wbuf`, its 16 x 16 sums (Q6_K: per half) to `c`.
-template <int QT>
-inline void amx_chunk(const uint8_t* wg, int64_t kc, const QuantRows& xr, int64_t r0, uint8_t* wbuf, int32_t* c) {
-  constexpr TypeInfo t = type_info(QT);
-  constexpr int cpb = t.sb / 32;
-  const uint8_t* sbp = wg + (kc / cpb) * sb_bytes(t);
-  const uint8_t* ch = sbp + t.hdr + (kc % cpb) * chunk_bytes(t);
-  prefetch_ahead(ch, chunk_bytes(t));
-  __m512i w[8];
-  unpack<QT>(ch, w);
-  for (int g = 0; g < 8; ++g) _mm512_store_si512(wbuf + 64 * g, w[g]);
-  const int8_t* a = xr.q + r0 * xr.k + 32 * kc;
-  if constexpr (t.kind == Kind::kK6) {
-    _tile_loadd(5, wbuf, 64);
-    _tile_loadd(6, wbuf + 256, 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(4, a, xr.k);
-    _tile_dpbsud(0, 4, 5);
-    _tile_loadd(4, a + 16, xr.k);
-    _tile_dpbsud(1, 4, 6);
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + 256, 64);
-  } else {
-    _tile_loadd(3, wbuf, 64);
-    _tile_loadd(2, a, xr.k);
-    _tile_zero(0);
-    _tile_dpbsud(0, 2, 3);
-    _tile_stored(0, c, 64);
-  }
-}
+// One column group's weights as the tiles read them: per chunk its 8 B-tile rows (signed) and its
+// column scales (ds; dm, or Q6_K's second-half ds2), made by chunk_scales: the VNNI path's very floats.
+struct AmxPanel {
+  std::vector<__m512i> w;     // (chunks, 8)
+  std::vector<__m512> ds, dm;  // (chunks)
+};
 
-// Rows [r0, r0 + 16) (the quantized rows are padded to whole blocks) against one column group;
-// only the first `rows` are stored. Software-pipelined: chunk kc + 1's tile work is issued before
-// chunk kc's float steps, into the other of two buffers, so neither waits on the other's memory.
 template <int QT>
-void amx_tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, int rows, const float* bias,
-              uint16_t* out, int64_t ldo, int64_t cols) {
+void amx_unpack_panel(const uint8_t* wg, int64_t n_sb, AmxPanel& p) {
   constexpr TypeInfo t = type_info(QT);
   constexpr int cpb = t.sb / 32;
-  constexpr int64_t sbb = sb_bytes(t);
-  alignas(64) uint8_t wbufs[2][512];
-  alignas(64) int32_t cbufs[2][2 * kAmxRows * 16];
-  __m512 acc[kAmxRows];
-  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
   const int64_t chunks = n_sb * cpb;
-  amx_chunk<QT>(wg, 0, xr, r0, wbufs[0], cbufs[0]);
-  for (int64_t kc = 0; kc < chunks; ++kc) {
-    if (kc + 1 < chunks) amx_chunk<QT>(wg, kc + 1, xr, r0, wbufs[(kc + 1) & 1], cbufs[(kc + 1) & 1]);
-    const int64_t s = kc / cpb;
-    const int c = static_cast<int>(kc % cpb);
-    const uint8_t* sbp = wg + s * sbb;
+  if (static_cast<int64_t>(p.ds.size()) < chunks) {
+    p.w.resize(8 * chunks);
+    p.ds.resize(chunks);
+    p.dm.resize(chunks);
+  }
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(t.offset));
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
     const __m512 d = load_scales16<QT>(sbp);
     __m512 m = _mm512_setzero_ps();
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
-    __m512 ds, dm, ds2;
-    chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
-    const int32_t* cs = cbufs[kc & 1];
-    for (int r = 0; r < kAmxRows; ++r) {
-      const __m512i s0 = _mm512_load_si512(cs + 16 * r);
-      const __m512i s1 = t.kind == Kind::kK6 ? _mm512_load_si512(cs + 256 + 16 * r) : zero;
-      acc[r] = combine<QT>(acc[r], s0, s1, xr, r0 + r, kc, ds, dm, ds2);
+    for (int c = 0; c < cpb; ++c) {
+      const int64_t kc = s * cpb + c;
+      __m512i w[8];
+      unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
+      for (int g = 0; g < 8; ++g) p.w[8 * kc + g] = t.offset != 0 ? _mm512_sub_epi8(w[g], offset) : w[g];
+      __m512 ds, dm, ds2;
+      chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
+      p.ds[kc] = ds;
+      p.dm[kc] = t.kind == Kind::kK6 ? ds2 : dm;
     }
   }
-  store_rows(acc, rows, r0, bias, out, ldo, cols);
 }
 
-using AmxFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int, const float*, uint16_t*, int64_t,
-                       int64_t);
+// Chunk kc's tile product for the 16-row block at `a` (amx_tile_rows: chunk kc's 16 x 32 bytes at a + 512 kc)
+// into parity P's C tiles; and parity P's sums (Q6_K: k 0..15, then 16..31) to `c`. (GCC's tile intrinsics
+// take literal tile numbers: one body per P.)
+#define QG_AMX_ISSUE_HALVES(C0, C1)      \
+  _tile_loadd(4, a + 512 * kc, 32);      \
+  _tile_loadd(5, a + 512 * kc + 16, 32); \
+  _tile_loadd(6, b, 64);                \
+  _tile_loadd(7, b + 256, 64);          \
+  _tile_zero(C0);                       \
+  _tile_zero(C1);                       \
+  _tile_dpbssd(C0, 4, 6);               \
+  _tile_dpbssd(C1, 5, 7)
+#define QG_AMX_ISSUE(C, A, B)       \
+  _tile_loadd(A, a + 512 * kc, 32); \
+  _tile_loadd(B, b, 64);           \
+  _tile_zero(C);                   \
+  _tile_dpbssd(C, A, B)
+
+template <int QT, int P>
+inline void amx_issue(const __m512i* w, int64_t kc, const int8_t* a) {
+  const auto* b = reinterpret_cast<const uint8_t*>(w + 8 * kc);
+  if constexpr (type_info(QT).kind == Kind::kK6) {
+    if constexpr (P == 0) {
+      QG_AMX_ISSUE_HALVES(0, 1);
+    } else {
+      QG_AMX_ISSUE_HALVES(2, 3);
+    }
+  } else if constexpr (P == 0) {
+    QG_AMX_ISSUE(0, 2, 4);
+  } else {
+    QG_AMX_ISSUE(1, 3, 5);
+  }
+}
+#undef QG_AMX_ISSUE_HALVES
+#undef QG_AMX_ISSUE
+
+template <int QT, int P>
+inline void amx_store(int32_t* c) {
+  if constexpr (type_info(QT).kind == Kind::kK6) {
+    if constexpr (P == 0) {
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + 256, 64);
+    } else {
+      _tile_stored(2, c, 64);
+      _tile_stored(3, c + 256, 64);
+    }
+  } else if constexpr (P == 0) {
+    _tile_stored(0, c, 64);
+  } else {
+    _tile_stored(1, c, 64);
+  }
+}
+
+// Chunk kc's float step on its sums `cs`: `combine`'s float ops in its order.
+template <int QT>
+inline void amx_scale(const __m512* panel_ds, const __m512* panel_dm, int64_t kc, const int32_t* cs,
+                      const float* dx, const float* sx, int64_t ld, __m512* acc) {
+  constexpr TypeInfo t = type_info(QT);
+  const __m512 ds = panel_ds[kc], dm = panel_dm[kc];
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 dxr = _mm512_set1_ps(dx[r * ld + kc]);
+    const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512(cs + 16 * r));
+    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxr, ds), s0, acc[r]);
+    if constexpr (t.kind == Kind::kK6) {
+      const __m512 s1 = _mm512_cvtepi32_ps(_mm512_load_si512(cs + 256 + 16 * r));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxr, dm), s1, acc[r]);
+    } else if constexpr (t.kind == Kind::kMin) {
+      acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc[r]);
+    } else if constexpr (t.kind == Kind::kKMin) {
+      acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc[r]);
+    }
+  }
+}
+
+// Rows [r0, r0 + 16) (quantized rows are padded to whole blocks) against one panel; the first `rows`
+// stored. A three-stage pipeline over chunks, the tile sets alternating: before chunk kc is scaled, kc + 2's
+// product is issued and kc + 1's sums (whose product was issued a step earlier) stored, so no store waits on
+// the product just issued (that wait was ~40% of the time with one set of tiles).
+template <int QT>
+void amx_block(const __m512i* w, const __m512* ds, const __m512* dm, int64_t chunks, const QuantRows& xr,
+               const int8_t* tiled, int64_t r0, int rows, const float* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  alignas(64) int32_t cbufs[2][2 * kAmxRows * 16];
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* a = tiled + r0 * xr.k;
+  const float* dx = xr.d + r0 * xr.chunks;  // row r, chunk kc: dx[r * chunks + kc]
+  const float* sx = xr.s + r0 * xr.chunks;
+  amx_issue<QT, 0>(w, 0, a);
+  if (chunks > 1) amx_issue<QT, 1>(w, 1, a);
+  amx_store<QT, 0>(cbufs[0]);
+  for (int64_t kc = 0; kc < chunks; kc += 2) {
+    if (kc + 2 < chunks) amx_issue<QT, 0>(w, kc + 2, a);
+    if (kc + 1 < chunks) amx_store<QT, 1>(cbufs[1]);
+    amx_scale<QT>(ds, dm, kc, cbufs[0], dx, sx, xr.chunks, acc);
+    if (kc + 1 >= chunks) break;
+    if (kc + 3 < chunks) amx_issue<QT, 1>(w, kc + 3, a);
+    if (kc + 2 < chunks) amx_store<QT, 0>(cbufs[0]);
+    amx_scale<QT>(ds, dm, kc + 1, cbufs[1], dx, sx, xr.chunks, acc);
+  }
+  alignas(64) float sums[kAmxRows][16];  // acc never has its address taken: it stays in registers
+  for (int r = 0; r < kAmxRows; ++r) _mm512_store_ps(sums[r], acc[r]);
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? sums[r][i] + bias[i] : sums[r][i]);
+  }
+}
+
+// One work item: column group `wg` x rows [r0, r0 + rows) (a multiple of 16 in the padded rows; rows past
+// the real ones are not stored). The group's panel is unpacked once here, for all of the item's blocks.
+template <int QT>
+void amx_item(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, const int8_t* tiled, int64_t r0, int64_t rows,
+              int64_t m, const float* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  thread_local AmxPanel panel;
+  amx_unpack_panel<QT>(wg, n_sb, panel);
+  const AmxPanel& p = panel;  // read through a plain reference: no thread-local lookups in the chunk loop
+  const int64_t chunks = n_sb * (type_info(QT).sb / 32);
+  for (int64_t rb = r0; rb < r0 + rows && rb < m; rb += kAmxRows) {
+    amx_block<QT>(p.w.data(), p.ds.data(), p.dm.data(), chunks, xr, tiled, rb,
+                  static_cast<int>(std::min<int64_t>(kAmxRows, m - rb)), bias, out, ldo, cols);
+  }
+}
+
+using AmxFn = void (*)(const uint8_t*, int64_t, const QuantRows&, const int8_t*, int64_t, int64_t, int64_t,
+                       const float*, uint16_t*, int64_t, int64_t);
+
+// The quantized rows as the A tiles read them: per 16-row block, chunk by chunk, 16 rows x 32 bytes
+// (one tile, contiguous), so a block's walk over K is one sequential stream. (m_pad, K) bytes.
+void amx_tile_rows(const QuantRows& xr, int64_t m_pad, int8_t* tiled) {
+  conveyor_parallel::parallel_for(0, m_pad / kAmxRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rb = begin; rb < end; ++rb) {
+      for (int64_t kc = 0; kc < xr.chunks; ++kc) {
+        int8_t* dst = tiled + (rb * xr.chunks + kc) * kAmxRows * 32;
+        for (int r = 0; r < kAmxRows; ++r) std::memcpy(dst + 32 * r, xr.q + (rb * kAmxRows + r) * xr.k + 32 * kc, 32);
+      }
+    }
+  });
+}
 AmxFn amx_fn(int qt) {
   switch (qt) {
-    case kQ4_0: return &amx_tile<kQ4_0>;
-    case kQ4_1: return &amx_tile<kQ4_1>;
-    case kQ5_0: return &amx_tile<kQ5_0>;
-    case kQ5_1: return &amx_tile<kQ5_1>;
-    case kQ8_0: return &amx_tile<kQ8_0>;
-    case kQ4_K: return &amx_tile<kQ4_K>;
-    case kQ5_K: return &amx_tile<kQ5_K>;
-    case kQ6_K: return &amx_tile<kQ6_K>;
-    case kMXFP4: return &amx_tile<kMXFP4>;
+    case kQ4_0: return &amx_item<kQ4_0>;
+    case kQ4_1: return &amx_item<kQ4_1>;
+    case kQ5_0: return &amx_item<kQ5_0>;
+    case kQ5_1: return &amx_item<kQ5_1>;
+    case kQ8_0: return &amx_item<kQ8_0>;
+    case kQ4_K: return &amx_item<kQ4_K>;
+    case kQ5_K: return &amx_item<kQ5_K>;
+    case kQ6_K: return &amx_item<kQ6_K>;
+    case kMXFP4: return &amx_item<kMXFP4>;
     default: return nullptr;
   }
 }
@@ -1287,7 +1451,9 @@ inline int64_t block_start(int64_t n, int64_t parts, int64_t i) {
 }
 
 constexpr int64_t kRowBlock = 64;  // rows per work item at large M (their int8 rows stay in L2)
-constexpr int64_t kAmxMinRows = 8;  // from here on, AMX blocks of 16 rows (measured: benchmarks/results.md)
+// From here on, AMX blocks of 16 rows (the same bits either way): at 8 rows the VNNI tiles ran 2x faster than a
+// half-empty AMX block, at 16 even, at 32 AMX 1.25x (Q4_K, Q6_K; benchmarks/results.md, issue #43).
+constexpr int64_t kAmxMinRows = 16;
 
 // The prefetch hint of the 1-2-row decode walks in this build on this CPU (see prefetch_stream).
 std::string decode_prefetch() {
@@ -1311,6 +1477,65 @@ std::string level() {
   return "avx2";
 #else
   return "generic";
+#endif
+}
+
+// The int8 multiply-accumulates per second one thread of this level can issue at best, measured by a loop of
+// independent products on registers (AMX: tdpbssd on full 16 x 64-byte tiles, 16 x 16 x 64 each; AVX-512
+// VNNI: 12 vpdpbusd chains); 0 where not measured (AVX2, generic). benchmarks/quantized_gemm.py's peak.
+double int8_peak_macs() {
+  constexpr int64_t kReps = 200000;
+#if defined(QG_AMX)
+  if (amx_enabled()) {
+    conveyor_amx::TileConfig cfg;
+    for (int i = 0; i < 6; ++i) {
+      cfg.rows[i] = 16;
+      cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) int8_t ones[1024];
+    std::memset(ones, 1, sizeof(ones));
+    _tile_loadd(4, ones, 64);
+    _tile_loadd(5, ones, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kReps; ++i) {
+      _tile_dpbssd(0, 4, 5);
+      _tile_dpbssd(1, 4, 5);
+      _tile_dpbssd(2, 4, 5);
+      _tile_dpbssd(3, 4, 5);
+    }
+    alignas(64) int32_t sink[256];
+    _tile_stored(0, sink, 64);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    _tile_release();
+    return 4.0 * kReps * 16 * 16 * 64 / s;
+  }
+#endif
+#if defined(QG_AVX512)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+          a9 = a0, a10 = a0, a11 = a0;
+  __m512i w = _mm512_set1_epi8(1), x = _mm512_set1_epi8(2);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < 4 * kReps; ++i) {
+    a0 = _mm512_dpbusd_epi32(a0, w, x), a1 = _mm512_dpbusd_epi32(a1, w, x), a2 = _mm512_dpbusd_epi32(a2, w, x);
+    a3 = _mm512_dpbusd_epi32(a3, w, x), a4 = _mm512_dpbusd_epi32(a4, w, x), a5 = _mm512_dpbusd_epi32(a5, w, x);
+    a6 = _mm512_dpbusd_epi32(a6, w, x), a7 = _mm512_dpbusd_epi32(a7, w, x), a8 = _mm512_dpbusd_epi32(a8, w, x);
+    a9 = _mm512_dpbusd_epi32(a9, w, x), a10 = _mm512_dpbusd_epi32(a10, w, x), a11 = _mm512_dpbusd_epi32(a11, w, x);
+    asm volatile("" : "+v"(w), "+v"(x));  // no hoisting the loop-invariant products
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile int sink = _mm512_reduce_add_epi32(_mm512_add_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+      _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)),
+                       _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)))));
+  (void)sink;
+  return 4.0 * kReps * 12 * 64 / s;
+#else
+  return 0.0;
 #endif
 }
 
@@ -1466,15 +1691,21 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #if defined(QG_AMX)
   if (use_amx) {
-    const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows, groups = pw.groups;
+    // Work items (row span, column group), row span major: a thread's int8 rows stay in L2 across groups.
+    const int64_t m_pad = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
+    const int64_t span = std::min(m_pad, std::max<int64_t>(kAmxRows, kAmxItemActBytes / k / kAmxRows * kAmxRows));
+    const int64_t spans = (m_pad + span - 1) / span, groups = pw.groups;
     const AmxFn fn = amx_fn(static_cast<int>(qt));
-    conveyor_parallel::parallel_for(0, row_blocks * groups, 1, [&](int64_t begin, int64_t end) {
-      amx_configure();
+    const bool halves = type_info(static_cast<int>(qt)).kind == Kind::kK6;
+    const torch::Tensor tiled_rows = torch::empty({m_pad * k}, x.options().dtype(at::kByte));
+    auto* tiled = reinterpret_cast<int8_t*>(tiled_rows.data_ptr<uint8_t>());
+    amx_tile_rows(xr, m_pad, tiled);
+    conveyor_parallel::parallel_for(0, spans * groups, 1, [&](int64_t begin, int64_t end) {
+      amx_configure(halves);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t rb = item / groups, g = item % groups, c0 = g * kGroup;
-        fn(pw.w + g * pw.group_bytes, pw.n_sb, xr, rb * kAmxRows,
-           static_cast<int>(std::min<int64_t>(kAmxRows, m - rb * kAmxRows)), bp != nullptr ? bp + c0 : nullptr,
-           op + c0, n, std::min<int64_t>(kGroup, n - c0));
+        const int64_t g = item % groups, c0 = g * kGroup;
+        fn(pw.w + g * pw.group_bytes, pw.n_sb, xr, tiled, item / groups * span, span, m,
+           bp != nullptr ? bp + c0 : nullptr, op + c0, n, std::min<int64_t>(kGroup, n - c0));
       }
       _tile_release();
     });
@@ -1496,7 +1727,7 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 // All rows are quantized once (quantize_row is per row); one parallel_for runs every expert's (row
 // block, column group) items with `linear`'s row partition at that expert's M. Experts that `linear`
 // would run on AMX (m >= kAmxMinRows) go through `linear` itself after it: the same bits either way
-// (see amx_tile), but AMX is the faster path at those sizes.
+// (see amx_block), but AMX is the faster path at those sizes.
 torch::Tensor qgemm_linear_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed, int64_t qt,
                                    int64_t n, int64_t k, const std::vector<int64_t>& offsets,
                                    const std::vector<c10::optional<torch::Tensor>>& bias) {
@@ -1607,6 +1838,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_prefetch", &decode_prefetch,
         "the weight-stream prefetch of the 1-2-row decode walks here: prefetchnta (AVX2 on AMD), prefetcht1 (AVX2 "
         "elsewhere), prefetcht0 (AVX-512, AVX-VNNI) or none (portable C++)");
+  m.def("int8_peak_macs", &int8_peak_macs,
+        "int8 multiply-accumulates per second one thread issues at best on this level (0: not measured here)",
+        release());
   m.def("supports", [](int64_t qt) { return supported(static_cast<int>(qt)); }, "whether a GGML type runs natively");
   m.def("pack", &qgemm_pack, "raw GGML rows (N, row_bytes) uint8 -> the kernel's layout", release());
   m.def("linear", &qgemm_linear, "x (M, K) bf16 @ W^T (+ b) -> (M, N) bf16, batch-invariant", release());
