@@ -690,8 +690,10 @@ void amx_unpack_panel(const uint8_t* wg, int64_t n_sb, AmxPanel& p) {
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
     for (int c = 0; c < cpb; ++c) {
       const int64_t kc = s * cpb + c;
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));  // the weights stream from memory once per call
       __m512i w[8];
-      unpack<QT>(sbp + t.hdr + c * chunk_bytes(t), w);
+      unpack<QT>(ch, w);
       for (int g = 0; g < 8; ++g) p.w[8 * kc + g] = t.offset != 0 ? _mm512_sub_epi8(w[g], offset) : w[g];
       __m512 ds, dm, ds2;
       chunk_scales<QT>(sbp, c, d, m, ds, dm, ds2);
@@ -754,26 +756,21 @@ inline void amx_store(int32_t* c) {
   }
 }
 
-// Chunk kc's float step on its sums `cs`: `combine`'s float ops in its order.
+// Row r's float step for chunk kc on its sums `cs`: `combine`'s float ops in its order.
 template <int QT>
-inline void amx_scale(const __m512* panel_ds, const __m512* panel_dm, int64_t kc, const int32_t* cs,
-                      const float* dx, const float* sx, int64_t ld, __m512* acc) {
+inline __m512 amx_scale_row(__m512 acc, int r, __m512 ds, __m512 dm, const int32_t* cs, const float* dx,
+                            const float* sx, int64_t ld, int64_t kc) {
   constexpr TypeInfo t = type_info(QT);
-  const __m512 ds = panel_ds[kc], dm = panel_dm[kc];
-#pragma GCC unroll 16
-  for (int r = 0; r < kAmxRows; ++r) {
-    const __m512 dxr = _mm512_set1_ps(dx[r * ld + kc]);
-    const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512(cs + 16 * r));
-    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxr, ds), s0, acc[r]);
-    if constexpr (t.kind == Kind::kK6) {
-      const __m512 s1 = _mm512_cvtepi32_ps(_mm512_load_si512(cs + 256 + 16 * r));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxr, dm), s1, acc[r]);
-    } else if constexpr (t.kind == Kind::kMin) {
-      acc[r] = _mm512_fmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc[r]);
-    } else if constexpr (t.kind == Kind::kKMin) {
-      acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc[r]);
-    }
+  const __m512 dxr = _mm512_set1_ps(dx[r * ld + kc]);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(dxr, ds), _mm512_cvtepi32_ps(_mm512_load_si512(cs + 16 * r)), acc);
+  if constexpr (t.kind == Kind::kK6) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(dxr, dm), _mm512_cvtepi32_ps(_mm512_load_si512(cs + 256 + 16 * r)), acc);
+  } else if constexpr (t.kind == Kind::kMin) {
+    acc = _mm512_fmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc);
+  } else if constexpr (t.kind == Kind::kKMin) {
+    acc = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx[r * ld + kc]), acc);
   }
+  return acc;
 }
 
 // Rows [r0, r0 + 16) (quantized rows are padded to whole blocks) against one panel; the first `rows`
@@ -784,24 +781,36 @@ template <int QT>
 void amx_block(const __m512i* w, const __m512* ds, const __m512* dm, int64_t chunks, const QuantRows& xr,
                const int8_t* tiled, int64_t r0, int rows, const float* bias, uint16_t* out, int64_t ldo, int64_t cols) {
   alignas(64) int32_t cbufs[2][2 * kAmxRows * 16];
-  __m512 acc[kAmxRows];
-  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  // NOTE: 16 named accumulators: an array of them stayed on the stack (GCC does not split it into registers
+  // across the tile intrinsics' asm statements), costing a load and a store per row and chunk.
+  __m512 a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15;
+  a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = _mm512_setzero_ps();
   const int8_t* a = tiled + r0 * xr.k;
   const float* dx = xr.d + r0 * xr.chunks;  // row r, chunk kc: dx[r * chunks + kc]
   const float* sx = xr.s + r0 * xr.chunks;
+  const int64_t ld = xr.chunks;
   amx_issue<QT, 0>(w, 0, a);
   if (chunks > 1) amx_issue<QT, 1>(w, 1, a);
   amx_store<QT, 0>(cbufs[0]);
-  for (int64_t kc = 0; kc < chunks; kc += 2) {
-    if (kc + 2 < chunks) amx_issue<QT, 0>(w, kc + 2, a);
-    if (kc + 1 < chunks) amx_store<QT, 1>(cbufs[1]);
-    amx_scale<QT>(ds, dm, kc, cbufs[0], dx, sx, xr.chunks, acc);
-    if (kc + 1 >= chunks) break;
-    if (kc + 3 < chunks) amx_issue<QT, 1>(w, kc + 3, a);
-    if (kc + 2 < chunks) amx_store<QT, 0>(cbufs[0]);
-    amx_scale<QT>(ds, dm, kc + 1, cbufs[1], dx, sx, xr.chunks, acc);
+  // One body for both parities (branches around the tile ops only), so one copy of the float step.
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const bool odd = (kc & 1) != 0;
+    if (kc + 2 < chunks) {  // chunk kc + 2 into kc's tiles, whose sums the previous step stored
+      if (odd) amx_issue<QT, 1>(w, kc + 2, a); else amx_issue<QT, 0>(w, kc + 2, a);
+    }
+    if (kc + 1 < chunks) {
+      if (odd) amx_store<QT, 0>(cbufs[0]); else amx_store<QT, 1>(cbufs[1]);
+    }
+    const int32_t* cs = cbufs[kc & 1];
+    const __m512 c_ds = ds[kc], c_dm = dm[kc];
+#define QG_AMX_ROW(r) a##r = amx_scale_row<QT>(a##r, r, c_ds, c_dm, cs, dx, sx, ld, kc)
+    QG_AMX_ROW(0), QG_AMX_ROW(1), QG_AMX_ROW(2), QG_AMX_ROW(3), QG_AMX_ROW(4), QG_AMX_ROW(5), QG_AMX_ROW(6);
+    QG_AMX_ROW(7), QG_AMX_ROW(8), QG_AMX_ROW(9), QG_AMX_ROW(10), QG_AMX_ROW(11), QG_AMX_ROW(12), QG_AMX_ROW(13);
+    QG_AMX_ROW(14), QG_AMX_ROW(15);
+#undef QG_AMX_ROW
   }
-  alignas(64) float sums[kAmxRows][16];  // acc never has its address taken: it stays in registers
+  alignas(64) float sums[kAmxRows][16];
+  const __m512 acc[kAmxRows] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15};
   for (int r = 0; r < kAmxRows; ++r) _mm512_store_ps(sums[r], acc[r]);
   for (int r = 0; r < rows; ++r) {
     uint16_t* o = out + (r0 + r) * ldo;
