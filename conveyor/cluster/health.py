@@ -20,6 +20,9 @@ from conveyor.cluster.transport import PeerClosed
 from conveyor.cluster.wire import InfoFrame, NodeInfoFrame, WireError
 
 PROBE_TIMEOUT_S = 1.0
+# A node whose connect times out this many probes in a row leaves the rotation; a refused connect (nothing
+# listens: the node is gone) takes it out at once. One slow connect on a busy machine is not a dead node.
+PROBE_TIMEOUTS_TO_UNREACHABLE = 3
 
 
 class HealthMonitor:
@@ -28,6 +31,7 @@ class HealthMonitor:
         self.interval = interval
         self.timeout = min(timeout, interval)
         self.num_rounds = 0
+        self._timeouts: dict[str, int] = {}  # node address -> connects timed out in a row
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -51,9 +55,16 @@ class HealthMonitor:
     async def _probe(self, pool: Pool, node: Node) -> None:
         try:
             reader, writer = await transport.connect(node.address, self.timeout)
-        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+        except asyncio.TimeoutError:
+            self._timeouts[node.address] = self._timeouts.get(node.address, 0) + 1
+            if self._timeouts[node.address] >= PROBE_TIMEOUTS_TO_UNREACHABLE or not node.online:
+                pool.mark_unreachable(node, f"health probe: connect timed out {self._timeouts[node.address]} "
+                                            "time(s) in a row")
+            return
+        except (OSError, ValueError) as exc:
             pool.mark_unreachable(node, f"health probe: {exc or type(exc).__name__}")
             return
+        self._timeouts.pop(node.address, None)
         try:
             await transport.write_frame(writer, InfoFrame())
             answer = await asyncio.wait_for(transport.read_frame(reader), self.timeout)

@@ -347,3 +347,28 @@ def test_the_router_process_takes_several_models_from_the_command_line(two_model
                     "message"]["content"]
     finally:
         router.stop()
+
+
+def test_a_slow_connect_takes_a_node_out_only_after_several_probes_a_refused_one_at_once(monkeypatch):
+    """On a busy machine a connect can time out while the node is fine: one timeout is not a dead node."""
+    from conveyor.cluster import health
+
+    async def slow(address, timeout):
+        raise asyncio.TimeoutError
+
+    async def go():
+        registry = Registry(["127.0.0.1:1"], [], default_model="a")
+        node = registry.prefill.nodes[0]
+        monitor = HealthMonitor(registry, interval=60.0, timeout=0.1)
+        monkeypatch.setattr(health.transport, "connect", slow)
+        seen = []
+        for _ in range(health.PROBE_TIMEOUTS_TO_UNREACHABLE):
+            await monitor.probe_all()
+            seen.append(node.online)
+        monkeypatch.undo()  # the real connect: nothing listens on port 1, refused
+        refused = Registry(["127.0.0.1:1"], [], default_model="a")
+        await HealthMonitor(refused, interval=60.0, timeout=5.0).probe_all()
+        return seen, refused.prefill.nodes[0].online
+
+    seen, refused_online = asyncio.run(go())
+    assert seen == [True] * (len(seen) - 1) + [False] and not refused_online
