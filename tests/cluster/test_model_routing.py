@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import free_port, start, wait_healthy
+from cluster_harness import free_port, start, wait_for, wait_healthy
 from conveyor.cluster import transport, wire
 from conveyor.cluster.decode import DecodeNode
 from conveyor.cluster.health import HealthMonitor
@@ -166,6 +166,11 @@ def two_models(tmp_path_factory):
                                 decode_peers=f"{decode_a.serving},{decode_b.serving}", health_check_interval=0.5)
         app = create_router_app(tok_a, name_a, cluster, more_models=[RoutedModel(tok_b, name_b)])
         with TestClient(app) as router:  # its lifespan probes every node (and learns its model) first
+            # (on a busy machine a node's answer may miss that first probe: the next ones bring it)
+            wait_for(lambda: all(len(nodes["prefill"]) == 1 and len(nodes["decode"]) == 1
+                                 for nodes in router.get("/router/stats").json()["models"].values())
+                     and len(router.get("/router/stats").json()["models"]) == 2, 60,
+                     "the router to learn every node's model")
             yield {"router": router, "decode-a": decode_a, "decode-b": decode_b, "prefill-a": prefill_a,
                    "prefill-b": prefill_b, "paths": paths, "logs": logs}
     finally:

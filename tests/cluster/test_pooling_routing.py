@@ -129,6 +129,9 @@ def cluster(tmp_path_factory):
                               decode_peers=decode.serving, health_check_interval=0.5)
         app = create_router_app(tokenizer, name, peers, ServerConfig(api_key=KEY, strict_model_name=True))
         with TestClient(app, headers=AUTH) as router:
+            # each node's models come with a probe's answer; on a busy machine the first may come late
+            wait_for(lambda: set(router.get("/router/stats").json()["models"]) >= {name, EMBEDDER}, 60,
+                     "the router to learn every node's models")
             yield {"router": router, "chat": name, "decode": decode, "prefill": prefill, "embedder": embedder,
                    "chat_path": chat_path}
     finally:
