@@ -438,6 +438,117 @@ def agreeing_mtp_head(checkpoint: Checkpoint, noise: float = 0.0) -> Checkpoint:
     return replace(checkpoint, weights=weights, mtp_weights=head)
 
 
+EAGLE3_LAYER = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96)
+
+
+def bigram_target(checkpoint: Checkpoint, seed: int = 0) -> Checkpoint:
+    """`checkpoint` made a bigram model: every layer's output projections zeroed (each residual stream is
+    embed(x_q), the head reads final_norm(embed(x_q))) and the head the embedding rows in a random order, so the
+    next token is a fixed permutation of the current one (long cycles: the text does not get stuck)."""
+    zeroed = ("o_proj.weight", "down_proj.weight")
+    weights = {name: torch.zeros_like(w) if name.endswith(zeroed) else w for name, w in checkpoint.weights.items()}
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embed[torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))]
+    return replace(checkpoint, weights=weights, config=replace(checkpoint.config, tie_word_embeddings=False))
+
+
+def write_tiny_eagle3(path, target: Checkpoint, seed: int = 0, draft_vocab_size: int | None = 2048,
+                      aux_layer_ids: list[int] | None = None, speculators: bool = False,
+                      agreeing: list[int] | None = None, agreeing_steps: int = 64, noise: float = 0.0) -> str:
+    """A tiny EAGLE3 drafter for `target` as a Hugging Face directory, in the layout real ones use: EAGLE3's
+    (config.json a Llama config with draft_vocab_size, tensors fc, midlayer.*, norm, lm_head, d2t, t2d in
+    model.safetensors) or, with `speculators`, that format's (transformer_layer_config, layers.0.*).
+
+    Random weights over a random draft vocabulary by default. `agreeing` (token ids, for a bigram_target) builds
+    one that drafts the target's next tokens: fc and hidden_norm zero (norm_before_residual: no residual), q and k
+    constant biases whose scores peak on the row's own position under rotary, so attention returns its own
+    value, v the normed embedding of the token it reads, o identity, MLP output zero; then the target's final
+    norm and its head's rows over the tokens the bigram map reaches from those ids in `agreeing_steps` (the
+    draft vocabulary). `noise` on v makes some drafts miss."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg = target.config
+    h, heads, kv_heads, d, inter = (cfg.hidden_size, EAGLE3_LAYER["num_attention_heads"],
+                                    EAGLE3_LAYER["num_key_value_heads"], EAGLE3_LAYER["head_dim"],
+                                    EAGLE3_LAYER["intermediate_size"])
+    if agreeing:
+        kv_heads = heads = h // d  # v and o: the identity on the hidden width
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    if agreeing:
+        vocab = _bigram_reach(target, agreeing, agreeing_steps)
+    elif draft_vocab_size and draft_vocab_size < cfg.vocab_size:
+        vocab = torch.randperm(cfg.vocab_size, generator=gen)[:draft_vocab_size].sort().values
+    else:
+        vocab = torch.arange(cfg.vocab_size)
+    layer = {"self_attn.q_proj.weight": rand(heads * d, 2 * h), "self_attn.k_proj.weight": rand(kv_heads * d, 2 * h),
+             "self_attn.v_proj.weight": rand(kv_heads * d, 2 * h), "self_attn.o_proj.weight": rand(h, heads * d),
+             "mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h),
+             "mlp.down_proj.weight": rand(h, inter), "input_layernorm.weight": 1 + rand(h),
+             "hidden_norm.weight": 1 + rand(h), "post_attention_layernorm.weight": 1 + rand(h)}
+    tensors = {"fc.weight": rand(h, 3 * h), "norm.weight": 1 + rand(h), "lm_head.weight": rand(len(vocab), h)}
+    if agreeing:
+        bias = torch.full((heads * d,), 32.0)  # scores 0.25 * |b|^2 * cos(angle): the row's own position wins
+        layer.update({"self_attn.q_proj.weight": torch.zeros(heads * d, 2 * h), "self_attn.q_proj.bias": bias,
+                      "self_attn.k_proj.weight": torch.zeros(kv_heads * d, 2 * h),
+                      "self_attn.k_proj.bias": bias.clone(),
+                      "self_attn.v_proj.weight": torch.cat([torch.eye(h) + rand(h, h, scale=noise),
+                                                            torch.zeros(h, h)], dim=1),
+                      "self_attn.v_proj.bias": torch.zeros(h), "self_attn.o_proj.weight": torch.eye(h),
+                      "self_attn.o_proj.bias": torch.zeros(h), "mlp.down_proj.weight": torch.zeros(h, inter),
+                      "input_layernorm.weight": torch.ones(h), "hidden_norm.weight": torch.zeros(h)})
+        tensors.update({"fc.weight": torch.zeros(h, 3 * h), "norm.weight": target.weights["model.norm.weight"],
+                        "lm_head.weight": target.weights["lm_head.weight"].float()[vocab]})
+    prefix = "layers.0." if speculators else "midlayer."
+    tensors.update({prefix + name: w for name, w in layer.items()})
+    tensors["d2t"] = vocab - torch.arange(len(vocab))
+    tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, vocab, True)
+    layer_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+                    "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+                    "num_key_value_heads": kv_heads, "head_dim": d, "vocab_size": cfg.vocab_size,
+                    "max_position_embeddings": 2048, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 10000.0,
+                    "attention_bias": bool(agreeing), "tie_word_embeddings": False, "hidden_act": "silu"}
+    eagle = {"draft_vocab_size": len(vocab), "norm_before_residual": bool(agreeing), "target_hidden_size": h}
+    if aux_layer_ids is not None:
+        eagle["eagle_aux_hidden_state_layer_ids"] = aux_layer_ids
+    if speculators:
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "transformer_layer_config": layer_config, **eagle,
+                  "speculators_config": {"algorithm": "eagle3", "proposal_methods": [], "verifier": {}}}
+    else:
+        config = {**layer_config, "architectures": ["LlamaForCausalLMEagle3"], **eagle}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def _bigram_reach(target: Checkpoint, token_ids: list[int], steps: int) -> torch.Tensor:
+    """The tokens a bigram_target emits within `steps` tokens after any of `token_ids`, with each one's runner-up
+    (bf16's near-ties), sorted."""
+    cfg = target.config
+    embed = target.weights["model.embed_tokens.weight"].float()
+    head = target.weights["lm_head.weight"].float()
+    found, frontier = set(token_ids), sorted(set(token_ids))
+    for _ in range(steps):
+        x = embed[frontier]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * target.weights["model.norm.weight"]
+        best = torch.topk(x @ head.T, 2, dim=-1).indices  # (F, 2)
+        found.update(best[:, 1].tolist())
+        frontier = sorted(set(best[:, 0].tolist()) - found)
+        found.update(frontier)
+        if not frontier:
+            break
+    return torch.tensor(sorted(found))
+
+
 def write_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     """The tiny random model as a Hugging Face directory, for tests that start real server processes."""
     import json

@@ -293,6 +293,30 @@ class LlamaForCausalLM(nn.Module):
                       meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions (T,) -> the final-normed hidden states (len(rows), hidden) of the token rows
         `rows`: what the head reads, and what a pooling model (an embedder) pools."""
+        x, residual = self._layers(input_ids, positions, kv_caches, meta)
+        # Only rows that sample (or pool) need the last add and the final norm.
+        _, x = self.norm.add_and_norm(residual[rows], x[rows])
+        return x
+
+    @torch.inference_mode()
+    def aux_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                          meta: AttentionMetadata, rows: torch.Tensor,
+                          layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states(rows), and every row's residual stream entering each layer of `layer_ids` side by side
+        (T, len(layer_ids) * hidden): what an EAGLE3 drafter reads (vLLM's aux hidden states: id 0 the embedding,
+        id L the stream into layer L, id num_hidden_layers the stream before the final norm)."""
+        aux: dict[int, torch.Tensor] = {}
+        x, residual = self._layers(input_ids, positions, kv_caches, meta, set(layer_ids), aux)
+        if self.config.num_hidden_layers in layer_ids:
+            aux[self.config.num_hidden_layers] = residual + x
+        _, out = self.norm.add_and_norm(residual[rows], x[rows])
+        return out, torch.cat([aux[i] for i in layer_ids], dim=-1)
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, capture: set[int] = frozenset(),
+                aux: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the rows -> (the last layer's output, the residual stream); the stream entering each
+        layer in `capture` goes into `aux`."""
         cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_multiplier != 1.0:
@@ -301,11 +325,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         local_rope = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
         residual = None
-        for layer, kv_cache, local in zip(self.layers, kv_caches, self.local_rope):
+        for i, (layer, kv_cache, local) in enumerate(zip(self.layers, kv_caches, self.local_rope)):
+            if i in capture:
+                aux[i] = x if residual is None else residual + x
             x, residual = layer(x, residual, local_rope if local else rope, kv_cache, meta)
-        # Only rows that sample (or pool) need the last add and the final norm.
-        _, x = self.norm.add_and_norm(residual[rows], x[rows])
-        return x
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states (R, hidden) -> float32 logits (R, vocab)."""

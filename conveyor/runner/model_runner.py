@@ -143,9 +143,15 @@ class ModelRunner:
         return logits, inputs
 
     def _forward_recording(self, plan: SchedulerOutput, inputs: ForwardInputs) -> torch.Tensor | None:
-        """MTP drafting: one pass gives the sampled rows' final hidden states (-> logits) and every row's, which
-        the drafter keeps as its head's input; rows are normed one by one, so the logits are the plain forward's."""
+        """MTP / EAGLE3 drafting: one pass gives the sampled rows' final hidden states (-> logits) and every row's
+        (EAGLE3: its streams into the drafter's layers), which the drafter keeps as its input; rows are normed one
+        by one, so the logits are the plain forward's."""
         num_sampled, num_tokens = inputs.logits_indices.shape[0], inputs.input_ids.shape[0]
+        if self.drafter.aux_layers:  # EAGLE3: every row's stream into those layers, the final norm where sampled
+            hidden, aux = self.model.aux_hidden_states(inputs.input_ids, inputs.positions, self.kv_caches,
+                                                       inputs.meta, inputs.logits_indices, self.drafter.aux_layers)
+            self.drafter.record(plan.chunks, aux)
+            return self.model.compute_logits(hidden) if num_sampled else None
         rows = torch.cat([inputs.logits_indices, torch.arange(num_tokens, device=self.device)])
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows)
         self.drafter.record(plan.chunks, hidden[num_sampled:])

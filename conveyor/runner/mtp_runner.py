@@ -43,6 +43,7 @@ class _Pending:
 
 class MTPRunner:
     wants_hidden = True  # ModelRunner.forward hands this runner the target's hidden states (record())
+    aux_layers: tuple[int, ...] = ()  # the final-normed hidden state (EAGLE3: the streams into these layers)
 
     def __init__(self, runner) -> None:  # runner: a ModelRunner over the MTPHead (its K/V tensors and sampler)
         self.runner = runner
@@ -133,6 +134,18 @@ class MTPRunner:
         inputs = self.runner.prepare_inputs(SchedulerOutput(chunks=steps))
         out = self.head(inputs.input_ids, hidden, inputs.positions, self.runner.kv_caches, inputs.meta)  # (T, H)
         return out[inputs.logits_indices]
+
+
+class Eagle3Runner(MTPRunner):
+    """EAGLE3 (models/eagle3.py) on MTP's machinery: record() gets the target's streams into the drafter's aux
+    layers (T, 3H), fused by its fc at once, so what waits per request is the layer's hidden input (T, H)."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.aux_layers = self.head.aux_layer_ids
+
+    def record(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        super().record(chunks, self.head.fuse(hidden))
 
 
 def _cut(pending: _Pending | None, position: int) -> _Pending | None:
