@@ -103,8 +103,13 @@ def test_speculation_spellings():
     assert _engine(env={"CONVEYOR_DRAFT_KIND": "mtp"}).draft_kind == "mtp"
     with pytest.raises(ConfigError, match="own MTP head"):
         _engine("--draft-kind", "mtp", "--draft-model", "/x.gguf")
+    # EAGLE3: a separate drafter checkpoint, so --draft-model is required.
+    eagle3 = _engine("--spec-type", "eagle3", "--draft-model", "/drafter")
+    assert (eagle3.draft_kind, eagle3.ngram_enabled, eagle3.draft_model_enabled) == ("eagle3", False, False)
+    with pytest.raises(ConfigError, match="eagle3 needs --draft-model PATH"):
+        _engine("--draft-kind", "eagle3")
     with pytest.raises(SystemExit):
-        _engine("--spec-type", "eagle3")
+        _engine("--spec-type", "dflash")
 
 
 # Every flag's environment variable means what the flag means, in every boolean spelling. Generated

@@ -1,9 +1,12 @@
-"""Loading the drafter of speculation: a draft model checked against the target, or the target's own MTP head."""
+"""Loading the drafter of speculation: a draft model checked against the target, the target's own MTP head, or an
+EAGLE3 drafter (a small checkpoint reading the target's hidden states)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,8 +16,9 @@ from conveyor.kernels import KernelBackend
 from conveyor.loading import Checkpoint, LoadError, load_checkpoint
 from conveyor.loading.checkpoint import unstack_experts
 from conveyor.loading.pairing import check_draft_pairing
-from conveyor.models import mtp
-from conveyor.models.config import ModelConfig
+from conveyor.models import eagle3, family, mtp
+from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.llama import LlamaForCausalLM
 from conveyor.models.hybrid_layout import FAMILY_NAMES
 from conveyor.models.registry import build_model, set_row_tiles
 from conveyor.models.weights import WeightLoader
@@ -33,7 +37,7 @@ def load_draft_model(config: EngineConfig, target: Checkpoint, draft_checkpoint:
                      dtype: torch.dtype, device: torch.device, ops: KernelBackend) -> DraftModel | None:
     """The draft model when --draft-model (or a checkpoint) is given and --draft-kind allows it; else None.
     A draft whose tokenizer differs from the target's is refused (LoadError) before anything runs."""
-    if config.draft_kind in ("none", "prompt-lookup", "mtp") or (draft_checkpoint is None
+    if config.draft_kind in ("none", "prompt-lookup", "mtp", "eagle3") or (draft_checkpoint is None
                                                                   and config.draft_model is None):
         return None
     if not ops.speculation:
@@ -73,3 +77,66 @@ def load_mtp_head(config: EngineConfig, target: Checkpoint, model: nn.Module, dt
         set_row_tiles(head)
     logger.info("MTP head of %s proposes %d tokens per row", target.name, config.draft_block_size)
     return DraftModel(f"{target.name}:mtp", cfg, head)
+
+
+def load_eagle3_head(config: EngineConfig, target: Checkpoint, model: nn.Module, dtype: torch.dtype,
+                     device: torch.device, ops: KernelBackend) -> DraftModel | None:
+    """The EAGLE3 drafter at --draft-model for --draft-kind eagle3 (models/eagle3.py); else None. A target that is
+    not a plain dense decoder (Llama-family, Qwen3: the shared decoder) or a drafter of another hidden size is
+    refused (LoadError)."""
+    if config.draft_kind != "eagle3":
+        return None
+    cfg = target.config
+    if family.model_class(cfg.architecture) is not LlamaForCausalLM:
+        raise LoadError(f"--draft-kind eagle3: {target.name} ({cfg.architecture}) is not a dense decoder EAGLE3 "
+                        "drafts for (Llama-family, Qwen3 and the other families on the shared decoder)")
+    raw, weights = _read_eagle3_dir(config.draft_model)
+    try:
+        spec = eagle3.Eagle3Config.from_hf_dict(raw)
+    except (ModelConfigError, TypeError, ValueError) as exc:
+        raise LoadError(f"--draft-kind eagle3: {config.draft_model}: {exc}") from None
+    if spec.layer.hidden_size != cfg.hidden_size or spec.target_hidden_size != cfg.hidden_size:
+        raise LoadError(f"--draft-kind eagle3: the drafter's hidden size {spec.layer.hidden_size} does not match "
+                        f"{target.name}'s {cfg.hidden_size}")
+    ids = spec.aux_layer_ids or eagle3.default_aux_layer_ids(cfg.num_hidden_layers)
+    if len(ids) != 3 or not all(0 <= i <= cfg.num_hidden_layers for i in ids):
+        raise LoadError(f"--draft-kind eagle3: aux hidden state layers {list(ids)} do not fit {target.name}'s "
+                        f"{cfg.num_hidden_layers} layers (three ids in 0..{cfg.num_hidden_layers})")
+    if not ops.speculation:
+        logger.warning("--draft-kind eagle3 ignored: speculation needs a batch-invariant backend (this one: %s)",
+                       ops.name)
+        return None
+    head = eagle3.Eagle3Head(spec, ids, cfg, ops, model)
+    try:
+        head.load_weights(eagle3.checkpoint_names(weights), WeightLoader(ops, dtype, device, config.weight_dtype))
+    except KeyError as exc:
+        raise LoadError(f"--draft-kind eagle3: {config.draft_model} is incomplete ({exc.args[0]})") from None
+    except ModelConfigError as exc:
+        raise LoadError(f"--draft-kind eagle3: {config.draft_model}: {exc}") from None
+    head.eval()
+    if config.batch_invariant:
+        set_row_tiles(head)
+    name = Path(config.draft_model).name
+    logger.info("EAGLE3 drafter %s (draft vocabulary %d, target layers %s) proposes %d tokens per row", name,
+                spec.draft_vocab_size, list(ids), config.draft_block_size)
+    return DraftModel(f"{target.name}:eagle3:{name}", cfg, head)
+
+
+def _read_eagle3_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and every tensor of an EAGLE3 drafter's directory (*.safetensors, else pytorch_model.bin)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise LoadError(f"--draft-kind eagle3: {path} is not a drafter's Hugging Face directory (no config.json)")
+    raw = json.loads((folder / "config.json").read_text())
+    weights: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for file in files:
+            weights.update(load_file(str(file)))
+    elif (folder / "pytorch_model.bin").is_file():  # EAGLE3's own releases (yuhuili/EAGLE3-*)
+        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise LoadError(f"--draft-kind eagle3: {path} has no *.safetensors or pytorch_model.bin")
+    return raw, weights

@@ -16,7 +16,7 @@ from conveyor.engine.background import idle_priority
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.disk_store import STATE, WINDOW
-from conveyor.engine.draft_setup import load_draft_model, load_mtp_head
+from conveyor.engine.draft_setup import load_draft_model, load_eagle3_head, load_mtp_head
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
@@ -37,12 +37,13 @@ from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.loading.heap import trim_heap
 from conveyor.models.config import ModelConfigError
+from conveyor.models.eagle3 import Eagle3Head
 from conveyor.models.mtp import MTPHead
 from conveyor.models.pooling import Pooler, PoolingConfig
 from conveyor.models.registry import build_model
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
-from conveyor.runner.mtp_runner import MTPRunner
+from conveyor.runner.mtp_runner import Eagle3Runner, MTPRunner
 from conveyor.models.cache_specs import KVSpec, has_latent_kv, kv_window, state_bytes_per_slot
 from conveyor.runner.model_runner import ModelRunner, kv_group_bytes_per_block
 from conveyor.structured.compiler import GrammarCompiler
@@ -170,7 +171,8 @@ class EngineCore:
         self.pooling: PoolingConfig | None = resolve_pooling(config, checkpoint, model)
         progress.set_stage("draft model and KV cache")
         self.draft = (load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
-                      or load_mtp_head(config, checkpoint, model, self.dtype, self.device, self.backend))
+                      or load_mtp_head(config, checkpoint, model, self.dtype, self.device, self.backend)
+                      or load_eagle3_head(config, checkpoint, model, self.dtype, self.device, self.backend))
         specs = model.cache_specs()
         # --cache-type-k / -v: every attention layer (full, sliding, a hybrid's, the draft's) keeps K/V this way.
         self.kv_types = KVCacheTypes(config.cache_type_k, config.cache_type_v)
@@ -293,10 +295,10 @@ class EngineCore:
         tick = prefill_tokens_per_tick(config.prefill_chunk_size, rows, config.max_batch_prefill_tokens)
         return WindowGroupNeed(self.sliding_window, bytes_per_block, tick, rows)
 
-    def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | None:
+    def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | None:  # (an Eagle3Runner is an MTPRunner)
         if self.draft is None:
             return None
-        if isinstance(self.draft.model, MTPHead):
+        if isinstance(self.draft.model, (MTPHead, Eagle3Head)):
             runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
                                  self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types)
             # NOTE: zeros, not the pool's empty pages: a position the head never wrote (a cached block's last row,
@@ -304,7 +306,7 @@ class EngineCore:
             for layer in runner.kv_layer_tensors():
                 for tensor in layer:
                     tensor.zero_()
-            return MTPRunner(runner)
+            return Eagle3Runner(runner) if isinstance(self.draft.model, Eagle3Head) else MTPRunner(runner)
         recurrent = bool(state_bytes_per_slot(self.draft.model.cache_specs()))
         runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
                              self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types,
@@ -414,9 +416,11 @@ class EngineCore:
                                   "max_batch": config.prompt_lookup_max_batch},
                 "draft_model": {"enabled": self.draft is not None,
                                 "name": self.draft.name if self.draft is not None else None,
-                                # the drafter: a separate model, or the target's own MTP head (--draft-kind mtp)
+                                # the drafter: a separate model, the target's own MTP head (--draft-kind mtp) or an
+                                # EAGLE3 drafter (--draft-kind eagle3)
                                 "kind": (None if self.draft is None
-                                         else "mtp" if isinstance(self.draft.model, MTPHead) else "draft-model"),
+                                         else "mtp" if isinstance(self.draft.model, MTPHead)
+                                         else "eagle3" if isinstance(self.draft.model, Eagle3Head) else "draft-model"),
                                 "block_size": config.draft_model_tokens,
                                 "draft_tokens": stats.num_model_draft_tokens,
                                 "accepted_tokens": stats.num_model_accepted_tokens},
