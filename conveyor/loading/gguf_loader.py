@@ -28,7 +28,6 @@ from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
 from conveyor.models import family as families
-from conveyor.models import mtp
 from conveyor.models.config import ModelConfig
 from conveyor.models.pooling import DenseSpec, PoolingConfig
 
@@ -96,6 +95,8 @@ class _Reader(gguf.GGUFReader):
 def load_gguf(path: str) -> Checkpoint:
     """One GGUF file, or a split one from any of its parts (`NAME-00001-of-00003.gguf`, as llama.cpp's
     gguf-split and convert_hf_to_gguf --split-max-size write them: the metadata in the first)."""
+    from conveyor.models import mtp  # (here: importing the loaders imports no family, tests/models/test_family.py)
+
     parts = split_parts(path)
     readers = []
     for part in parts:
