@@ -454,7 +454,8 @@ def bigram_target(checkpoint: Checkpoint, seed: int = 0) -> Checkpoint:
 
 def write_tiny_eagle3(path, target: Checkpoint, seed: int = 0, draft_vocab_size: int | None = 2048,
                       aux_layer_ids: list[int] | None = None, speculators: bool = False,
-                      agreeing: list[int] | None = None, agreeing_steps: int = 64, noise: float = 0.0) -> str:
+                      agreeing: list[int] | None = None, agreeing_steps: int = 64, noise: float = 0.0,
+                      layer_shape: dict | None = None) -> str:
     """A tiny EAGLE3 drafter for `target` as a Hugging Face directory, in the layout real ones use: EAGLE3's
     (config.json a Llama config with draft_vocab_size, tensors fc, midlayer.*, norm, lm_head, d2t, t2d in
     model.safetensors) or, with `speculators`, that format's (transformer_layer_config, layers.0.*).
@@ -464,16 +465,15 @@ def write_tiny_eagle3(path, target: Checkpoint, seed: int = 0, draft_vocab_size:
     constant biases whose scores peak on the row's own position under rotary, so attention returns its own
     value, v the normed embedding of the token it reads, o identity, MLP output zero; then the target's final
     norm and its head's rows over the tokens the bigram map reaches from those ids in `agreeing_steps` (the
-    draft vocabulary). `noise` on v makes some drafts miss."""
+    draft vocabulary). `noise` on v makes some drafts miss. `layer_shape` overrides EAGLE3_LAYER's widths."""
     import json
     import os
 
     from safetensors.torch import save_file
 
-    cfg = target.config
-    h, heads, kv_heads, d, inter = (cfg.hidden_size, EAGLE3_LAYER["num_attention_heads"],
-                                    EAGLE3_LAYER["num_key_value_heads"], EAGLE3_LAYER["head_dim"],
-                                    EAGLE3_LAYER["intermediate_size"])
+    cfg, shape = target.config, {**EAGLE3_LAYER, **(layer_shape or {})}
+    h, heads, kv_heads, d, inter = (cfg.hidden_size, shape["num_attention_heads"], shape["num_key_value_heads"],
+                                    shape["head_dim"], shape["intermediate_size"])
     if agreeing:
         kv_heads = heads = h // d  # v and o: the identity on the hidden width
     gen = torch.Generator().manual_seed(seed)

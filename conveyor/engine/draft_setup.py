@@ -93,7 +93,7 @@ def load_eagle3_head(config: EngineConfig, target: Checkpoint, model: nn.Module,
     raw, weights = _read_eagle3_dir(config.draft_model)
     try:
         spec = eagle3.Eagle3Config.from_hf_dict(raw)
-    except (ModelConfigError, TypeError, ValueError) as exc:
+    except (ModelConfigError, KeyError, TypeError, ValueError) as exc:
         raise LoadError(f"--draft-kind eagle3: {config.draft_model}: {exc}") from None
     if spec.layer.hidden_size != cfg.hidden_size or spec.target_hidden_size != cfg.hidden_size:
         raise LoadError(f"--draft-kind eagle3: the drafter's hidden size {spec.layer.hidden_size} does not match "
