@@ -5,7 +5,11 @@ one built to agree with a bigram target (drafts accepted) and one that agrees on
 by rejection sampling; chunked prefill, prefix hits and preemption; every KV block back; the refusals.
 """
 
+import shutil
+
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conveyor.config import ConfigError, EngineConfig
 from conveyor.engine.llm import LLM
@@ -173,3 +177,14 @@ def test_aux_layers_past_the_target_are_refused(tmp_path):
     drafter = write_tiny_eagle3(tmp_path, target, aux_layer_ids=[1, 2, 9])
     with pytest.raises(LoadError, match=r"aux hidden state layers \[1, 2, 9\] do not fit"):
         _eagle3(target, drafter, 1)
+
+
+def test_eagle3s_own_pytorch_model_bin_loads(random_drafter, tmp_path):
+    """EAGLE3's own releases (yuhuili/EAGLE3-*) ship pytorch_model.bin, not safetensors."""
+    target, drafter, want = random_drafter
+    shutil.copy(f"{drafter}/config.json", tmp_path / "config.json")
+    torch.save(load_file(f"{drafter}/model.safetensors"), tmp_path / "pytorch_model.bin")
+    spec = _eagle3(target, str(tmp_path), 16)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0
