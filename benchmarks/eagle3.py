@@ -15,15 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 
-from conveyor.engine.llm import LLM
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.testing import bigram_target, tiny_checkpoint, write_tiny_eagle3
-
-
-def _prompts(concurrency: int) -> list[str]:
-    return [f"Request {i}: tell me about the number {i}." for i in range(concurrency)]
+from drafting_runs import prompts, timed_run  # noqa: E402 (a sibling script)
 
 
 def _setup(hidden: int, layers: int, agree: bool, tokens: int, concurrency: int):
@@ -34,23 +28,9 @@ def _setup(hidden: int, layers: int, agree: bool, tokens: int, concurrency: int)
     if not agree:
         return target, write_tiny_eagle3(tempfile.mkdtemp(), target, layer_shape=shape)
     target = bigram_target(target)
-    ids = sorted({t for p in _prompts(concurrency) for t in target.tokenizer.encode(p)})
+    ids = sorted({t for p in prompts(concurrency) for t in target.tokenizer.encode(p)})
     return target, write_tiny_eagle3(tempfile.mkdtemp(), target, agreeing=ids, agreeing_steps=tokens + 16,
                                      layer_shape=shape)
-
-
-def _run(checkpoint, concurrency: int, tokens: int, **engine) -> dict:
-    llm = LLM(checkpoint=checkpoint, parallel=concurrency, speculative_ngram=0, speculative_max_rows=128,
-              enable_prefix_caching=False, **engine)
-    prompts = _prompts(concurrency)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
-    started = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    seconds = time.perf_counter() - started
-    stats = llm.engine.scheduler.stats
-    return {"tokens_per_s": round(sum(len(o.token_ids) for o in outs) / seconds, 1),
-            "drafted": stats.num_model_draft_tokens, "accepted": stats.num_model_accepted_tokens,
-            "token_ids": [o.token_ids for o in outs]}
 
 
 def main() -> None:
@@ -66,10 +46,10 @@ def main() -> None:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             target, drafter = _setup(args.hidden, args.layers, agree, args.tokens, concurrency)
             eagle3 = dict(draft_kind="eagle3", draft_model=drafter)
-            runs = {"plain": _run(target, concurrency, args.tokens),
-                    "eagle3_declined": _run(target, concurrency, args.tokens, draft_policy="decline", **eagle3),
-                    "eagle3": _run(target, concurrency, args.tokens, draft_policy="enable", draft_block_size=args.k,
-                                   **eagle3)}
+            runs = {"plain": timed_run(target, concurrency, args.tokens),
+                    "eagle3_declined": timed_run(target, concurrency, args.tokens, draft_policy="decline", **eagle3),
+                    "eagle3": timed_run(target, concurrency, args.tokens, draft_policy="enable",
+                                        draft_block_size=args.k, **eagle3)}
             assert runs["eagle3"]["token_ids"] == runs["plain"]["token_ids"]  # greedy: bitwise plain decoding
             for run in runs.values():
                 del run["token_ids"]

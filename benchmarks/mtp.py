@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-from conveyor.engine.llm import LLM
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.testing import agreeing_mtp_head, tiny_hybrid_checkpoint
+from drafting_runs import timed_run  # noqa: E402 (a sibling script)
 
 
 def _checkpoint(hidden: int, layers: int, agree: bool):
@@ -27,21 +25,6 @@ def _checkpoint(hidden: int, layers: int, agree: bool):
         head_dim=64, linear_num_key_heads=hidden // 128, linear_num_value_heads=hidden // 64,
         linear_key_head_dim=64, linear_value_head_dim=64)
     return agreeing_mtp_head(checkpoint) if agree else checkpoint
-
-
-def _run(checkpoint, concurrency: int, tokens: int, **engine) -> dict:
-    llm = LLM(checkpoint=checkpoint, parallel=concurrency, speculative_ngram=0, speculative_max_rows=128,
-              enable_prefix_caching=False, **engine)
-    prompts = [f"Request {i}: tell me about the number {i}." for i in range(concurrency)]
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - started
-    stats = llm.engine.scheduler.stats
-    return {"tokens_per_s": round(sum(len(o.token_ids) for o in outs) / seconds, 1),
-            "drafted": stats.num_model_draft_tokens, "accepted": stats.num_model_accepted_tokens,
-            "token_ids": [o.token_ids for o in outs]}
 
 
 def main() -> None:
@@ -56,11 +39,11 @@ def main() -> None:
     for agree in (False, True):
         checkpoint = _checkpoint(args.hidden, args.layers, agree)
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            runs = {"plain": _run(checkpoint, concurrency, args.tokens),
-                    "mtp_declined": _run(checkpoint, concurrency, args.tokens, draft_kind="mtp",
-                                         draft_policy="decline"),
-                    "mtp": _run(checkpoint, concurrency, args.tokens, draft_kind="mtp", draft_policy="enable",
-                                draft_block_size=args.k)}
+            runs = {"plain": timed_run(checkpoint, concurrency, args.tokens),
+                    "mtp_declined": timed_run(checkpoint, concurrency, args.tokens, draft_kind="mtp",
+                                              draft_policy="decline"),
+                    "mtp": timed_run(checkpoint, concurrency, args.tokens, draft_kind="mtp", draft_policy="enable",
+                                     draft_block_size=args.k)}
             assert runs["mtp"]["token_ids"] == runs["plain"]["token_ids"]  # greedy: bitwise plain decoding
             for run in runs.values():
                 del run["token_ids"]
