@@ -148,3 +148,15 @@ def call(base: str, path: str, body: dict) -> dict:
 
 def _usage(usage: dict) -> dict:
     return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def metric_sample(client, name: str, **labels: str) -> float:
+    """The value of the first /metrics sample called `name` whose labels include `labels` (0 when none): `client`
+    is anything with .get(path) (a TestClient of the router, an httpx.Client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

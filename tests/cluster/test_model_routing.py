@@ -14,9 +14,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import free_port, start, wait_for, wait_healthy
+from cluster_harness import free_port, metric_sample, start, wait_for, wait_healthy
 from conveyor.cluster import transport, wire
 from conveyor.cluster.decode import DecodeNode
 from conveyor.cluster.health import HealthMonitor
@@ -260,27 +259,19 @@ def test_models_lists_the_union_with_the_nodes_serving_each(two_models):
     assert nodes[two_models["decode-b"].serving] == ["model-b"]
 
 
-def _sample(router: TestClient, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(router.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
 def test_metrics_and_the_dashboard_are_per_model(two_models):
     """The router's own series carry the model; the dashboard (and its stream) and a GET's ?model= pick one."""
     router = two_models["router"]
     series = [("conveyor_router_requests_finished_total", {"model": m, "finish_reason": "length"})
               for m in ("model-a", "model-b")]
     series += [("conveyor_router_time_to_first_token_seconds_count", {"model": m}) for m in ("model-a", "model-b")]
-    before = [_sample(router, name, **labels) for name, labels in series]
+    before = [metric_sample(router, name, **labels) for name, labels in series]
     dash_before = {m: router.get("/v1/dashboard", params={"model": m}).json() for m in ("model-a", "model-b")}
     for _ in range(2):
         assert router.post(CHAT, json=_chat("model-b")).status_code == 200
-    after = [_sample(router, name, **labels) for name, labels in series]
+    after = [metric_sample(router, name, **labels) for name, labels in series]
     assert [a - b for a, b in zip(after, before)] == [0, 2, 0, 2]
-    assert _sample(router, "conveyor_router_model_nodes_online", model="model-b", role="decode") == 1
+    assert metric_sample(router, "conveyor_router_model_nodes_online", model="model-b", role="decode") == 1
     dash = {m: router.get("/v1/dashboard", params={"model": m}).json() for m in ("model-a", "model-b")}
     assert dash["model-b"]["model"] == "model-b" and router.get("/v1/dashboard").json()["model"] == "model-a"
     assert dash["model-b"]["counters"]["ttft_count"] - dash_before["model-b"]["counters"]["ttft_count"] == 2

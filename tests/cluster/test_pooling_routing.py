@@ -17,9 +17,8 @@ import httpx
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import free_port, start, wait_for, wait_healthy
+from cluster_harness import free_port, metric_sample, start, wait_for, wait_healthy
 from conveyor.cluster import wire
 from conveyor.cluster.forward import PoolingForwarder
 from conveyor.cluster.health import HealthMonitor
@@ -148,14 +147,6 @@ def _dispatched(router: TestClient) -> dict[str, int]:
     return {n["address"]: n["dispatched"] for role in ("prefill", "decode") for n in stats[role]}
 
 
-def _sample(router: TestClient, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(router.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
 def test_embeddings_through_the_router_are_the_nodes_own_bytes(cluster):
     router, embedder = cluster["router"], cluster["embedder"]
     before = _dispatched(router)
@@ -213,13 +204,13 @@ def test_metrics_and_the_dashboard_count_forwarded_requests_per_endpoint(cluster
               ("conveyor_api_requests_total", {"api": "embeddings"}),
               ("conveyor_api_requests_total", {"api": "rerank"}),
               ("conveyor_router_forwarded_total", {})]
-    before = [_sample(router, name, **labels) for name, labels in series]
+    before = [metric_sample(router, name, **labels) for name, labels in series]
     routing = router.get("/v1/dashboard").json()["routing"]
     for _ in range(2):
         assert router.post("/v1/embeddings", json={"model": EMBEDDER, "input": TEXTS}).status_code == 200
     assert router.post("/v1/rerank", json={"model": EMBEDDER, "query": "q", "documents": ["d"]}).status_code == 400
     assert router.post("/v1/embeddings", json={"model": "no-such-model", "input": "x"}).status_code == 404
-    after = [_sample(router, name, **labels) for name, labels in series]
+    after = [metric_sample(router, name, **labels) for name, labels in series]
     assert [a - b for a, b in zip(after, before)] == [2, 1, 3, 1, 3]  # the 404 was received, not forwarded
     now = router.get("/v1/dashboard").json()["routing"]
     assert (now["forwarded"] - routing["forwarded"], now["completed"] - routing["completed"],
