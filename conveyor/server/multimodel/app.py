@@ -75,24 +75,31 @@ class MultiModelApp:
         loaded = entry.state is ModelState.LOADED and entry.app is not None
         if scope["method"] == "GET" and route in ("/health", "/v1/models", "/models", f"/v1/models/{name}") \
                 and not (route == "/health" and loaded and not self.draining):  # a loaded one's own /health
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            if route != "/health" and self.config.api_key is not None \
-                    and not api_key_matches(headers, self.config.api_key):
+            if route != "/health" and not self._key_ok(scope):
                 await invalid_api_key().response(scope["path"])(scope, receive, send)
                 return
-            if route == "/health":
-                body = {"status": "shutting_down" if self.draining else "ok", "model": name,
-                        "state": entry.state.value}
-                reply = JSONResponse(body, status_code=503 if self.draining else 200)
-            else:
-                card = model_card(entry)
-                reply = JSONResponse(card if route.startswith("/v1/models/") else {"object": "list", "data": [card]})
-            await reply(scope, receive, send)
+            await self._registry_answer(entry, route)(scope, receive, send)
             return
         prefix = MODEL_PREFIX + name
         inner = dict(scope, path=route, raw_path=route.encode("latin-1"),
                      root_path=scope.get("root_path", "") + prefix)
         await self._dispatch(inner, receive, send, pinned=name)
+
+    def _registry_answer(self, entry: ModelEntry, route: str) -> JSONResponse:
+        """A model's own /health, /v1/models or /v1/models/<name>, from the registry (loaded or not)."""
+        if route == "/health":
+            body = {"status": "shutting_down" if self.draining else "ok", "model": entry.name,
+                    "state": entry.state.value}
+            return JSONResponse(body, status_code=503 if self.draining else 200)
+        card = model_card(entry)
+        return JSONResponse(card if route.startswith("/v1/models/") else {"object": "list", "data": [card]})
+
+    def _key_ok(self, scope: Scope) -> bool:
+        """The request carries the API key (or none is set)."""
+        if self.config.api_key is None:
+            return True
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return api_key_matches(headers, self.config.api_key)
 
     def _split_model_path(self, path: str) -> tuple[str, str] | None:
         """(model name, the route after it) of a /model/<name>/... path; names may hold slashes (Hub names):
@@ -106,8 +113,7 @@ class MultiModelApp:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send, pinned: str | None = None) -> None:
         """Runs the request on its model's app; `pinned`: the model its path names (its own base URL)."""
         path = scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.config.api_key is not None and not api_key_matches(headers, self.config.api_key):
+        if not self._key_ok(scope):
             await invalid_api_key().response(path)(scope, receive, send)
             return
         try:
