@@ -12,6 +12,7 @@ from conveyor.models import family as families
 from conveyor.models.config import ExpertNames, ModelConfig
 from conveyor.models.mla_dims import mla_weight_names
 from conveyor.models.pooling import PoolingConfig
+from conveyor.multimodal.vision import VisionCheckpoint
 from conveyor.models.tensors import QuantizedTensor, Weight  # noqa: F401 (the loaders' names for them)
 
 
@@ -40,6 +41,8 @@ class Checkpoint:
     # A multi-token-prediction head beside the model (Qwen3.5 / Qwen3-Next: mtp.*, HF names): loaded only for
     # --draft-kind mtp (models/mtp.py); empty when the checkpoint has none.
     mtp_weights: dict[str, Weight] = field(default_factory=dict, repr=False, compare=False)
+    # A vision-language checkpoint's tower and projector (multimodal/vision.py); None for a text-only model.
+    vision: VisionCheckpoint | None = field(default=None, repr=False, compare=False)
 
 
 def expected_weight_names(config: ModelConfig, available: Collection[str] = ()) -> list[str]:

@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 from conveyor.loading.checkpoint import Checkpoint, LoadError, select_weights
 from conveyor.loading.sentence_transformers import read_pooling
 from conveyor.loading.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer, build_tokenizer
+from conveyor.loading.tokenizer_cache import TOKENIZERS
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.multimodal.vision import VisionCheckpoint, vision_model_types
 
 
 def load_hf_dir(path: str) -> Checkpoint:
@@ -23,16 +25,32 @@ def load_hf_dir(path: str) -> Checkpoint:
     if not os.path.isfile(config_path):
         hint = " (for a GGUF model pass the .gguf file itself)" if glob.glob(os.path.join(path, "*.gguf")) else ""
         raise LoadError(f"{path}: no config.json in the model directory{hint}")
+    raw = read_json(config_path)
     try:
-        config = ModelConfig.from_hf_dict(read_json(config_path))
+        config = ModelConfig.from_hf_dict(raw)
     except ModelConfigError as exc:
         raise LoadError(f"{config_path}: {exc}") from exc
-    weights = rename_weights(config.architecture, text_model_weights(decoder_names(_read_safetensors(path))))
+    raw_weights = _read_safetensors(path)
+    weights = rename_weights(config.architecture, text_model_weights(decoder_names(raw_weights)))
     tokenizer = load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
     config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
                       source=path, name=model_name(path), pooling=read_pooling(path),
-                      mtp_weights={n: w for n, w in weights.items() if n.startswith("mtp.")})
+                      mtp_weights={n: w for n, w in weights.items() if n.startswith("mtp.")},
+                      vision=read_vision(path, raw, raw_weights))
+
+
+def read_vision(path: str, raw: dict[str, Any], weights: dict[str, Any]) -> VisionCheckpoint | None:
+    """A multimodal checkpoint's vision side (multimodal/vision.py builds its tower), None for a text model or a
+    model_type without a vision family (its text model still loads)."""
+    model_type = raw.get("model_type")
+    if "vision_config" not in raw or model_type not in vision_model_types():
+        return None
+    processor = _optional_json(os.path.join(path, "preprocessor_config.json"))
+    saved = _optional_json(os.path.join(path, "processor_config.json"))
+    processor.update(saved.get("image_processor") or {})  # transformers 5 nests the image processor's settings
+    processor.update({k: v for k, v in saved.items() if k != "image_processor"})
+    return VisionCheckpoint(model_type, raw, processor, weights)
 
 
 def decoder_names(weights: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +69,24 @@ def model_name(path: str) -> str:
     return parts[-1]
 
 
+def read_hf_dir_tokenizer(path: str) -> Tokenizer:
+    """A model directory's tokenizer alone, as load_hf_dir reads it (the config's end tokens included)."""
+    config = ModelConfig.from_hf_dict(read_json(os.path.join(path, "config.json")))
+    return load_hf_tokenizer(path, extra_eos_ids=config.eos_token_ids)
+
+
+# What load_hf_tokenizer reads: a change to any of them is a new tokenizer (loading/tokenizer_cache.py).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
 def load_hf_tokenizer(path: str, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
     """tokenizer.json plus the special tokens and chat template from the files saved beside it."""
+    return TOKENIZERS.get_or_build([os.path.join(path, name) for name in TOKENIZER_FILES],
+                                   lambda: _read_hf_tokenizer(path, extra_eos_ids), extra=tuple(extra_eos_ids))
+
+
+def _read_hf_tokenizer(path: str, extra_eos_ids: tuple[int, ...]) -> Tokenizer:
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_path):
         raise LoadError(f"{path}: no tokenizer.json in the model directory (only fast tokenizers are supported)")

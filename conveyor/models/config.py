@@ -374,9 +374,6 @@ class ModelConfig:
         multimodal = families.multimodal_text_types()
         if model_type in multimodal and "text_config" in raw:
             return cls.from_hf_dict(_text_config(raw, multimodal[model_type]))
-        if model_type == "gemma3" and "text_config" in raw:
-            raise ModelConfigError("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
-                                   "text-only ones (model_type 'gemma3_text') and GGUF files are")
         family = families.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             raise ModelConfigError(

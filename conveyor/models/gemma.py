@@ -135,6 +135,6 @@ CHAT_TEMPLATE = (
 
 register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("gemma2",),
                 gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS, chat_template=CHAT_TEMPLATE),
-         Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields,
+         Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields, multimodal_type="gemma3",
                 gguf_architectures=("gemma3", "gemma-embedding"), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS,
                 chat_template=CHAT_TEMPLATE))

@@ -1,0 +1,69 @@
+"""Gemma 3's vision side against transformers (float32): the processor's pixels and token ids, the tower +
+projector's embeddings, then prefill logits and greedy tokens with 1 and 2 images through our runner."""
+
+import pytest
+import torch
+from tiny_gemma3_vision import BOI, NUM_EMBEDS, SOFT, hf_processor, random_image, write_model_dir
+
+from conveyor.loading.hf_loader import load_hf_dir
+from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.vision import build_vision
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = {  # newline runs beside the marker merge into one token on both sides
+    1: "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n",
+    2: "<bos><start_of_turn>user\nabc<start_of_image><start_of_image>\nCompare them, please, in detail.<end_of_turn>\n"
+       "<start_of_turn>model\n",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_vision")
+    hf = write_model_dir(path, transformers)
+    checkpoint = load_hf_dir(str(path))
+    vision = build_vision(checkpoint.vision, checkpoint.tokenizer, torch.float32, torch.device("cpu"))
+    return hf, checkpoint, vision
+
+
+def _ours(checkpoint, vision, text: str, images: list):
+    ids = checkpoint.tokenizer.encode(text, add_special_tokens=False)
+    return vision.processor.expand(ids, [ImageInput.from_pil(i) for i in images])
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_processor_matches_transformers(tiny, num_images):
+    _, checkpoint, vision = tiny
+    images = [random_image(s, (40 + 7 * s, 50)) for s in range(num_images)]
+    want = hf_processor(transformers)(text=[PROMPTS[num_images]], images=[images], return_tensors="pt")
+    got = _ours(checkpoint, vision, PROMPTS[num_images], images)
+    assert got.token_ids == want["input_ids"][0].tolist()
+    assert torch.equal(torch.stack([item.pixel_values for item in got.items]), want["pixel_values"])
+    types = [0] * len(got.token_ids)
+    for item in got.items:
+        for p in item.embed_positions():
+            types[p] = 1
+            assert got.token_ids[p] == SOFT
+        assert got.token_ids[item.offset + item.embed_runs[0][0] - 1] == BOI
+    assert types == want["token_type_ids"][0].tolist()
+
+
+def test_marker_count_must_match_images(tiny):
+    from conveyor.errors import InvalidRequestError
+
+    _, checkpoint, vision = tiny
+    with pytest.raises(InvalidRequestError, match="2 image markers"):
+        _ours(checkpoint, vision, PROMPTS[2], [random_image(0)])
+
+
+def test_encoder_matches_transformers(tiny):
+    hf, checkpoint, vision = tiny
+    images = [random_image(3), random_image(4, (64, 20))]
+    got = _ours(checkpoint, vision, PROMPTS[2], images)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.stack([i.pixel_values for i in got.items])).pooler_output
+    for item, expected in zip(got.items, want):
+        ours = vision.encoder.encode(item)
+        assert ours.shape == (NUM_EMBEDS, 64)
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,82 @@
+"""A tiny random Gemma3ForConditionalGeneration directory (save_pretrained) with a tokenizer and processor built
+here: 32 px images in 8 px patches (16 patches) pooled to 4 tokens, a 2-layer text tower whose first layer slides
+over 8 positions, so an image placed late in a prompt meets the window."""
+
+from __future__ import annotations
+
+import numpy as np
+import tokenizers
+import torch
+from PIL import Image
+from tokenizers import models
+
+SPECIAL = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+           "<image_soft_token>"]
+NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
+BOI, EOI, SOFT = 5, 6, 7
+NUM_EMBEDS = 4
+# Gemma 3's instruction format with image parts, as Google's template writes them.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+
+
+def tiny_tokenizer() -> tokenizers.Tokenizer:
+    """Character BPE whose only merges join newlines ("\\n\\n\\n" is one token, as in Gemma's vocabulary)."""
+    vocab = {t: i for i, t in enumerate(SPECIAL + NEWLINES + [chr(c) for c in range(32, 127)])}
+    merges = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    return tok
+
+
+def hf_processor(transformers):
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tiny_tokenizer(), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    tok.chat_template = CHAT_TEMPLATE
+    images = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return transformers.Gemma3Processor(images, tok, image_seq_length=NUM_EMBEDS, chat_template=CHAT_TEMPLATE)
+
+
+def hf_model(transformers, seed: int = 0):
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                         eos_token_id=2, bos_token_id=1, pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=NUM_EMBEDS, boi_token_index=BOI, eoi_token_index=EOI, image_token_index=SOFT,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # norms start at 0 (the 1 + w form): randomize so a skipped one cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mm_input_projection_weight"):
+                p.normal_(0, 0.3)  # zeros at init: the image would not show in the logits
+            elif name.endswith(("q_proj.weight", "k_proj.weight")) and "language_model" in name:
+                p.mul_(4)
+    return model
+
+
+def write_model_dir(path, transformers, seed: int = 0):
+    """The model, its tokenizer and processor saved as a Hub directory; returns the HF model."""
+    model = hf_model(transformers, seed)
+    model.save_pretrained(path)
+    hf_processor(transformers).save_pretrained(path)
+    return model
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
