@@ -30,6 +30,9 @@ class AttentionMetadata:
     # Models whose sliding layers keep K/V in their own block group: those layers' slot_mapping and
     # block_tables (every other field is the same); None when all layers share one table.
     window_view: AttentionMetadata | None = None
+    # (T,) int32 exclusive end of each row's visible keys, where some row sees past its own position (Gemma 3's image
+    # rows attend their whole image run both ways); None: plain causal, token_pos + 1. Windows start from token_pos.
+    key_end: torch.Tensor | None = None
 
     def for_window(self, window: int) -> AttentionMetadata:
         """The metadata a layer with this window (0: full attention) reads and writes its K/V through."""
@@ -79,7 +82,8 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         v = values.to(work).repeat_interleave(group, dim=1).transpose(0, 1)
         positions = meta.token_pos[row:row + num_rows].long()
         keys = torch.arange(seq_len, device=query.device)[None, :]
-        mask = keys > positions[:, None]  # (R, L)
+        ends = positions if meta.key_end is None else meta.key_end[row:row + num_rows].long() - 1
+        mask = keys > ends[:, None]  # (R, L)
         if window > 0:
             mask |= keys <= positions[:, None] - window
         elif window < 0:  # chunks of -window positions: a query sees its own chunk only

@@ -204,7 +204,7 @@ class KernelBackend:
         Either cache may hold Q8_0 rows (uint8, kv_quant.py): the kernel reads the int8 blocks in place."""
         if self.attention is not None and query.device.type == "cpu":
             return self.attention.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.token_seq,
-                                                  meta.token_pos, scale, window, softcap, sinks)
+                                                  meta.token_pos, scale, window, softcap, sinks, meta.key_end)
         return reference_paged_attention(query, key_cache, value_cache, meta, scale, window, softcap=softcap,
                                          sinks=sinks)
 

@@ -203,3 +203,26 @@ def test_keys_past_a_row_are_never_read(heads, kv_heads, head_dim):
     kc_nan[~visible] = float("nan")
     vc_nan[~visible] = float("nan")
     assert torch.equal(paged_attention(query, kc_nan, vc_nan, meta, scale=0.125), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+def test_key_end_rows_see_their_run_both_ways(dtype, window):
+    """key_end (Gemma 3's image rows): a row sees keys up to its run's end, its window still starts from its own
+    position; equal to the reference, and a row's output is the same alone as in the batch."""
+    seq_lens, rows = [30, 40, 12], [12, 1, 12]
+    query, kc, vc, meta = _random_batch(seq_lens, rows, dtype)
+    ends = (meta.token_pos + 1).clone()
+    ends[3:9] = 18 + 9 - 3  # sequence 0's rows at positions 21..26 form one run, ending at 27
+    ends[13 + 2:13 + 6] = 6  # sequence 2's positions 2..5
+    meta.key_end = ends
+    got = paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
+    want = reference_paged_attention(query, kc, vc, meta, scale=HEAD_DIM ** -0.5, window=window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    plain = paged_attention(query, kc, vc, AttentionMetadata(**{**meta.__dict__, "key_end": None}),
+                            scale=HEAD_DIM ** -0.5, window=window)
+    assert torch.equal(got[:3], plain[:3]) and not torch.equal(got[3:9], plain[3:9])
+    single = AttentionMetadata(meta.slot_mapping, meta.block_tables[:1], torch.zeros(1, dtype=torch.int32),
+                               meta.token_pos[5:6], [seq_lens[0]], [1], key_end=ends[5:6])
+    assert torch.equal(paged_attention(query[5:6], kc, vc, single, scale=HEAD_DIM ** -0.5, window=window), got[5:6])

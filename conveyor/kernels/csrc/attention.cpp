@@ -673,7 +673,8 @@ inline int64_t first_key(int64_t visible, int64_t window) {
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                 double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
+                 double scale, int64_t window, double softcap, const float* sinks, const int32_t* key_end,
+                 torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   // More than 4 query heads per KV head (GPT-OSS 8, MLA every head): the heads go in sub-groups of G,
@@ -706,8 +707,10 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
       // Keys [first, pos]: the whole history, the last `window` positions (sliding window), or with a
       // negative window the query's own chunk of -window positions (Llama 4's chunked attention).
-      const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
-      const int64_t first = first_key(visible, window);
+      // key_end (Gemma 3's image rows): keys up to the end of the row's bidirectional run; the window still
+      // starts from the row's own position.
+      const int64_t first = first_key(static_cast<int64_t>(pos[t]) + 1, window);
+      const int64_t visible = key_end != nullptr ? static_cast<int64_t>(key_end[t]) : static_cast<int64_t>(pos[t]) + 1;
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
@@ -1104,7 +1107,8 @@ inline SumQ8Fn weighted_sum_q8_fn(int64_t G, int64_t D) {
 template <typename scalar_t>
 void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
-                    double scale, int64_t window, double softcap, const float* sinks, torch::Tensor& out) {
+                    double scale, int64_t window, double softcap, const float* sinks, const int32_t* key_end,
+                    torch::Tensor& out) {
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   // More than 4 query heads per KV head: sub-groups of G heads, as in attend_rows.
@@ -1147,8 +1151,10 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
     std::vector<int8_t> qq(G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
-      const int64_t visible = static_cast<int64_t>(pos[t]) + 1;
-      const int64_t first = first_key(visible, window);
+      // key_end (Gemma 3's image rows): keys up to the end of the row's bidirectional run; the window still
+      // starts from the row's own position.
+      const int64_t first = first_key(static_cast<int64_t>(pos[t]) + 1, window);
+      const int64_t visible = key_end != nullptr ? static_cast<int64_t>(key_end[t]) : static_cast<int64_t>(pos[t]) + 1;
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
@@ -1215,7 +1221,8 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor token_seq, torch::Tensor token_pos,
-                              double scale, int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
+                              double scale, int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
+                              c10::optional<torch::Tensor> key_end) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
   // A Q8_0 cache is uint8 (kv_q8.h); any other cache is in the query's dtype.
   const bool q8 = key_cache.scalar_type() == torch::kByte || value_cache.scalar_type() == torch::kByte;
@@ -1241,14 +1248,22 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                 "paged_attention: sinks must hold one value per query head");
   }
   const float* sink_ptr = sink_values.defined() ? sink_values.data_ptr<float>() : nullptr;
+  // Per-row exclusive end of the visible keys (None: each row's own position + 1, plain causal attention).
+  torch::Tensor key_ends;
+  if (key_end.has_value() && key_end->defined()) {
+    key_ends = key_end->contiguous();
+    TORCH_CHECK(key_ends.scalar_type() == torch::kInt32 && key_ends.dim() == 1 && key_ends.size(0) == query.size(0),
+                "paged_attention: key_end must be int32, one per row");
+  }
+  const int32_t* end_ptr = key_ends.defined() ? key_ends.data_ptr<int32_t>() : nullptr;
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     if (q8)
       attend_rows_q8<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                               token_pos.contiguous(), scale, window, softcap, sink_ptr, out);
+                               token_pos.contiguous(), scale, window, softcap, sink_ptr, end_ptr, out);
     else
       attend_rows<scalar_t>(query, key_cache, value_cache, block_tables.contiguous(), token_seq.contiguous(),
-                            token_pos.contiguous(), scale, window, softcap, sink_ptr, out);
+                            token_pos.contiguous(), scale, window, softcap, sink_ptr, end_ptr, out);
   });
   return out;
 }
@@ -1259,5 +1274,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("isa", &conveyor_isa::compiled_level, "the -march level this module was compiled for");
   conveyor_parallel::def_pool_sharing(m);
-  m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", release());
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention, "Row-invariant paged attention (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_seq"),
+        py::arg("token_pos"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("sinks"),
+        py::arg("key_end") = py::none(), release());
 }
