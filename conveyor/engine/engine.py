@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,9 @@ from conveyor.models.eagle3 import Eagle3Head
 from conveyor.models.mtp import MTPHead
 from conveyor.models.pooling import Pooler, PoolingConfig
 from conveyor.models.registry import build_model
+from conveyor.multimodal.encoder_cache import EncoderCache
+from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.vision import VisionModel, build_vision
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
 from conveyor.runner.mtp_runner import Eagle3Runner, MTPRunner
@@ -167,6 +170,9 @@ class EngineCore:
         logger.info("weights: %s", describe_formats(self.weight_formats))
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
+        # A vision-language checkpoint: its processor and tower (multimodal/vision.py); None for a text model.
+        self.vision: VisionModel | None = (build_vision(checkpoint.vision, checkpoint.tokenizer, self.dtype,
+                                                        self.device) if checkpoint.vision is not None else None)
         # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.
         self.pooling: PoolingConfig | None = resolve_pooling(config, checkpoint, model)
         progress.set_stage("draft model and KV cache")
@@ -227,7 +233,8 @@ class EngineCore:
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
                                   num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types,
-                                  pooler=Pooler(self.pooling) if self.pooling is not None else None)
+                                  pooler=Pooler(self.pooling) if self.pooling is not None else None,
+                                  encoder_cache=EncoderCache(self.vision.encoder) if self.vision is not None else None)
         # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
         kv_tensors, window_tensors = [], []
         for layer, windowed in zip(self.runner.kv_layer_tensors(), self.runner.kv_layer_windowed()):
@@ -444,10 +451,17 @@ class EngineCore:
         return f"req-{next(self._ids)}"
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, cache_prompt: bool = True) -> Request:
-        """Validate before admission: a bad request never reaches the scheduler."""
+                     priority: int = 0, cache_prompt: bool = True, images: Sequence[ImageInput] = ()) -> Request:
+        """Validate before admission: a bad request never reaches the scheduler. `images`: one per image marker in
+        the prompt (the family's `<start_of_image>` or alike, VisionProcessor.image_marker), in order."""
         self.check_generates()
         params.validate(self.model_config.vocab_size)
+        items = []
+        if images:
+            if self.vision is None:
+                raise InvalidRequestError(f"{self.model_name} does not accept images (a text-only model)", "messages")
+            expanded = self.vision.processor.expand(prompt_token_ids, images)
+            prompt_token_ids, items = expanded.token_ids, expanded.items
         self._check_prompt(prompt_token_ids)
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -459,6 +473,7 @@ class EngineCore:
                                       "max_tokens")
         request = Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
                           priority=priority, cache_prompt=cache_prompt and self.config.enable_prefix_caching)
+        request.images = items
         if params.structured is not None:
             request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault
         return request

@@ -143,16 +143,20 @@ class KVCacheManager:
         # The last token must run to produce logits; if it sits in an adopted block, that
         # block is copied before the write (copy-on-write), see admit().
         hit.num_tokens = min(len(hit.blocks) * self.block_size, len(tokens) - 1)
-        return self._extend_into_partial_block(tokens, keys, hit)
+        return self._extend_into_partial_block(tokens, keys, hit, request.key_spans)
 
-    def _extend_into_partial_block(self, tokens: list[int], keys: list[int], hit: PrefixHit) -> PrefixHit:
+    def _extend_into_partial_block(self, tokens: list[int], keys: list[int], hit: PrefixHit,
+                                   spans: list[tuple[int, int, bytes]] = ()) -> PrefixHit:
         """Token-level reuse past the last whole block, as llama-server's prompt cache does: a cached block
         after the matched prefix whose leading tokens equal the request's next ones is adopted for those
         tokens; admit() copies it before the first write (copy-on-write), and the prefill overwrites the rest.
         Exact: a token's K/V depends only on the tokens before it. (Models with one block group only: a
         hybrid resumes only from a state snapshot, a sliding group from whole blocks.)"""
         start = len(hit.blocks) * self.block_size
-        wanted = tokens[start:min(start + self.block_size, len(tokens) - 1)]
+        stop = min(start + self.block_size, len(tokens) - 1)
+        # Never past an image's first token: another image's block can hold the same placeholder tokens.
+        stop = min([stop] + [max(first, start) for first, end, _ in spans if end > start])
+        wanted = tokens[start:stop]
         if not wanted:
             return hit
         parent = keys[len(hit.blocks) - 1] if hit.blocks else ROOT_PARENT
@@ -169,7 +173,7 @@ class KVCacheManager:
         keys = request.block_keys
         if len(keys) < num_blocks:
             keys += chain_hashes(request.all_token_ids, self.block_size, num_blocks, start=len(keys),
-                                 parent=keys[-1] if keys else None)
+                                 parent=keys[-1] if keys else None, spans=request.key_spans)
         return keys[:num_blocks]
 
     def _chunk(self, tokens: list[int], index: int) -> tuple[int, ...]:

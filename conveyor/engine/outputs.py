@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conveyor.multimodal.vision import ImageItem
 
 
 @dataclass
@@ -44,6 +48,8 @@ class ScheduledChunk:
     # Pooling requests (embeddings, scores): the chunk ends the prompt and its rows are pooled, not sampled.
     pool: bool = False
     token_type_ids: list[int] | None = None  # an encoder's segment per token of this chunk (None: type 0)
+    # The request's images whose span this chunk overlaps (the runner encodes them and places their rows).
+    images: tuple[ImageItem, ...] = ()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from conveyor.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from conveyor.multimodal.vision import ImageItem
     from conveyor.structured.compiler import GrammarState
 
 
@@ -74,6 +75,23 @@ class Request:
     pooled: list[float] | None = None  # the result, once its last chunk ran
     # An encoder's segment of each prompt token (a cross-encoder's second text is type 1); None: all type 0.
     token_type_ids: list[int] | None = None
+    # Its images, placed in the (expanded) prompt (multimodal/vision.py): their hashes join the block keys of the
+    # blocks they overlap, and the runner puts their encoder output at their embed rows.
+    images: list[ImageItem] = field(default_factory=list, repr=False)
+
+    @property
+    def key_spans(self) -> list[tuple[int, int, bytes]]:
+        """(start, end, content hash) of each image span: what a block overlapping one folds into its key."""
+        return [(item.offset, item.end, bytes.fromhex(item.content_hash)) for item in self.images]
+
+    def whole_run_end(self, start: int, end: int) -> int:
+        """A prefill chunk [start, end) moved so it does not end inside a bidirectional image run: back to the run's
+        start, or (a chunk starting in or at the run) on to its end, past the chunk budget."""
+        for item in self.images:
+            for lo, hi in item.bidirectional_runs():
+                if lo < end < hi:
+                    return lo if lo > start else hi
+        return end
 
     @property
     def num_prompt_tokens(self) -> int:

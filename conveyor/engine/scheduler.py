@@ -168,6 +168,9 @@ class Scheduler:
                 continue  # preempted to make room earlier in this tick
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = remaining if budget is None else min(remaining, budget)
+            if request.images:  # never end inside a bidirectional image run
+                start = request.num_computed_tokens
+                num_new = request.whole_run_end(start, start + num_new) - start
             if num_new <= 0 or not self._reserve(request, num_new, out):
                 continue
             out.chunks.append(self._chunk(request, num_new))
@@ -204,6 +207,8 @@ class Scheduler:
                 break
             remaining = request.num_tokens - hit.num_tokens
             num_new = min(remaining, chunk)
+            if request.images:  # never end inside a bidirectional image run
+                num_new = request.whole_run_end(hit.num_tokens, hit.num_tokens + num_new) - hit.num_tokens
             if request.pool_whole and num_new < remaining:
                 if admitted:
                     break  # it runs whole, first in a later tick's admissions
@@ -269,6 +274,7 @@ class Scheduler:
             pool=start + num_new == request.num_tokens and request.pooling,
             token_type_ids=(request.token_type_ids[start:start + num_new] if request.token_type_ids is not None
                             else None),
+            images=tuple(item for item in request.images if item.offset < start + num_new and item.end > start),
             prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
             output_token_ids=tuple(request.output_token_ids) if needs_history else None,
         )

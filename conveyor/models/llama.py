@@ -30,6 +30,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (num_blocks, block_size, kv_heads
 Rope = tuple[torch.Tensor, torch.Tensor]  # (T, 1, D) cos and signed sin
 
 
+# (row indices (E,), embeddings (E, hidden)): rows whose input is not their token's embedding (an image's).
+Embeds = tuple[torch.Tensor, torch.Tensor]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend, layer: int = 0) -> None:
         super().__init__()
@@ -284,16 +288,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+                meta: AttentionMetadata, logits_indices: torch.Tensor, embeds: Embeds | None = None) -> torch.Tensor:
+        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab). `embeds`: (rows, values) put in
+        place of those rows' token embeddings (a vision tower's output, runner/model_runner.py)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, embeds))
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+                      meta: AttentionMetadata, rows: torch.Tensor, embeds: Embeds | None = None) -> torch.Tensor:
         """input_ids, positions (T,) -> the final-normed hidden states (len(rows), hidden) of the token rows
         `rows`: what the head reads, and what a pooling model (an embedder) pools."""
-        x, residual = self._layers(input_ids, positions, kv_caches, meta)
+        x, residual = self._layers(input_ids, positions, kv_caches, meta, embeds=embeds)
         # Only rows that sample (or pool) need the last add and the final norm.
         _, x = self.norm.add_and_norm(residual[rows], x[rows])
         return x
@@ -301,12 +306,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def aux_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                           meta: AttentionMetadata, rows: torch.Tensor,
-                          layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                          layer_ids: tuple[int, ...], embeds: Embeds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states(rows), and every row's residual stream entering each layer of `layer_ids` side by side
         (T, len(layer_ids) * hidden): what an EAGLE3 drafter reads (vLLM's aux hidden states: id 0 the embedding,
         id L the stream into layer L, id num_hidden_layers the stream before the final norm)."""
         aux: dict[int, torch.Tensor] = {}
-        x, residual = self._layers(input_ids, positions, kv_caches, meta, set(layer_ids), aux)
+        x, residual = self._layers(input_ids, positions, kv_caches, meta, set(layer_ids), aux, embeds)
         if self.config.num_hidden_layers in layer_ids:
             aux[self.config.num_hidden_layers] = residual + x
         _, out = self.norm.add_and_norm(residual[rows], x[rows])
@@ -314,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, capture: set[int] = frozenset(),
-                aux: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                aux: dict[int, torch.Tensor] | None = None,
+                embeds: Embeds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the rows -> (the last layer's output, the residual stream); the stream entering each
         layer in `capture` goes into `aux`."""
         cfg = self.config
@@ -322,6 +328,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.embedding_multiplier != 1.0:
             # NOTE: rounded to the compute dtype first, as transformers' Gemma does (sqrt(640) -> 25.25 in bf16).
             x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
+        if embeds is not None:  # image rows: the tower's output as is (transformers scales only token embeddings)
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
         local_rope = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
         residual = None

@@ -15,6 +15,7 @@ from conveyor.kernels.recurrent import StateMetadata
 from conveyor.models.cache_specs import CacheSpec, KVSpec, StateSpec, in_window_group, kv_window
 from conveyor.models.config import ModelConfig
 from conveyor.models.pooling import Pooler, PoolingConfig, pool_rows
+from conveyor.multimodal.encoder_cache import EncoderCache
 from conveyor.runner.draft_runner import DraftRunner, Proposal
 from conveyor.runner.mtp_runner import MTPRunner
 from conveyor.runner.rejection import rejection_sample
@@ -34,6 +35,12 @@ class ForwardInputs:
     # Pooling chunks: (chunk index, first row, rows) of what each pools, in order.
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
     token_types: torch.Tensor | None = None  # (T,) an encoder's segment per row, where some chunk has types
+    # Image rows: (row indices (E,), their embeddings (E, hidden)) put in place of the token embeddings; None: none.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def model_kwargs(self) -> dict:
+        """The optional forward arguments only the models that read them take."""
+        return {} if self.embeds is None else {"embeds": self.embeds}
 
 
 def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype,
@@ -60,8 +67,10 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, ops: KernelBackend, seed: int = 0,
                  drafter: DraftRunner | MTPRunner | None = None, num_state_slots: int = 0,
                  num_window_blocks: int = 0,
-                 kv_types: KVCacheTypes = KVCacheTypes(), pooler: Pooler | None = None) -> None:
+                 kv_types: KVCacheTypes = KVCacheTypes(), pooler: Pooler | None = None,
+                 encoder_cache: EncoderCache | None = None) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache  # a vision model's tower outputs by image hash (multimodal/)
         self.pooler = pooler  # pooling models (and --embeddings): pooled rows -> vectors or scores
         self.drafter = drafter  # draft-model or MTP speculation: proposes drafts before the target's forward
         self.config = config
@@ -123,7 +132,7 @@ class ModelRunner:
             return self._forward_recording(plan, inputs), inputs
         if not inputs.pool_spans:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                inputs.logits_indices)
+                                inputs.logits_indices, **inputs.model_kwargs())
             return logits, inputs
         # One pass gives the sampled rows' and the pooled rows' final hidden states; only the former meet the head.
         num_sampled = inputs.logits_indices.shape[0]
@@ -149,11 +158,13 @@ class ModelRunner:
         num_sampled, num_tokens = inputs.logits_indices.shape[0], inputs.input_ids.shape[0]
         if self.drafter.aux_layers:  # EAGLE3: every row's stream into those layers, the final norm where sampled
             hidden, aux = self.model.aux_hidden_states(inputs.input_ids, inputs.positions, self.kv_caches,
-                                                       inputs.meta, inputs.logits_indices, self.drafter.aux_layers)
+                                                       inputs.meta, inputs.logits_indices, self.drafter.aux_layers,
+                                                       **inputs.model_kwargs())
             self.drafter.record(plan.chunks, aux)
             return self.model.compute_logits(hidden) if num_sampled else None
         rows = torch.cat([inputs.logits_indices, torch.arange(num_tokens, device=self.device)])
-        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows,
+                                          **inputs.model_kwargs())
         self.drafter.record(plan.chunks, hidden[num_sampled:])
         return self.model.compute_logits(hidden[:num_sampled]) if num_sampled else None
 
@@ -246,6 +257,9 @@ class ModelRunner:
             seq_token_counts=[len(c.token_ids) for c in plan.chunks],
             state=_state_metadata(plan, dev),
         )
+        embeds = None
+        if any(c.images for c in plan.chunks):
+            embeds, meta.key_end = self._image_rows(plan, positions)
         if windowed:
             meta.window_view = replace(meta, slot_mapping=torch.tensor(window_slots, dtype=torch.long, device=dev),
                                        block_tables=_table_tensor(window_tables).to(dev))
@@ -253,7 +267,37 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
             meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_chunk_indices=sample_chunks, pool_spans=pool_spans, token_types=_token_types(plan, dev),
+            embeds=embeds,
         )
+
+    def _image_rows(self, plan: SchedulerOutput,
+                    positions: list[int]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The image rows of this forward: (row indices, the tower's embeddings for them), and each row's key_end
+        where some image attends both ways (its run's end; everyone else's own position + 1)."""
+        if self.encoder_cache is None:
+            raise ValueError("a chunk with images reached a runner without a vision encoder")
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        key_end = None
+        first_row = 0
+        for chunk in plan.chunks:
+            start, end = chunk.start_position, chunk.start_position + len(chunk.token_ids)
+            for item in chunk.images:
+                embeds = self.encoder_cache.get(item)
+                picked = [(k, p) for k, p in enumerate(item.embed_positions()) if start <= p < end]
+                rows += [first_row + p - start for _, p in picked]
+                parts.append(embeds[[k for k, _ in picked]])
+                for lo, hi in item.bidirectional_runs():
+                    if hi > end and lo < end:  # the scheduler keeps a run's rest in one chunk
+                        raise ValueError(f"a prefill chunk ends at {end}, inside an image run [{lo}, {hi})")
+                    if key_end is None:
+                        key_end = [p + 1 for p in positions]
+                    for p in range(max(lo, start), min(hi, end)):
+                        key_end[first_row + p - start] = hi
+            first_row += len(chunk.token_ids)
+        dev = self.device
+        ends = torch.tensor(key_end, dtype=torch.int32, device=dev) if key_end is not None else None
+        return (torch.tensor(rows, dtype=torch.long, device=dev), torch.cat(parts).to(dev)), ends
 
     def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
         """Copy-on-write: (src, dst) blocks of the full group, then of the sliding group (its own block ids)."""
