@@ -27,6 +27,8 @@ from conveyor.loading.gguf_config import config_from_gguf, field_value
 from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
 from conveyor.loading.heap import return_freed_heap
+from conveyor.loading.tokenizer import Tokenizer
+from conveyor.loading.tokenizer_cache import TOKENIZERS
 from conveyor.models import family as families
 from conveyor.models.config import ModelConfig
 from conveyor.models.pooling import DenseSpec, PoolingConfig
@@ -157,7 +159,7 @@ def load_gguf(path: str) -> Checkpoint:
     if config.hidden_act == "xielu":
         weights.update(_xielu_weights(reader, config.num_hidden_layers, path))
     _warn_dequantized(reader)
-    tokenizer = tokenizer_from_gguf(reader, path)
+    tokenizer = TOKENIZERS.get_or_build([path], lambda: tokenizer_from_gguf(reader, path))
     if tokenizer.eos_token_ids:
         # The tokenizer knows the end-of-turn tokens the template uses; metadata names only one.
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
@@ -168,6 +170,12 @@ def load_gguf(path: str) -> Checkpoint:
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
                       source=path, name=model_name(path), release_pages=mapping.release, pooling=pooling,
                       mtp_weights=head)
+
+
+def read_gguf_tokenizer(path: str) -> Tokenizer:
+    """A GGUF file's tokenizer alone (the metadata of a split file's first part), through the tokenizer cache."""
+    path = split_parts(path)[0]
+    return TOKENIZERS.get_or_build([path], lambda: tokenizer_from_gguf(_Reader(path), path))
 
 
 def _mtp_tensor(config: ModelConfig, own: Any, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:

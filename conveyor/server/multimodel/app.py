@@ -35,6 +35,7 @@ from conveyor.server.metrics import CONTENT_TYPE
 from conveyor.server.asgi_body import read_body, replay
 from conveyor.server.limits import RequestLimits, parse_json
 from conveyor.server.multimodel.metrics import MultiModelMetrics
+from conveyor.server.multimodel.prefetch import start_tokenizer_prefetch, stop_tokenizer_cache
 from conveyor.server.multimodel.registry import ModelEntry, ModelRegistry, ModelState, ModelUnavailable
 from conveyor.server.protocol import ModelActionRequest
 from conveyor.server.webui import add_webui_routes
@@ -255,11 +256,13 @@ def _front_app(multi: MultiModelApp, response_store: ResponseStore) -> FastAPI:
         # stream. Frozen, those objects are left out of every later collection: it then takes microseconds.
         gc.collect()  # (what is garbage now is freed, not frozen)
         gc.freeze()
+        app.state.tokenizer_prefetch = start_tokenizer_prefetch([e.spec for e in registry.entries.values()])
         registry.start()
         try:
             yield
         finally:
             await registry.close()
+            stop_tokenizer_cache()
 
     app = FastAPI(title="conveyor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry, app.state.multi = registry, multi

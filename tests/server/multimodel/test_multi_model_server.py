@@ -310,3 +310,25 @@ def test_quick_fuzz_of_the_front_no_5xx_and_nothing_leaks(models_dir):
                     time.sleep(0.02)
                 core.kv.check_integrity()
                 assert core.pool.stats().num_used == 0
+
+
+def test_the_catalog_s_tokenizers_are_read_at_start_and_a_load_takes_the_one_read(models_dir):
+    """Building a tokenizer holds the GIL (loading/tokenizer_cache.py): read ahead, a load beside streaming models
+    does not build one."""
+    from conveyor.loading.tokenizer_cache import TOKENIZERS
+
+    with serve_multi(ModelsConfig(models_dir=models_dir, models_autoload=False)) as (url, multi):
+        multi.front.state.tokenizer_prefetch.join(timeout=60)
+        assert len(TOKENIZERS) == len(NAMES)  # read ahead, none loaded
+        assert httpx.post(f"{url}/models/load", json={"model": "m1"}, timeout=60).json()["status"] == "loaded"
+        assert len(TOKENIZERS) == len(NAMES)
+        assert multi.registry.entry("m1").app.state.engine.core.tokenizer is _tokenizer_of(models_dir, "m1")
+    assert not TOKENIZERS.enabled and len(TOKENIZERS) == 0  # the server's cache goes with it
+
+
+def _tokenizer_of(models_dir: str, name: str):
+    from conveyor.loading.hf_loader import read_hf_dir_tokenizer
+    from conveyor.loading.tokenizer_cache import TOKENIZERS
+
+    assert TOKENIZERS.enabled
+    return read_hf_dir_tokenizer(f"{models_dir}/{name}")
