@@ -82,7 +82,7 @@ def props(engine: AsyncEngine, model_id: str) -> dict:
         "kv_block_size": core.kv.block_size,
         "kv_cache_type": core.kv_types.describe(),
         "prefix_caching": core.config.enable_prefix_caching,
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": core.vision is not None, "audio": False},
         "build_info": f"conveyor {_version()}",
         "kernels": core.kernel_report(),
         "weights": core.weights_report(),

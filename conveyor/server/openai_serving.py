@@ -80,7 +80,8 @@ class OpenAIServing(ServingFront):
         for index, sampling in enumerate(samplings):
             try:
                 requests.append(core.make_request(plan.prompts[index // plan.n], sampling, f"{base_id}-{index}",
-                                                  priority=priority, cache_prompt=plan.body.cache_prompt))
+                                                  priority=priority, cache_prompt=plan.body.cache_prompt,
+                                                  images=plan.images))
             except InvalidRequestError as exc:
                 raise plan.error(exc) from None
         return requests

@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
+from conveyor.multimodal.image_input import ImageInput
 from conveyor.loading.chat_template import RESERVED_TEMPLATE_VARIABLES
 from conveyor.server import errors
 from conveyor.server.errors import APIError
@@ -43,6 +44,8 @@ class RequestPlan:
     grammar_param: str | None  # the field that asked for the grammar
     header: ResponseHeader
     error_params: dict[str, str] = field(default_factory=dict)  # engine error param -> this endpoint's field
+    # The chat's images, one per image marker its template wrote into the prompt, in order (EngineCore.make_request)
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def n(self) -> int:
