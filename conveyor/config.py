@@ -41,6 +41,9 @@ class EngineConfig:
     cache_type_k: str = "bf16"  # K cache elements: bf16 (the activation dtype) or q8_0 (int8 + fp16 scale per 32)
     cache_type_v: str = "bf16"  # V cache elements, likewise
     enable_prefix_caching: bool = True
+    # Requests with images use the prefix cache too (keys cover each image's content hash; docs/vision.md).
+    vlm_prefix_cache: bool = True
+    mmproj: str | None = None  # llama.cpp's vision projector GGUF for a GGUF text model (llama-server's --mmproj)
     prompt_cache_budget: str = "2G"  # cold cached prefixes kept (bytes, K/M/G); none = bounded by the pool only
     # The prefix cache's disk tier (engine/prefix_disk.py): evicted and shutdown blocks spill there, RAM misses
     # read back, and it survives restarts. None = RAM only.
@@ -455,6 +458,12 @@ FLAGS: list[Flag] = [
          extra_env=("LLAMA_ARG_CACHE_TYPE_V",)),
     Flag(("--no-prompt-cache",), "enable_prefix_caching", switch=True, negate=True, help="disable prefix caching"),
     Flag(("--apc-enabled",), "enable_prefix_caching", _bool, "automatic prefix caching on/off (=false: --no-prompt-cache)"),
+    Flag(("--enable-vlm-prefix-cache",), "vlm_prefix_cache", switch=True,
+         help="image requests use the prefix cache (keys cover the image's content hash)"),
+    Flag(("--no-vlm-prefix-cache",), "vlm_prefix_cache", switch=True, negate=True,
+         help="image requests skip the prefix cache"),
+    Flag(("--mmproj", "-mm"), "mmproj",
+         help="vision projector GGUF (llama.cpp's mmproj file) for a GGUF text model: the model takes images"),
     Flag(("--state-snapshots",), "state_snapshots", int,
          "hybrid models: recurrent-state snapshots kept for prefix-cache hits (each costs one sequence's state; 0 = none)"),
     Flag(("--state-snapshot-interval",), "state_snapshot_interval", int,

@@ -36,6 +36,7 @@ from conveyor.kernels import KernelBackend, resolve_backend
 from conveyor.kernels.kv_quant import KVCacheTypes
 from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.loading.heap import trim_heap
+from conveyor.loading.mmproj import read_mmproj
 from conveyor.models.config import ModelConfigError
 from conveyor.models.eagle3 import Eagle3Head
 from conveyor.models.mtp import MTPHead
@@ -171,8 +172,11 @@ class EngineCore:
         # Parameter count as model cards state it: a tied head is the embedding, counted once.
         self.num_params = count_params(model, checkpoint.config.tie_word_embeddings)
         # A vision-language checkpoint: its processor and tower (multimodal/vision.py); None for a text model.
-        self.vision: VisionModel | None = (build_vision(checkpoint.vision, checkpoint.tokenizer, self.dtype,
-                                                        self.device) if checkpoint.vision is not None else None)
+        vision = checkpoint.vision
+        if vision is None and config.mmproj:  # a GGUF text model and llama.cpp's projector file beside it
+            vision = read_mmproj(config.mmproj, checkpoint.tokenizer)
+        self.vision: VisionModel | None = (build_vision(vision, checkpoint.tokenizer, self.dtype, self.device)
+                                           if vision is not None else None)
         # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.
         self.pooling: PoolingConfig | None = resolve_pooling(config, checkpoint, model)
         progress.set_stage("draft model and KV cache")
@@ -471,8 +475,9 @@ class EngineCore:
         if needed > self.pool.num_blocks:
             raise InvalidRequestError(f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}",
                                       "max_tokens")
+        cache_prompt = cache_prompt and self.config.enable_prefix_caching and (self.config.vlm_prefix_cache or not items)
         request = Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
-                          priority=priority, cache_prompt=cache_prompt and self.config.enable_prefix_caching)
+                          priority=priority, cache_prompt=cache_prompt)
         request.images = items
         if params.structured is not None:
             request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault

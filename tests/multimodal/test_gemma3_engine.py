@@ -117,3 +117,10 @@ def test_images_to_a_text_model_and_wrong_marker_counts_are_refused(model_dir, t
     ids = core.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="image markers"):
         core.make_request(ids, PARAMS, images=IMAGES[:2])
+
+
+def test_no_vlm_prefix_cache_keeps_image_requests_out_of_the_cache(model_dir):
+    core = _core(model_dir, vlm_prefix_cache=False)
+    ids = core.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
+    assert not core.make_request(ids, PARAMS, images=[IMAGES[0]]).cache_prompt
+    assert core.make_request(core.tokenizer.encode("plain text"), PARAMS).cache_prompt

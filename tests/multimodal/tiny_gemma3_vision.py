@@ -80,3 +80,49 @@ def write_model_dir(path, transformers, seed: int = 0):
 def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def write_mmproj(path, model, projection_f16: bool = False, projector_type: str = "gemma3") -> None:
+    """The model's tower and projector as llama.cpp's converter writes them (convert_hf_to_gguf.py --mmproj,
+    Gemma3VisionModel): `v.*` / `mm.*` names, soft_emb_norm stored as 1 + w, the projection optionally F16."""
+    import gguf
+
+    cfg = model.config
+    vision = cfg.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", projector_type)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
+    writer.add_uint32("clip.vision.block_count", vision.num_hidden_layers)
+    writer.add_uint32("clip.vision.projection_dim", cfg.text_config.hidden_size)
+    writer.add_uint32("clip.vision.attention.head_count", vision.num_attention_heads)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+    per_side = int(cfg.mm_tokens_per_image ** 0.5)
+    writer.add_uint32("clip.vision.projector.scale_factor", vision.image_size // vision.patch_size // per_side)
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if name.startswith("model.vision_tower.encoder.layers."):
+            index, part = name[len("model.vision_tower.encoder.layers."):].split(".", 1)
+            stem, kind = part.rsplit(".", 1)
+            writer.add_tensor(f"v.blk.{index}.{layer[stem]}.{kind}", data)
+        elif name.startswith("model.vision_tower.embeddings."):
+            stem = "v.patch_embd" if "patch_embedding" in name else "v.position_embd"
+            writer.add_tensor(f"{stem}.{name.rsplit('.', 1)[1]}", data)
+        elif name.startswith("model.vision_tower.post_layernorm."):
+            writer.add_tensor(f"v.post_ln.{name.rsplit('.', 1)[1]}", data)
+        elif name.endswith("mm_soft_emb_norm.weight"):
+            writer.add_tensor("mm.soft_emb_norm.weight", data + 1.0)
+        elif name.endswith("mm_input_projection_weight"):
+            writer.add_tensor("mm.input_projection.weight", data.astype("float16") if projection_f16 else data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

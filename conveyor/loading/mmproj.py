@@ -1,0 +1,88 @@
+"""llama.cpp's vision projector GGUF (`--mmproj`, convert_hf_to_gguf.py --mmproj) as a VisionCheckpoint.
+
+The file's metadata becomes the Hugging Face config the vision family reads, and its tensors get back their HF names
+(and values: the converter stored Gemma's soft_emb_norm as 1 + w), so one family module loads either source.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+
+from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.gguf_config import field_value
+from conveyor.multimodal.vision import VisionCheckpoint
+
+TOWER = "vision_tower.vision_model."
+# llama.cpp's names inside `v.blk.N.` -> SigLIP's inside `encoder.layers.N.`
+_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1",
+                "ffn_down": "mlp.fc2"}
+_NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding", "v.position_embd": TOWER + "embeddings.position_embedding",
+          "v.post_ln": TOWER + "post_layernorm", "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
+          "mm.input_projection": "multi_modal_projector.mm_input_projection"}
+
+
+def read_mmproj(path: str, tokenizer: Any) -> VisionCheckpoint:
+    """The vision side of `path`; LoadError for a file that is not a projector we can run."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{path}: cannot read the mmproj GGUF ({exc})") from exc
+    meta: Callable[..., Any] = lambda key, default=None: field_value(reader, key, default)  # noqa: E731
+    kind = meta("clip.vision.projector_type") or meta("clip.projector_type")
+    if kind != "gemma3":
+        raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3)")
+    weights = {_hf_name(t.name): _tensor(t) for t in reader.tensors}
+    norm = "multi_modal_projector.mm_soft_emb_norm.weight"
+    weights[norm] = weights[norm] - 1.0  # stored as Gemma's 1 + w
+    if "multi_modal_projector.mm_input_projection.weight" in weights:
+        weights["multi_modal_projector.mm_input_projection_weight"] = weights.pop(
+            "multi_modal_projector.mm_input_projection.weight")
+    return VisionCheckpoint("gemma3", _gemma3_config(meta, tokenizer, path), _processor(meta), weights)
+
+
+def _gemma3_config(meta: Callable[..., Any], tokenizer: Any, path: str) -> dict[str, Any]:
+    image_size, patch = int(meta("clip.vision.image_size")), int(meta("clip.vision.patch_size"))
+    per_side = image_size // patch // int(meta("clip.vision.projector.scale_factor", 4))
+    ids = {}
+    for key, token in (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
+                       ("image_token_index", "<image_soft_token>")):
+        ids[key] = tokenizer.token_to_id(token)
+        if ids[key] is None:
+            raise LoadError(f"{path}: the text model's vocabulary has no {token} (not a Gemma 3 vision model?)")
+    return {"model_type": "gemma3", "mm_tokens_per_image": per_side * per_side, **ids,
+            "text_config": {"hidden_size": int(meta("clip.vision.projection_dim"))},
+            "vision_config": {"hidden_size": int(meta("clip.vision.embedding_length")),
+                              "intermediate_size": int(meta("clip.vision.feed_forward_length")),
+                              "num_hidden_layers": int(meta("clip.vision.block_count")),
+                              "num_attention_heads": int(meta("clip.vision.attention.head_count")),
+                              "layer_norm_eps": float(meta("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+                              "image_size": image_size, "patch_size": patch}}
+
+
+def _processor(meta: Callable[..., Any]) -> dict[str, Any]:
+    size = int(meta("clip.vision.image_size"))
+    return {"size": {"height": size, "width": size}, "image_mean": meta("clip.vision.image_mean", [0.5] * 3),
+            "image_std": meta("clip.vision.image_std", [0.5] * 3), "resample": 2, "rescale_factor": 1 / 255}
+
+
+def _hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("v.blk."):
+        _, _, layer, part = stem.split(".", 3)
+        if part in _LAYER_NAMES:
+            return f"{TOWER}encoder.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"{_NAMES[stem]}.{kind}" if stem in _NAMES else name
+
+
+def _tensor(tensor: Any) -> torch.Tensor:
+    """fp32 values in the HF shape (GGUF lists dims fastest first; the reader's array is already row-major)."""
+    data = np.asarray(tensor.data)
+    if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        data = gguf.quants.dequantize(data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only

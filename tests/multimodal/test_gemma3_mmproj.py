@@ -1,0 +1,75 @@
+"""Gemma 3's vision side from llama.cpp's mmproj GGUF (--mmproj): the same tower weights as the HF directory, and
+through the engine the same greedy tokens as the HF directory's own tower."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_gemma3_vision import random_image, write_mmproj, write_model_dir
+
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import EngineCore
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.hf_loader import load_hf_dir
+from conveyor.loading.mmproj import read_mmproj
+from conveyor.multimodal.image_input import ImageInput
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "<bos><start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_mmproj")
+    hf = write_model_dir(path / "hf", transformers)
+    write_mmproj(path / "mmproj.gguf", hf)
+    write_mmproj(path / "mmproj-f16.gguf", hf, projection_f16=True)
+    return path, load_hf_dir(str(path / "hf"))
+
+
+def test_mmproj_gives_the_hf_tensors_and_config(tiny):
+    path, checkpoint = tiny
+    vision = read_mmproj(str(path / "mmproj.gguf"), checkpoint.tokenizer)
+    hf = checkpoint.vision
+    for name, tensor in vision.weights.items():
+        hf_name = name.replace("vision_tower.vision_model.", "vision_tower.")  # transformers 5 saves it so
+        expected = hf.weights[hf_name].float()
+        if name.endswith("soft_emb_norm.weight"):  # stored as 1 + w: the scale the tower multiplies by is exact
+            tensor, expected = 1 + tensor, 1 + expected
+        assert torch.equal(tensor, expected), name
+    assert len(vision.weights) == len([n for n in hf.weights if "vision_tower" in n and ".head." not in n]) + 2
+    for key in ("mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index"):
+        assert vision.config[key] == hf.config[key]
+
+
+def _greedy(core: EngineCore, images) -> list[list[int]]:
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = core.tokenizer.encode(PROMPT, add_special_tokens=False)
+    requests = [core.make_request(ids, params, images=[image]) for image in images]
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        core.step()
+    return [r.output_token_ids for r in requests]
+
+
+def test_engine_with_mmproj_equals_the_hf_directory(tiny):
+    path, checkpoint = tiny
+    images = [ImageInput.from_pil(random_image(seed)) for seed in range(3)]
+    want = _greedy(EngineCore(EngineConfig(parallel=4), checkpoint=checkpoint), images)
+    text_only = replace(checkpoint, vision=None)
+    got = _greedy(EngineCore(EngineConfig(parallel=4, mmproj=str(path / "mmproj.gguf")), checkpoint=text_only), images)
+    assert got == want
+    f16 = EngineCore(EngineConfig(parallel=4, mmproj=str(path / "mmproj-f16.gguf")), checkpoint=text_only)
+    assert f16.vision is not None and len(_greedy(f16, images)) == 3  # as llama.cpp writes it: the projection in F16
+
+
+def test_other_projectors_are_refused(tiny, tmp_path):
+    path, checkpoint = tiny
+    from tiny_gemma3_vision import hf_model
+
+    write_mmproj(tmp_path / "other.gguf", hf_model(transformers), projector_type="idefics3")
+    with pytest.raises(LoadError, match="projector type 'idefics3' is not supported"):
+        read_mmproj(str(tmp_path / "other.gguf"), checkpoint.tokenizer)
