@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.config import EngineConfig, parse_kv_budget, parse_preload_bytes
-from conveyor.engine.background import idle_priority
+from conveyor.engine.background import PacedWeights, idle_priority
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.disk_store import STATE, WINDOW
@@ -123,10 +123,11 @@ class ParkedRequest:
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
                  draft_checkpoint: Checkpoint | None = None, progress: LoadProgress | None = None,
-                 load_threads: int = 0) -> None:
+                 load_threads: int = 0, load_duty: float = 1.0) -> None:
         """load_threads: intra-op threads while loading (0: as when serving). A multi-model server loads with
         one while other models stream, at idle priority where it can (engine/background.py), so their steps
-        keep the cores (the kernels' pool included)."""
+        keep the cores (the kernels' pool included); load_duty < 1: resting between tensors (PacedWeights)."""
+        self._load_duty = load_duty
         if not (load_threads or config.threads):
             self._build(config, checkpoint, draft_checkpoint, progress)
             return
@@ -160,7 +161,10 @@ class EngineCore:
             logger.warning("batch invariance is OFF on this backend (%s): greedy outputs may depend on "
                            "batch-mates, and speculative decoding is disabled", self.backend.name)
         progress.set_stage("weights")
-        model = build_model(checkpoint.config, progress.track(checkpoint.weights), self.dtype, self.device,
+        weights = progress.track(checkpoint.weights)
+        if self._load_duty < 1:
+            weights = PacedWeights(weights, self._load_duty)
+        model = build_model(checkpoint.config, weights, self.dtype, self.device,
                             config.batch_invariant, pooling_weight_dtype(config, checkpoint, self.backend.name),
                             ops=self.backend,
                             release=checkpoint.release_pages)
@@ -239,6 +243,8 @@ class EngineCore:
                                   num_window_blocks=self.pool_plan.window_blocks, kv_types=self.kv_types,
                                   pooler=Pooler(self.pooling) if self.pooling is not None else None,
                                   encoder_cache=EncoderCache(self.vision.encoder) if self.vision is not None else None)
+        if self.runner.encoder_cache is not None:  # the tower runs on its own thread; prefills wait for it
+            self.scheduler.image_ready = self.runner.encoder_cache.ready
         # Tensors, not layers: a future KV layout (quantized blocks, scales) is stored as whatever the pool holds.
         kv_tensors, window_tensors = [], []
         for layer, windowed in zip(self.runner.kv_layer_tensors(), self.runner.kv_layer_windowed()):
@@ -418,6 +424,8 @@ class EngineCore:
     def close(self) -> None:
         """Shutdown: the RAM prefix cache goes to the disk tier, and the writer finishes (engine thread)."""
         self.kv.close_disk()
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.close()
 
     def speculation_report(self) -> dict:
         """What /props and /v1/internal/spec-policy say about speculative decoding."""
@@ -545,6 +553,8 @@ class EngineCore:
             for token in request.output_token_ids:
                 detok.add_token(token)
             detok.take_delta(False)
+        if request.images:
+            self.runner.encoder_cache.prefetch(request.images)  # the tower starts now, off the step loop
         if not self.kv_transfer.admit(request):
             self.scheduler.add_request(request)
 
@@ -593,6 +603,8 @@ class EngineCore:
             self.slot_contents[slot] = request
         if plan.is_empty and not plan.block_copies and not plan.window_block_copies and not plan.finished_request_ids:
             self.kv.wait_for_disk_reads(DISK_READ_POLL_S)  # nothing to run until a prefix read ends
+            if self.runner.encoder_cache is not None:
+                self.runner.encoder_cache.wait(DISK_READ_POLL_S)  # ... or an image's encode
             return []
         started = time.perf_counter()
         masks = self._start_masks(plan)

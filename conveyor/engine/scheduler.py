@@ -15,6 +15,7 @@ import bisect
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.ngram_proposer import NgramProposer
@@ -23,6 +24,9 @@ from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduling_policy import (SchedulerConfig, TickPolicy, pick_arrival_victim, pick_reclaim_victim,
                                                priority_key)
+
+if TYPE_CHECKING:
+    from conveyor.multimodal.vision import ImageItem
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -64,6 +68,8 @@ class Scheduler:
         self.stop_checker = stop_checker
         # Draft-model speculation at this many decode rows? (the adaptive policy; None = always)
         self.draft_gate = draft_gate
+        # Vision models: whether an image's tower output is ready (encoded off the step loop); None = always.
+        self.image_ready: Callable[[ImageItem], bool] | None = None
         self.waiting: list[Request] = []  # kept sorted by _queue_key (priority, aged by waiting time)
         self._queue_key = functools.partial(priority_key, aging_s=config.priority_aging_s)
         self.running: list[Request] = []
@@ -168,9 +174,11 @@ class Scheduler:
                 continue  # preempted to make room earlier in this tick
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = remaining if budget is None else min(remaining, budget)
-            if request.images:  # never end inside a bidirectional image run
+            if request.images:  # never end inside a bidirectional image run; wait for the tower
                 start = request.num_computed_tokens
                 num_new = request.whole_run_end(start, start + num_new) - start
+                if not self._images_ready(request, start):
+                    continue
             if num_new <= 0 or not self._reserve(request, num_new, out):
                 continue
             out.chunks.append(self._chunk(request, num_new))
@@ -207,8 +215,10 @@ class Scheduler:
                 break
             remaining = request.num_tokens - hit.num_tokens
             num_new = min(remaining, chunk)
-            if request.images:  # never end inside a bidirectional image run
+            if request.images:  # never end inside a bidirectional image run; wait for the tower
                 num_new = request.whole_run_end(hit.num_tokens, hit.num_tokens + num_new) - hit.num_tokens
+                if not self._images_ready(request, hit.num_tokens):
+                    break  # it waits at the head; running rows go on decoding
             if request.pool_whole and num_new < remaining:
                 if admitted:
                     break  # it runs whole, first in a later tick's admissions
@@ -228,6 +238,10 @@ class Scheduler:
             admitted += 1
             if num_new < remaining:
                 break  # it stays parked for its next chunks
+
+    def _images_ready(self, request: Request, start: int) -> bool:
+        """Every image the request still has to prefill from `start` on has its tower output."""
+        return self.image_ready is None or all(self.image_ready(item) for item in request.images if item.end > start)
 
     def _fits(self, request: Request, hit, num_new: int, decoding: bool, out: SchedulerOutput) -> bool:
         """Room for an admission, keeping the watermark free while rows decode; with preemption on,

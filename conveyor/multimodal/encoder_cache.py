@@ -1,18 +1,21 @@
-"""Vision-tower outputs by image content hash, least recently used first out.
+"""Vision-tower outputs by image content hash, least recently used first out, encoded on one worker thread.
 
-16 requests about one image encode it once; a request whose image was evicted before its prefill reached it is
-encoded again, which gives the same rows (each image is encoded alone), so eviction never changes an output.
+An image is submitted when its request arrives (prefetch) and the scheduler runs no chunk of a request before
+its remaining images are ready, so the tower never stalls the step loop: other rows keep decoding meanwhile.
+16 requests about one image encode it once. Every encode runs on the same worker, one image per call, so a
+re-encode after eviction gives the same bits: eviction never changes an output.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
 from conveyor.multimodal.vision import ImageItem, VisionEncoder
 
-DEFAULT_MAX_BYTES = 256 * 2**20  # ~128 Gemma 3 4B images (256 x 2560 bf16)
+DEFAULT_MAX_BYTES = 256 * 2**20  # ~200 Gemma 3 4B images (256 x 2560 bf16)
 
 
 class EncoderCache:
@@ -20,26 +23,58 @@ class EncoderCache:
         self.encoder = encoder
         self.max_bytes = max_bytes
         self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._pending: dict[str, Future] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="vision-encoder")
         self._bytes = 0
         self.num_encoded = 0  # images run through the tower (misses)
         self.num_hits = 0
 
+    def prefetch(self, items: list[ImageItem]) -> None:
+        """Start encoding the images not held or under way."""
+        for item in items:
+            if item.content_hash not in self._rows and item.content_hash not in self._pending:
+                self._pending[item.content_hash] = self._worker.submit(self._encode, item)
+                self.num_encoded += 1
+
+    def ready(self, item: ImageItem) -> bool:
+        """Whether get(item) returns without waiting (one evicted meanwhile is submitted again)."""
+        if item.content_hash in self._rows:
+            return True
+        self.prefetch([item])
+        return self._pending[item.content_hash].done()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def wait(self, timeout: float) -> None:
+        """Block until some encode ends or `timeout` passes (an idle step loop waits here, not spinning)."""
+        if self._pending:
+            wait(list(self._pending.values()), timeout=timeout, return_when="FIRST_COMPLETED")
+
     def get(self, item: ImageItem) -> torch.Tensor:
-        """(item.num_embeds, text hidden): the item's embeddings, encoded on a miss."""
+        """(item.num_embeds, text hidden): the item's embeddings, waiting for (or starting) its encode."""
         rows = self._rows.get(item.content_hash)
         if rows is not None:
             self._rows.move_to_end(item.content_hash)
             self.num_hits += 1
             return rows
-        rows = self.encoder.encode(item)
-        if rows.shape[0] != item.num_embeds:
-            raise ValueError(f"vision encoder gave {rows.shape[0]} rows for an image of {item.num_embeds} embeds")
-        self.num_encoded += 1
+        self.prefetch([item])
+        rows = self._pending.pop(item.content_hash).result()  # an encode's exception fails this step's rows
         self._rows[item.content_hash] = rows
         self._bytes += rows.numel() * rows.element_size()
         while self._bytes > self.max_bytes and len(self._rows) > 1:
             _, old = self._rows.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
+        return rows
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def _encode(self, item: ImageItem) -> torch.Tensor:
+        rows = self.encoder.encode(item)
+        if rows.shape[0] != item.num_embeds:
+            raise ValueError(f"vision encoder gave {rows.shape[0]} rows for an image of {item.num_embeds} embeds")
         return rows
 
     def __len__(self) -> int:

@@ -124,3 +124,32 @@ def test_no_vlm_prefix_cache_keeps_image_requests_out_of_the_cache(model_dir):
     ids = core.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
     assert not core.make_request(ids, PARAMS, images=[IMAGES[0]]).cache_prompt
     assert core.make_request(core.tokenizer.encode("plain text"), PARAMS).cache_prompt
+
+
+def test_rows_keep_decoding_while_an_image_encodes(model_dir, alone):
+    """The tower runs on its own thread: a request whose image is still encoding waits, the others step on."""
+    import threading
+
+    core = _core(model_dir)
+    cache = core.runner.encoder_cache
+    release, tower = threading.Event(), cache.encoder
+
+    class Held:
+        def encode(self, item):
+            release.wait(30)
+            return tower.encode(item)
+
+    cache.encoder = Held()
+    text = core.make_request(core.tokenizer.encode("plain text request"), PARAMS)
+    image = core.make_request(core.tokenizer.encode(JOBS[0][0], add_special_tokens=False), PARAMS,
+                              images=[IMAGES[0]])
+    core.add_request(text)
+    core.add_request(image)
+    for _ in range(6):
+        core.step()
+    assert len(text.output_token_ids) >= 5 and image.num_computed_tokens == 0
+    release.set()
+    while core.has_work():
+        core.step()
+    assert image.output_token_ids == [t for t, _ in alone[0]]
+    core.kv.check_integrity()
