@@ -265,6 +265,8 @@ class ModelsConfig:
     models_wait_timeout: float = 60.0  # seconds a request waits under wait_then_fail before its 503
     # The cores' share embedding and reranking models get while generating models stream (1: no turns).
     models_background_share: float = 0.33
+    # The share of time a model's load works while other models stream (it rests the rest: less memory traffic).
+    models_load_duty: float = 0.5
 
     def __post_init__(self) -> None:
         _require(self.models_max >= 1, "models_max must be at least 1")
@@ -272,6 +274,7 @@ class ModelsConfig:
                  f"models_contention must be one of {', '.join(CONTENTION_POLICIES)}")
         _require(self.models_wait_timeout > 0, "models_wait_timeout must be positive")
         _require(0 < self.models_background_share <= 1, "models_background_share must be in (0, 1]")
+        _require(0 < self.models_load_duty <= 1, "models_load_duty must be in (0, 1]")
         self.memory_budget_bytes  # a bad budget fails at startup
 
     @property
@@ -602,6 +605,9 @@ FLAGS: list[Flag] = [
          help="share of the cores embedding and reranking models get while generating models stream: the "
               "engines take turns, a chat's step waits at most about share/(1-share) of itself (1 = no turns: "
               "every engine steps at once, on every core)"),
+    Flag(("--models-load-duty",), "models_load_duty", float,
+         help="share of the time a model's load works while other models stream; it rests the rest, so its memory "
+              "traffic slows their steps less (0.5: a load beside streams takes about twice as long; 1 = no rests)"),
     Flag(("--node-role",), "node_role", choices=NODE_ROLES,
          help="disaggregated serving role (absent = single node); see docs/distributed.md"),
     Flag(("--serving-bind",), "serving_bind", help="this node's role-transport listener, host:port"),

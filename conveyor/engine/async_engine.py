@@ -97,7 +97,8 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                    progress: LoadProgress | None = None, load_threads: int = 0, **kwargs) -> AsyncEngine:
+                    progress: LoadProgress | None = None, load_threads: int = 0, load_duty: float = 1.0,
+                    **kwargs) -> AsyncEngine:
         """Build the EngineCore on the thread that will step it, and wait until it is loaded.
 
         NOTE: measured here, a core built on the main thread and stepped on another decoded at
@@ -108,7 +109,8 @@ class AsyncEngine:
         failure: list[BaseException] = []
 
         def build() -> None:
-            engine.core = EngineCore(config, checkpoint, progress=progress, load_threads=load_threads)
+            engine.core = EngineCore(config, checkpoint, progress=progress, load_threads=load_threads,
+                                     load_duty=load_duty)
             engine.max_queue_depth = kwargs.get("max_queue_depth") or config.max_queue_depth
 
         engine._build_and_run(build)
@@ -149,7 +151,7 @@ class AsyncEngine:
         self.suspended = True
 
     def resume(self, progress: LoadProgress | None = None, load_threads: int = 0,
-               checkpoint: Checkpoint | None = None) -> None:
+               checkpoint: Checkpoint | None = None, load_duty: float = 1.0) -> None:
         """Build the model again (from config.model, or `checkpoint`), on the thread that will step it, and carry
         on with the parked requests (and the commands queued meanwhile: aborts of requests whose clients left
         are applied before any step). Blocking: call it from a loading thread."""
@@ -157,7 +159,8 @@ class AsyncEngine:
         old = self.core
 
         def build() -> None:
-            core = EngineCore(old.config, checkpoint, progress=progress, load_threads=load_threads)
+            core = EngineCore(old.config, checkpoint, progress=progress, load_threads=load_threads,
+                              load_duty=load_duty)
             core.resume_parked(self._parked, old._ids)
             self.core, self._parked, self.suspended, self._suspending = core, [], False, False
 

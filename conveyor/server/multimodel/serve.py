@@ -21,21 +21,24 @@ from conveyor.server.multimodel.registry import LoadedModel, ModelRegistry, Mode
 logger = logging.getLogger(__name__)
 
 
-def engine_app_loader(response_store: ResponseStore, compute_share: ComputeShare | None = None):
+def engine_app_loader(response_store: ResponseStore, compute_share: ComputeShare | None = None,
+                      load_duty: float = 1.0):
     """load_model for the registry: a model's engine (built on the thread that steps it) and its own app,
     without the page and with its metrics (the front serves the page and merges every model's /metrics).
-    quiet (other models are streaming): loaded on one intra-op thread, so their steps keep the cores.
+    quiet (other models are streaming): loaded on one intra-op thread, so their steps keep the cores, resting
+    between tensors for a load_duty share of the time (--models-load-duty), so it takes less of their memory bandwidth.
     compute_share: the engines' turns on the cores (pooling models in the background)."""
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import create_app
 
     def load_model(spec: ModelSpec, progress: LoadProgress, quiet: bool) -> LoadedModel:
         engine = AsyncEngine.from_config(spec.engine_config, progress=progress, load_threads=1 if quiet else 0,
-                                         compute_share=compute_share)
+                                         load_duty=load_duty if quiet else 1.0, compute_share=compute_share)
         app = create_app(engine, dataclasses.replace(spec.server_config, webui=False, metrics=True),
                          response_store=response_store)
         def resume(resume_progress: LoadProgress, resume_quiet: bool) -> dict[str, int]:
-            engine.resume(resume_progress, load_threads=1 if resume_quiet else 0)
+            engine.resume(resume_progress, load_threads=1 if resume_quiet else 0,
+                          load_duty=load_duty if resume_quiet else 1.0)
             return engine.core.memory_report()
 
         return LoadedModel(app, engine.core.memory_report(), suspend=engine.suspend, resume=resume)
@@ -49,7 +52,7 @@ def build_multi_model_app(models: ModelsConfig, engine: EngineConfig, server: Se
     specs = build_catalog(models, engine, server)
     store = ResponseStore(server.responses_store_max, server.responses_store_max_bytes)
     share = ComputeShare(models.models_background_share) if models.models_background_share < 1 else None
-    registry = ModelRegistry(specs, load_model or engine_app_loader(store, share), memory_budget=models.memory_budget_bytes,
+    registry = ModelRegistry(specs, load_model or engine_app_loader(store, share, models.models_load_duty), memory_budget=models.memory_budget_bytes,
                              max_loaded=models.models_max, autoload=models.models_autoload,
                              contention=models.models_contention, wait_timeout=models.models_wait_timeout,
                              compute_share=share)
