@@ -598,6 +598,24 @@ class EngineCore:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_image_requests() if self.runner.encoder_cache is not None else []
+        return failed + self._step() if failed else self._step()
+
+    def _fail_image_requests(self) -> list[RequestOutput]:
+        """Requests whose image the tower failed on end with that error; their batch-mates never see it."""
+        failures = self.runner.encoder_cache.take_failures()
+        if not failures:
+            return []
+        outputs = []
+        for request in self.scheduler.waiting + self.scheduler.running:
+            error = next((failures[i.content_hash] for i in request.images if i.content_hash in failures), None)
+            if error is not None:
+                finished = self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR,
+                                                 f"vision encoder error: {error}")
+                outputs.append(self.final_output(finished))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         for slot, request in enumerate(self.scheduler.running):
             self.slot_contents[slot] = request

@@ -31,6 +31,7 @@ class EncoderCache:
 
     def prefetch(self, items: list[ImageItem]) -> None:
         """Start encoding the images not held or under way."""
+        self._collect()
         for item in items:
             if item.content_hash not in self._rows and item.content_hash not in self._pending:
                 self._pending[item.content_hash] = self._worker.submit(self._encode, item)
@@ -41,7 +42,10 @@ class EncoderCache:
         if item.content_hash in self._rows:
             return True
         self.prefetch([item])
-        return self._pending[item.content_hash].done()
+        future = self._pending.get(item.content_hash)
+        # (None: it finished and joined the LRU meanwhile; a failed one is never ready: take_failures() ends its
+        # requests before a chunk of theirs could fail a whole step)
+        return future is None or (future.done() and future.exception() is None)
 
     @property
     def pending(self) -> bool:
@@ -51,6 +55,7 @@ class EncoderCache:
         """Block until some encode ends or `timeout` passes (an idle step loop waits here, not spinning)."""
         if self._pending:
             wait(list(self._pending.values()), timeout=timeout, return_when="FIRST_COMPLETED")
+        self._collect()
 
     def get(self, item: ImageItem) -> torch.Tensor:
         """(item.num_embeds, text hidden): the item's embeddings, waiting for (or starting) its encode."""
@@ -61,12 +66,31 @@ class EncoderCache:
             return rows
         self.prefetch([item])
         rows = self._pending.pop(item.content_hash).result()  # an encode's exception fails this step's rows
-        self._rows[item.content_hash] = rows
+        self._keep(item.content_hash, rows)
+        return rows
+
+    def _keep(self, content_hash: str, rows: torch.Tensor) -> None:
+        self._rows[content_hash] = rows
         self._bytes += rows.numel() * rows.element_size()
         while self._bytes > self.max_bytes and len(self._rows) > 1:
             _, old = self._rows.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
-        return rows
+
+    def _collect(self) -> None:
+        """Finished encodes join the LRU (an aborted request's too, so none waits in _pending forever); a failed
+        one stays until take_failures()."""
+        for content_hash, future in list(self._pending.items()):
+            if future.done() and future.exception() is None:
+                del self._pending[content_hash]
+                self._keep(content_hash, future.result())
+
+    def take_failures(self) -> dict[str, str]:
+        """Content hash -> error of each encode that raised, forgotten here (a later request retries it)."""
+        failed = {h: f"{type(f.exception()).__name__}: {f.exception()}" for h, f in self._pending.items()
+                  if f.done() and f.exception() is not None}
+        for content_hash in failed:
+            del self._pending[content_hash]
+        return failed
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

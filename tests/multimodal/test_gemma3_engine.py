@@ -153,3 +153,23 @@ def test_rows_keep_decoding_while_an_image_encodes(model_dir, alone):
         core.step()
     assert image.output_token_ids == [t for t, _ in alone[0]]
     core.kv.check_integrity()
+
+
+def test_a_failing_tower_fails_only_its_request(model_dir):
+    core = _core(model_dir)
+
+    class Broken:
+        def encode(self, item):
+            raise RuntimeError("tower exploded")
+
+    core.runner.encoder_cache.encoder = Broken()
+    text = core.make_request(core.tokenizer.encode("plain text request"), PARAMS)
+    image = core.make_request(core.tokenizer.encode(JOBS[0][0], add_special_tokens=False), PARAMS,
+                              images=[IMAGES[0]])
+    core.add_request(text)
+    core.add_request(image)
+    while core.has_work():
+        core.step()
+    assert image.finish_reason == "error" and "tower exploded" in image.error
+    assert len(text.output_token_ids) == PARAMS.max_tokens
+    core.kv.check_integrity()
