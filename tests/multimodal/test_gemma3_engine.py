@@ -173,3 +173,28 @@ def test_a_failing_tower_fails_only_its_request(model_dir):
     assert image.finish_reason == "error" and "tower exploded" in image.error
     assert len(text.output_token_ids) == PARAMS.max_tokens
     core.kv.check_integrity()
+
+
+def test_disk_tier_brings_an_image_prefix_back_and_never_for_another_image(model_dir, alone, tmp_path):
+    """Blocks spilled at shutdown come back in a new engine for the same image (bitwise the cold output); the
+    same placeholder tokens with another image read nothing past the image's start."""
+    first = _core(model_dir, prompt_cache_dir=str(tmp_path), prompt_cache_preload="0")
+    assert _run(first, [JOBS[0]]) == alone[:1]
+    first.close()
+    again = _core(model_dir, prompt_cache_dir=str(tmp_path), prompt_cache_preload="0")
+    text = JOBS[0][0]
+    ids = again.tokenizer.encode(text, add_special_tokens=False)
+    other = again.make_request(ids, PARAMS, images=[IMAGES[1]])
+    image_start = other.images[0].offset
+    again.add_request(other)
+    while again.has_work():
+        again.step()
+    assert other.num_cached_tokens <= image_start
+    same = again.make_request(ids, PARAMS, images=[IMAGES[0]])
+    again.add_request(same)
+    while again.has_work():
+        again.step()
+    assert same.num_cached_tokens > same.images[0].end
+    assert same.output_token_ids == [t for t, _ in alone[0]]
+    assert again.disk_report()["hits"] > 0
+    again.kv.check_integrity()
