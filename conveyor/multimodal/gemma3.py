@@ -162,7 +162,7 @@ class Gemma3VisionEncoder(nn.Module):
     def encode(self, item: ImageItem) -> torch.Tensor:
         """(num_embeds, text hidden) in the tower's dtype."""
         dtype = self.projection.dtype
-        x = self.patch_embedding(item.pixel_values[None].to(dtype))  # (1, hidden, n, n)
+        x = self.patch_embedding(item.pixel_values[None].to(self.projection.device, dtype))  # (1, hidden, n, n)
         x = x.flatten(2)[0].transpose(0, 1) + self.position_embedding  # (P, hidden)
         for layer in self.layers:
             x = layer(x)
