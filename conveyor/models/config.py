@@ -438,7 +438,9 @@ def _decode_floats(value: Any) -> Any:
     return value
 def _text_config(raw: dict[str, Any], text_type: str) -> dict[str, Any]:
     """A multimodal config's text model: its text_config, with what only the wrapper says."""
-    text = {**raw["text_config"], "model_type": text_type}
+    family = families.get(text_type)
+    defaults = family.multimodal_text_defaults if family is not None else {}
+    text = {**defaults, **raw["text_config"], "model_type": text_type}
     # transformers ties the head by the wrapper's tie_word_embeddings (Qwen3.5's default: untied)
     text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     for key in ("bos_token_id", "eos_token_id"):

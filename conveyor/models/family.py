@@ -25,6 +25,9 @@ class Family:
     optional_weights: tuple[str, ...] = ()  # kept where a checkpoint has them, never required (an encoder's pooler)
     hybrid: bool = False  # pre-norm residual steps of attention / recurrent / channel mixers (models/hybrid.py)
     multimodal_type: str | None = None  # the model_type of the multimodal directory whose text part this is
+    # What transformers' text config class fills in where a multimodal config.json's text_config is sparse (Gemma 3
+    # 4B's names only what differs from Gemma3TextConfig's defaults)
+    multimodal_text_defaults: dict[str, Any] = field(default_factory=dict)
     expert_names: Any = None  # config.ExpertNames: where its checkpoints keep the sparse MLP (MoE families)
     # llama.cpp's `general.architecture` values written for it (the first family that lists one loads it)
     gguf_architectures: tuple[str, ...] = ()

@@ -133,8 +133,16 @@ CHAT_TEMPLATE = (
 )
 
 
+# Gemma3TextConfig's defaults (transformers) for the fields we read: google/gemma-3-4b-it's config.json leaves them out.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                            max_position_embeddings=131_072, rms_norm_eps=1e-6, sliding_window=4096,
+                            tie_word_embeddings=True)
+
+
 register(Family("gemma2", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("gemma2",),
                 gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS, chat_template=CHAT_TEMPLATE),
          Family("gemma3_text", "conveyor.models.llama:LlamaForCausalLM", hf_fields, multimodal_type="gemma3",
+                multimodal_text_defaults=GEMMA3_TEXT_DEFAULTS,
                 gguf_architectures=("gemma3", "gemma-embedding"), gguf_fields=gguf_fields, gguf_tensors=GGUF_TENSORS,
                 chat_template=CHAT_TEMPLATE))

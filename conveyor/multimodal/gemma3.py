@@ -26,6 +26,9 @@ from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoi
 TOWER_PREFIXES = ("vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
                   "model.vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# SiglipVisionConfig's defaults, where a config.json's vision_config leaves a field out
+SIGLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                       image_size=224, patch_size=16, layer_norm_eps=1e-6, num_channels=3)
 _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
              3: Image.Resampling.BICUBIC}
 
@@ -50,7 +53,7 @@ class Gemma3Processor:
                 self.newline_count[ids[0]] = count
         if 2 not in self.newline_count.values():
             raise ValueError("gemma3: the tokenizer has no single token for '\\n\\n'")
-        vision = raw.get("vision_config") or {}
+        vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
         size = processor_config.get("size") or {}
         self.image_size = int(size.get("height") or vision.get("image_size", 224))
         self.resample = _RESAMPLE.get(int(processor_config.get("resample", 2)), Image.Resampling.BILINEAR)
@@ -141,7 +144,7 @@ class Gemma3VisionEncoder(nn.Module):
 
     def __init__(self, raw: dict[str, Any]) -> None:
         super().__init__()
-        vision = raw["vision_config"]
+        vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
         hidden, eps = int(vision["hidden_size"]), float(vision.get("layer_norm_eps", 1e-6))
         self.patch = int(vision["patch_size"])
         self.patches_per_side = int(vision["image_size"]) // self.patch

@@ -48,7 +48,7 @@ def test_unsupported_model_type(model_dir) -> None:
 def test_multimodal_gemma3_with_a_broken_text_config(model_dir) -> None:
     # (multimodal Gemma 3 loads since #42: its text model from text_config, its tower by multimodal/gemma3.py)
     config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-              "text_config": {"hidden_size": 64}}
+              "text_config": {"hidden_size": 64, "num_attention_heads": "many"}}
     (model_dir / "config.json").write_text(json.dumps(config))
     message = _load_error(model_dir)
     assert "config.json" in message and "malformed model config" in message
