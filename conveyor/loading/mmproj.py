@@ -49,11 +49,14 @@ def _gemma3_config(meta: Callable[..., Any], tokenizer: Any, path: str) -> dict[
     image_size, patch = int(meta("clip.vision.image_size")), int(meta("clip.vision.patch_size"))
     per_side = image_size // patch // int(meta("clip.vision.projector.scale_factor", 4))
     ids = {}
-    for key, token in (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
-                       ("image_token_index", "<image_soft_token>")):
+    for key, token in (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>")):
         ids[key] = tokenizer.token_to_id(token)
         if ids[key] is None:
             raise LoadError(f"{path}: the text model's vocabulary has no {token} (not a Gemma 3 vision model?)")
+    # llama.cpp's converter cuts the vocabulary at tokenizer.model's 262144 pieces, so <image_soft_token> (262144)
+    # is gone; its rows take the tower's output anyway: pad (0) stands in, as transformers' lookup does for it.
+    soft = tokenizer.token_to_id("<image_soft_token>")
+    ids["image_token_index"] = soft if soft is not None else 0
     return {"model_type": "gemma3", "mm_tokens_per_image": per_side * per_side, **ids,
             "text_config": {"hidden_size": int(meta("clip.vision.projection_dim"))},
             "vision_config": {"hidden_size": int(meta("clip.vision.embedding_length")),

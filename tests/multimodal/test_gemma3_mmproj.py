@@ -73,3 +73,15 @@ def test_other_projectors_are_refused(tiny, tmp_path):
     write_mmproj(tmp_path / "other.gguf", hf_model(transformers), projector_type="idefics3")
     with pytest.raises(LoadError, match="projector type 'idefics3' is not supported"):
         read_mmproj(str(tmp_path / "other.gguf"), checkpoint.tokenizer)
+
+
+def test_a_gguf_vocabulary_without_the_soft_token_uses_pad(tiny):
+    """llama.cpp's Gemma 3 GGUFs stop at tokenizer.model's pieces: no <image_soft_token>; pad stands in."""
+    path, checkpoint = tiny
+
+    class CutVocabulary:
+        def token_to_id(self, token):
+            return None if token == "<image_soft_token>" else checkpoint.tokenizer.token_to_id(token)
+
+    vision = read_mmproj(str(path / "mmproj.gguf"), CutVocabulary())
+    assert vision.config["image_token_index"] == 0 and vision.config["boi_token_index"] == 5
