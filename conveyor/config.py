@@ -219,14 +219,25 @@ class ServerConfig:
     # Hosted tools (web_search, code execution...) offered in /v1/responses or /v1/messages: refuse (a 400 naming
     # them) or ignore (left out of the prompt: the model cannot call them, as nothing here could run them).
     hosted_tools: str = "refuse"
+    # Images in requests (multimodal/image_fetch.py): data: URLs always; http(s) and file:// only where allowed.
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 40_000_000
+    image_fetch_timeout: float = 10.0
+    allow_remote_images: bool = False
+    allowed_media_domains: str | None = None  # comma-separated host names
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.reasoning_parser in ("auto", "think", "none"), "reasoning_parser must be auto, think or none")
         _require(self.hosted_tools in HOSTED_TOOLS, f"hosted_tools must be one of {', '.join(HOSTED_TOOLS)}")
         self.template_kwargs  # a bad --chat-template-kwargs fails at startup, not on the first request
         for name in ("max_request_bytes", "max_json_depth", "max_messages", "max_prompt_chars", "max_n",
-                     "max_stop_strings", "max_logit_bias", "responses_store_max", "responses_store_max_bytes"):
+                     "max_stop_strings", "max_logit_bias", "responses_store_max", "responses_store_max_bytes",
+                     "max_image_bytes", "max_image_pixels"):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        _require(self.max_images >= 0, "max_images must be >= 0")
+        _require(self.image_fetch_timeout > 0, "image_fetch_timeout must be > 0")
         _require(self.max_priority >= 0, "max_priority must be >= 0")
 
     @property
@@ -584,6 +595,19 @@ FLAGS: list[Flag] = [
     Flag(("--hosted-tools",), "hosted_tools", choices=HOSTED_TOOLS,
          help="provider-hosted tools a client offers (web_search, code execution...; Codex offers web_search): "
               "refuse with a 400 naming them, or ignore them (the model is not shown them)"),
+    Flag(("--max-images",), "max_images", int,
+         "most images in one request, all turns together (0 = refuse images)"),
+    Flag(("--max-image-bytes",), "max_image_bytes", int, "largest image in bytes (encoded: after base64, or as fetched)"),
+    Flag(("--max-image-pixels",), "max_image_pixels", int,
+         "largest image in pixels (width x height), checked from the header before decoding"),
+    Flag(("--image-fetch-timeout",), "image_fetch_timeout", float, "seconds an http(s) image URL may take to fetch"),
+    Flag(("--allow-remote-images",), "allow_remote_images", switch=True,
+         help="fetch http(s) image URLs from any host (off: data: URLs only; the server makes the request, so "
+              "only on a trusted network)"),
+    Flag(("--allowed-media-domains",), "allowed_media_domains",
+         help="fetch http(s) image URLs from these hosts only (comma-separated exact host names)"),
+    Flag(("--allowed-local-media-path",), "allowed_local_media_path",
+         help="serve file:// image URLs from under this directory (symlinks resolved; none = refused)"),
     Flag(("--models-dir",), "models_dir",
          help="serve every GGUF file and model directory in DIR, each named as its file (without .gguf) or directory"),
     Flag(("--models-preset",), "models_preset",

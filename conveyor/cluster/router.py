@@ -115,6 +115,10 @@ class RouterServing(ServingFront):
         self.metrics = metrics
         self.num_awaiting_first_token = 0
 
+    def image_refusal(self) -> str | None:
+        # The KV handoff and the prefill frames carry token ids only (docs/vision.md, "Not yet").
+        return "image requests are not routed by the cluster yet: send them to a node serving a vision model"
+
     # -- running ---------------------------------------------------------------------------
     def _admit(self, num_requests: int = 1) -> None:
         """Before any dispatch: a pool with no node online serving the model, or a router queue at its bound

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.config import ServerConfig
 from conveyor.engine.async_engine import AsyncEngine
+from conveyor.multimodal.image_fetch import ImagePolicy
 from conveyor.server import dashboard, errors, observability, slot_actions
 from conveyor.server.apis import add_agent_routes, add_pooling_routes, chat_completions
 from conveyor.server.apis.body import parse_body
@@ -58,7 +59,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig | None = None,
     model_id = config.served_model_name or engine.core.model_name
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, model_id, metrics, config.reasoning_parser, config.template_kwargs,
-                            config.strict_model_name)
+                            config.strict_model_name, ImagePolicy.from_config(config))
     lifecycle = Lifecycle(engine, serving, config.shutdown_grace_seconds)
 
     @asynccontextmanager

@@ -16,6 +16,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from conveyor.loading import Tokenizer
+from conveyor.multimodal.image_fetch import ImagePolicy
+from conveyor.server.chat_images import load_chat_images
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.server.reply import DeltaGroup, respond
@@ -29,7 +31,8 @@ class ServingFront(ABC):
     metrics: Any  # the subclass's metrics; every route counts its request in metrics.api_requests (per API)
 
     def __init__(self, tokenizer: Tokenizer, model_id: str, model_name: str, reasoning_parser: str = "auto",
-                 template_kwargs: dict | None = None, strict_model_name: bool = False) -> None:
+                 template_kwargs: dict | None = None, strict_model_name: bool = False,
+                 image_policy: ImagePolicy | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.model_names = {model_id, model_name}
@@ -37,6 +40,7 @@ class ServingFront(ABC):
         self.reasoning_parser = reasoning_parser
         self.template_kwargs = template_kwargs or {}  # --chat-template-kwargs
         self.token_text = TokenText(tokenizer)
+        self.image_policy = image_policy or ImagePolicy()  # the image flags (multimodal/image_fetch.py)
 
     def check_model(self, name: str | None, strict: bool | None = None) -> None:
         """A request may name any model (the one served answers) unless --strict-model-name; a lookup of
@@ -46,9 +50,16 @@ class ServingFront(ABC):
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            "invalid_request_error", "model", "model_not_found")
 
-    def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
+    async def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
+        """Async for the images: fetched and decoded (off the event loop) before the template renders."""
         self.check_model(body.model)
-        return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs)
+        images = await load_chat_images(body, self.image_policy, self.image_refusal())
+        return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs,
+                                 images)
+
+    def image_refusal(self) -> str | None:
+        """Why this front's model takes no images (a 400 for any image part), or None when it sees."""
+        return f"model {self.model_id} does not accept images (a text-only model)"
 
     def plan_completion(self, body: CompletionRequest) -> RequestPlan:
         self.check_model(body.model)
@@ -60,7 +71,7 @@ class ServingFront(ABC):
 
     # -- the OpenAI endpoints -------------------------------------------------------------------
     async def chat(self, http: HTTPRequest, body: ChatCompletionRequest, arrival: float) -> Response:
-        return await self._respond(http, self.plan_chat(body), arrival)
+        return await self._respond(http, await self.plan_chat(body), arrival)
 
     async def completion(self, http: HTTPRequest, body: CompletionRequest, arrival: float) -> Response:
         return await self._respond(http, self.plan_completion(body), arrival)

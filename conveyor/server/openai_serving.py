@@ -16,6 +16,7 @@ from fastapi import Request as HTTPRequest
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from conveyor.engine.request import Request
 from conveyor.errors import InvalidRequestError
+from conveyor.multimodal.image_fetch import ImagePolicy
 from conveyor.server import errors
 from conveyor.server.metrics import ServerMetrics
 from conveyor.server.front import ServingFront
@@ -27,18 +28,21 @@ from conveyor.server.streams import RequestGroup
 class OpenAIServing(ServingFront):
     def __init__(self, engine: AsyncEngine, model_id: str, metrics: ServerMetrics,
                  reasoning_parser: str = "auto", template_kwargs: dict | None = None,
-                 strict_model_name: bool = False) -> None:
+                 strict_model_name: bool = False, image_policy: ImagePolicy | None = None) -> None:
         super().__init__(engine.core.tokenizer, model_id, engine.core.model_name, reasoning_parser, template_kwargs,
-                         strict_model_name)
+                         strict_model_name, image_policy)
         self.engine = engine
         self.core = engine.core
         self.metrics = metrics
         self.active: set[RequestGroup] = set()
         self.draining = False
 
-    def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
+    async def plan_chat(self, body: ChatCompletionRequest) -> RequestPlan:
         self._check_generates()
-        return super().plan_chat(body)
+        return await super().plan_chat(body)
+
+    def image_refusal(self) -> str | None:
+        return None if self.core.vision is not None else super().image_refusal()
 
     def plan_completion(self, body: CompletionRequest) -> RequestPlan:
         self._check_generates()

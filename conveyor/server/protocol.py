@@ -67,20 +67,43 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: Annotated[str, Field(min_length=1)]  # data:image/...;base64,..., or http(s) / file where the server allows
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]  # (vLLM also takes the bare URL string)
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # Messages echo back whatever a client stored (tool_calls, refusal...): extra keys are ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class SamplingFields(_Body):

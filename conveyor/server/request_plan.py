@@ -73,8 +73,10 @@ class RequestPlan:
 
 
 def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str,
-                      model_id: str, template_kwargs: dict[str, Any] | None = None) -> RequestPlan:
-    """`template_kwargs`: the server's --chat-template-kwargs, under the request's own."""
+                      model_id: str, template_kwargs: dict[str, Any] | None = None,
+                      images: list[ImageInput] | None = None) -> RequestPlan:
+    """`template_kwargs`: the server's --chat-template-kwargs, under the request's own. `images`: the body's image
+    parts, checked and decoded (server/chat_images.py), in the order the template writes their markers."""
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -90,7 +92,8 @@ def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoni
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id, chat=True,
                             want_logprobs=logprobs is not None, parsing=reply_starts_thinking(plan.parsing, text))
     renames = {"prompt": "messages", "logprobs": "top_logprobs", **_grammar_renames(plan.grammar_param)}
-    return RequestPlan(body, [prompt], max_tokens, logprobs, plan.grammar, plan.grammar_param, header, renames)
+    return RequestPlan(body, [prompt], max_tokens, logprobs, plan.grammar, plan.grammar_param, header, renames,
+                       list(images or []))
 
 
 def chat_template_variables(body: ChatCompletionRequest, defaults: dict[str, Any] | None) -> dict[str, Any]:

@@ -105,7 +105,8 @@ def _thinking(mode: str, tokenizer: Tokenizer) -> bool | None:
 
 
 def _message(message) -> dict:
-    out: dict = {"role": message.role, "content": message.text()}
+    content = _template_content(message) if message.image_parts() else message.text()
+    out: dict = {"role": message.role, "content": content}
     if message.name:
         out["name"] = message.name
     if message.tool_calls:
@@ -115,3 +116,10 @@ def _message(message) -> dict:
     if message.tool_call_id:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _template_content(message) -> list[dict]:
+    """Text and image parts in place, as HF templates of vision models take them: an image is {"type": "image"}
+    (the template writes the family's marker; the pixels travel beside the prompt, RequestPlan.images)."""
+    return [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+            for part in message.content]

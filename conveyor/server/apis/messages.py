@@ -36,7 +36,6 @@ from conveyor.structured.tools import ToolCall
 
 # Block and tool types Anthropic defines that this server does not serve, with the reason a 400 gives.
 _REFUSED_BLOCKS = {
-    "image": "image blocks are not supported yet (text-only models)",
     "document": "document blocks (files, PDFs) are not supported",
     "search_result": "search_result blocks are not supported",
     "container_upload": "container uploads are not supported",
@@ -78,6 +77,28 @@ class ToolResultBlock(_CacheControlled):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+class Base64Source(_Body):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(_Body):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_CacheControlled):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def chat_part(self) -> dict:
+        """Chat's image_url part: base64 as a data URL, so both APIs meet one decoder and one set of limits."""
+        source = self.source
+        url = source.url if isinstance(source, URLSource) else f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ThinkingBlock(_Body):
     type: Literal["thinking"]
     thinking: str
@@ -89,8 +110,8 @@ class RedactedThinkingBlock(_Body):
     data: str
 
 
-_BLOCK_TYPES = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+_BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
                   Field(discriminator="type")]
 
 
@@ -197,8 +218,19 @@ def _refused_fields(data: dict, ignore_hosted: bool) -> None:
             if kind not in _BLOCK_TYPES:
                 raise errors.invalid(f"unknown content block type {kind!r} (expected one of "
                                      f"{', '.join(sorted(_BLOCK_TYPES))})", f"{where}.type")
+            if kind == "image":
+                _check_image_source(block.get("source"), where)
             if isinstance(block, dict) and block.get("citations"):
                 raise errors.invalid("citations are not supported", f"{where}.citations")
+
+
+def _check_image_source(source: Any, where: str) -> None:
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "file":
+        raise errors.invalid("image source type 'file' is not supported (no Files API here): give base64 or url",
+                             f"{where}.source.type")
+    if kind not in ("base64", "url"):
+        raise errors.invalid(f"image source type must be 'base64' or 'url', got {kind!r}", f"{where}.source.type")
 
 
 def _list(value: Any) -> list:
@@ -263,8 +295,8 @@ def _assistant_turn(blocks: list, calls: set[str], index: int) -> dict:
             calls.add(block.id)
             tool_calls.append({"id": block.id, "type": "function",
                                "function": {"name": block.name, "arguments": json.dumps(block.input)}})
-        elif isinstance(block, ToolResultBlock):
-            raise errors.invalid("tool_result blocks belong in a user turn", f"messages.[{index}].content")
+        elif isinstance(block, (ToolResultBlock, ImageBlock)):
+            raise errors.invalid(f"{block.type} blocks belong in a user turn", f"messages.[{index}].content")
         # thinking / redacted_thinking: earlier turns' reasoning is not replayed (templates drop it too)
     turn: dict = {"role": "assistant", "content": text}
     if tool_calls:
@@ -280,8 +312,9 @@ def _system_turn(blocks: list, index: int) -> list[dict]:
 
 
 def _user_turn(blocks: list, calls: set[str], index: int) -> list[dict]:
-    """Tool results become tool messages (first, as Anthropic orders them), the text one user message."""
-    out, text = [], ""
+    """Tool results become tool messages (first, as Anthropic orders them), the text and images one user message
+    (its images in place, as chat's image_url parts)."""
+    out, text, parts = [], "", []
     for block in blocks:
         if isinstance(block, ToolResultBlock):
             if block.tool_use_id not in calls:
@@ -292,9 +325,15 @@ def _user_turn(blocks: list, calls: set[str], index: int) -> list[dict]:
                         "content": f"Error: {result}" if block.is_error else result})
         elif isinstance(block, TextBlock):
             text += block.text
+        elif isinstance(block, ImageBlock):
+            parts += [{"type": "text", "text": text}] if text else []
+            parts.append(block.chat_part())
+            text = ""
         else:
             raise errors.invalid(f"{block.type} blocks belong in an assistant turn", f"messages.[{index}].content")
-    if text or not out:
+    if parts:
+        out.append({"role": "user", "content": parts + ([{"type": "text", "text": text}] if text else [])})
+    elif text or not out:
         out.append({"role": "user", "content": text})
     return out
 
@@ -464,7 +503,7 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
         serving.metrics.api_requests.labels("messages").inc()
         body = await _parse(request, MessagesRequest, limits, ignore_hosted)
         check_header_priority(request, limits)
-        plan = serving.plan_chat(to_chat(body, limits))
+        plan = await serving.plan_chat(to_chat(body, limits))
         budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
         if not body.stream:
             return await _complete(request, serving, plan, arrival, budget)
@@ -474,4 +513,4 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body = await _parse(request, CountTokensRequest, limits, ignore_hosted)
-        return JSONResponse({"input_tokens": len(serving.plan_chat(to_chat(body, limits)).prompts[0])})
+        return JSONResponse({"input_tokens": len((await serving.plan_chat(to_chat(body, limits))).prompts[0])})

@@ -93,7 +93,7 @@ class _Turn:
         return response
 
 
-def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, limits: RequestLimits,
+async def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, limits: RequestLimits,
            ignore_hosted: bool) -> _Turn:
     """The earlier conversation (previous_response_id) and this input, planned as one chat request."""
     refused_fields(body)
@@ -106,7 +106,7 @@ def _begin(body: ResponsesRequest, store: ResponseStore, serving: ServingFront, 
     new, tools = parse_items(body.input), parse_tools(body.tools, ignore_hosted)
     items = parse_items(earlier, "previous_response_id") + new
     try:  # count limits and planning 400s name chat's fields: renamed to this API's
-        plan = serving.plan_chat(to_chat(body, items, len(items) - len(new), tools, limits))
+        plan = await serving.plan_chat(to_chat(body, items, len(items) - len(new), tools, limits))
     except APIError as exc:
         raise _renamed(exc) from None
     conversation = earlier + [item.model_dump(by_alias=True, exclude_none=True) for item in new]
@@ -167,7 +167,7 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits,
         serving.metrics.api_requests.labels("responses").inc()
         body = validated_at(ResponsesRequest, await json_object(request, limits), "")
         check_header_priority(request, limits)
-        turn = _begin(body, store, serving, limits, config.hosted_tools == "ignore")
+        turn = await _begin(body, store, serving, limits, config.hosted_tools == "ignore")
         try:
             group = await serving.start(request, turn.plan, arrival)
         except APIError as exc:

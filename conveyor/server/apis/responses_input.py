@@ -1,6 +1,6 @@
 """A Responses API body, and the chat request it becomes.
 
-`input` items are checked one by one (a 400 names the item and its type: images, files and built-in tool
+`input` items are checked one by one (a 400 names the item and its type: files and built-in tool
 calls are refused by name), then turned into chat messages: a message item is a message, a run of
 function_call items is one assistant turn's tool_calls, a function_call_output is a tool message, a
 reasoning item is dropped (templates drop past thinking too).
@@ -41,7 +41,25 @@ class RefusalPart(_Body):
     refusal: str
 
 
-Part = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+class ImagePart(_Body):
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1)] | None = None  # a URL or a data: URL, as chat's image_url
+    file_id: str | None = None  # OpenAI's Files API: refused (below), there are no files here
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted; the model's processor decides
+
+    @model_validator(mode="after")
+    def _url_given(self) -> ImagePart:
+        if self.file_id is not None:
+            raise ValueError("input_image file_id is not supported (no Files API here): give image_url")
+        if self.image_url is None:
+            raise ValueError("input_image needs an image_url (a data: URL, or a URL the server may fetch)")
+        return self
+
+    def chat_part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
+
+
+Part = Annotated[TextPart | RefusalPart | ImagePart, Field(discriminator="type")]
 
 
 class MessageItem(_Body):
@@ -55,7 +73,15 @@ class MessageItem(_Body):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content
+                       if not isinstance(p, ImagePart))
+
+    def chat_content(self) -> str | list[dict]:
+        """Its text, or (with images) chat's parts in order: text and image_url."""
+        if isinstance(self.content, str) or not any(isinstance(p, ImagePart) for p in self.content):
+            return self.text()
+        return [p.chat_part() if isinstance(p, ImagePart) else
+                {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal} for p in self.content]
 
 
 class FunctionCallItem(_Body):
@@ -95,9 +121,8 @@ class ReasoningItem(_Body):
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEMS: dict[str, type[InputItem]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                       "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
-_PARTS = frozenset({"input_text", "output_text", "refusal"})
-_REFUSED_PARTS = {"input_image": "images are not supported (text-only models)",
-                  "input_file": "files are not supported", "input_audio": "audio is not supported"}
+_PARTS = frozenset({"input_text", "output_text", "refusal", "input_image"})
+_REFUSED_PARTS = {"input_file": "files are not supported", "input_audio": "audio is not supported"}
 
 
 # -- tools and settings ----------------------------------------------------------------------------
@@ -270,7 +295,7 @@ def _check_parts(data: dict, where: str) -> None:
         if kind in _REFUSED_PARTS:
             raise errors.invalid(f"content part type {kind!r} is not supported: {_REFUSED_PARTS[kind]}", param)
         if kind not in _PARTS:
-            raise errors.invalid(f"unknown content part type {kind!r} (expected input_text, output_text or refusal)",
+            raise errors.invalid(f"unknown content part type {kind!r} (expected input_text, input_image, output_text or refusal)",
                                  param)
 
 
@@ -322,7 +347,7 @@ def chat_messages(items: list[InputItem], first_input: int = 0) -> list[dict]:
     calls: set[str] = set()
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, FunctionCallItem):
             calls.add(item.call_id)
             call = {"id": item.call_id, "type": "function", "function": {

@@ -26,8 +26,19 @@ def merged_turns(messages: list[dict]) -> list[dict]:
 
 
 def _plain(message: dict) -> bool:
-    return message["role"] != "tool" and not message.get("tool_calls") and isinstance(message.get("content"), str)
+    content = message.get("content")
+    return message["role"] != "tool" and not message.get("tool_calls") and isinstance(content, (str, list))
 
 
-def _joined(first: str, second: str) -> str:
-    return f"{first}\n\n{second}" if first and second else first or second
+def _joined(first: str | list[dict], second: str | list[dict]) -> str | list[dict]:
+    if isinstance(first, str) and isinstance(second, str):
+        return f"{first}\n\n{second}" if first and second else first or second
+    # A turn with images is a list of chat parts (text, image_url): the parts in order, a blank line between texts.
+    parts = _parts(first)
+    if parts and _parts(second):
+        parts.append({"type": "text", "text": "\n\n"})
+    return parts + _parts(second)
+
+
+def _parts(content: str | list[dict]) -> list[dict]:
+    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}] if content else []

@@ -182,6 +182,8 @@ def test_sixteen_concurrent_greedy_equal_one_at_a_time(serve_tiny):
 @pytest.mark.parametrize("body, where", [
     ({"messages": CHAT}, "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "does not accept images"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
     ({"max_tokens": 4, "messages": CHAT, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "web_search"),
