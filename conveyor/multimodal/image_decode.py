@@ -28,8 +28,8 @@ def decode_image(data: bytes, max_pixels: int, what: str = "image", param: str |
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError:
         raise InvalidRequestError(f"{what}: {_unreadable(data)}", param) from None
-    except Image.DecompressionBombError:
-        raise InvalidRequestError(f"{what} has more than {max_pixels} pixels (--max-image-pixels)", param) from None
+    except Image.DecompressionBombError as exc:  # Pillow's own bound (~179M pixels) caps --max-image-pixels
+        raise InvalidRequestError(f"{what} has too many pixels: {exc}", param) from None
     except Exception as exc:  # a header a decoder chokes on: never a 500
         raise InvalidRequestError(f"{what} is corrupt: {exc}", param) from None
     with image:
