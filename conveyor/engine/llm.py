@@ -7,6 +7,7 @@ put every input into the one continuous batch of the engine at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from conveyor.config import EngineConfig, engine_config_from_env
 from conveyor.engine.engine import EngineCore
@@ -14,6 +15,7 @@ from conveyor.engine.outputs import TokenLogprob
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Checkpoint
+from conveyor.multimodal.image_input import ImageInput
 
 
 @dataclass
@@ -49,18 +51,22 @@ class LLM:
         self.engine.close()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionResult]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list[list[Any]] | None = None) -> list[CompletionResult]:
         """Raw completion: each prompt is continued as given (no chat template; for an instruct model
         use chat()). Every prompt runs through the continuous-batching engine at once; results in
-        input order. `params` is one SamplingParams for all prompts or one per prompt."""
+        input order. `params` is one SamplingParams for all prompts or one per prompt. `images`: per prompt, its
+        images (PIL or ImageInput), one per image marker in it (a vision model's, e.g. `<start_of_image>`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        images_list = images or [[]] * len(prompts)
         results: dict[str, CompletionResult] = {}
         order = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, pictures in zip(prompts, params_list, images_list):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request = self.engine.make_request(ids, replace(p))
+            request = self.engine.make_request(ids, replace(p), images=[_image_input(i) for i in pictures])
+            ids = request.prompt_token_ids  # with images: each marker expanded to the image's tokens
             self.engine.add_request(request)
             results[request.request_id] = CompletionResult(request.request_id, ids)
             order.append(request.request_id)
@@ -118,7 +124,8 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> CompletionResult | list[CompletionResult]:
-        """Reply to one conversation (a list of {"role", "content"} messages) or to a list of them.
+        """Reply to one conversation (a list of {"role", "content"} messages) or to a list of them. A vision
+        model's image goes in a content part {"type": "image", "image": PIL image}.
 
         The chat template is applied to each, then all run in one continuous batch through generate();
         one conversation gives one result, a list gives a list in input order.
@@ -126,9 +133,19 @@ class LLM:
         single = not conversations or isinstance(conversations[0], dict)
         batch: list[list[dict]] = [conversations] if single else conversations  # type: ignore[list-item]
         prompts = [self._chat_prompt_ids(messages) for messages in batch]
-        results = self.generate(prompts, params)
+        results = self.generate(prompts, params, [_chat_images(messages) for messages in batch])
         return results[0] if single else results
 
     def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _image_input(image: Any) -> ImageInput:
+    return image if isinstance(image, ImageInput) else ImageInput.from_pil(image)
+
+
+def _chat_images(messages: list[dict]) -> list[Any]:
+    """The images of a conversation's {"type": "image", "image": ...} parts, in the order its template writes them."""
+    return [part["image"] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]

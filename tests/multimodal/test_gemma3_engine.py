@@ -198,3 +198,19 @@ def test_disk_tier_brings_an_image_prefix_back_and_never_for_another_image(model
     assert same.output_token_ids == [t for t, _ in alone[0]]
     assert again.disk_report()["hits"] > 0
     again.kv.check_integrity()
+
+
+def test_llm_chat_with_an_image_part(model_dir, alone):
+    """The offline API: an {"type": "image", "image": PIL} content part goes through the model's chat template."""
+    from conveyor.engine.llm import LLM
+
+    llm = LLM(model=model_dir, parallel=4, block_size=8, speculative_ngram=0)
+    messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0].image},
+                                             {"type": "text", "text": "Describe picture 0 in words."}]}]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    result = llm.chat(messages, params)
+    assert result.token_ids == [t for t, _ in alone[0]]
+    assert result.prompt_token_ids == llm.engine.make_request(
+        llm.tokenizer.encode(JOBS[0][0], add_special_tokens=False), params, images=[IMAGES[0]]).prompt_token_ids
+    raw = llm.generate(JOBS[1][0], params, images=[[IMAGES[1].image]])[0]
+    assert raw.token_ids == [t for t, _ in alone[1]]
