@@ -1,5 +1,7 @@
 """google/gemma-3-4b-it's config.json as published: a sparse text_config that leans on Gemma3TextConfig's defaults."""
 
+import torch
+
 from conveyor.models.config import ModelConfig
 
 GEMMA3_4B_IT = {
@@ -31,6 +33,7 @@ def test_sparse_text_config_gets_transformers_defaults():
 def test_vision_side_reads_the_same_config():
     from conveyor.multimodal.gemma3 import Gemma3VisionEncoder
 
-    encoder = Gemma3VisionEncoder(GEMMA3_4B_IT)
+    with torch.device("meta"):  # shapes only: 400M parameters
+        encoder = Gemma3VisionEncoder(GEMMA3_4B_IT)
     assert len(encoder.layers) == 27 and encoder.patches_per_side == 64 and encoder.pool == 4
     assert encoder.projection.shape == (1152, 2560)
