@@ -487,6 +487,8 @@ class EngineCore:
         request = Request(request_id or self.next_request_id(), list(prompt_token_ids), params, self.eos_token_ids,
                           priority=priority, cache_prompt=cache_prompt)
         request.images = items
+        if images:
+            request.rope_positions, request.rope_delta = expanded.rope_positions, expanded.rope_delta
         if params.structured is not None:
             request.grammar = self.grammars.new_state(params.structured)  # InvalidRequestError names the fault
         return request

@@ -50,6 +50,9 @@ class ScheduledChunk:
     token_type_ids: list[int] | None = None  # an encoder's segment per token of this chunk (None: type 0)
     # The request's images whose span this chunk overlaps (the runner encodes them and places their rows).
     images: tuple[ImageItem, ...] = ()
+    # Multimodal rotary (Qwen-VL): the (t, h, w) rotary positions of the chunk's rows (drafts appended later
+    # continue the last on every axis); None: its sequence positions.
+    rope_positions: tuple[list[int], ...] | None = None
 
 
 @dataclass

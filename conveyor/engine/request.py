@@ -78,11 +78,22 @@ class Request:
     # Its images, placed in the (expanded) prompt (multimodal/vision.py): their hashes join the block keys of the
     # blocks they overlap, and the runner puts their encoder output at their embed rows.
     images: list[ImageItem] = field(default_factory=list, repr=False)
+    # Multimodal rotary (Qwen-VL): the prompt's (t, h, w) rotary positions (three lists), later rows at their
+    # position + rope_delta on each axis (ExpandedPrompt's).
+    rope_positions: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
+    rope_delta: int = 0
 
     @property
     def key_spans(self) -> list[tuple[int, int, bytes]]:
         """(start, end, content hash) of each image span: what a block overlapping one folds into its key."""
         return [(item.offset, item.end, bytes.fromhex(item.content_hash)) for item in self.images]
+
+    def rope_positions_for(self, start: int, num: int) -> tuple[list[int], ...] | None:
+        """The (t, h, w) rotary positions of rows [start, start + num), or None for plain positions."""
+        if self.rope_positions is None:
+            return None
+        later = list(range(max(start, self.num_prompt_tokens) + self.rope_delta, start + num + self.rope_delta))
+        return tuple(axis[start:start + num] + later for axis in self.rope_positions)
 
     def whole_run_end(self, start: int, end: int) -> int:
         """A prefill chunk [start, end) moved so it does not end inside a bidirectional image run: back to the run's

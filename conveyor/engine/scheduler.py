@@ -289,6 +289,7 @@ class Scheduler:
             token_type_ids=(request.token_type_ids[start:start + num_new] if request.token_type_ids is not None
                             else None),
             images=tuple(item for item in request.images if item.offset < start + num_new and item.end > start),
+            rope_positions=request.rope_positions_for(start, num_new),
             prompt_token_ids=tuple(request.prompt_token_ids) if needs_history else None,
             output_token_ids=tuple(request.output_token_ids) if needs_history else None,
         )

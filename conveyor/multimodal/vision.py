@@ -70,6 +70,10 @@ class ImageItem:
 class ExpandedPrompt:
     token_ids: list[int]
     items: list[ImageItem]  # in prompt order, non-overlapping
+    # Multimodal rotary (Qwen-VL's mrope): the prompt's (t, h, w) rotary positions, three lists of len(token_ids),
+    # and what a later row's position adds on every axis (its sequence position + delta). None: plain positions.
+    rope_positions: tuple[list[int], list[int], list[int]] | None = None
+    rope_delta: int = 0
 
 
 class VisionProcessor(Protocol):

@@ -37,10 +37,15 @@ class ForwardInputs:
     token_types: torch.Tensor | None = None  # (T,) an encoder's segment per row, where some chunk has types
     # Image rows: (row indices (E,), their embeddings (E, hidden)) put in place of the token embeddings; None: none.
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (3, T) multimodal rotary positions (Qwen-VL's t, h, w), where some chunk has them; None: `positions`.
+    rope_positions: torch.Tensor | None = None
 
     def model_kwargs(self) -> dict:
         """The optional forward arguments only the models that read them take."""
-        return {} if self.embeds is None else {"embeds": self.embeds}
+        kwargs = {} if self.embeds is None else {"embeds": self.embeds}
+        if self.rope_positions is not None:
+            kwargs["rope_positions"] = self.rope_positions
+        return kwargs
 
 
 def kv_group_bytes_per_block(specs: list[CacheSpec], block_size: int, dtype: torch.dtype,
@@ -267,7 +272,7 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), positions=pos_tensor.long().to(dev),
             meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_chunk_indices=sample_chunks, pool_spans=pool_spans, token_types=_token_types(plan, dev),
-            embeds=embeds,
+            embeds=embeds, rope_positions=_rope_positions(plan, dev),
         )
 
     def _image_rows(self, plan: SchedulerOutput,
@@ -380,6 +385,21 @@ def _token_types(plan: SchedulerOutput, device: torch.device) -> torch.Tensor | 
         return None
     types = [t for c in plan.chunks for t in (c.token_type_ids or [0] * len(c.token_ids))]
     return torch.tensor(types, dtype=torch.long, device=device)
+
+
+def _rope_positions(plan: SchedulerOutput, device: torch.device) -> torch.Tensor | None:
+    """(3, T) int64 multimodal rotary positions where some chunk has them (others: their positions on every
+    axis); rows past a chunk's list (drafts) continue its last position on every axis."""
+    if all(c.rope_positions is None for c in plan.chunks):
+        return None
+    axes: list[list[int]] = [[], [], []]
+    for chunk in plan.chunks:
+        n = len(chunk.token_ids)
+        given = chunk.rope_positions or ([], [], [])
+        for axis, values in zip(axes, given):
+            nxt = values[-1] + 1 if values else chunk.start_position
+            axis += values[:n] + list(range(nxt, nxt + n - len(values[:n])))
+    return torch.tensor(axes, dtype=torch.long, device=device)
 
 
 def _pool_span(chunk_index: int, first_row: int, num_rows: int, config: PoolingConfig) -> tuple[int, int, int]:
