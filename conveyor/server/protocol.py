@@ -89,7 +89,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: list[ContentPart] | str | None = None  # (a list first: a bad part's 400 names the part)
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: the call it answers
