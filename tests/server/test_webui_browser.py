@@ -400,3 +400,62 @@ def test_a_page_waiting_on_a_load_that_fails_says_the_server_went_away(browser):
         if tab is not None:
             tab.close()
         served.stop()
+
+
+# -- images ------------------------------------------------------------------------------------------------------
+_PASTE = """([b64, name]) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const data = new DataTransfer();
+  data.items.add(new File([bytes], name, { type: "image/png" }));
+  document.querySelector("#prompt").dispatchEvent(new ClipboardEvent("paste", { clipboardData: data, bubbles: true }));
+}"""
+
+
+def test_a_picked_image_to_a_text_model_shows_the_400_and_leaves_the_conversation(browser, served8):
+    from tests.multimodal.image_files import png
+
+    tab = Page(browser, served8.url)
+    try:
+        tab.wait_live()
+        tab.settings(temperature=0, max_tokens=4)
+        tab.page.set_input_files("#image-file", files=[{"name": "a.png", "mimeType": "image/png", "buffer": png(1)}])
+        tab.page.wait_for_selector("#attachments img.thumb")
+        tab.send("What is this?")
+        failed = tab.page.wait_for_selector('.msg.assistant[data-state="error"]')
+        assert "does not accept images" in failed.query_selector(".meta").text_content()
+        assert tab.page.query_selector(".msg.user img.thumb")  # the sent image, shown in its message
+        assert not tab.page.query_selector("#attachments img")  # the attachment went with the message
+        tab.send("Hello")  # the refused message left the conversation: this one is answered
+        tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+        assert all("400" in e for e in tab.errors), tab.errors  # only the browser's note of the 400
+    finally:
+        tab.close()
+
+
+def test_a_pasted_image_is_answered_by_a_seeing_model(browser, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import base64
+
+    from tests.multimodal.image_files import data_url, png
+    from tests.multimodal.tiny_gemma3_vision import write_model_dir
+    from tests.server.conftest import serve
+
+    write_model_dir(tmp_path, transformers)
+    with serve(None, EngineConfig(model=str(tmp_path), parallel=2, block_size=8, speculative_ngram=0),
+               ServerConfig()) as served:
+        expected = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
+            "model": served.model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png(2))}}, {"type": "text", "text": "What?"}]}]})
+        tab = Page(browser, served.url)
+        try:
+            tab.wait_live()
+            tab.settings(temperature=0, max_tokens=4)
+            tab.page.evaluate(_PASTE, [base64.b64encode(png(2)).decode(), "pasted.png"])
+            tab.page.wait_for_selector("#attachments img.thumb")
+            tab.send("What?")
+            reply = tab.page.wait_for_selector('.msg.assistant[data-state="done"]')
+            answer = expected.json()["choices"][0]["message"]["content"]
+            assert answer and reply.query_selector(".content").text_content() == answer
+            assert not tab.errors, tab.errors
+        finally:
+            tab.close()

@@ -18,6 +18,7 @@ const state = {
   modelsPoll: 0,       // the running /v1/models poll's number: a new one (after a key is given) ends the old
   dashboardPath: undefined,  // the stream the dashboard reads; null: none (the chosen model is not loaded)
   messages: [],        // the conversation sent with every request
+  images: [],          // data URLs of the images attached to the next message
   chat: null,          // AbortController of the reply being streamed
   dashboard: null,     // AbortController of the dashboard stream
   history: [],         // [{t, tok_s, ttft_s}] for the charts
@@ -88,8 +89,9 @@ function el(tag, className, text) {
   return node;
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const node = el("div", `msg ${role}`);
+  if (images.length) node.append(imageStrip(images, "images"));
   node.append(el("div", "content", text));
   $("chat-log").append(node);
   node.scrollIntoView({ block: "end" });
@@ -193,20 +195,27 @@ function requestBody() {
 async function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || state.chat) return;
+  const images = state.images;
+  if ((!text && !images.length) || state.chat) return;
   $("prompt").value = "";
-  state.messages.push({ role: "user", content: text });
-  addMessage("user", text);
+  state.images = [];
+  renderAttachments();
+  // With images, chat's content parts: the images (data URLs) first, then the text, as in OpenAI's examples.
+  const content = images.length
+    ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), ...(text ? [{ type: "text", text }] : [])]
+    : text;
+  state.messages.push({ role: "user", content });
+  addMessage("user", text, images);
   const reply = new Reply(hasPicker() ? state.model : null);
   const controller = new AbortController();
   state.chat = controller;
   setBusy(true);
-  let finish = null, usage = null;
+  let finish = null, usage = null, refused = false;
   try {
     const response = await api("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(requestBody()), signal: controller.signal,
-    });
+    }).catch((error) => { refused = error.name !== "AbortError"; throw error; });
     for await (const data of sseData(response)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
@@ -227,7 +236,44 @@ async function send(event) {
     setBusy(false);
   }
   if (hasPicker()) refreshModels();  // the reply may have loaded its model: show it, and watch it
-  state.messages.push(reply.message());
+  // A refused message (a 400: an image the model cannot take...) leaves the conversation, so the next one is not
+  // refused for it again; it stays on the page with the error.
+  if (refused) state.messages.pop();
+  else state.messages.push(reply.message());
+}
+
+// -- images: picked or pasted, sent as data URLs (the server decodes and checks them) ---------------------------
+function imageStrip(urls, className, onClick) {
+  const strip = el("div", className);
+  urls.forEach((url, i) => {
+    const img = el("img", "thumb");
+    img.src = url;
+    img.alt = `image ${i + 1}`;
+    if (onClick) { img.title = "click to remove"; img.addEventListener("click", () => onClick(i)); }
+    strip.append(img);
+  });
+  return strip;
+}
+
+function renderAttachments() {
+  const strip = imageStrip(state.images, "", (i) => { state.images.splice(i, 1); renderAttachments(); });
+  $("attachments").replaceChildren(...strip.childNodes);
+}
+
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.addEventListener("load", () => { state.images.push(reader.result); renderAttachments(); });
+    reader.readAsDataURL(file);
+  }
+}
+
+function pasteImages(event) {
+  const files = [...(event.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+  if (!files.length) return;  // text pastes as text
+  event.preventDefault();
+  attachFiles(files);
 }
 
 // Aborting the fetch closes the connection; the server aborts the request and frees its KV blocks.
@@ -607,6 +653,9 @@ document.addEventListener("DOMContentLoaded", () => {
     if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("chat-form").requestSubmit(); }
   });
   $("stop").addEventListener("click", stop);
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", (event) => { attachFiles(event.target.files); event.target.value = ""; });
+  $("prompt").addEventListener("paste", pasteImages);
   $("clear").addEventListener("click", () => { state.messages = []; $("chat-log").replaceChildren(); });
   $("key-form").addEventListener("submit", useKey);
   $("show-key").addEventListener("click", () => askForKey(""));
