@@ -555,8 +555,9 @@ class EngineCore:
             for token in request.output_token_ids:
                 detok.add_token(token)
             detok.take_delta(False)
-        if request.images:
-            self.runner.encoder_cache.prefetch(request.images)  # the tower starts now, off the step loop
+        if request.images:  # the tower starts now, off the step loop, on images the prefix cache does not cover
+            covered = self.kv.ram_prefix_tokens(request)
+            self.runner.encoder_cache.prefetch([item for item in request.images if item.end > covered])
         if not self.kv_transfer.admit(request):
             self.scheduler.add_request(request)
 

@@ -168,6 +168,13 @@ class KVCacheManager:
         hit.num_partial_tokens = common
         return hit
 
+    def ram_prefix_tokens(self, request: Request) -> int:
+        """Leading tokens whose blocks RAM holds right now (no side effects: a probe, not an admission)."""
+        if not self.pool.enable_caching or not request.cache_prompt:
+            return 0
+        tokens = request.all_token_ids
+        return len(self._ram_blocks(tokens, self.block_keys(request, len(tokens) // self.block_size))) * self.block_size
+
     def block_keys(self, request: Request, num_blocks: int) -> list[int]:
         """Keys of the request's first num_blocks full blocks (computed once per request)."""
         keys = request.block_keys

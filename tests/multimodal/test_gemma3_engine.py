@@ -214,3 +214,12 @@ def test_llm_chat_with_an_image_part(model_dir, alone):
         llm.tokenizer.encode(JOBS[0][0], add_special_tokens=False), params, images=[IMAGES[0]]).prompt_token_ids
     raw = llm.generate(JOBS[1][0], params, images=[[IMAGES[1].image]])[0]
     assert raw.token_ids == [t for t, _ in alone[1]]
+
+
+def test_an_image_the_prefix_cache_covers_is_not_encoded_again(model_dir, alone):
+    core = _core(model_dir)
+    assert _run(core, [JOBS[0]]) == alone[:1]
+    cache = core.runner.encoder_cache
+    cache._rows.clear()  # as if evicted from the LRU: only the KV prefix cache still holds the image
+    assert _run(core, [JOBS[0]]) == alone[:1]
+    assert cache.num_encoded == 1
