@@ -57,6 +57,10 @@ class ServingFront(ABC):
         return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs,
                                  images)
 
+    async def count_prompt_tokens(self, plan: RequestPlan) -> int:
+        """The first prompt's length as the model sees it (a node counts each image's whole token run)."""
+        return len(plan.prompts[0])
+
     def image_refusal(self) -> str | None:
         """Why this front's model takes no images (a 400 for any image part), or None when it sees."""
         return f"model {self.model_id} does not accept images (a text-only model)"

@@ -9,6 +9,7 @@ starts; reply.py writes the response.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 
 from fastapi import Request as HTTPRequest
@@ -43,6 +44,15 @@ class OpenAIServing(ServingFront):
 
     def image_refusal(self) -> str | None:
         return None if self.core.vision is not None else super().image_refusal()
+
+    async def count_prompt_tokens(self, plan: RequestPlan) -> int:
+        if not plan.images or self.core.vision is None:
+            return await super().count_prompt_tokens(plan)
+        try:
+            expanded = await asyncio.to_thread(self.core.vision.processor.expand, plan.prompts[0], plan.images)
+        except InvalidRequestError as exc:
+            raise plan.error(exc) from None
+        return len(expanded.token_ids)
 
     def plan_completion(self, body: CompletionRequest) -> RequestPlan:
         self._check_generates()
@@ -82,10 +92,10 @@ class OpenAIServing(ServingFront):
         base_id = uuid.uuid4().hex[:12]
         requests = []
         for index, sampling in enumerate(samplings):
-            try:
-                requests.append(core.make_request(plan.prompts[index // plan.n], sampling, f"{base_id}-{index}",
-                                                  priority=priority, cache_prompt=plan.body.cache_prompt,
-                                                  images=plan.images))
+            make = functools.partial(core.make_request, plan.prompts[index // plan.n], sampling, f"{base_id}-{index}",
+                                     priority=priority, cache_prompt=plan.body.cache_prompt, images=plan.images)
+            try:  # images: the family's processor resizes and normalizes them, off the event loop
+                requests.append(await asyncio.to_thread(make) if plan.images else make())
             except InvalidRequestError as exc:
                 raise plan.error(exc) from None
         return requests

@@ -17,7 +17,7 @@ from conveyor.engine.engine import EngineCore
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.multimodal.image_input import ImageInput
 from tests.multimodal.image_files import animated_gif, data_url, encoded, picture, png, png_header_only
-from tests.multimodal.tiny_gemma3_vision import write_model_dir
+from tests.multimodal.tiny_gemma3_vision import NUM_EMBEDS, write_model_dir
 from tests.server.conftest import serve
 
 transformers = pytest.importorskip("transformers")
@@ -126,6 +126,11 @@ def test_anthropic_and_responses_sdks_send_images(seeing):
     message = client.messages.create(model=seeing.model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
                                      messages=[{"role": "user", "content": blocks + [_text("What?")]}])
     assert message.content[0].text.strip() == chat
+    # count_tokens counts each image's whole run (NUM_EMBEDS soft tokens + its markers), as the usage does
+    counted = client.messages.count_tokens(model=seeing.model, messages=[{"role": "user", "content": blocks + [
+        _text("What?")]}])
+    usage = message.usage  # (Anthropic's input_tokens leave out the prefix-cache hit: the chat request's)
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens > 2 * NUM_EMBEDS
     content = [{"type": "input_image", "image_url": URLS[i], "detail": "auto"} for i in (0, 1)]
     response = seeing.client().responses.create(model=seeing.model, max_output_tokens=MAX_TOKENS, temperature=0,
                                                 input=[{"role": "user", "content": content + [

@@ -513,4 +513,5 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body = await _parse(request, CountTokensRequest, limits, ignore_hosted)
-        return JSONResponse({"input_tokens": len((await serving.plan_chat(to_chat(body, limits))).prompts[0])})
+        plan = await serving.plan_chat(to_chat(body, limits))
+        return JSONResponse({"input_tokens": await serving.count_prompt_tokens(plan)})
