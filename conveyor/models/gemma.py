@@ -109,8 +109,9 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     return fields
 
 
-# The instruction format (text only), as in Google's tokenizer_config.json, for GGUF files converted without it:
-# no system role, a system message is prepended to the first user turn; the assistant's role is "model".
+# The instruction format, as in Google's tokenizer_config.json, for GGUF files converted without it: no system role,
+# a system message is prepended to the first user turn; the assistant's role is "model"; an image part is
+# `<start_of_image>` (the vision processor's marker, multimodal/gemma3.py).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
@@ -126,7 +127,11 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
-    "{{ message['content'] | trim }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
     "{{ '<end_of_turn>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"

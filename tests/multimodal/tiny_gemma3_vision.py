@@ -126,3 +126,40 @@ def write_mmproj(path, model, projection_f16: bool = False, projector_type: str 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_random_mmproj(path, text_hidden: int, seed: int = 0, width: int = 32, layers: int = 2, heads: int = 2,
+                        image_size: int = 32, patch: int = 8, tokens: int = 4) -> None:
+    """A random Gemma 3 mmproj GGUF for a text model of width `text_hidden` (F16 projection, as llama.cpp writes)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    rand = lambda *shape, scale=0.2: (rng.standard_normal(shape) * scale).astype(np.float32)  # noqa: E731
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.has_vision_encoder", True)
+    for key, value in (("image_size", image_size), ("patch_size", patch), ("embedding_length", width),
+                       ("feed_forward_length", 2 * width), ("block_count", layers), ("projection_dim", text_hidden),
+                       ("attention.head_count", heads)):
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_uint32("clip.vision.projector.scale_factor", image_size // patch // int(tokens ** 0.5))
+    writer.add_tensor("v.patch_embd.weight", rand(width, 3, patch, patch))
+    writer.add_tensor("v.patch_embd.bias", rand(width))
+    writer.add_tensor("v.position_embd.weight", rand((image_size // patch) ** 2, width))
+    for i in range(layers):
+        for name, shape in (("ln1", (width,)), ("ln2", (width,)), ("attn_q", (width, width)),
+                            ("attn_k", (width, width)), ("attn_v", (width, width)), ("attn_out", (width, width)),
+                            ("ffn_up", (2 * width, width)), ("ffn_down", (width, 2 * width))):
+            writer.add_tensor(f"v.blk.{i}.{name}.weight", rand(*shape) + (1.0 if name.startswith("ln") else 0.0))
+            writer.add_tensor(f"v.blk.{i}.{name}.bias", rand(shape[0]))
+    writer.add_tensor("v.post_ln.weight", rand(width) + 1.0)
+    writer.add_tensor("v.post_ln.bias", rand(width))
+    writer.add_tensor("mm.soft_emb_norm.weight", rand(width) + 1.0)
+    writer.add_tensor("mm.input_projection.weight", rand(width, text_hidden, scale=1.0).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
