@@ -124,3 +124,11 @@ def test_a_relay_that_breaks_ends_its_choice_with_an_error():
     events = _events(serving, [broken], header)
     assert events[-2]["choices"][0]["finish_reason"] == "error" and "boom" in events[-2]["error"]["message"]
     assert broken.closed and serving.registry.stats.num_failed == 1
+
+
+def test_the_router_refuses_images_before_any_node_sees_them():
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
+    with pytest.raises(APIError, match="not routed by the cluster") as refused:
+        asyncio.run(_serving().plan_chat(body))
+    assert refused.value.status == 400 and refused.value.param == "messages.[0].content.[1]"
