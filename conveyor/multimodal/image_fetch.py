@@ -60,6 +60,15 @@ class ImageRef:
 
 
 async def load_image(ref: ImageRef, policy: ImagePolicy, client: httpx.AsyncClient | None = None) -> ImageInput:
+    try:
+        return await _load(ref, policy, client)
+    except InvalidRequestError:
+        raise
+    except (ValueError, httpx.InvalidURL) as exc:  # a URL urllib or httpx cannot parse ("http://[::1/a")
+        raise _refused(ref, f"the image URL is not valid: {exc}") from None
+
+
+async def _load(ref: ImageRef, policy: ImagePolicy, client: httpx.AsyncClient | None) -> ImageInput:
     if ref.base64_data is not None:
         return await asyncio.to_thread(_from_base64, ref.base64_data, ref, policy)
     url = ref.url or ""

@@ -138,3 +138,5 @@ def test_http_fetch_with_domains_timeout_and_limits(image_server):
     _refused("not in the server's --allowed-media-domains", f"{image_server}/a.png",
              ImagePolicy(allowed_domains=("example.com",)))
     _refused("failed", "http://127.0.0.1:1/a.png", ImagePolicy(allow_remote=True))  # nothing listens on port 1
+    _refused("not valid", "http://[::1/a.png", ImagePolicy(allow_remote=True))
+    _refused("not valid", "file://[x/a.png", ImagePolicy(local_media_path="/tmp"))
