@@ -139,10 +139,22 @@ def test_anthropic_and_responses_sdks_send_images(seeing):
     _idle_and_clean(seeing)
 
 
-def test_a_file_url_under_the_allowed_directory(seeing, media):
-    by_file = _chat(seeing, [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"file://{media}/a.png"}}, _text("What?")]}])
-    assert by_file == _chat(seeing, [{"role": "user", "content": [_image(0), _text("What?")]}])
+def test_a_file_url_and_the_bare_url_string(seeing, media):
+    expected = _chat(seeing, [{"role": "user", "content": [_image(0), _text("What?")]}])
+    assert _chat(seeing, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"file://{media}/a.png"}}, _text("What?")]}]) == expected
+    assert _chat(seeing, [{"role": "user", "content": [  # vLLM's shorter form
+        {"type": "image_url", "image_url": URLS[0]}, _text("What?")]}]) == expected
+
+
+def test_a_stored_response_replays_its_images(seeing):
+    client = seeing.client()
+    first = client.responses.create(model=seeing.model, max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": URLS[1]}, {"type": "input_text", "text": "What?"}]}])
+    second = client.responses.create(model=seeing.model, max_output_tokens=2, previous_response_id=first.id,
+                                     input="And now?")
+    assert second.usage.input_tokens > first.usage.input_tokens > NUM_EMBEDS  # the image is in both prompts
+    assert second.usage.input_tokens_details.cached_tokens > NUM_EMBEDS  # its blocks came from the prefix cache
 
 
 def test_concurrent_image_requests_equal_one_at_a_time(seeing):
