@@ -140,3 +140,16 @@ def test_http_fetch_with_domains_timeout_and_limits(image_server):
     _refused("failed", "http://127.0.0.1:1/a.png", ImagePolicy(allow_remote=True))  # nothing listens on port 1
     _refused("not valid", "http://[::1/a.png", ImagePolicy(allow_remote=True))
     _refused("not valid", "file://[x/a.png", ImagePolicy(local_media_path="/tmp"))
+
+
+def test_decoding_runs_off_the_event_loop_thread(monkeypatch):
+    import conveyor.multimodal.image_fetch as image_fetch
+
+    threads = []
+
+    def decode(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return decode_image(*args, **kwargs)
+    monkeypatch.setattr(image_fetch, "decode_image", decode)
+    _load(data_url(png(8)))
+    assert threads and threads[0] != threading.get_ident()
