@@ -220,6 +220,10 @@ def _refused_fields(data: dict, ignore_hosted: bool) -> None:
                                      f"{', '.join(sorted(_BLOCK_TYPES))})", f"{where}.type")
             if kind == "image":
                 _check_image_source(block.get("source"), where)
+            if kind == "tool_result" and any(isinstance(b, dict) and b.get("type") == "image"
+                                             for b in _list(block.get("content"))):
+                raise errors.invalid("images inside tool_result blocks are not supported: send the image as an "
+                                     "image block of the user turn", f"{where}.content")
             if isinstance(block, dict) and block.get("citations"):
                 raise errors.invalid("citations are not supported", f"{where}.citations")
 
