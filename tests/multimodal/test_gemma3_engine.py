@@ -64,10 +64,20 @@ def test_outputs_depend_on_the_image(alone):
     assert all(tokens[i] == tokens[i + 5] or JOBS[i][0] != JOBS[i + 5][0] for i in range(5))
 
 
+def _encode_up_front(core: EngineCore) -> None:
+    """Every image through the tower first, so all 16 rows are admitted at once (else the tower's pace spreads
+    their admissions over several steps)."""
+    ids = core.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
+    for image in IMAGES:
+        core.runner.encoder_cache.get(core.make_request(ids, PARAMS, images=[image]).images[0])
+
+
 def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, alone):
     core = _core(model_dir)
+    _encode_up_front(core)
     assert _run(core, JOBS) == alone
     assert core.runner.encoder_cache.num_encoded == len(IMAGES)
+    assert max(core.counters.batch_size_counts) == len(JOBS)  # all 16 rows in one forward
 
 
 def test_chunk_budget_smaller_than_an_image_run(model_dir, alone):
@@ -81,6 +91,7 @@ def test_preemption_keeps_outputs_exact(model_dir, alone):
     plan = roomy.pool_plan
     tight = _core(model_dir, enable_prefix_caching=False,
                   kv_cache_budget=str(plan.window_pool_bytes + 64 * plan.bytes_per_block))
+    _encode_up_front(tight)
     assert _run(tight, JOBS) == alone
     assert tight.scheduler.stats.num_preemptions > 0
 
