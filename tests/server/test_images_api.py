@@ -100,6 +100,10 @@ def test_chat_images_reach_the_model_in_order(seeing, engine):
     answer = _chat(seeing, [{"role": "user", "content": parts}])
     template = [_text("Look:"), {"type": "image"}, _text("and"), {"type": "image"}, _text("Same?")]
     assert answer == _expected(engine, [{"role": "user", "content": template}], [0, 1])
+    several = seeing.client().chat.completions.create(  # n choices: each its own engine request with the images
+        model=seeing.model, messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS, temperature=0, n=2,
+        extra_body={"ignore_eos": True})
+    assert [c.message.content.strip() for c in several.choices] == [answer, answer]
     swapped = [_text("Look:"), _image(1), _text("and"), _image(0), _text("Same?")]
     assert _chat(seeing, [{"role": "user", "content": swapped}]) != answer
     _idle_and_clean(seeing)
