@@ -80,8 +80,9 @@ async def _load(ref: ImageRef, policy: ImagePolicy, client: httpx.AsyncClient | 
         return await asyncio.to_thread(decode_image, data, policy.max_image_pixels, ref.what, ref.param)
     if scheme == "file":
         return await asyncio.to_thread(_from_file, url, ref, policy)
-    raise _refused(ref, f"URL scheme {scheme or repr(url[:20])!s} is not supported (give a data: URL with base64 "
-                        "image bytes, or an http(s) / file URL where the server allows them)")
+    what = f"URL scheme {scheme} is not supported" if scheme else "the image URL has no scheme"
+    raise _refused(ref, f"{what} (give a data: URL with base64 image bytes, or an http(s) / file URL where the "
+                        "server allows them)")
 
 
 def _refused(ref: ImageRef, reason: str) -> InvalidRequestError:
@@ -101,10 +102,20 @@ def _from_base64(payload: str, ref: ImageRef, policy: ImagePolicy) -> ImageInput
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise _refused(ref, "the base64 image data is not valid base64") from None
+        data = _wrapped_base64(payload)
+        if data is None:
+            raise _refused(ref, "the base64 image data is not valid base64") from None
     if len(data) > policy.max_image_bytes:
         raise _too_big(ref, len(data), policy)
     return decode_image(data, policy.max_image_pixels, ref.what, ref.param)
+
+
+def _wrapped_base64(payload: str) -> bytes | None:
+    """Base64 wrapped in lines (MIME's 76 columns, Python's encodebytes) decodes too; anything else is None."""
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _too_big(ref: ImageRef, size: int, policy: ImagePolicy) -> InvalidRequestError:

@@ -4,6 +4,7 @@ http cases on a local server)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.server
 import threading
 import time
@@ -70,6 +71,9 @@ def test_data_urls_and_raw_base64():
     assert _load(url).content_hash == ImageInput.from_pil(picture(4)).content_hash
     assert _load(base64_data=url.split(",", 1)[1]).size == (40, 30)
     _refused("not valid base64", "data:image/png;base64,@@@@")
+    wrapped = base64.encodebytes(png(4)).decode()  # lines of 76 columns
+    assert _load(f"data:image/png;base64,{wrapped}").content_hash == ImageInput.from_pil(picture(4)).content_hash
+    _refused("has no scheme", url.split(",", 1)[1])
     _refused("must hold base64", "data:image/png,abc")
     _refused("--max-image-bytes", url, ImagePolicy(max_image_bytes=100))
     _refused("--max-image-bytes", None, ImagePolicy(max_image_bytes=100), base64_data=url.split(",", 1)[1])
