@@ -8,6 +8,7 @@ re-encode after eviction gives the same bits: eviction never changes an output.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -26,8 +27,9 @@ class EncoderCache:
         self._pending: dict[str, Future] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="vision-encoder")
         self._bytes = 0
-        self.num_encoded = 0  # images run through the tower (misses)
+        self.num_encoded = 0  # images sent to the tower (misses)
         self.num_hits = 0
+        self.encode_seconds = 0.0  # the tower's wall time, summed (written by the worker only)
 
     def prefetch(self, items: list[ImageItem]) -> None:
         """Start encoding the images not held or under way."""
@@ -96,7 +98,9 @@ class EncoderCache:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _encode(self, item: ImageItem) -> torch.Tensor:
+        started = time.perf_counter()
         rows = self.encoder.encode(item)
+        self.encode_seconds += time.perf_counter() - started
         if rows.shape[0] != item.num_embeds:
             raise ValueError(f"vision encoder gave {rows.shape[0]} rows for an image of {item.num_embeds} embeds")
         return rows

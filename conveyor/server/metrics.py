@@ -94,6 +94,7 @@ class EngineCollector(Collector):
         yield _counter("conveyor_state_snapshot_hits", "Admissions that resumed from a recurrent-state snapshot",
                        state["snapshot_hits"])
         yield from _disk_tier_metrics(core.disk_report())
+        yield from _vision_metrics(core.runner.encoder_cache)
         yield _batch_size_histogram(dict(core.counters.batch_size_counts))
         kernels = core.kernel_report()
         info = GaugeMetricFamily("conveyor_kernel_backend_info", "The compute backend (always 1; see labels)",
@@ -101,6 +102,16 @@ class EngineCollector(Collector):
         info.add_metric([kernels["backend"], str(kernels["arch"] or ""), str(kernels["batch_invariant"]).lower(),
                          str(kernels["speculation"]).lower()], 1)
         yield info
+
+
+def _vision_metrics(cache) -> Iterator:
+    """The vision tower (zeros for a text model): images encoded, the tower's time, tower outputs kept."""
+    yield _counter("conveyor_vision_images_encoded", "Images run through the vision tower (each distinct image "
+                   "once while its output is kept)", cache.num_encoded if cache is not None else 0)
+    yield _counter("conveyor_vision_encode_seconds", "Wall time of the vision tower, summed over images",
+                   cache.encode_seconds if cache is not None else 0.0)
+    yield _gauge("conveyor_vision_encoder_cache_images", "Vision tower outputs kept for reuse (by image hash)",
+                 len(cache) if cache is not None else 0)
 
 
 def _disk_tier_metrics(disk: dict | None) -> Iterator:
