@@ -55,7 +55,7 @@ class ServingFront(ABC):
         self.check_model(body.model)
         images = await load_chat_images(body, self.image_policy, self.image_refusal())
         return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs,
-                                 images)
+                                 images, self.image_marker())
 
     async def count_prompt_tokens(self, plan: RequestPlan) -> int:
         """The first prompt's length as the model sees it (a node counts each image's whole token run)."""
@@ -64,6 +64,10 @@ class ServingFront(ABC):
     def image_refusal(self) -> str | None:
         """Why this front's model takes no images (a 400 for any image part), or None when it sees."""
         return f"model {self.model_id} does not accept images (a text-only model)"
+
+    def image_marker(self) -> str | None:
+        """The text of the model's image marker (None: no vision model here, or the router that does not know)."""
+        return None
 
     def plan_completion(self, body: CompletionRequest) -> RequestPlan:
         self.check_model(body.model)

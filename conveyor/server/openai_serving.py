@@ -45,6 +45,9 @@ class OpenAIServing(ServingFront):
     def image_refusal(self) -> str | None:
         return None if self.core.vision is not None else super().image_refusal()
 
+    def image_marker(self) -> str | None:
+        return self.core.vision.processor.image_marker if self.core.vision is not None else None
+
     async def count_prompt_tokens(self, plan: RequestPlan) -> int:
         if not plan.images or self.core.vision is None:
             return await super().count_prompt_tokens(plan)

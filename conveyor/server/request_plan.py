@@ -24,7 +24,7 @@ from conveyor.server import errors
 from conveyor.server.errors import APIError
 from conveyor.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from conveyor.server.responses import ResponseHeader
-from conveyor.server.structured_output import grammar_from_fields, plan_chat, reply_starts_thinking
+from conveyor.server.structured_output import ChatPlan, grammar_from_fields, plan_chat, reply_starts_thinking
 from conveyor.structured.grammar import GrammarSpec
 
 # Request fields copied into SamplingParams when set (None keeps the engine's default).
@@ -74,19 +74,24 @@ class RequestPlan:
 
 def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str,
                       model_id: str, template_kwargs: dict[str, Any] | None = None,
-                      images: list[ImageInput] | None = None) -> RequestPlan:
+                      images: list[ImageInput] | None = None, image_marker: str | None = None) -> RequestPlan:
     """`template_kwargs`: the server's --chat-template-kwargs, under the request's own. `images`: the body's image
-    parts, checked and decoded (server/chat_images.py), in the order the template writes their markers."""
+    parts, checked and decoded (server/chat_images.py), in the order the template writes their markers.
+    `image_marker`: the model's marker text (VisionProcessor.image_marker): where the template writes fewer
+    markers than there are images (a text-only template), the image parts are rendered as that text instead, as
+    llama-server writes its media marker into the message text."""
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    plan = plan_chat(body, tokenizer, reasoning_parser)
     variables = chat_template_variables(body, template_kwargs)
     try:
-        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
-                                             **variables)
-    except ValueError as exc:
-        raise errors.invalid(str(exc), "messages") from None
+        plan, text = _render_chat(body, tokenizer, reasoning_parser, variables)
+    except errors.APIError:
+        if not (images and image_marker):
+            raise
+        text = ""  # a template that cannot take image parts at all: the fallback below
+    if images and image_marker and text.count(image_marker) < len(images):
+        plan, text = _render_chat(body, tokenizer, reasoning_parser, variables, image_marker)
     prompt = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model_id, chat=True,
@@ -94,6 +99,17 @@ def plan_chat_request(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoni
     renames = {"prompt": "messages", "logprobs": "top_logprobs", **_grammar_renames(plan.grammar_param)}
     return RequestPlan(body, [prompt], max_tokens, logprobs, plan.grammar, plan.grammar_param, header, renames,
                        list(images or []))
+
+
+def _render_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str, variables: dict[str, Any],
+                 image_text: str | None = None) -> tuple[ChatPlan, str]:
+    plan = plan_chat(body, tokenizer, reasoning_parser, image_text)
+    try:
+        text = tokenizer.apply_chat_template(plan.messages, add_generation_prompt=True, tools=plan.tools,
+                                             **variables)
+    except ValueError as exc:
+        raise errors.invalid(str(exc), "messages") from None
+    return plan, text
 
 
 def chat_template_variables(body: ChatCompletionRequest, defaults: dict[str, Any] | None) -> dict[str, Any]:

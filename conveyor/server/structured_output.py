@@ -57,10 +57,13 @@ class ChatPlan:
     parsing: ChatParsing
 
 
-def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str) -> ChatPlan:
-    """Messages for the template, the tools prompt, the constraint and the reply parsing of one chat request."""
+def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, reasoning_parser: str,
+              image_text: str | None = None) -> ChatPlan:
+    """Messages for the template, the tools prompt, the constraint and the reply parsing of one chat request.
+    `image_text`: write each image part as this text in the message's string content (for a template that does
+    not render image parts: the model's image marker), else as {"type": "image"}."""
     grammar, param = grammar_from_fields(body)
-    messages = [_message(m) for m in body.messages]
+    messages = [_message(m, image_text) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -104,8 +107,11 @@ def _thinking(mode: str, tokenizer: Tokenizer) -> bool | None:
     return None
 
 
-def _message(message) -> dict:
-    content = _template_content(message) if message.image_parts() else message.text()
+def _message(message, image_text: str | None = None) -> dict:
+    if message.image_parts() and image_text is not None:
+        content = "".join(image_text if part.type == "image_url" else part.text for part in message.content)
+    else:
+        content = _template_content(message) if message.image_parts() else message.text()
     out: dict = {"role": message.role, "content": content}
     if message.name:
         out["name"] = message.name

@@ -52,3 +52,31 @@ def test_metrics_count_the_towers_work(gemma3):
         assert _metric(after, "conveyor_vision_images_encoded_total") == 1
         assert _metric(after, "conveyor_vision_encode_seconds_total") > 0
         assert _metric(after, "conveyor_vision_encoder_cache_images") == 1
+
+
+TEXT_ONLY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                      "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def _chat(served, image_seed: int) -> dict:
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(image_seed)}}, {"type": "text", "text": "What?"}]}],
+        "max_tokens": 6, "temperature": 0}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_text_only_template_gets_the_marker_as_text(gemma3):
+    """A vision model whose template renders no image parts (gemma-3-270m's, copied beside an mmproj): the parts
+    are written as the marker text, as llama-server writes its media marker; same answer as the image template's."""
+    from dataclasses import replace
+
+    with serve(gemma3, EngineConfig(parallel=2)) as served:
+        want = [_chat(served, seed) for seed in (0, 1)]
+    text_only = replace(gemma3, tokenizer=replace(gemma3.tokenizer, chat_template=TEXT_ONLY_TEMPLATE))
+    with serve(text_only, EngineConfig(parallel=2)) as served:
+        got = [_chat(served, seed) for seed in (0, 1)]
+    for g, w in zip(got, want):
+        assert g["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
+        assert g["usage"]["prompt_tokens"] == w["usage"]["prompt_tokens"]
