@@ -127,3 +127,17 @@ def test_causal_image_rows_would_differ(tiny):
     causal = [replace(item, bidirectional=False) for item in got.items]
     plain = _logits(runner, got.token_ids, causal, 0, list(range(1, 41)))
     assert not torch.allclose(bidirectional[-1], plain[-1], atol=1e-3)
+
+
+def test_a_prefill_resumed_inside_an_image_run_matches(tiny):
+    """A prefix hit may end inside an image run (its cached rows saw the whole run): the rest of the run, in one
+    chunk with key_end at the run's end, gives the logits of the whole prompt in one forward."""
+    hf, checkpoint, vision = tiny
+    got = _ours(checkpoint, vision, PROMPTS[1], [random_image(10)])
+    runner = _runner(checkpoint, vision)
+    table = list(range(1, 41))
+    whole = _logits(runner, got.token_ids, got.items, 0, table)
+    lo, n = got.items[0].embed_runs[0]
+    middle = got.items[0].offset + lo + n // 2  # the K/V before it stay in the blocks from the first forward
+    resumed = _logits(runner, got.token_ids[middle:], got.items, middle, table)
+    torch.testing.assert_close(resumed, whole[middle:], atol=1e-5, rtol=1e-5)
