@@ -193,3 +193,20 @@ def test_refuses_a_row_that_is_not_whole_blocks():
                              torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), [1], [1])
     with pytest.raises(RuntimeError, match="head_dim"):
         backend.paged_attention(_query(1, 2, 48), kc[..., :51].contiguous(), vc[..., :51].contiguous(), meta, 0.1)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_key_end_over_q8_0(window):
+    """Gemma 3's image rows (key_end past their position) over a q8_0 cache: the reference's formula."""
+    seq_lens, rows = [60, 40], [20, 1]
+    kc, vc, meta = _sequences(seq_lens, rows, 2, 64)
+    ends = (meta.token_pos + 1).clone()
+    ends[4:12] = 40 + 12  # sequence 0's positions 44..51: one run ending at 52
+    meta.key_end = ends
+    query = _query(sum(rows), 4, 64)
+    got = backend.paged_attention(query, kc, vc, meta, 64 ** -0.5, window)
+    exact = reference_paged_attention(_as_kernel_rounds_q(query), kc, vc, meta, 64 ** -0.5, window)
+    torch.testing.assert_close(got.float(), exact.to(torch.bfloat16).float(), atol=1e-4, rtol=8e-3)
+    meta.key_end = None
+    plain = backend.paged_attention(query, kc, vc, meta, 64 ** -0.5, window)
+    assert torch.equal(got[:4], plain[:4]) and not torch.equal(got[4:12], plain[4:12])
