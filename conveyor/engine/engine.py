@@ -178,7 +178,7 @@ class EngineCore:
         # A vision-language checkpoint: its processor and tower (multimodal/vision.py); None for a text model.
         vision = checkpoint.vision
         if vision is None and config.mmproj:  # a GGUF text model and llama.cpp's projector file beside it
-            vision = read_mmproj(config.mmproj, checkpoint.tokenizer)
+            vision = read_mmproj(config.mmproj, checkpoint.tokenizer, checkpoint.config)
         self.vision: VisionModel | None = (build_vision(vision, checkpoint.tokenizer, self.dtype, self.device)
                                            if vision is not None else None)
         # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.

@@ -14,6 +14,7 @@ import torch
 
 from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.gguf_config import field_value
+from conveyor.models import family as families
 from conveyor.multimodal.vision import VisionCheckpoint
 
 TOWER = "vision_tower.vision_model."
@@ -26,8 +27,9 @@ _NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding", "v.position_embd
           "mm.input_projection": "multi_modal_projector.mm_input_projection"}
 
 
-def read_mmproj(path: str, tokenizer: Any) -> VisionCheckpoint:
-    """The vision side of `path`; LoadError for a file that is not a projector we can run."""
+def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionCheckpoint:
+    """The vision side of `path`; LoadError for a file that is not a projector we can run, or (given the text
+    model's ModelConfig) not one for that text model."""
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError) as exc:
@@ -42,7 +44,22 @@ def read_mmproj(path: str, tokenizer: Any) -> VisionCheckpoint:
     if "multi_modal_projector.mm_input_projection.weight" in weights:
         weights["multi_modal_projector.mm_input_projection_weight"] = weights.pop(
             "multi_modal_projector.mm_input_projection.weight")
-    return VisionCheckpoint("gemma3", _gemma3_config(meta, tokenizer, path), _processor(meta), weights)
+    vision = VisionCheckpoint("gemma3", _gemma3_config(meta, tokenizer, path), _processor(meta), weights)
+    if text_config is not None:
+        _check_pairing(vision, text_config, path)
+    return vision
+
+
+def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> None:
+    """The projector must feed this text model: its family's multimodal type, its width."""
+    family = families.get(text_config.architecture)
+    if family is None or family.multimodal_type != vision.model_type:
+        raise LoadError(f"{path}: a {vision.model_type} vision projector cannot feed a {text_config.architecture} "
+                        "text model")
+    width = vision.config["text_config"]["hidden_size"]
+    if width != text_config.hidden_size:
+        raise LoadError(f"{path}: the projector writes {width}-wide embeddings, the text model is "
+                        f"{text_config.hidden_size} wide")
 
 
 def _gemma3_config(meta: Callable[..., Any], tokenizer: Any, path: str) -> dict[str, Any]:

@@ -85,3 +85,13 @@ def test_a_gguf_vocabulary_without_the_soft_token_uses_pad(tiny):
 
     vision = read_mmproj(str(path / "mmproj.gguf"), CutVocabulary())
     assert vision.config["image_token_index"] == 0 and vision.config["boi_token_index"] == 5
+
+
+def test_a_projector_for_another_text_model_is_refused(tiny, tiny_checkpoint):
+    path, checkpoint = tiny
+    with pytest.raises(LoadError, match="cannot feed a llama text model"):
+        read_mmproj(str(path / "mmproj.gguf"), checkpoint.tokenizer, tiny_checkpoint.config)
+    narrow = replace(checkpoint.config, hidden_size=32)
+    with pytest.raises(LoadError, match="64-wide embeddings, the text model is 32 wide"):
+        read_mmproj(str(path / "mmproj.gguf"), checkpoint.tokenizer, narrow)
+    assert read_mmproj(str(path / "mmproj.gguf"), checkpoint.tokenizer, checkpoint.config).model_type == "gemma3"
