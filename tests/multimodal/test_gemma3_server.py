@@ -80,3 +80,17 @@ def test_a_text_only_template_gets_the_marker_as_text(gemma3):
     for g, w in zip(got, want):
         assert g["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
         assert g["usage"]["prompt_tokens"] == w["usage"]["prompt_tokens"]
+
+
+def test_models_dir_pairs_a_subfolders_mmproj(tmp_path):
+    from conveyor.config import ModelsConfig, ServerConfig
+    from conveyor.server.multimodel.catalog import build_catalog
+
+    for path in (tmp_path / "gemma" / "gemma-3-4b-Q4_K_M.gguf", tmp_path / "gemma" / "mmproj-F16.gguf",
+                 tmp_path / "text-only.gguf", tmp_path / "mmproj-stray.gguf"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    specs = {s.name: s for s in build_catalog(ModelsConfig(models_dir=str(tmp_path)), EngineConfig(),
+                                              ServerConfig(port=9000))}
+    assert specs["gemma"].engine_config.mmproj == str(tmp_path / "gemma" / "mmproj-F16.gguf")
+    assert specs["text-only"].engine_config.mmproj is None

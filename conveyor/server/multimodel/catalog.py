@@ -85,6 +85,17 @@ def scan_models_dir(folder: str) -> list[tuple[str, str]]:
     return found
 
 
+def _paired_mmproj(source: str, models_dir: str | None) -> dict[str, str]:
+    """A --models-dir subfolder's GGUF with one mmproj*.gguf beside it takes that projector (--mmproj), as
+    llama-server's router pairs them; a GGUF directly in the folder pairs with none (which of several?)."""
+    folder = os.path.dirname(source)
+    if (models_dir is None or not source.lower().endswith(".gguf")
+            or os.path.normpath(folder) == os.path.normpath(os.path.expanduser(models_dir))):
+        return {}
+    projectors = sorted(f for f in os.listdir(folder) if f.lower().startswith("mmproj") and f.lower().endswith(".gguf"))
+    return {"mmproj": os.path.join(folder, projectors[0])} if len(projectors) == 1 else {}
+
+
 def _is_model_gguf(filename: str) -> bool:
     """A model's GGUF: not a vision projector, and of a split file only the first part (it finds the rest)."""
     lower = filename.lower()
@@ -100,7 +111,7 @@ def build_catalog(models: ModelsConfig, engine: EngineConfig, server: ServerConf
     named = [(model_name(s), s) for s in sources]
     if models.models_dir is not None:
         named += scan_models_dir(models.models_dir)
-    specs = [_spec(name, source, engine, server, {}) for name, source in named]
+    specs = [_spec(name, source, engine, server, _paired_mmproj(source, models.models_dir)) for name, source in named]
     if models.models_preset is not None:
         specs += read_presets(models.models_preset, engine, server)
     _check_unique(specs)
