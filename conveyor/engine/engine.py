@@ -179,6 +179,8 @@ class EngineCore:
         vision = checkpoint.vision
         if vision is None and config.mmproj:  # a GGUF text model and llama.cpp's projector file beside it
             vision = read_mmproj(config.mmproj, checkpoint.tokenizer, checkpoint.config)
+        elif config.mmproj:
+            logger.warning("--mmproj %s ignored: %s has its own vision tower", config.mmproj, checkpoint.source)
         self.vision: VisionModel | None = (build_vision(vision, checkpoint.tokenizer, self.dtype, self.device)
                                            if vision is not None else None)
         # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.
