@@ -12,7 +12,7 @@ from conveyor.config import ConfigError, add_flags, load_configs
 # Engine flags that make sense for the single-slot CLI paths.
 _CLI_ENGINE_FLAGS = {"model", "hf_file", "revision", "dtype", "weight_dtype", "device", "threads", "seed", "block_size", "kv_cache_budget",
                      "cache_type_k", "cache_type_v", "ctx_size",
-                     "enable_prefix_caching", "prefill_chunk_size", "batch_invariant"}
+                     "enable_prefix_caching", "prefill_chunk_size", "batch_invariant", "mmproj"}
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = subparsers.add_parser("run", help="interactive chat REPL")
     run.add_argument("-p", "--prompt", default=None, help="answer this one message and exit")
     run.add_argument("--system", default=None, help="system message")
+    run.add_argument("--image", action="append", default=[], metavar="FILE",
+                     help="an image for the first message (a vision model; may be given several times)")
     _add_sampling_flags(run)
     add_flags(run, _CLI_ENGINE_FLAGS)
     run.set_defaults(func=_run_chat)
@@ -164,8 +166,8 @@ def _sampling_params(args: argparse.Namespace):
                           top_k=args.top_k, seed=args.sampling_seed)
 
 
-async def _stream_reply(engine, prompt_ids: list[int], params) -> str:
-    request = engine.core.make_request(prompt_ids, params)
+async def _stream_reply(engine, prompt_ids: list[int], params, images: list | None = None) -> str:
+    request = engine.core.make_request(prompt_ids, params, images=images or ())
     text = []
     async for out in engine.generate(request):
         print(out.new_text, end="", flush=True)
@@ -207,6 +209,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     from conveyor.errors import InvalidRequestError
 
     async def go() -> int:
+        images = _read_images(args.image)  # they stay in the first message, so every turn shows them again
         engine = _single_slot_engine(args)
         engine.start(asyncio.get_running_loop())
         history = _with_system(args.system, [])
@@ -223,9 +226,12 @@ def _run_chat(args: argparse.Namespace) -> int:
                     return 0
                 if not line.strip():
                     continue
-                history.append({"role": "user", "content": line})
+                first = images and not any(m["role"] == "user" for m in history)
+                content = [{"type": "image"}] * len(images) + [{"type": "text", "text": line}] if first else line
+                history.append({"role": "user", "content": content})
                 try:
-                    reply = await _stream_reply(engine, _prompt_ids(engine, history, None), _sampling_params(args))
+                    reply = await _stream_reply(engine, _prompt_ids(engine, history, None), _sampling_params(args),
+                                                images)
                 except InvalidRequestError as exc:
                     print(f"[invalid request: {exc}]", file=sys.stderr)
                     history.pop()
@@ -237,6 +243,25 @@ def _run_chat(args: argparse.Namespace) -> int:
             engine.shutdown()
 
     return asyncio.run(go())
+
+
+def _read_images(paths: list[str]) -> list:
+    """--image files as ImageInputs (first frame, RGB); a bad file ends the command with its error."""
+    if not paths:
+        return []
+    from PIL import Image
+
+    from conveyor.multimodal.image_input import ImageInput
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(ImageInput.from_pil(image.convert("RGB")))
+        except (OSError, ValueError) as exc:
+            print(f"conveyor: --image {path}: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+    return images
 
 
 def _with_system(system: str | None, messages: list[dict]) -> list[dict]:
