@@ -1,0 +1,246 @@
+"""Idefics3 / SmolVLM's vision side: the processor (resize the longest edge, split into max_image_size tiles plus a
+downscaled global image, rescale, normalize; `<image>` -> its tiles' token runs) and the tower (SigLIP with
+bucketed positions, pixel shuffle, modality projection), as transformers' Idefics3ImageProcessorPil /
+Idefics3Processor / Idefics3VisionTransformer / Idefics3Connector compute them.
+
+Every frame of one image is max_image_size square (tiles are crops of an image resized to whole tiles), so no
+pixel padding: the pixel attention mask is all ones and the bucketed position ids are 0..P-1 in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from conveyor.errors import InvalidRequestError
+from conveyor.multimodal.gemma3 import SiglipLayer
+from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
+
+TOWER_PREFIXES = ("model.vision_model.", "vision_model.")
+CONNECTOR_PREFIXES = ("model.connector.", "connector.")
+# Idefics3VisionConfig's defaults, where a config.json's vision_config leaves a field out
+VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
+                       image_size=224, patch_size=32, layer_norm_eps=1e-6, num_channels=3)
+MAX_IMAGE_SIZE = 4096  # transformers' absolute bound on a resized edge
+_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
+             3: Image.Resampling.BICUBIC}
+IMAGENET_STANDARD = [0.5, 0.5, 0.5]
+
+
+def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
+    """The longest edge to max_len, the other by the aspect ratio, rounded up to even (HF's helper, verbatim)."""
+    aspect = width / height
+    if width >= height:
+        width = max_len
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = max_len
+        width = int(height * aspect)
+        width += width % 2
+    return max(height, 1), max(width, 1)
+
+
+def _scale_below(height: int, width: int, max_len: int) -> tuple[int, int]:
+    aspect = width / height
+    if width >= height and width > max_len:
+        width = max_len
+        height = int(width / aspect)
+    elif height > width and height > max_len:
+        height = max_len
+        width = int(height * aspect)
+    return max(height, 1), max(width, 1)
+
+
+class Idefics3Processor:
+    """`<image>` -> (split) per tile `<fake_token_around_image><row_r_col_c>` + N x `<image>`, a newline after each
+    row, then `\\n<fake_token_around_image><global-img>` + N x `<image>` + `<fake_token_around_image>`; (not split)
+    `<fake_token_around_image><global-img>` + N x `<image>` + `<fake_token_around_image>`. The marker is `<image>`
+    itself, as the HF processor's text takes it. The text pieces between runs are tokenized alone: each starts and
+    ends at a special token, so no merge crosses them."""
+
+    def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.image_marker_id = int(raw.get("image_token_id", raw.get("image_token_index", 128_257)))
+        self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
+        vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
+        scale = int(raw.get("scale_factor", 2))
+        default_len = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2 // (scale * scale)
+        self.image_seq_len = int(processor_config.get("image_seq_len", default_len))
+        if self.image_seq_len != default_len:
+            raise ValueError(f"idefics3: image_seq_len {self.image_seq_len} != the tower's {default_len}")
+        self.longest_edge = int((processor_config.get("size") or {}).get("longest_edge", 4 * 364))
+        self.tile = int((processor_config.get("max_image_size") or {}).get("longest_edge", 364))
+        self.do_resize = bool(processor_config.get("do_resize", True))
+        self.split = bool(processor_config.get("do_image_splitting", True))
+        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 1)), Image.Resampling.LANCZOS)
+        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
+        self.mean = np.array(processor_config.get("image_mean", IMAGENET_STANDARD), dtype=np.float32)
+        self.std = np.array(processor_config.get("image_std", IMAGENET_STANDARD), dtype=np.float32)
+        self._pieces: dict[str, list[int]] = {}
+
+    def frames(self, image: ImageInput) -> tuple[list[Image.Image], int, int]:
+        """The image's frames (tiles row by row, then the global image; or the one resized image) and the grid."""
+        img = image.image
+        if self.do_resize:
+            h, w = _rescale_to_max_len(img.height, img.width, self.longest_edge)
+            h, w = _scale_below(h, w, MAX_IMAGE_SIZE)
+            img = img.resize((w, h), resample=self.resample)
+        tile = self.tile
+        if not self.split:
+            return [img.resize((tile, tile), resample=self.resample)], 0, 0
+        h, w = img.height, img.width  # resize to whole tiles (resize_for_vision_encoder)
+        aspect = w / h
+        if w >= h:
+            w = math.ceil(w / tile) * tile
+            h = math.ceil(int(w / aspect) / tile) * tile
+        else:
+            h = math.ceil(h / tile) * tile
+            w = math.ceil(int(h * aspect) / tile) * tile
+        img = img.resize((w, h), resample=self.resample)
+        if h <= tile and w <= tile:
+            return [img], 0, 0
+        rows, cols = (h - tile) // tile + 1, (w - tile) // tile + 1
+        tiles = [img.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile))
+                 for r in range(rows) for c in range(cols)]
+        return tiles + [img.resize((tile, tile), resample=self.resample)], rows, cols
+
+    def pixels(self, frames: list[Image.Image]) -> torch.Tensor:
+        """(F, 3, S, S) float32: x * rescale in float64 -> float32, then (x - mean) / std in float32."""
+        out = []
+        for frame in frames:
+            x = (np.asarray(frame).astype(np.float64) * self.rescale).astype(np.float32)
+            out.append(((x - self.mean) / self.std).transpose(2, 0, 1))
+        return torch.from_numpy(np.ascontiguousarray(np.stack(out)))
+
+    def _encode(self, text: str) -> list[int]:
+        if text not in self._pieces:
+            self._pieces[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._pieces[text]
+
+    def run(self, rows: int, cols: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """One image's token ids and its embed runs (one per frame, in frame order)."""
+        fake, n = "<fake_token_around_image>", self.image_seq_len
+        heads = [f"{fake}<row_{r + 1}_col_{c + 1}>" for r in range(rows) for c in range(cols)]
+        ids: list[int] = []
+        runs: list[tuple[int, int]] = []
+        for i, head in enumerate(heads):
+            if i and i % cols == 0:
+                head = "\n" + head
+            ids += self._encode(head)
+            runs.append((len(ids), n))
+            ids += [self.image_marker_id] * n
+        ids += self._encode(("\n\n" if heads else "") + f"{fake}<global-img>")
+        runs.append((len(ids), n))
+        ids += [self.image_marker_id] * n
+        ids += self._encode(fake)
+        return ids, tuple(runs)
+
+    def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
+        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
+        if markers != len(images):
+            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
+                                      f"{len(images)} images", "messages")
+        out: list[int] = []
+        items: list[ImageItem] = []
+        pending = iter(images)
+        for token in prompt_token_ids:
+            if token != self.image_marker_id:
+                out.append(token)
+                continue
+            image = next(pending)
+            frames, rows, cols = self.frames(image)
+            ids, runs = self.run(rows, cols)
+            items.append(ImageItem(image.content_hash, len(out), len(ids), runs, self.pixels(frames),
+                                   extras={"rows": rows, "cols": cols}))
+            out += ids
+        return ExpandedPrompt(out, items)
+
+
+class Idefics3VisionEncoder(nn.Module):
+    """Idefics3VisionTransformer (patch conv, positions, pre-LN GELU-tanh layers, post_layernorm) + connector
+    (pixel shuffle by scale_factor, one bias-free linear)."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        super().__init__()
+        vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
+        hidden, eps = int(vision["hidden_size"]), float(vision.get("layer_norm_eps", 1e-6))
+        self.patch = int(vision["patch_size"])
+        self.patches_per_side = int(vision["image_size"]) // self.patch
+        self.patch_embedding = nn.Conv2d(int(vision.get("num_channels", 3)), hidden, self.patch, self.patch)
+        self.position_embedding = nn.Parameter(torch.zeros(self.patches_per_side ** 2, hidden))
+        self.layers = nn.ModuleList(
+            SiglipLayer(hidden, int(vision["intermediate_size"]), int(vision["num_attention_heads"]), eps)
+            for _ in range(int(vision["num_hidden_layers"])))
+        self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
+        self.scale = int(raw.get("scale_factor", 2))
+        self.projection = nn.Linear(hidden * self.scale ** 2, int(raw["text_config"]["hidden_size"]), bias=False)
+
+    @torch.inference_mode()
+    def encode(self, item: ImageItem) -> torch.Tensor:
+        """(frames x image_seq_len, text hidden) in the tower's dtype, one frame at a time (each frame's rows are
+        its own: the same bits whatever else the image holds)."""
+        dtype = self.projection.weight.dtype
+        return torch.cat([self._frame(f[None].to(self.projection.weight.device, dtype))
+                          for f in item.pixel_values])
+
+    def _frame(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixels)  # (1, hidden, n, n)
+        n = x.shape[-1]
+        if n != self.patches_per_side or x.shape[-2] != n:
+            raise ValueError(f"idefics3 vision: a frame of {tuple(pixels.shape[-2:])} px, the tower takes "
+                             f"{self.patches_per_side * self.patch}")
+        x = x.flatten(2)[0].transpose(0, 1) + self.position_embedding  # (P, hidden)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.post_layernorm(x)
+        s, d = self.scale, x.shape[-1]  # pixel shuffle, as Idefics3Connector.pixel_shuffle
+        x = x.view(n, n // s, d * s).transpose(0, 1).reshape(n // s, n // s, d * s * s).transpose(0, 1)
+        return self.projection(x.reshape(-1, d * s * s))
+
+    def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
+        tower = _prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight")
+        connector = _prefix(weights, CONNECTOR_PREFIXES, "modality_projection.proj.weight")
+        names = {
+            "patch_embedding.weight": tower + "embeddings.patch_embedding.weight",
+            "patch_embedding.bias": tower + "embeddings.patch_embedding.bias",
+            "position_embedding": tower + "embeddings.position_embedding.weight",
+            "post_layernorm.weight": tower + "post_layernorm.weight",
+            "post_layernorm.bias": tower + "post_layernorm.bias",
+            "projection.weight": connector + "modality_projection.proj.weight",
+        }
+        for i in range(len(self.layers)):
+            for part in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                         "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+                ours = part.split(".")[-1]
+                for kind in ("weight", "bias"):
+                    names[f"layers.{i}.{ours}.{kind}"] = f"{tower}encoder.layers.{i}.{part}.{kind}"
+        state = {}
+        for ours, theirs in names.items():
+            if theirs not in weights:
+                raise KeyError(f"idefics3 vision: missing tensor {theirs}")
+            state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
+        self.load_state_dict(state, strict=True, assign=True)
+        self.eval()
+
+
+def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
+    for prefix in prefixes:
+        if prefix + probe in weights:
+            return prefix
+    raise KeyError(f"idefics3 vision: no {probe} under {', '.join(prefixes)}")
+
+
+def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype,
+                 device: torch.device) -> VisionModel:
+    encoder = Idefics3VisionEncoder(checkpoint.config)
+    encoder.load(checkpoint.weights, dtype)
+    return VisionModel(Idefics3Processor(checkpoint.config, checkpoint.processor_config, tokenizer),
+                       encoder.to(device), checkpoint.model_type)
