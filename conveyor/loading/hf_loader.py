@@ -126,6 +126,8 @@ def text_model_weights(weights: dict[str, Any]) -> dict[str, Any]:
     def text_name(name: str) -> str:
         if name.startswith("model.language_model."):
             return "model." + name[len("model.language_model."):]
+        if name.startswith("model.text_model."):  # Idefics3 / SmolVLM
+            return "model." + name[len("model.text_model."):]
         return name[len("language_model."):] if name.startswith("language_model.") else name
 
     return {text_name(name): tensor for name, tensor in weights.items()}

@@ -5,7 +5,7 @@ The plain families run the shared decoder unchanged (models/llama.py) and need n
 
 import importlib
 
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, register, register_multimodal_text
 
 FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", "glm4", "exaone4", "ernie4_5",
                   "seed_oss", "hunyuan_dense", "apertus", "gemma4", "gemma3n", "mixtral", "qwen3_moe", "olmoe",
@@ -33,5 +33,8 @@ register(Family("llama", "conveyor.models.llama:LlamaForCausalLM", gguf_architec
          Family("mistral", "conveyor.models.llama:LlamaForCausalLM"),  # a GGUF of it is llama's
          *(Family(architecture, "conveyor.models.llama:LlamaForCausalLM", gguf_architectures=(architecture,))
            for architecture in ("qwen2", "qwen3")))
+# Idefics3 / SmolVLM: a Llama (SmolLM2) text model under text_config (the tower: multimodal/idefics3.py)
+for _multimodal in ("idefics3", "smolvlm"):
+    register_multimodal_text(_multimodal, "llama")
 for _name in FAMILY_MODULES:
     importlib.import_module(f"conveyor.models.{_name}")

@@ -112,7 +112,15 @@ def architectures() -> tuple[str, ...]:
 def multimodal_text_types() -> dict[str, str]:
     """Multimodal model_type -> the text model's type (the vision tower is not run)."""
     _load()
-    return {f.multimodal_type: f.architecture for f in _FAMILIES.values() if f.multimodal_type}
+    return {**_MULTIMODAL_TEXT, **{f.multimodal_type: f.architecture for f in _FAMILIES.values() if f.multimodal_type}}
+
+
+# Multimodal model_types whose text model is a family that already names another (Idefics3 / SmolVLM run Llama)
+_MULTIMODAL_TEXT: dict[str, str] = {}
+
+
+def register_multimodal_text(multimodal_type: str, architecture: str) -> None:
+    _MULTIMODAL_TEXT[multimodal_type] = architecture
 
 
 def is_hybrid(architecture: str) -> bool:

@@ -113,6 +113,8 @@ class VisionCheckpoint:
 # model_type -> "module:function(checkpoint: VisionCheckpoint, tokenizer, dtype, device) -> VisionModel"
 _BUILDERS: dict[str, str] = {
     "gemma3": "conveyor.multimodal.gemma3:build_vision",
+    "idefics3": "conveyor.multimodal.idefics3:build_vision",
+    "smolvlm": "conveyor.multimodal.idefics3:build_vision",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_idefics3 import IMAGE, SEQ_LEN, hf_model, hf_processor, random_image
+from tiny_idefics3 import IMAGE, SEQ_LEN, hf_model, hf_processor, random_image, write_model_dir
 
 from conveyor.multimodal.idefics3 import Idefics3Processor, Idefics3VisionEncoder
 from conveyor.multimodal.image_input import ImageInput
@@ -73,3 +73,67 @@ def test_encoder_matches_transformers(split):
     got = encoder.encode(item)
     assert got.shape == ref.shape == (item.num_embeds, 64)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = {
+    1: "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:",
+    2: "<|im_start|>User: abc<image><image>\nCompare them.<end_of_utterance>\nAssistant:",
+}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["split", "whole"])
+def tiny(request, tmp_path_factory):
+    from conveyor.loading.hf_loader import load_hf_dir
+    from conveyor.multimodal.vision import build_vision
+
+    path = tmp_path_factory.mktemp("idefics3")
+    hf = write_model_dir(path, transformers, split=request.param)
+    checkpoint = load_hf_dir(str(path))
+    vision = build_vision(checkpoint.vision, checkpoint.tokenizer, torch.float32, torch.device("cpu"))
+    return hf, checkpoint, vision, request.param
+
+
+def _runner(checkpoint, vision):
+    from conveyor.models.registry import build_model
+    from conveyor.multimodal.encoder_cache import EncoderCache
+    from conveyor.runner.model_runner import ModelRunner
+
+    model = build_model(checkpoint.config, checkpoint.weights, torch.float32, torch.device("cpu"),
+                        batch_invariant=False)
+    return ModelRunner(model, checkpoint.config, num_blocks=256, block_size=4, dtype=torch.float32,
+                       device=torch.device("cpu"), ops=model.ops, encoder_cache=EncoderCache(vision.encoder))
+
+
+def _logits(runner, token_ids, items, start, table):
+    from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
+    from conveyor.engine.sampling_params import SamplingParams
+
+    end = start + len(token_ids)
+    chunk = ScheduledChunk("r", token_ids, start, table, True, SamplingParams(temperature=0),
+                           images=tuple(i for i in items if i.offset < end and i.end > start))
+    inputs = runner.prepare_inputs(SchedulerOutput(chunks=[chunk]))
+    return runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta,
+                        torch.arange(len(token_ids)), **inputs.model_kwargs())
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_prefill_logits_and_greedy_match_transformers(tiny, num_images):
+    hf, checkpoint, vision, split = tiny
+    images = [random_image(10 + s, (50 + 9 * s, 40)) for s in range(num_images)]
+    want = hf_processor(transformers, split)(text=[PROMPTS[num_images]], images=[images], return_tensors="pt")
+    ids = checkpoint.tokenizer.encode(PROMPTS[num_images], add_special_tokens=False)
+    got = vision.processor.expand(ids, [ImageInput.from_pil(i) for i in images])
+    assert got.token_ids == want["input_ids"][0].tolist()
+    runner = _runner(checkpoint, vision)
+    table = list(range(250, 0, -1))  # scattered blocks
+    ours = _logits(runner, got.token_ids, got.items, 0, table)
+    with torch.no_grad():
+        expected = hf(**want).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        generated = hf.generate(**want, max_new_tokens=6, do_sample=False)[0, len(got.token_ids):].tolist()
+    tokens, last = list(got.token_ids), ours[-1]
+    for _ in range(6):
+        tokens.append(int(last.argmax()))
+        last = _logits(runner, tokens[-1:], got.items, len(tokens) - 1, table)[-1]
+    assert tokens[len(got.token_ids):][:len(generated)] == generated  # generate stops at the eos (2)

@@ -54,3 +54,11 @@ def hf_model(transformers, seed: int = 0):
 def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def write_model_dir(path, transformers, split: bool = True, seed: int = 0):
+    """The model, its tokenizer and processor saved as a Hub directory; returns the HF model."""
+    model = hf_model(transformers, seed)
+    model.save_pretrained(path)
+    hf_processor(transformers, split).save_pretrained(path)
+    return model
