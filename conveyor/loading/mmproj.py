@@ -24,7 +24,8 @@ _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn
                 "ffn_down": "mlp.fc2"}
 _NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding", "v.position_embd": TOWER + "embeddings.position_embedding",
           "v.post_ln": TOWER + "post_layernorm", "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
-          "mm.input_projection": "multi_modal_projector.mm_input_projection"}
+          "mm.input_projection": "multi_modal_projector.mm_input_projection",
+          "mm.model.fc": "connector.modality_projection.proj"}  # Idefics3's
 
 
 def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionCheckpoint:
@@ -36,9 +37,14 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
         raise LoadError(f"{path}: cannot read the mmproj GGUF ({exc})") from exc
     meta: Callable[..., Any] = lambda key, default=None: field_value(reader, key, default)  # noqa: E731
     kind = meta("clip.vision.projector_type") or meta("clip.projector_type")
-    if kind != "gemma3":
-        raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3)")
+    if kind not in ("gemma3", "idefics3"):
+        raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3)")
     weights = {_hf_name(t.name): _tensor(t) for t in reader.tensors}
+    if kind == "idefics3":
+        vision = VisionCheckpoint("idefics3", *_idefics3_config(meta, tokenizer, path), weights)
+        if text_config is not None:
+            _check_pairing(vision, text_config, path)
+        return vision
     norm = "multi_modal_projector.mm_soft_emb_norm.weight"
     weights[norm] = weights[norm] - 1.0  # stored as Gemma's 1 + w
     if "multi_modal_projector.mm_input_projection.weight" in weights:
@@ -53,7 +59,8 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
 def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> None:
     """The projector must feed this text model: its family's multimodal type, its width."""
     family = families.get(text_config.architecture)
-    if family is None or family.multimodal_type != vision.model_type:
+    aliased = families.multimodal_text_types().get(vision.model_type) == text_config.architecture  # Idefics3: llama
+    if family is None or (family.multimodal_type != vision.model_type and not aliased):
         raise LoadError(f"{path}: a {vision.model_type} vision projector cannot feed a {text_config.architecture} "
                         "text model")
     width = vision.config["text_config"]["hidden_size"]
@@ -82,6 +89,30 @@ def _gemma3_config(meta: Callable[..., Any], tokenizer: Any, path: str) -> dict[
                               "num_attention_heads": int(meta("clip.vision.attention.head_count")),
                               "layer_norm_eps": float(meta("clip.vision.attention.layer_norm_epsilon", 1e-6)),
                               "image_size": image_size, "patch_size": patch}}
+
+
+def _idefics3_config(meta: Callable[..., Any], tokenizer: Any,
+                     path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Idefics3 / SmolVLM (convert_hf_to_gguf.py's SmolVLMModel): the tower's shape, scale_factor, and the
+    processor's longest edge (clip.vision.preproc_image_size); tiles are the tower's image_size."""
+    image = tokenizer.token_to_id("<image>")
+    if image is None:
+        raise LoadError(f"{path}: the text model's vocabulary has no <image> (not an Idefics3 / SmolVLM model?)")
+    image_size = int(meta("clip.vision.image_size"))
+    config = {"model_type": "idefics3", "image_token_id": image,
+              "scale_factor": int(meta("clip.vision.projector.scale_factor", 2)),
+              "text_config": {"hidden_size": int(meta("clip.vision.projection_dim"))},
+              "vision_config": {"hidden_size": int(meta("clip.vision.embedding_length")),
+                                "intermediate_size": int(meta("clip.vision.feed_forward_length")),
+                                "num_hidden_layers": int(meta("clip.vision.block_count")),
+                                "num_attention_heads": int(meta("clip.vision.attention.head_count")),
+                                "layer_norm_eps": float(meta("clip.vision.attention.layer_norm_epsilon", 1e-5)),
+                                "image_size": image_size, "patch_size": int(meta("clip.vision.patch_size"))}}
+    processor = {"size": {"longest_edge": int(meta("clip.vision.preproc_image_size", image_size))},
+                 "max_image_size": {"longest_edge": image_size}, "do_image_splitting": True,
+                 "image_mean": meta("clip.vision.image_mean", [0.5] * 3),
+                 "image_std": meta("clip.vision.image_std", [0.5] * 3), "resample": 1, "rescale_factor": 1 / 255}
+    return config, processor
 
 
 def _processor(meta: Callable[..., Any]) -> dict[str, Any]:

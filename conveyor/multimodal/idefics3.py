@@ -23,7 +23,7 @@ from conveyor.multimodal.gemma3 import SiglipLayer
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
-TOWER_PREFIXES = ("model.vision_model.", "vision_model.")
+TOWER_PREFIXES = ("model.vision_model.", "vision_model.", "vision_tower.vision_model.")  # the last: --mmproj
 CONNECTOR_PREFIXES = ("model.connector.", "connector.")
 # Idefics3VisionConfig's defaults, where a config.json's vision_config leaves a field out
 VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,

@@ -73,3 +73,19 @@ def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, 
 def test_chunk_budget_smaller_than_a_tile(model_dir, alone):
     core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
     assert _run(core, JOBS) == alone
+
+
+def test_mmproj_equals_the_hf_directory(model_dir, alone, tmp_path):
+    """llama.cpp's mmproj (projector type idefics3) beside the text model == the directory's own tower."""
+    from dataclasses import replace
+
+    from tiny_idefics3 import hf_model, write_mmproj
+
+    from conveyor.loading.hf_loader import load_hf_dir
+
+    write_mmproj(tmp_path / "mmproj.gguf", hf_model(transformers))  # seed 0: the directory's weights
+    text_only = replace(load_hf_dir(model_dir), vision=None)
+    core = EngineCore(EngineConfig(parallel=16, block_size=8, speculative_ngram=0, enable_prefix_caching=False,
+                                   mmproj=str(tmp_path / "mmproj.gguf")), checkpoint=text_only)
+    assert core.vision is not None and core.vision.model_type == "idefics3"
+    assert [_run(core, [job])[0] for job in JOBS[:4]] == alone[:4]

@@ -62,3 +62,47 @@ def write_model_dir(path, transformers, split: bool = True, seed: int = 0):
     model.save_pretrained(path)
     hf_processor(transformers, split).save_pretrained(path)
     return model
+
+
+def write_mmproj(path, model, preproc_size: int = 64) -> None:
+    """The tower and connector as llama.cpp's converter writes them (convert_hf_to_gguf.py --mmproj, SmolVLMModel):
+    `v.*` / `mm.model.fc` names, projector type idefics3, the processor's longest edge as preproc_image_size."""
+    import gguf
+
+    cfg = model.config
+    vision = cfg.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "idefics3")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.preproc_image_size", preproc_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
+    writer.add_uint32("clip.vision.block_count", vision.num_hidden_layers)
+    writer.add_uint32("clip.vision.projection_dim", cfg.text_config.hidden_size)
+    writer.add_uint32("clip.vision.attention.head_count", vision.num_attention_heads)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_uint32("clip.vision.projector.scale_factor", cfg.scale_factor)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        kind = name.rsplit(".", 1)[1]
+        if name.startswith("model.vision_model.encoder.layers."):
+            index, part = name[len("model.vision_model.encoder.layers."):].split(".", 1)
+            writer.add_tensor(f"v.blk.{index}.{layer[part.rsplit('.', 1)[0]]}.{kind}", data)
+        elif name.startswith("model.vision_model.embeddings."):
+            stem = "v.patch_embd" if "patch_embedding" in name else "v.position_embd"
+            writer.add_tensor(f"{stem}.{kind}", data)
+        elif name.startswith("model.vision_model.post_layernorm."):
+            writer.add_tensor(f"v.post_ln.{kind}", data)
+        elif name.startswith("model.connector."):
+            writer.add_tensor(f"mm.model.fc.{kind}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
