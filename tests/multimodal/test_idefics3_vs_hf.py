@@ -137,3 +137,45 @@ def test_prefill_logits_and_greedy_match_transformers(tiny, num_images):
         tokens.append(int(last.argmax()))
         last = _logits(runner, tokens[-1:], got.items, len(tokens) - 1, table)[-1]
     assert tokens[len(got.token_ids):][:len(generated)] == generated  # generate stops at the eos (2)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_smolvlm_image_processor_pixels(split):
+    """SmolVLM's image processor gives the frames and grid Idefics3's does (its text processor, the same strings,
+    needs num2words and a video processor: not installed)."""
+    images = transformers.SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                                   do_image_splitting=split)
+    ours = _ours(hf_processor(transformers, split), split)
+    for size in SIZES:
+        image = random_image(1, size)
+        want = images(images=[[image]], return_tensors="pt", return_row_col_info=True)
+        item = ours.expand([IMAGE], [ImageInput.from_pil(image)]).items[0]
+        assert torch.equal(want["pixel_values"][0], item.pixel_values)
+        assert (want["rows"][0][0], want["cols"][0][0]) == (item.extras["rows"], item.extras["cols"])
+
+
+def test_smolvlm_directory_matches_transformers(tmp_path):
+    """A SmolVLMForConditionalGeneration directory (model_type smolvlm) loads: text as Llama, the same tower."""
+    from conveyor.loading.hf_loader import load_hf_dir
+    from conveyor.multimodal.vision import build_vision
+
+    base = hf_model(transformers)
+    config = transformers.SmolVLMConfig(text_config=base.config.text_config.to_dict(),
+                                        vision_config=base.config.vision_config.to_dict(), scale_factor=2,
+                                        image_token_id=IMAGE, pad_token_id=0)
+    hf = transformers.SmolVLMForConditionalGeneration(config).eval()
+    hf.load_state_dict(base.state_dict())
+    hf.save_pretrained(tmp_path)
+    processor = hf_processor(transformers)
+    processor.save_pretrained(tmp_path)
+    checkpoint = load_hf_dir(str(tmp_path))
+    assert checkpoint.config.architecture == "llama" and checkpoint.vision.model_type == "smolvlm"
+    vision = build_vision(checkpoint.vision, checkpoint.tokenizer, torch.float32, torch.device("cpu"))
+    images = [random_image(5, (60, 41))]
+    want = processor(text=[PROMPTS[1]], images=[images], return_tensors="pt")
+    got = vision.processor.expand(checkpoint.tokenizer.encode(PROMPTS[1], add_special_tokens=False),
+                                  [ImageInput.from_pil(i) for i in images])
+    ours = _logits(_runner(checkpoint, vision), got.token_ids, got.items, 0, list(range(1, 251)))
+    with torch.no_grad():
+        expected = hf(**want).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
