@@ -104,3 +104,19 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         outputs.append(out.transpose(0, 1).to(query.dtype))
         row += num_rows
     return torch.cat(outputs, dim=0)
+
+
+def reference_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, scale: float,
+                              rows: int = 1024) -> torch.Tensor:
+    """Full (unmasked) attention over one sequence, e.g. a vision tower's patches: q, k, v (P, H * D) -> (P, H * D).
+
+    In blocks of `rows` queries: 4096 patches x 16 heads of scores at once would be 1 GiB in bf16 (1024 rows: 128
+    MiB). The C++ kernel (csrc/dense_attention.h) never holds more than 16 queries' scores per thread."""
+    split = lambda t: t.view(t.shape[0], num_heads, -1).transpose(0, 1)  # noqa: E731 (P, H * D) -> (H, P, D)
+    qh, vh = split(q), split(v)
+    keys = split(k).transpose(1, 2) * scale  # (H, D, P)
+    out = torch.empty_like(qh)
+    for start in range(0, qh.shape[1], rows):
+        scores = torch.matmul(qh[:, start:start + rows], keys)  # (H, rows, P)
+        out[:, start:start + rows] = torch.matmul(torch.softmax(scores, dim=-1), vh)
+    return out.transpose(0, 1).reshape(q.shape)

@@ -84,6 +84,31 @@ def test_gelu_tanh_mul_matches_torch_and_rows_stand_alone(dtype):
     assert all(torch.equal(kernels.gelu_tanh_mul(gate_up[i:i + 1]), got[i:i + 1]) for i in (0, 17, 32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_in_place_is_gelu_tanh_mul_gate_and_position_free(dtype):
+    """SigLIP's MLP activation: in place, close to torch's, bitwise gelu_tanh_mul's gate (times 1) in bf16, and every
+    element the same bits in any lane, tail or batch."""
+    x = (torch.randn(40, 100, generator=torch.Generator().manual_seed(11)) * 4).to(dtype)
+    got = kernels.gelu_tanh_(x.clone())
+    want = torch.nn.functional.gelu(x, approximate="tanh")
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
+        ones = torch.ones_like(x)
+        assert torch.equal(kernels.gelu_tanh_mul(torch.cat([x, ones], dim=1)), got)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    flat = x.flatten()
+    for shift in range(17):
+        assert torch.equal(kernels.gelu_tanh_(flat[shift:shift + 77].clone()), got.flatten()[shift:shift + 77])
+    wide = (torch.randn(24, 3072, generator=torch.Generator().manual_seed(12)) * 3).to(dtype)  # past every grain
+    alone = torch.cat([kernels.gelu_tanh_(wide[i:i + 1].clone()) for i in range(len(wide))])
+    assert torch.equal(kernels.gelu_tanh_(wide.clone()), alone)
+    y = x.clone()
+    assert kernels.gelu_tanh_(y).data_ptr() == y.data_ptr() and torch.equal(y, got)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.gelu_tanh_(x.t())
+
+
 # 64 and 128: vector paths everywhere; 16 and 48: half a multiple of 8, not of 16 (vector on AVX2,
 # scalar on AVX-512); 24: half not a multiple of 8 takes the scalar loop.
 @pytest.mark.parametrize("head_dim", [64, 128, 16, 48, 24])

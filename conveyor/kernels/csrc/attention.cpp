@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dense_attention.h"
 #include "isa.h"
 #include "kv_q8.h"
 #include "parallel.h"
@@ -1279,4 +1280,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_seq"),
         py::arg("token_pos"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("sinks"),
         py::arg("key_end") = py::none(), release());
+  m.def("dense_attention", &dense_attention, "Full attention over one sequence, (P, H * D) bf16 (vision towers)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("num_heads"), py::arg("scale"), release());
+  m.def("dense_attention_path", &conveyor_dense::path, "dense_attention's path for a head dim here: amx or fp32",
+        py::arg("head_dim"));
 }
