@@ -181,8 +181,8 @@ class EngineCore:
             vision = read_mmproj(config.mmproj, checkpoint.tokenizer, checkpoint.config)
         elif config.mmproj:
             logger.warning("--mmproj %s ignored: %s has its own vision tower", config.mmproj, checkpoint.source)
-        self.vision: VisionModel | None = (build_vision(vision, checkpoint.tokenizer, self.dtype, self.device)
-                                           if vision is not None else None)
+        self.vision: VisionModel | None = (build_vision(vision, checkpoint.tokenizer, self.dtype, self.device,
+                                                        ops=self.backend) if vision is not None else None)
         # An embedder or reranker (or --embeddings): requests pool their prompt instead of generating.
         self.pooling: PoolingConfig | None = resolve_pooling(config, checkpoint, model)
         progress.set_stage("draft model and KV cache")

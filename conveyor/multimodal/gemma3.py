@@ -2,7 +2,9 @@
 SigLIP tower and the projector (avg-pool to mm_tokens_per_image, (1 + w) RMSNorm, one matmul), as transformers'
 Gemma3Processor / SiglipVisionModel / Gemma3MultiModalProjector compute them.
 
-The tower runs in plain torch, one image per call: its output depends only on the image's pixels.
+The tower runs one image per call (its output depends only on the image's pixels): torch's linears and norms, the
+attention and GELU through the engine's KernelBackend (dense_attention: the C++ kernel where it runs AMX tiles;
+docs/vision.md "Tower speed").
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from conveyor.errors import InvalidRequestError
+from conveyor.kernels import KernelBackend
+from conveyor.kernels.attention import reference_dense_attention
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -110,40 +114,35 @@ class Gemma3Processor:
 
 
 class SiglipLayer(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, heads: int, eps: float) -> None:
+    def __init__(self, hidden: int, intermediate: int, heads: int, eps: float,
+                 ops: KernelBackend | None = None) -> None:
         super().__init__()
         self.heads = heads
+        self.ops = ops  # our kernels (attention, GELU); None: plain torch
         self.layer_norm1 = nn.LayerNorm(hidden, eps=eps)
         self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(hidden, hidden) for _ in range(4))
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (P, hidden) -> (P, hidden)
+    def forward(self, x: torch.Tensor, mlp: torch.Tensor | None = None) -> torch.Tensor:  # (P, hidden) -> (P, hidden)
+        """`mlp`: an empty (P, intermediate) tensor for fc1's output, reused by every layer of an encode (a fresh
+        35 MB activation at 896 px costs ~9 ms of page faults per layer here)."""
         h = self.layer_norm1(x)
-        split = lambda t: t.view(t.shape[0], self.heads, -1).transpose(0, 1)  # noqa: E731 (P, hidden) -> (H, P, D)
-        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
-        attn = _attention(q, k, v).transpose(0, 1).reshape(x.shape)  # (P, hidden)
-        x = x + self.out_proj(attn)
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate="tanh"))
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int = 1024) -> torch.Tensor:
-    """Full attention (H, P, D) in blocks of `rows` queries: 4096 patches x 16 heads of scores at once would be
-    1 GiB (1024 rows: 128 MiB). Per 896 px image and layer (2 busy vCPUs, bf16): ~1.0 s at 1024 rows, 1.1 s at 512,
-    1.5 s at 128; sdpa's fused CPU kernel 1.9 s."""
-    out = torch.empty_like(q)
-    keys = k.transpose(1, 2) * q.shape[-1] ** -0.5  # (H, D, P)
-    for start in range(0, q.shape[1], rows):
-        scores = torch.matmul(q[:, start:start + rows], keys)  # (H, rows, P)
-        out[:, start:start + rows] = torch.matmul(torch.softmax(scores, dim=-1), v)
-    return out
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)  # (P, hidden) each
+        scale = (x.shape[1] // self.heads) ** -0.5
+        attend = self.ops.dense_attention if self.ops is not None else reference_dense_attention
+        x = x + self.out_proj(attend(q, k, v, self.heads, scale))
+        h = self.layer_norm2(x)
+        h = self.fc1(h) if mlp is None else torch.addmm(self.fc1.bias, h, self.fc1.weight.t(), out=mlp)
+        h = self.ops.gelu_tanh_(h) if self.ops is not None else torch.ops.aten.gelu_(h, approximate="tanh")
+        return x + self.fc2(h)
 
 
 class Gemma3VisionEncoder(nn.Module):
     """SigLIP (patch conv, learned positions, pre-LN layers, post_layernorm) + Gemma3MultiModalProjector."""
 
-    def __init__(self, raw: dict[str, Any]) -> None:
+    def __init__(self, raw: dict[str, Any], ops: KernelBackend | None = None) -> None:
         super().__init__()
         vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
         hidden, eps = int(vision["hidden_size"]), float(vision.get("layer_norm_eps", 1e-6))
@@ -152,7 +151,7 @@ class Gemma3VisionEncoder(nn.Module):
         self.patch_embedding = nn.Conv2d(int(vision.get("num_channels", 3)), hidden, self.patch, self.patch)
         self.position_embedding = nn.Parameter(torch.zeros(self.patches_per_side ** 2, hidden))
         self.layers = nn.ModuleList(
-            SiglipLayer(hidden, int(vision["intermediate_size"]), int(vision["num_attention_heads"]), eps)
+            SiglipLayer(hidden, int(vision["intermediate_size"]), int(vision["num_attention_heads"]), eps, ops)
             for _ in range(int(vision["num_hidden_layers"])))
         self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
         tokens_per_side = int(math.isqrt(int(raw.get("mm_tokens_per_image", 256))))
@@ -167,9 +166,12 @@ class Gemma3VisionEncoder(nn.Module):
         """(num_embeds, text hidden) in the tower's dtype."""
         dtype = self.projection.dtype
         x = self.patch_embedding(item.pixel_values[None].to(self.projection.device, dtype))  # (1, hidden, n, n)
-        x = x.flatten(2)[0].transpose(0, 1) + self.position_embedding  # (P, hidden)
+        # NOTE: contiguous rows: the sum would keep the conv output's transposed strides, and every layer's norm
+        # and residual add would then copy or stride across them (~70 ms a layer at 896 px).
+        x = x.flatten(2)[0].transpose(0, 1).contiguous() + self.position_embedding  # (P, hidden)
+        mlp = x.new_empty(x.shape[0], self.layers[0].fc1.out_features) if self.layers else None
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, mlp)
         x = self.post_layernorm(x)
         n = self.patches_per_side
         grid = x.transpose(0, 1).reshape(1, -1, n, n)  # (1, hidden, n, n)
@@ -214,9 +216,9 @@ def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> s
     raise KeyError(f"gemma3 vision: no {probe} under {', '.join(prefixes)}")
 
 
-def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype,
-                 device: torch.device) -> VisionModel:
-    encoder = Gemma3VisionEncoder(checkpoint.config)
+def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
+                 ops: KernelBackend | None = None) -> VisionModel:
+    encoder = Gemma3VisionEncoder(checkpoint.config, ops)
     encoder.load(checkpoint.weights, dtype)
     return VisionModel(Gemma3Processor(checkpoint.config, checkpoint.processor_config, tokenizer),
                        encoder.to(device), checkpoint.model_type)

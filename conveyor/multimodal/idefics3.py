@@ -19,6 +19,7 @@ from PIL import Image
 from torch import nn
 
 from conveyor.errors import InvalidRequestError
+from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
@@ -168,7 +169,7 @@ class Idefics3VisionEncoder(nn.Module):
     """Idefics3VisionTransformer (patch conv, positions, pre-LN GELU-tanh layers, post_layernorm) + connector
     (pixel shuffle by scale_factor, one bias-free linear)."""
 
-    def __init__(self, raw: dict[str, Any]) -> None:
+    def __init__(self, raw: dict[str, Any], ops: KernelBackend | None = None) -> None:
         super().__init__()
         vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
         hidden, eps = int(vision["hidden_size"]), float(vision.get("layer_norm_eps", 1e-6))
@@ -177,7 +178,7 @@ class Idefics3VisionEncoder(nn.Module):
         self.patch_embedding = nn.Conv2d(int(vision.get("num_channels", 3)), hidden, self.patch, self.patch)
         self.position_embedding = nn.Parameter(torch.zeros(self.patches_per_side ** 2, hidden))
         self.layers = nn.ModuleList(
-            SiglipLayer(hidden, int(vision["intermediate_size"]), int(vision["num_attention_heads"]), eps)
+            SiglipLayer(hidden, int(vision["intermediate_size"]), int(vision["num_attention_heads"]), eps, ops)
             for _ in range(int(vision["num_hidden_layers"])))
         self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
         self.scale = int(raw.get("scale_factor", 2))
@@ -197,7 +198,7 @@ class Idefics3VisionEncoder(nn.Module):
         if n != self.patches_per_side or x.shape[-2] != n:
             raise ValueError(f"idefics3 vision: a frame of {tuple(pixels.shape[-2:])} px, the tower takes "
                              f"{self.patches_per_side * self.patch}")
-        x = x.flatten(2)[0].transpose(0, 1) + self.position_embedding  # (P, hidden)
+        x = x.flatten(2)[0].transpose(0, 1).contiguous() + self.position_embedding  # (P, hidden): rows contiguous
         for layer in self.layers:
             x = layer(x)
         x = self.post_layernorm(x)
@@ -238,9 +239,9 @@ def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> s
     raise KeyError(f"idefics3 vision: no {probe} under {', '.join(prefixes)}")
 
 
-def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype,
-                 device: torch.device) -> VisionModel:
-    encoder = Idefics3VisionEncoder(checkpoint.config)
+def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
+                 ops: KernelBackend | None = None) -> VisionModel:
+    encoder = Idefics3VisionEncoder(checkpoint.config, ops)
     encoder.load(checkpoint.weights, dtype)
     return VisionModel(Idefics3Processor(checkpoint.config, checkpoint.processor_config, tokenizer),
                        encoder.to(device), checkpoint.model_type)

@@ -24,11 +24,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from conveyor.multimodal.image_input import ImageInput
+
+if TYPE_CHECKING:
+    from conveyor.kernels import KernelBackend
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +113,8 @@ class VisionCheckpoint:
     weights: dict[str, Any]  # the checkpoint's tensors under their HF names (the family picks its own)
 
 
-# model_type -> "module:function(checkpoint: VisionCheckpoint, tokenizer, dtype, device) -> VisionModel"
+# model_type -> "module:function(checkpoint: VisionCheckpoint, tokenizer, dtype, device, ops) -> VisionModel"
+# (ops: the engine's KernelBackend, or None: plain torch)
 _BUILDERS: dict[str, str] = {
     "gemma3": "conveyor.multimodal.gemma3:build_vision",
     "idefics3": "conveyor.multimodal.idefics3:build_vision",
@@ -126,15 +130,16 @@ def vision_model_types() -> tuple[str, ...]:
     return tuple(_BUILDERS)
 
 
-def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype,
-                 device: torch.device) -> VisionModel | None:
-    """The family's processor and encoder, or None for a model_type without a vision family."""
+def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
+                 ops: KernelBackend | None = None) -> VisionModel | None:
+    """The family's processor and encoder, or None for a model_type without a vision family. `ops` (the engine's
+    KernelBackend) gives the tower our kernels (dense attention); None runs it in plain torch."""
     target = _BUILDERS.get(checkpoint.model_type)
     if target is None:
         return None
     module, name = target.split(":")
     builder: Callable[..., VisionModel] = getattr(importlib.import_module(module), name)
-    return builder(checkpoint, tokenizer, dtype, device)
+    return builder(checkpoint, tokenizer, dtype, device, ops=ops)
 
 
 def key_spans(items: Sequence[ImageItem]) -> list[tuple[int, int, bytes]]:

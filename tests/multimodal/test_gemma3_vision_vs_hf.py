@@ -69,6 +69,23 @@ def test_encoder_matches_transformers(tiny):
         torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_tower_on_the_kernels_is_close_and_repeatable(tiny):
+    """The engine's tower: bf16 with the backend's dense attention (csrc/dense_attention.h's AMX path on an AMX
+    CPU): within bf16 rounding of the fp32 tower, and the same bits on every encode (the prefix cache keys on it)."""
+    from conveyor.config import kernel_settings_from_env
+    from conveyor.kernels import cpu_backend
+
+    _, checkpoint, vision = tiny
+    ops = cpu_backend(kernel_settings_from_env())
+    bf16 = build_vision(checkpoint.vision, checkpoint.tokenizer, torch.bfloat16, torch.device("cpu"), ops=ops)
+    assert all(layer.ops is ops for layer in bf16.encoder.layers)
+    item = _ours(checkpoint, vision, PROMPTS[1], [random_image(5)]).items[0]
+    got = bf16.encoder.encode(item)
+    assert got.dtype == torch.bfloat16 and torch.equal(bf16.encoder.encode(item), got)
+    want = vision.encoder.encode(item)
+    assert (got.float() - want).abs().max() <= 0.05 * want.abs().max()
+
+
 def _runner(checkpoint, vision):
     from conveyor.models.registry import build_model
     from conveyor.multimodal.encoder_cache import EncoderCache
