@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -113,6 +113,21 @@ class Gemma3Processor:
         return self.tokenizer.encode("\n" * count, add_special_tokens=False)
 
 
+@dataclass
+class SiglipBuffers:
+    """Activations one encode's layers share: fresh ones (9-35 MB each at 896 px) cost page faults every layer
+    (~9 ms per 35 MB here)."""
+
+    qkv: torch.Tensor  # (P, 3 hidden)
+    mlp: torch.Tensor  # (P, intermediate)
+    proj: torch.Tensor  # (P, hidden): out_proj's and fc2's outputs, added into the residual in place
+
+    @classmethod
+    def like(cls, x: torch.Tensor, intermediate: int) -> SiglipBuffers:
+        rows, hidden = x.shape
+        return cls(x.new_empty(rows, 3 * hidden), x.new_empty(rows, intermediate), x.new_empty(rows, hidden))
+
+
 class SiglipLayer(nn.Module):
     def __init__(self, hidden: int, intermediate: int, heads: int, eps: float,
                  ops: KernelBackend | None = None) -> None:
@@ -124,19 +139,45 @@ class SiglipLayer(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(hidden, hidden) for _ in range(4))
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
+        self._qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # (3 hidden, hidden) weight, bias: _fused_qkv()
 
-    def forward(self, x: torch.Tensor, mlp: torch.Tensor | None = None) -> torch.Tensor:  # (P, hidden) -> (P, hidden)
-        """`mlp`: an empty (P, intermediate) tensor for fc1's output, reused by every layer of an encode (a fresh
-        35 MB activation at 896 px costs ~9 ms of page faults per layer here)."""
+    def forward(self, x: torch.Tensor, buffers: SiglipBuffers | None = None) -> torch.Tensor:
+        """(P, hidden) -> (P, hidden). With `buffers` the outputs land there and x is updated in place."""
+        hidden = x.shape[1]
+        weight, bias = self._fused_qkv()
         h = self.layer_norm1(x)
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)  # (P, hidden) each
-        scale = (x.shape[1] // self.heads) ** -0.5
+        qkv = _linear(h, weight, bias, None if buffers is None else buffers.qkv)  # (P, 3 hidden)
+        q, k, v = qkv.split(hidden, dim=1)
         attend = self.ops.dense_attention if self.ops is not None else reference_dense_attention
-        x = x + self.out_proj(attend(q, k, v, self.heads, scale))
-        h = self.layer_norm2(x)
-        h = self.fc1(h) if mlp is None else torch.addmm(self.fc1.bias, h, self.fc1.weight.t(), out=mlp)
+        attn = attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5)
+        x = _residual(x, _linear(attn, self.out_proj.weight, self.out_proj.bias, buffers and buffers.proj), buffers)
+        h = _linear(self.layer_norm2(x), self.fc1.weight, self.fc1.bias, buffers and buffers.mlp)
         h = self.ops.gelu_tanh_(h) if self.ops is not None else torch.ops.aten.gelu_(h, approximate="tanh")
-        return x + self.fc2(h)
+        return _residual(x, _linear(h, self.fc2.weight, self.fc2.bias, buffers and buffers.proj), buffers)
+
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k and v's weights (biases) as row blocks of one matrix, for one GEMM: the three parameters become views
+        of it (one copy kept); rebuilt when a parameter was replaced (a reload, a move to another device)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self._qkv is None or any(p.weight.data_ptr() != self._qkv[0][i * p.weight.shape[0]:].data_ptr()
+                                    for i, p in enumerate(parts)):
+            with torch.inference_mode(False), torch.no_grad():  # plain tensors, as loaded: usable outside encode()
+                weight = torch.cat([p.weight.detach() for p in parts])
+                bias = torch.cat([p.bias.detach() for p in parts])
+            rows = self.q_proj.weight.shape[0]
+            for i, p in enumerate(parts):
+                p.weight = nn.Parameter(weight[i * rows:(i + 1) * rows], requires_grad=False)
+                p.bias = nn.Parameter(bias[i * rows:(i + 1) * rows], requires_grad=False)
+            self._qkv = (weight, bias)
+        return self._qkv
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias) if out is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _residual(x: torch.Tensor, delta: torch.Tensor, buffers: SiglipBuffers | None) -> torch.Tensor:
+    return x + delta if buffers is None else x.add_(delta)
 
 
 class Gemma3VisionEncoder(nn.Module):
@@ -169,9 +210,9 @@ class Gemma3VisionEncoder(nn.Module):
         # NOTE: contiguous rows: the sum would keep the conv output's transposed strides, and every layer's norm
         # and residual add would then copy or stride across them (~70 ms a layer at 896 px).
         x = x.flatten(2)[0].transpose(0, 1).contiguous() + self.position_embedding  # (P, hidden)
-        mlp = x.new_empty(x.shape[0], self.layers[0].fc1.out_features) if self.layers else None
+        buffers = SiglipBuffers.like(x, self.layers[0].fc1.out_features) if self.layers else None
         for layer in self.layers:
-            x = layer(x, mlp)
+            x = layer(x, buffers)
         x = self.post_layernorm(x)
         n = self.patches_per_side
         grid = x.transpose(0, 1).reshape(1, -1, n, n)  # (1, hidden, n, n)

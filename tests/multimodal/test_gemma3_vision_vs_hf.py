@@ -86,6 +86,34 @@ def test_bf16_tower_on_the_kernels_is_close_and_repeatable(tiny):
     assert (got.float() - want).abs().max() <= 0.05 * want.abs().max()
 
 
+def test_layer_buffers_and_the_fused_qkv_change_no_bits(tiny):
+    """A layer with an encode's shared buffers (outputs in place) == without; q, k, v run as one GEMM over views of one
+    matrix, and weights loaded after an encode are the ones the next encode uses."""
+    from conveyor.multimodal.gemma3 import Gemma3VisionEncoder, SiglipBuffers
+
+    _, checkpoint, vision = tiny
+    layer = vision.encoder.layers[0]
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # as encode() runs it
+        plain = layer(x)
+        assert torch.equal(layer(x.clone(), SiglipBuffers.like(x, layer.fc1.out_features)), plain)
+    weight, _ = layer._qkv
+    assert layer.k_proj.weight.data_ptr() == weight[32:].data_ptr()
+    item = _ours(checkpoint, vision, PROMPTS[1], [random_image(6)]).items[0]
+    state = {k: v * 1.5 if k.endswith(("q_proj.weight", "v_proj.bias")) else v.clone()
+             for k, v in vision.encoder.state_dict().items()}
+    fresh = Gemma3VisionEncoder(checkpoint.vision.config)
+    fresh.load_state_dict(state, assign=True)
+    first = vision.encoder.encode(item)
+    try:
+        vision.encoder.load_state_dict(state, assign=True)
+        again = vision.encoder.encode(item)
+        assert not torch.equal(again, first) and torch.equal(again, fresh.eval().encode(item))
+    finally:
+        vision.encoder.load_state_dict({k: v / 1.5 if k.endswith(("q_proj.weight", "v_proj.bias")) else v
+                                        for k, v in state.items()}, assign=True)
+
+
 def _runner(checkpoint, vision):
     from conveyor.models.registry import build_model
     from conveyor.multimodal.encoder_cache import EncoderCache
