@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.models.family import Family, register
+from conveyor.models.family import Family, register, register_multimodal_text
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -37,3 +37,6 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
 
 register(Family("ministral3", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("mistral3",),
                 gguf_fields=gguf_fields, gguf_permuted_qk=True))
+# Mistral 3's vision checkpoints (Ministral 3, Mistral Small 3.1 / 3.2; the tower: multimodal/pixtral.py) run their
+# text_config here: a plain Mistral text config (no YaRN, no temperature) reads the same as Mistral's.
+register_multimodal_text("mistral3", "ministral3")

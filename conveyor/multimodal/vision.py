@@ -119,6 +119,7 @@ _BUILDERS: dict[str, str] = {
     "gemma3": "conveyor.multimodal.gemma3:build_vision",
     "idefics3": "conveyor.multimodal.idefics3:build_vision",
     "smolvlm": "conveyor.multimodal.idefics3:build_vision",
+    "mistral3": "conveyor.multimodal.pixtral:build_vision",
 }
 
 

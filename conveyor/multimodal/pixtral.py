@@ -1,0 +1,285 @@
+"""Mistral 3's vision side: the processor (the longest edge down to size.longest_edge, both edges up to whole
+patch x spatial_merge_size units, rescale, normalize; `[IMG]` -> its rows of `[IMG]` with `[IMG_BREAK]` at each row's
+end and `[IMG_END]` last), the Pixtral tower (patch conv, RMSNorm, 2D rotary positions, SiLU/GELU-gated MLP) and the
+Mistral 3 projector (RMSNorm, patch merger, linear -> GELU -> linear), as transformers' PixtralImageProcessorPil /
+PixtralProcessor / PixtralVisionModel / Mistral3MultiModalProjector compute them.
+
+One image per encode, so the tower's block-diagonal mask (one block per image) is full attention over its patches.
+
+    [IMG] [IMG] [IMG] [IMG_BREAK]      one embed run per row of merged patches (the break / end tokens stay token
+    [IMG] [IMG] [IMG] [IMG_END]        embeddings): embed_runs = ((0, 3), (4, 3))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+from torch.nn import functional as F
+
+from conveyor.errors import InvalidRequestError
+from conveyor.kernels import KernelBackend
+from conveyor.kernels.attention import reference_dense_attention
+from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
+
+TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")  # transformers 5's layout, then the Hub's
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# PixtralVisionConfig's defaults, where a config.json's vision_config leaves a field out
+VISION_DEFAULTS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       num_channels=3, patch_size=16, hidden_act="gelu")
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # PixtralImageProcessorPil's defaults
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+TOWER_EPS = 1e-5  # hard-coded in modeling_pixtral.py (ln_pre and every layer's norms)
+_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
+             3: Image.Resampling.BICUBIC}
+_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _patch(value: Any, default: int) -> int:
+    """A patch size as an int: the processor saves an int, the image processor a {"height", "width"} dict."""
+    if isinstance(value, dict):
+        if value.get("height") != value.get("width"):
+            raise ValueError(f"mistral3: non-square patch size {value}")
+        return int(value["height"])
+    return int(value) if value is not None else default
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTS:
+        raise ValueError(f"mistral3: activation {name!r} is not supported ({', '.join(_ACTS)})")
+    return _ACTS[name]
+
+
+class PixtralProcessor:
+    """`[IMG]` (the marker: what Mistral's chat templates write for an image part) -> rows x (cols x `[IMG]` +
+    `[IMG_BREAK]`), the last `[IMG_BREAK]` replaced by `[IMG_END]`; rows and cols count patch x spatial_merge_size
+    units of the resized image. All three are special tokens, so no merge crosses the run."""
+
+    def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
+        vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
+        self.image_marker_id = int(raw.get("image_token_index", raw.get("image_token_id", 10)))
+        self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
+        self.break_id = _token_id(tokenizer, processor_config.get("image_break_token", "[IMG_BREAK]"))
+        self.end_id = _token_id(tokenizer, processor_config.get("image_end_token", "[IMG_END]"))
+        merge = int(raw.get("spatial_merge_size", 2))
+        self.unit = int(vision["patch_size"]) * merge
+        # The HF processor counts tokens with its own patch_size x spatial_merge_size: it must be the tower's.
+        theirs = _patch(processor_config.get("patch_size"), int(vision["patch_size"]))
+        theirs *= int(processor_config.get("spatial_merge_size", merge))
+        if theirs != self.unit:
+            raise ValueError(f"mistral3: the processor's patch x merge {theirs} != the tower's {self.unit}")
+        size = processor_config.get("size") or {}
+        self.longest_edge = int(size.get("longest_edge") or max(size.get("height", 0), size.get("width", 0)) or 1024)
+        for flag in ("do_resize", "do_rescale", "do_normalize"):
+            if not processor_config.get(flag, True):
+                raise ValueError(f"mistral3: {flag} false is not supported")
+        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 3)), Image.Resampling.BICUBIC)
+        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
+        self.mean = np.array(processor_config.get("image_mean", CLIP_MEAN), dtype=np.float32)
+        self.std = np.array(processor_config.get("image_std", CLIP_STD), dtype=np.float32)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """(H, W) as PixtralImageProcessorPil's get_resize_output_image_size: scaled down (floor) to fit the
+        longest edge, then each edge up to whole units."""
+        ratio = max(height / self.longest_edge, width / self.longest_edge)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        u = self.unit
+        return ((height - 1) // u + 1) * u, ((width - 1) // u + 1) * u
+
+    def pixels(self, image: ImageInput) -> torch.Tensor:
+        """(3, H, W) float32: PIL resize, x * rescale in float64 -> float32, then (x - mean) / std in float32."""
+        height, width = self.resized_size(image.image.height, image.image.width)
+        resized = image.image.resize((width, height), resample=self.resample)
+        x = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)  # (H, W, 3)
+        x = (x - self.mean) / self.std
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+
+    def run(self, rows: int, cols: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """One image's token ids and its embed runs (one per row)."""
+        ids = ([self.image_marker_id] * cols + [self.break_id]) * rows
+        ids[-1] = self.end_id
+        return ids, tuple((r * (cols + 1), cols) for r in range(rows))
+
+    def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
+        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
+        if markers != len(images):
+            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
+                                      f"{len(images)} images", "messages")
+        out: list[int] = []
+        items: list[ImageItem] = []
+        pending = iter(images)
+        for token in prompt_token_ids:
+            if token != self.image_marker_id:
+                out.append(token)
+                continue
+            image = next(pending)
+            pixels = self.pixels(image)
+            rows, cols = pixels.shape[1] // self.unit, pixels.shape[2] // self.unit
+            ids, runs = self.run(rows, cols)
+            items.append(ImageItem(image.content_hash, len(out), len(ids), runs, pixels,
+                                   extras={"rows": rows, "cols": cols}))
+            out += ids
+        return ExpandedPrompt(out, items)
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise ValueError(f"mistral3: the vocabulary has no {token}")
+    return int(found)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' PixtralRMSNorm / Mistral3RMSNorm: fp32 statistics, weight x (normed in x's dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PixtralLayer(nn.Module):
+    """Pre-norm attention with 2D rotary q / k, then the gated MLP; q, k, v and gate, up each one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, heads: int, act: str, ops: KernelBackend | None) -> None:
+        super().__init__()
+        self.heads, self.intermediate = heads, intermediate
+        self.ops = ops  # the engine's kernels (dense attention); None: plain torch
+        self.attention_norm = nn.Parameter(torch.ones(hidden))
+        self.ffn_norm = nn.Parameter(torch.ones(hidden))
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _activation(act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(P, hidden) -> (P, hidden); cos, sin (P, head_dim) in x's dtype."""
+        rows, hidden = x.shape
+        q, k, v = self.qkv(_rms_norm(x, self.attention_norm, TOWER_EPS)).split(hidden, dim=1)
+        q, k = (self._rotate(t.reshape(rows, self.heads, -1), cos, sin).reshape(rows, hidden) for t in (q, k))
+        attend = self.ops.dense_attention if self.ops is not None else reference_dense_attention
+        x = x + self.o_proj(attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5))
+        gate, up = self.gate_up(_rms_norm(x, self.ffn_norm, TOWER_EPS)).split(self.intermediate, dim=1)
+        return x + self.down_proj(self.act(gate) * up)
+
+    @staticmethod
+    def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return (t * cos[:, None]) + (_rotate_half(t) * sin[:, None])  # (P, H, D), HF's order of operations
+
+
+class Mistral3VisionEncoder(nn.Module):
+    """PixtralVisionModel (patch conv, ln_pre, layers) up to vision_feature_layer + Mistral3MultiModalProjector."""
+
+    def __init__(self, raw: dict[str, Any], ops: KernelBackend | None = None) -> None:
+        super().__init__()
+        vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
+        hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
+        self.patch = int(vision["patch_size"])
+        self.patch_conv = nn.Conv2d(int(vision["num_channels"]), hidden, self.patch, self.patch, bias=False)
+        self.ln_pre = nn.Parameter(torch.ones(hidden))
+        self.layers = nn.ModuleList(
+            PixtralLayer(hidden, int(vision["intermediate_size"]), heads, str(vision["hidden_act"]), ops)
+            for _ in range(int(vision["num_hidden_layers"])))
+        rope = vision.get("rope_parameters") or {}
+        self.rope_theta = float(rope.get("rope_theta", vision.get("rope_theta", 10_000.0)))
+        self.head_dim = hidden // heads
+        # hidden_states[i] of HF's tower: 0 the embeddings, i after layer i; several are concatenated
+        layer = raw.get("vision_feature_layer", -1)
+        count = len(self.layers) + 1
+        self.feature_layers = [i % count for i in (layer if isinstance(layer, list) else [layer])]
+        text = raw["text_config"]
+        self.merge = int(raw.get("spatial_merge_size", 2))
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.norm_eps = float(text.get("rms_norm_eps", 1e-5))
+        self.merging_layer = nn.Linear(hidden * self.merge ** 2, hidden, bias=False)
+        bias = bool(raw.get("multimodal_projector_bias", False))
+        width = hidden * len(self.feature_layers)
+        self.linear_1 = nn.Linear(width, int(text["hidden_size"]), bias=bias)
+        self.linear_2 = nn.Linear(int(text["hidden_size"]), int(text["hidden_size"]), bias=bias)
+        self.projector_act = _activation(str(raw.get("projector_hidden_act", "gelu")))
+        if len(self.feature_layers) > 1:  # the projector norms and merges hidden-wide rows (HF does the same)
+            raise ValueError("mistral3: several vision_feature_layer entries are not supported")
+
+    def rotary(self, rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (rows x cols, head_dim): PixtralVisionRotaryEmbedding's axial angles, the even frequencies
+        turned by the patch's row, the odd ones by its column, then the whole repeated (rotate-half layout)."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        h = torch.arange(rows, device=self.ln_pre.device).repeat_interleave(cols).float()
+        w = torch.arange(cols, device=self.ln_pre.device).repeat(rows).float()
+        inv_freq = inv_freq.to(self.ln_pre.device)
+        angles = torch.cat([h[:, None] * inv_freq[0::2], w[:, None] * inv_freq[1::2]], dim=-1)  # (P, dim / 2)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @torch.inference_mode()
+    def encode(self, item: ImageItem) -> torch.Tensor:
+        """(rows x cols merged patches, text hidden) in the tower's dtype, row by row."""
+        dtype = self.linear_2.weight.dtype
+        x = self.patch_conv(item.pixel_values[None].to(self.ln_pre.device, dtype))[0]  # (hidden, h, w)
+        hidden, h, w = x.shape
+        # NOTE: contiguous rows: the conv's transposed strides would make every norm and residual add stride
+        x = _rms_norm(x.flatten(1).transpose(0, 1).contiguous(), self.ln_pre, TOWER_EPS)  # (P, hidden)
+        cos, sin = self.rotary(h, w, dtype)
+        for layer in self.layers[:self.feature_layers[0]]:
+            x = layer(x, cos, sin)
+        x = _rms_norm(x, self.norm, self.norm_eps)
+        m = self.merge  # patch merger: each m x m block's features (channel-major, as F.unfold orders them)
+        blocks = x.view(h // m, m, w // m, m, hidden).permute(0, 2, 4, 1, 3).reshape(-1, hidden * m * m)
+        return self.linear_2(self.projector_act(self.linear_1(self.merging_layer(blocks))))
+
+    def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
+        """HF names, either layout of TOWER_PREFIXES / PROJECTOR_PREFIXES."""
+        tower = _prefix(weights, TOWER_PREFIXES, "patch_conv.weight")
+        projector = _prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight")
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"mistral3 vision: missing tensor {name}")
+            return torch.as_tensor(weights[name]).to(dtype)
+
+        state = {"patch_conv.weight": get(tower + "patch_conv.weight"), "ln_pre": get(tower + "ln_pre.weight"),
+                 "norm": get(projector + "norm.weight"),
+                 "merging_layer.weight": get(projector + "patch_merger.merging_layer.weight")}
+        for name in ("linear_1", "linear_2"):
+            state[f"{name}.weight"] = get(f"{projector}{name}.weight")
+            if getattr(self, name).bias is not None:
+                state[f"{name}.bias"] = get(f"{projector}{name}.bias")
+        for i in range(len(self.layers)):
+            theirs, ours = f"{tower}transformer.layers.{i}.", f"layers.{i}."
+            state[ours + "attention_norm"] = get(theirs + "attention_norm.weight")
+            state[ours + "ffn_norm"] = get(theirs + "ffn_norm.weight")
+            state[ours + "qkv.weight"] = torch.cat([get(f"{theirs}attention.{p}_proj.weight") for p in "qkv"])
+            state[ours + "o_proj.weight"] = get(theirs + "attention.o_proj.weight")
+            state[ours + "gate_up.weight"] = torch.cat([get(f"{theirs}feed_forward.{p}_proj.weight")
+                                                        for p in ("gate", "up")])
+            state[ours + "down_proj.weight"] = get(theirs + "feed_forward.down_proj.weight")
+        self.load_state_dict(state, strict=True, assign=True)
+        self.eval()
+
+
+def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
+    for prefix in prefixes:
+        if prefix + probe in weights:
+            return prefix
+    raise KeyError(f"mistral3 vision: no {probe} under {', '.join(prefixes)}")
+
+
+def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
+                 ops: KernelBackend | None = None) -> VisionModel:
+    encoder = Mistral3VisionEncoder(checkpoint.config, ops)
+    encoder.load(checkpoint.weights, dtype)
+    return VisionModel(PixtralProcessor(checkpoint.config, checkpoint.processor_config, tokenizer),
+                       encoder.to(device), checkpoint.model_type)
