@@ -14,6 +14,7 @@ import torch
 
 from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.gguf_config import field_value
+from conveyor.loading.mmproj_pixtral import pixtral_checkpoint
 from conveyor.models import family as families
 from conveyor.multimodal.vision import VisionCheckpoint
 
@@ -28,6 +29,10 @@ _NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding", "v.position_embd
           "mm.model.fc": "connector.modality_projection.proj"}  # Idefics3's
 
 
+# Text GGUFs a projector also feeds: llama.cpp converts Mistral Small 3.1 / 3.2's text model as llama
+_ALSO_FEEDS = {"mistral3": ("llama", "mistral")}
+
+
 def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionCheckpoint:
     """The vision side of `path`; LoadError for a file that is not a projector we can run, or (given the text
     model's ModelConfig) not one for that text model."""
@@ -37,8 +42,15 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
         raise LoadError(f"{path}: cannot read the mmproj GGUF ({exc})") from exc
     meta: Callable[..., Any] = lambda key, default=None: field_value(reader, key, default)  # noqa: E731
     kind = meta("clip.vision.projector_type") or meta("clip.projector_type")
-    if kind not in ("gemma3", "idefics3"):
-        raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3)")
+    if kind not in ("gemma3", "idefics3", "pixtral"):
+        raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3, "
+                        "pixtral)")
+    if kind == "pixtral":  # Mistral 3: its own tensor names (loading/mmproj_pixtral.py)
+        vision = VisionCheckpoint("mistral3", *pixtral_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
+                                                                  tokenizer, path))
+        if text_config is not None:
+            _check_pairing(vision, text_config, path)
+        return vision
     weights = {_hf_name(t.name): _tensor(t) for t in reader.tensors}
     if kind == "idefics3":
         vision = VisionCheckpoint("idefics3", *_idefics3_config(meta, tokenizer, path), weights)
@@ -60,6 +72,7 @@ def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> Non
     """The projector must feed this text model: its family's multimodal type, its width."""
     family = families.get(text_config.architecture)
     aliased = families.multimodal_text_types().get(vision.model_type) == text_config.architecture  # Idefics3: llama
+    aliased = aliased or text_config.architecture in _ALSO_FEEDS.get(vision.model_type, ())
     if family is None or (family.multimodal_type != vision.model_type and not aliased):
         raise LoadError(f"{path}: a {vision.model_type} vision projector cannot feed a {text_config.architecture} "
                         "text model")

@@ -70,8 +70,8 @@ def test_other_projectors_are_refused(tiny, tmp_path):
     path, checkpoint = tiny
     from tiny_gemma3_vision import hf_model
 
-    write_mmproj(tmp_path / "other.gguf", hf_model(transformers), projector_type="pixtral")
-    with pytest.raises(LoadError, match="projector type 'pixtral' is not supported"):
+    write_mmproj(tmp_path / "other.gguf", hf_model(transformers), projector_type="minicpmv")
+    with pytest.raises(LoadError, match="projector type 'minicpmv' is not supported"):
         read_mmproj(str(tmp_path / "other.gguf"), checkpoint.tokenizer)
 
 

@@ -145,7 +145,8 @@ def test_prefill_logits_and_greedy_match_transformers(tiny, num_images):
     ours = _logits(runner, got.token_ids, got.items, 0, table)
     with torch.no_grad():
         expected = hf(**want).logits[0]
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert expected.abs().max() > 10  # fan-in scaled weights: logits of tens, sharp attention
+    torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
     with torch.no_grad():  # image tokens given plain token embeddings would give other logits
         assert not torch.allclose(hf(input_ids=want["input_ids"]).logits[0], expected, atol=1e-2)
         generated = hf.generate(**want, max_new_tokens=6, do_sample=False)[0, len(got.token_ids):].tolist()

@@ -66,25 +66,28 @@ def text_config(transformers, text: str = "mistral") -> dict:
     return transformers.MistralConfig(**common, sliding_window=None).to_dict()
 
 
-def hf_config(transformers, text: str = "mistral", bias: bool = False):
+def hf_config(transformers, text: str = "mistral", bias: bool = False, tie: bool = True):
     return transformers.Mistral3Config(
         text_config=text_config(transformers, text),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, patch_size=PATCH, image_size=LONGEST_EDGE, hidden_act="silu"),
-        spatial_merge_size=MERGE, image_token_index=IMAGE, multimodal_projector_bias=bias)
+        spatial_merge_size=MERGE, image_token_index=IMAGE, multimodal_projector_bias=bias, tie_word_embeddings=tie)
 
 
-def hf_model(transformers, seed: int = 0, text: str = "mistral", bias: bool = False):
-    cfg = hf_config(transformers, text, bias)
+def hf_model(transformers, seed: int = 0, text: str = "mistral", bias: bool = False, tie: bool = True):
+    """tie: the head tied to the embeddings, as Mistral3Config defaults (greedy then mostly repeats the last token)."""
+    cfg = hf_config(transformers, text, bias, tie)
     torch.manual_seed(seed)
     model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # norms start at 1: randomize so a skipped or misplaced one cannot pass
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
-            elif "vision_tower" in name or "multi_modal_projector" in name:
-                # NOTE: at initializer_range 0.02 the tower's attention is uniform and its rotary changes nothing
-                # (2e-7): weights of fan-in scale (q, k larger) make both matter
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                # NOTE: at initializer_range 0.02 attention is uniform (the tower's rotary changed nothing: 2e-7) and
+                # greedy repeats the last token whatever the image: fan-in scale (q, k larger) makes both matter
                 fan_in = p[0].numel()
                 p.normal_(0.0, (3.0 if "q_proj" in name or "k_proj" in name else 1.0) / fan_in ** 0.5)
     return model
@@ -95,9 +98,9 @@ def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def write_model_dir(path, transformers, seed: int = 0, text: str = "mistral"):
+def write_model_dir(path, transformers, seed: int = 0, text: str = "mistral", tie: bool = True):
     """The model, its tokenizer and processor saved as a Hub directory; returns the HF model."""
-    model = hf_model(transformers, seed, text)
+    model = hf_model(transformers, seed, text, tie=tie)
     model.save_pretrained(path)
     hf_processor(transformers).save_pretrained(path)
     return model

@@ -1,0 +1,72 @@
+"""llama.cpp's `pixtral` projector GGUF (convert_hf_to_gguf.py --mmproj of a Mistral3ForConditionalGeneration:
+conversion/llava.py's LlavaVisionModel) as the Mistral 3 VisionCheckpoint multimodal/pixtral.py loads.
+
+The converter permutes q / k rows for llama.cpp's interleaved rotary (LlamaModel.permute); undone here. It also
+copies the text model's [IMG_BREAK] embedding row (v.token_embd.img_break) for its own graph: unused, the text
+model here embeds that token itself. clip.cpp resizes to the longest edge clip.vision.image_size, bicubic, with
+rope theta 10000: the HF processor's and tower's settings below.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from conveyor.loading.checkpoint import LoadError
+
+TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
+_LAYER = {"ln1": "attention_norm", "ln2": "ffn_norm", "attn_q": "attention.q_proj", "attn_k": "attention.k_proj",
+          "attn_v": "attention.v_proj", "attn_out": "attention.o_proj", "ffn_gate": "feed_forward.gate_proj",
+          "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
+_OTHER = {"v.patch_embd": TOWER + "patch_conv", "v.pre_ln": TOWER + "ln_pre", "mm.input_norm": PROJECTOR + "norm",
+          "mm.patch_merger": PROJECTOR + "patch_merger.merging_layer", "mm.1": PROJECTOR + "linear_1",
+          "mm.2": PROJECTOR + "linear_2"}
+
+
+def pixtral_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
+                       path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
+    if "mm.patch_merger.weight" not in tensors:
+        raise LoadError(f"{path}: a pixtral projector without a patch merger (Pixtral 12B's Llava) is not supported")
+    image = tokenizer.token_to_id("[IMG]")
+    for token in ("[IMG]", "[IMG_BREAK]", "[IMG_END]"):
+        if tokenizer.token_to_id(token) is None:
+            raise LoadError(f"{path}: the text model's vocabulary has no {token} (not a Mistral 3 vision model?)")
+    heads = int(meta("clip.vision.attention.head_count"))
+    silu = bool(meta("clip.use_silu", False))
+    eps = float(meta("clip.vision.attention.layer_norm_epsilon", 1e-5))
+    config = {"model_type": "mistral3", "image_token_index": image,
+              "spatial_merge_size": int(meta("clip.vision.spatial_merge_size", 1)),
+              "multimodal_projector_bias": "mm.1.bias" in tensors, "projector_hidden_act": "gelu",
+              "vision_feature_layer": -1,
+              # clip.cpp's projector norm takes the tower's eps (HF: the text model's rms_norm_eps; both 1e-5)
+              "text_config": {"hidden_size": int(meta("clip.vision.projection_dim")), "rms_norm_eps": eps},
+              "vision_config": {"hidden_size": int(meta("clip.vision.embedding_length")),
+                                "intermediate_size": int(meta("clip.vision.feed_forward_length")),
+                                "num_hidden_layers": int(meta("clip.vision.block_count")),
+                                "num_attention_heads": heads, "patch_size": int(meta("clip.vision.patch_size")),
+                                "hidden_act": "silu" if silu else "gelu", "rope_theta": 10_000.0}}
+    processor = {"size": {"longest_edge": int(meta("clip.vision.image_size"))}, "resample": 3,
+                 "rescale_factor": 1 / 255}
+    for key in ("image_mean", "image_std"):  # else the processor's (CLIP's) defaults
+        if meta(f"clip.vision.{key}") is not None:
+            processor[key] = meta(f"clip.vision.{key}")
+    weights = {}
+    for name, tensor in tensors.items():
+        stem, _, kind = name.rpartition(".")
+        if stem.startswith("v.blk."):
+            _, _, layer, part = stem.split(".", 3)
+            if part not in _LAYER:
+                raise LoadError(f"{path}: unexpected tensor {name} in a pixtral projector")
+            if part in ("attn_q", "attn_k"):
+                tensor = _unpermute(tensor, heads)
+            weights[f"{TOWER}transformer.layers.{layer}.{_LAYER[part]}.{kind}"] = tensor
+        elif stem in _OTHER:
+            weights[f"{_OTHER[stem]}.{kind}"] = tensor
+    return config, processor, weights
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Per head, llama.cpp's x0 y0 x1 y1 ... rows back to HF's rotate-half [x0 .. | y0 ..]."""
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
