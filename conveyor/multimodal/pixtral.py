@@ -163,16 +163,32 @@ class PixtralLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _activation(act)
+        self.silu = act == "silu"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(P, hidden) -> (P, hidden); cos, sin (P, head_dim) in x's dtype."""
         rows, hidden = x.shape
-        q, k, v = self.qkv(_rms_norm(x, self.attention_norm, TOWER_EPS)).split(hidden, dim=1)
+        ops = self.ops
+        h = ops.rms_norm(x, self.attention_norm, TOWER_EPS) if ops is not None else _rms_norm(
+            x, self.attention_norm, TOWER_EPS)
+        q, k, v = self.qkv(h).split(hidden, dim=1)
         q, k = (self._rotate(t.reshape(rows, self.heads, -1), cos, sin).reshape(rows, hidden) for t in (q, k))
-        attend = self.ops.dense_attention if self.ops is not None else reference_dense_attention
-        x = x + self.o_proj(attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5))
-        gate, up = self.gate_up(_rms_norm(x, self.ffn_norm, TOWER_EPS)).split(self.intermediate, dim=1)
-        return x + self.down_proj(self.act(gate) * up)
+        attend = ops.dense_attention if ops is not None else reference_dense_attention
+        delta = self.o_proj(attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5))
+        if ops is None:  # the fp32 path: transformers' ops exactly
+            x = x + delta
+            gate, up = self.gate_up(_rms_norm(x, self.ffn_norm, TOWER_EPS)).split(self.intermediate, dim=1)
+            return x + self.down_proj(self.act(gate) * up)
+        # the kernels: the residual add fused with the norm, silu(gate) * up in one pass (~25 ms a layer at 4k
+        # patches), each rounding where torch's ops would
+        x, h = ops.add_rms_norm(x, delta, self.ffn_norm, TOWER_EPS)
+        gate_up = self.gate_up(h)
+        if self.silu:
+            mixed = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=1)
+            mixed = self.act(gate) * up
+        return x + self.down_proj(mixed)
 
     @staticmethod
     def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
