@@ -1,7 +1,7 @@
 """Images through the server (issue #42): conveyor against llama-server on the same GGUF + mmproj files.
 
 Usage:
-  python benchmarks/vision.py --llama-server PATH [--models-dir /tmp/vision-bench] [--concurrency 16]
+  python benchmarks/vision.py --llama-server PATH [--shape gemma3-4b|qwen3.5-2b] [--models-dir DIR] [--concurrency 16]
                               [--json benchmarks/results/vision_xeon_amx.json] [--only conveyor|llama-server]
 
 Files (written once under --models-dir, not in the repo), random weights in the shapes of Gemma 3 4B:
@@ -12,6 +12,9 @@ Files (written once under --models-dir, not in the repo), random weights in the 
   mmproj-gemma3-4b-shape-f16.gguf  SigLIP-so400m at 896 px (patch 14, 27 layers, width 1152, FFN 4304) and Gemma 3's
                                 projector (4x4 average pool to 256 tokens, RMSNorm, 1152 -> 2560), as llama.cpp's
                                 converter writes them (F16 matrices; F32 embeddings, norms and biases)
+
+`--shape qwen3.5-2b`: the Qwen3.5-2B-shaped text GGUF (Q4_K_M) and its mmproj as benchmarks/vision_qwen35_files.py
+writes them (the mmproj by llama.cpp's own converter).
 
 Measurements, each server alone on the machine, greedy, OpenAI chat requests with the image as a PNG data URL:
   one         one request with a fresh image: time to its first token (TTFT)
@@ -266,16 +269,29 @@ async def measure(server: Server, concurrency: int, seed_base: int, same_image_o
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models-dir", type=Path, default=Path("/tmp/vision-bench"))
+    p.add_argument("--shape", choices=("gemma3-4b", "qwen3.5-2b"), default="gemma3-4b",
+                   help="the files: Gemma 3 4B's shape (written here) or Qwen3.5-2B's (benchmarks/vision_qwen35_files.py)")
+    p.add_argument("--models-dir", type=Path, help="default /tmp/vision-bench (Gemma 3), /tmp/vision-bench-qwen35")
     p.add_argument("--llama-server", help="the llama-server binary (built with mtmd: benchmarks/quantized.py)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--only", choices=("conveyor", "llama-server"))
-    p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/vision_xeon_amx.json")
+    p.add_argument("--json", type=Path, help="default benchmarks/results/vision_xeon_amx.json (Gemma 3), "
+                                              "vision_qwen35_xeon_amx.json")
     p.add_argument("--no-llama-server-same-image", action="store_true",
                    help="skip llama-server's same-image part (its bar is against conveyor without the cache; "
                         "at C=16 llama-server spends ~12 min on it)")
     args = p.parse_args()
-    text, mmproj = ensure_files(args.models_dir)
+    qwen = args.shape == "qwen3.5-2b"
+    args.models_dir = args.models_dir or Path("/tmp/vision-bench-qwen35" if qwen else "/tmp/vision-bench")
+    args.json = args.json or ROOT / "benchmarks/results" / ("vision_qwen35_xeon_amx.json" if qwen
+                                                            else "vision_xeon_amx.json")
+    if qwen:  # the mmproj comes from llama.cpp's own converter: the llama-server binary's source tree
+        from vision_qwen35_files import ensure_files as ensure_qwen35_files
+        if not args.llama_server:
+            raise SystemExit("--shape qwen3.5-2b needs --llama-server (its llama.cpp tree converts the mmproj)")
+        text, mmproj = ensure_qwen35_files(args.models_dir, Path(args.llama_server).resolve().parents[2])
+    else:
+        text, mmproj = ensure_files(args.models_dir)
     runs = {}
     kinds = [args.only] if args.only else ["conveyor", "llama-server"]
     for kind in kinds:
@@ -291,7 +307,8 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, json.dumps(runs[name]), flush=True)
-    result = {"machine": machine(), "python": platform.python_version(), "files": [str(text), str(mmproj)],
+    result = {"machine": machine(), "python": platform.python_version(), "shape": args.shape,
+              "files": [str(text), str(mmproj)],
               "runs": runs}
     if "conveyor" in runs and "llama-server" in runs:
         ours, theirs = runs["conveyor"], runs["llama-server"]
