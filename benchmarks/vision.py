@@ -293,6 +293,10 @@ def main() -> None:
     else:
         text, mmproj = ensure_files(args.models_dir)
     runs = {}
+    if args.only and args.json.exists():  # one side now, the other's runs kept from an earlier --only
+        earlier = json.loads(args.json.read_text())
+        if earlier.get("shape", "gemma3-4b") == args.shape:
+            runs = {k: v for k, v in earlier["runs"].items() if not k.startswith(args.only)}
     kinds = [args.only] if args.only else ["conveyor", "llama-server"]
     for kind in kinds:
         variants = [("", [])] + ([("no_prefix_cache", ["--no-vlm-prefix-cache"])] if kind == "conveyor" else [])
