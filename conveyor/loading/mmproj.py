@@ -29,8 +29,8 @@ _NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding", "v.position_embd
           "mm.model.fc": "connector.modality_projection.proj"}  # Idefics3's
 
 
-# Text GGUFs a projector also feeds: llama.cpp converts Mistral Small 3.1 / 3.2's text model as llama
-_ALSO_FEEDS = {"mistral3": ("llama", "mistral")}
+# Text GGUFs a projector also feeds: llama.cpp converts Mistral Small 3.1 / 3.2's and Pixtral 12B's text as llama
+_ALSO_FEEDS = {"mistral3": ("llama", "mistral"), "llava": ("llama", "mistral")}
 
 
 def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionCheckpoint:
@@ -45,9 +45,10 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
     if kind not in ("gemma3", "idefics3", "pixtral"):
         raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3, "
                         "pixtral)")
-    if kind == "pixtral":  # Mistral 3: its own tensor names (loading/mmproj_pixtral.py)
-        vision = VisionCheckpoint("mistral3", *pixtral_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
-                                                                  tokenizer, path))
+    if kind == "pixtral":  # Mistral 3 / Pixtral 12B: its own tensor names (loading/mmproj_pixtral.py)
+        config, processor, weights = pixtral_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
+                                                        tokenizer, path)
+        vision = VisionCheckpoint(config["model_type"], config, processor, weights)
         if text_config is not None:
             _check_pairing(vision, text_config, path)
         return vision

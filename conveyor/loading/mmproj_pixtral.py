@@ -1,5 +1,6 @@
-"""llama.cpp's `pixtral` projector GGUF (convert_hf_to_gguf.py --mmproj of a Mistral3ForConditionalGeneration:
-conversion/llava.py's LlavaVisionModel) as the Mistral 3 VisionCheckpoint multimodal/pixtral.py loads.
+"""llama.cpp's `pixtral` projector GGUF (convert_hf_to_gguf.py --mmproj of a Mistral3ForConditionalGeneration or
+Pixtral 12B's LlavaForConditionalGeneration: conversion/llava.py's LlavaVisionModel) as the VisionCheckpoint
+multimodal/pixtral.py loads.
 
 The converter permutes q / k rows for llama.cpp's interleaved rotary (LlamaModel.permute); undone here. It also
 copies the text model's [IMG_BREAK] embedding row (v.token_embd.img_break) for its own graph: unused, the text
@@ -26,9 +27,9 @@ _OTHER = {"v.patch_embd": TOWER + "patch_conv", "v.pre_ln": TOWER + "ln_pre", "m
 
 def pixtral_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
                        path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
-    if "mm.patch_merger.weight" not in tensors:
-        raise LoadError(f"{path}: a pixtral projector without a patch merger (Pixtral 12B's Llava) is not supported")
+    """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names);
+    the config's model_type is mistral3, or llava for a projector without a patch merger (Pixtral 12B)."""
+    merger = "mm.patch_merger.weight" in tensors  # Mistral 3's; Pixtral 12B's Llava projector has none
     image = tokenizer.token_to_id("[IMG]")
     for token in ("[IMG]", "[IMG_BREAK]", "[IMG_END]"):
         if tokenizer.token_to_id(token) is None:
@@ -36,10 +37,10 @@ def pixtral_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
     heads = int(meta("clip.vision.attention.head_count"))
     silu = bool(meta("clip.use_silu", False))
     eps = float(meta("clip.vision.attention.layer_norm_epsilon", 1e-5))
-    config = {"model_type": "mistral3", "image_token_index": image,
+    config = {"model_type": "mistral3" if merger else "llava", "image_token_index": image,
               "spatial_merge_size": int(meta("clip.vision.spatial_merge_size", 1)),
               "multimodal_projector_bias": "mm.1.bias" in tensors, "projector_hidden_act": "gelu",
-              "vision_feature_layer": -1,
+              "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
               # clip.cpp's projector norm takes the tower's eps (HF: the text model's rms_norm_eps; both 1e-5)
               "text_config": {"hidden_size": int(meta("clip.vision.projection_dim")), "rms_norm_eps": eps},
               "vision_config": {"hidden_size": int(meta("clip.vision.embedding_length")),

@@ -37,6 +37,8 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
 
 register(Family("ministral3", "conveyor.models.llama:LlamaForCausalLM", hf_fields, gguf_architectures=("mistral3",),
                 gguf_fields=gguf_fields, gguf_permuted_qk=True))
-# Mistral 3's vision checkpoints (Ministral 3, Mistral Small 3.1 / 3.2; the tower: multimodal/pixtral.py) run their
-# text_config here: a plain Mistral text config (no YaRN, no temperature) reads the same as Mistral's.
-register_multimodal_text("mistral3", "ministral3")
+# Mistral 3's vision checkpoints (Ministral 3, Mistral Small 3.1 / 3.2) and Pixtral 12B's (llava; the tower:
+# multimodal/pixtral.py) run their text_config here: a plain Mistral text config (no YaRN, no temperature) reads the
+# same as Mistral's.
+for _multimodal in ("mistral3", "llava"):
+    register_multimodal_text(_multimodal, "ministral3")

@@ -2,7 +2,8 @@
 patch x spatial_merge_size units, rescale, normalize; `[IMG]` -> its rows of `[IMG]` with `[IMG_BREAK]` at each row's
 end and `[IMG_END]` last), the Pixtral tower (patch conv, RMSNorm, 2D rotary positions, SiLU/GELU-gated MLP) and the
 Mistral 3 projector (RMSNorm, patch merger, linear -> GELU -> linear), as transformers' PixtralImageProcessorPil /
-PixtralProcessor / PixtralVisionModel / Mistral3MultiModalProjector compute them.
+PixtralProcessor / PixtralVisionModel / Mistral3MultiModalProjector compute them. Pixtral 12B (model_type llava with
+a Pixtral tower) is the same without the projector's norm and merger (LlavaMultiModalProjector).
 
 One image per encode, so the tower's block-diagonal mask (one block per image) is full attention over its patches.
 
@@ -51,6 +52,22 @@ def _patch(value: Any, default: int) -> int:
     return int(value) if value is not None else default
 
 
+def _settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """What Mistral 3 and Llava (Pixtral 12B) configs leave out, by their transformers defaults; Llava must hold a
+    Pixtral tower and keep every patch (select strategy full)."""
+    if raw.get("model_type") != "llava":
+        return {"spatial_merge_size": int(raw.get("spatial_merge_size", 2)), "merger": True,
+                "vision_feature_layer": raw.get("vision_feature_layer", -1),
+                "bias": bool(raw.get("multimodal_projector_bias", False))}
+    tower = (raw.get("vision_config") or {}).get("model_type", "pixtral")
+    if tower != "pixtral":
+        raise ValueError(f"llava: a {tower} vision tower is not supported (Pixtral's is)")
+    if raw.get("vision_feature_select_strategy", "default") != "full":
+        raise ValueError("llava: a Pixtral tower needs vision_feature_select_strategy full")
+    return {"spatial_merge_size": 1, "merger": False, "vision_feature_layer": raw.get("vision_feature_layer", -2),
+            "bias": bool(raw.get("multimodal_projector_bias", True))}
+
+
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTS:
         raise ValueError(f"mistral3: activation {name!r} is not supported ({', '.join(_ACTS)})")
@@ -68,7 +85,7 @@ class PixtralProcessor:
         self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
         self.break_id = _token_id(tokenizer, processor_config.get("image_break_token", "[IMG_BREAK]"))
         self.end_id = _token_id(tokenizer, processor_config.get("image_end_token", "[IMG_END]"))
-        merge = int(raw.get("spatial_merge_size", 2))
+        merge = _settings(raw)["spatial_merge_size"]
         self.unit = int(vision["patch_size"]) * merge
         # The HF processor counts tokens with its own patch_size x spatial_merge_size: it must be the tower's.
         theirs = _patch(processor_config.get("patch_size"), int(vision["patch_size"]))
@@ -196,7 +213,8 @@ class PixtralLayer(nn.Module):
 
 
 class Mistral3VisionEncoder(nn.Module):
-    """PixtralVisionModel (patch conv, ln_pre, layers) up to vision_feature_layer + Mistral3MultiModalProjector."""
+    """PixtralVisionModel (patch conv, ln_pre, layers) up to vision_feature_layer + Mistral3MultiModalProjector
+    (Llava's: no norm, no merger)."""
 
     def __init__(self, raw: dict[str, Any], ops: KernelBackend | None = None) -> None:
         super().__init__()
@@ -212,15 +230,16 @@ class Mistral3VisionEncoder(nn.Module):
         self.rope_theta = float(rope.get("rope_theta", vision.get("rope_theta", 10_000.0)))
         self.head_dim = hidden // heads
         # hidden_states[i] of HF's tower: 0 the embeddings, i after layer i; several are concatenated
-        layer = raw.get("vision_feature_layer", -1)
+        settings = _settings(raw)
+        layer = settings["vision_feature_layer"]
         count = len(self.layers) + 1
         self.feature_layers = [i % count for i in (layer if isinstance(layer, list) else [layer])]
         text = raw["text_config"]
-        self.merge = int(raw.get("spatial_merge_size", 2))
-        self.norm = nn.Parameter(torch.ones(hidden))
+        self.merge = settings["spatial_merge_size"]
         self.norm_eps = float(text.get("rms_norm_eps", 1e-5))
-        self.merging_layer = nn.Linear(hidden * self.merge ** 2, hidden, bias=False)
-        bias = bool(raw.get("multimodal_projector_bias", False))
+        self.norm = nn.Parameter(torch.ones(hidden)) if settings["merger"] else None
+        self.merging_layer = nn.Linear(hidden * self.merge ** 2, hidden, bias=False) if settings["merger"] else None
+        bias = settings["bias"]
         width = hidden * len(self.feature_layers)
         self.linear_1 = nn.Linear(width, int(text["hidden_size"]), bias=bias)
         self.linear_2 = nn.Linear(int(text["hidden_size"]), int(text["hidden_size"]), bias=bias)
@@ -251,10 +270,12 @@ class Mistral3VisionEncoder(nn.Module):
         cos, sin = self.rotary(h, w, dtype)
         for layer in self.layers[:self.feature_layers[0]]:
             x = layer(x, cos, sin)
-        x = _rms_norm(x, self.norm, self.norm_eps)
-        m = self.merge  # patch merger: each m x m block's features (channel-major, as F.unfold orders them)
-        blocks = x.view(h // m, m, w // m, m, hidden).permute(0, 2, 4, 1, 3).reshape(-1, hidden * m * m)
-        return self.linear_2(self.projector_act(self.linear_1(self.merging_layer(blocks))))
+        if self.merging_layer is not None:
+            x = _rms_norm(x, self.norm, self.norm_eps)
+            m = self.merge  # patch merger: each m x m block's features (channel-major, as F.unfold orders them)
+            blocks = x.view(h // m, m, w // m, m, hidden).permute(0, 2, 4, 1, 3).reshape(-1, hidden * m * m)
+            x = self.merging_layer(blocks)
+        return self.linear_2(self.projector_act(self.linear_1(x)))
 
     def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
         """HF names, either layout of TOWER_PREFIXES / PROJECTOR_PREFIXES."""
@@ -266,9 +287,10 @@ class Mistral3VisionEncoder(nn.Module):
                 raise KeyError(f"mistral3 vision: missing tensor {name}")
             return torch.as_tensor(weights[name]).to(dtype)
 
-        state = {"patch_conv.weight": get(tower + "patch_conv.weight"), "ln_pre": get(tower + "ln_pre.weight"),
-                 "norm": get(projector + "norm.weight"),
-                 "merging_layer.weight": get(projector + "patch_merger.merging_layer.weight")}
+        state = {"patch_conv.weight": get(tower + "patch_conv.weight"), "ln_pre": get(tower + "ln_pre.weight")}
+        if self.merging_layer is not None:
+            state["norm"] = get(projector + "norm.weight")
+            state["merging_layer.weight"] = get(projector + "patch_merger.merging_layer.weight")
         for name in ("linear_1", "linear_2"):
             state[f"{name}.weight"] = get(f"{projector}{name}.weight")
             if getattr(self, name).bias is not None:

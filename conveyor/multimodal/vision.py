@@ -120,6 +120,7 @@ _BUILDERS: dict[str, str] = {
     "idefics3": "conveyor.multimodal.idefics3:build_vision",
     "smolvlm": "conveyor.multimodal.idefics3:build_vision",
     "mistral3": "conveyor.multimodal.pixtral:build_vision",
+    "llava": "conveyor.multimodal.pixtral:build_vision",  # Pixtral 12B (other Llava towers: a load error)
 }
 
 

@@ -112,15 +112,25 @@ def test_mmproj_pairs_with_mistral_text_models_only(model_dir, mmproj):
         read_mmproj(mmproj, checkpoint.tokenizer, replace(checkpoint.config, hidden_size=32))
 
 
-def test_mmproj_without_a_patch_merger_is_refused(tmp_path):
-    """Pixtral 12B's Llava projector (no norm, no merger) is not run: a clear LoadError."""
-    from tiny_mistral3 import hf_model, write_mmproj
+def test_pixtral_12b_mmproj_equals_its_directory(tmp_path):
+    """Pixtral 12B's Llava projector (no norm, no merger: the converter writes no spatial_merge_size) loads as llava:
+    the same processor output and tower output, bitwise (fp32), as the HF directory's."""
+    import torch
+    from tiny_mistral3 import write_mmproj
 
-    from conveyor.loading.checkpoint import LoadError
+    from conveyor.loading.hf_loader import load_hf_dir
     from conveyor.loading.mmproj import read_mmproj
+    from conveyor.multimodal.vision import build_vision
 
-    model = hf_model(transformers)
-    del model.model.multi_modal_projector.patch_merger
-    write_mmproj(tmp_path / "llava.gguf", model)
-    with pytest.raises(LoadError, match="without a patch merger"):
-        read_mmproj(str(tmp_path / "llava.gguf"), None)
+    model = write_model_dir(tmp_path, transformers, kind="llava")
+    write_mmproj(tmp_path / "mmproj.gguf", model)
+    checkpoint = load_hf_dir(str(tmp_path))
+    from_gguf = read_mmproj(str(tmp_path / "mmproj.gguf"), checkpoint.tokenizer, checkpoint.config)
+    assert from_gguf.model_type == checkpoint.vision.model_type == "llava"
+    ours, theirs = (build_vision(v, checkpoint.tokenizer, torch.float32, torch.device("cpu"))
+                    for v in (from_gguf, checkpoint.vision))
+    ids = checkpoint.tokenizer.encode(JOBS[1][0], add_special_tokens=False)
+    a, b = (v.processor.expand(ids, [IMAGES[1]]) for v in (ours, theirs))
+    assert a.token_ids == b.token_ids and torch.equal(a.items[0].pixel_values, b.items[0].pixel_values)
+    assert a.items[0].num_embeds == a.items[0].extras["rows"] * a.items[0].extras["cols"] > 16  # no merge
+    assert torch.equal(ours.encoder.encode(a.items[0]), theirs.encoder.encode(b.items[0]))

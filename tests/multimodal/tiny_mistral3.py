@@ -1,7 +1,8 @@
 """A tiny random Mistral3ForConditionalGeneration (a Pixtral tower, Mistral 3's projector) with a tokenizer and
 processor built here: 8 px patches merged 2 x 2, so images resized to a 64 px longest edge give up to 4 x 4 image
 tokens (plus a break or end token per row). The text model is Mistral, or Ministral 3 (YaRN + attention
-temperature) with text="ministral3"."""
+temperature) with text="ministral3". kind="llava": Pixtral 12B's architecture (LlavaForConditionalGeneration with a
+Pixtral tower: no projector norm or merger, so one token per 8 px patch)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,13 @@ def _pixtral_processor_class():
     return PixtralProcessor
 
 
-def hf_processor(transformers):
+def hf_processor(transformers, merge: int = MERGE):
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(), bos_token="<s>", eos_token="</s>",
                                                unk_token="<unk>")
     images = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
                                                    patch_size={"height": PATCH, "width": PATCH},
                                                    image_mean=MEAN, image_std=STD)
-    return _pixtral_processor_class()(images, tok, patch_size=PATCH, spatial_merge_size=MERGE)
+    return _pixtral_processor_class()(images, tok, patch_size=PATCH, spatial_merge_size=merge)
 
 
 def text_config(transformers, text: str = "mistral") -> dict:
@@ -66,19 +67,27 @@ def text_config(transformers, text: str = "mistral") -> dict:
     return transformers.MistralConfig(**common, sliding_window=None).to_dict()
 
 
-def hf_config(transformers, text: str = "mistral", bias: bool = False, tie: bool = True):
+def hf_config(transformers, text: str = "mistral", bias: bool = False, tie: bool = True, kind: str = "mistral3",
+              feature_layer: int = -1):
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, patch_size=PATCH, image_size=LONGEST_EDGE, hidden_act="silu")
+    if kind == "llava":
+        return transformers.LlavaConfig(text_config=text_config(transformers, text), vision_config=vision,
+                                        image_token_index=IMAGE, vision_feature_select_strategy="full",
+                                        vision_feature_layer=feature_layer, tie_word_embeddings=tie)
     return transformers.Mistral3Config(
-        text_config=text_config(transformers, text),
-        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, patch_size=PATCH, image_size=LONGEST_EDGE, hidden_act="silu"),
+        text_config=text_config(transformers, text), vision_config=vision, vision_feature_layer=feature_layer,
         spatial_merge_size=MERGE, image_token_index=IMAGE, multimodal_projector_bias=bias, tie_word_embeddings=tie)
 
 
-def hf_model(transformers, seed: int = 0, text: str = "mistral", bias: bool = False, tie: bool = True):
+def hf_model(transformers, seed: int = 0, text: str = "mistral", bias: bool = False, tie: bool = True,
+             kind: str = "mistral3", feature_layer: int = -1):
     """tie: the head tied to the embeddings, as Mistral3Config defaults (greedy then mostly repeats the last token)."""
-    cfg = hf_config(transformers, text, bias, tie)
+    cfg = hf_config(transformers, text, bias, tie, kind, feature_layer)
     torch.manual_seed(seed)
-    model = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    classes = {"llava": transformers.LlavaForConditionalGeneration,
+               "mistral3": transformers.Mistral3ForConditionalGeneration}
+    model = classes[kind](cfg).eval()
     with torch.no_grad():  # norms start at 1: randomize so a skipped or misplaced one cannot pass
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -98,11 +107,12 @@ def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def write_model_dir(path, transformers, seed: int = 0, text: str = "mistral", tie: bool = True):
+def write_model_dir(path, transformers, seed: int = 0, text: str = "mistral", tie: bool = True,
+                    kind: str = "mistral3", feature_layer: int = -1):
     """The model, its tokenizer and processor saved as a Hub directory; returns the HF model."""
-    model = hf_model(transformers, seed, text, tie=tie)
+    model = hf_model(transformers, seed, text, tie=tie, kind=kind, feature_layer=feature_layer)
     model.save_pretrained(path)
-    hf_processor(transformers).save_pretrained(path)
+    hf_processor(transformers, MERGE if kind == "mistral3" else 1).save_pretrained(path)
     return model
 
 
@@ -134,7 +144,8 @@ def write_mmproj(path, model, img_break: bool = True) -> None:
     writer.add_array("clip.vision.image_std", STD)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
     writer.add_bool("clip.use_silu", True)
-    writer.add_uint32("clip.vision.spatial_merge_size", cfg.spatial_merge_size)
+    if hasattr(cfg, "spatial_merge_size"):  # the converter writes it where the config has it (not Llava's)
+        writer.add_uint32("clip.vision.spatial_merge_size", cfg.spatial_merge_size)
     layer = {"attention_norm": "ln1", "ffn_norm": "ln2", "attention.q_proj": "attn_q", "attention.k_proj": "attn_k",
              "attention.v_proj": "attn_v", "attention.o_proj": "attn_out", "feed_forward.gate_proj": "ffn_gate",
              "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down"}
