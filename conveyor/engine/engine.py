@@ -238,7 +238,7 @@ class EngineCore:
             stop_checker=self._stop_string_ends)
         self.spec_policy = self._draft_policy(config, checkpoint.name)
         if self.spec_policy is not None:
-            self.scheduler.draft_gate = self.spec_policy.allows
+            self.scheduler.draft_length = self.spec_policy.draft_length
         self.runner = ModelRunner(model, checkpoint.config, self.pool_plan.num_blocks, config.block_size, self.dtype,
                                   self.device, self.backend, seed=config.seed, drafter=self._drafter(config),
                                   num_state_slots=self.states.num_slots if self.states is not None else 0,
@@ -338,7 +338,7 @@ class EngineCore:
         key = {"target": target_name, "draft": self.draft.name, "draft_block_size": str(config.draft_block_size),
                "backend": f"{self.backend.name}/{self.backend.arch}", "machine": machine_id(),
                "threads": str(torch.get_num_threads())}
-        return SpecPolicy(config.draft_policy, key, config.cache_dir or None)
+        return SpecPolicy(config.draft_policy, key, config.cache_dir or None, block_size=config.draft_block_size)
 
     def _speculation_allowed(self, config: EngineConfig) -> int:
         """Drafts are only exact where a verified row equals a decoded one bit for bit: a backend

@@ -62,12 +62,12 @@ StopChecker = Callable[[Request, int], bool]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop_checker: StopChecker | None = None,
-                 draft_gate: Callable[[int], bool] | None = None) -> None:
+                 draft_length: Callable[[int], int] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop_checker = stop_checker
         # Draft-model speculation at this many decode rows? (the adaptive policy; None = always)
-        self.draft_gate = draft_gate
+        self.draft_length = draft_length  # batch size -> model drafts per row (the adaptive policy); None: K
         # Vision models: whether an image's tower output is ready (encoded off the step loop); None = always.
         self.image_ready: Callable[[ImageItem], bool] | None = None
         self.waiting: list[Request] = []  # kept sorted by _queue_key (priority, aged by waiting time)
@@ -307,7 +307,10 @@ class Scheduler:
         budget = self.config.speculative_max_rows - len(decodes)  # rows the forward may still grow by
         lookup_cap = self.config.prompt_lookup_max_batch
         use_lookup = self.config.speculative_ngram > 0 and (not lookup_cap or len(decodes) <= lookup_cap)
-        use_model = self.config.draft_model_tokens > 0 and (self.draft_gate is None or self.draft_gate(len(decodes)))
+        model_tokens = self.config.draft_model_tokens
+        if model_tokens and self.draft_length is not None:
+            model_tokens = min(model_tokens, self.draft_length(len(decodes)))
+        use_model = model_tokens > 0
         for chunk in decodes:
             request = self.requests[chunk.request_id]
             params = request.sampling_params
@@ -331,7 +334,7 @@ class Scheduler:
                     self.stats.num_draft_tokens += len(draft)
                     budget -= len(draft)
                     continue
-            num_tokens = min(room, self.config.draft_model_tokens) if use_model else 0
+            num_tokens = min(room, model_tokens) if use_model else 0
             if num_tokens > 0 and self.kv.grow(request, request.num_computed_tokens + 1 + num_tokens):
                 self._refresh_tables(chunk)  # grown for the drafts
                 chunk.draft = DraftRequest(num_tokens, tuple(request.all_token_ids), request.num_preemptions)

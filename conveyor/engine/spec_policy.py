@@ -3,10 +3,13 @@ machine?
 
 A draft round costs k draft forwards plus a wider target forward; it pays only when enough drafts
 are accepted, and whether it does depends on the pairing, the hardware and the batch size (at
-high batch the target step is compute-bound and the drafts stop being free). So the policy
-measures instead of guessing: for each batch-size bucket it runs PROFILE_TICKS decode ticks
-with drafts and PROBE_TICKS classic ticks without, compares tokens per second, and settles to
-enable or decline. Verdicts persist as JSON under <cache dir>/spec-policy/, keyed by target,
+high batch the target step is compute-bound and the drafts stop being free). How many to draft
+depends on the same things: a longer draft pays only while its later tokens are still accepted
+often enough to cover their forwards. So the policy measures instead of guessing: for each
+batch-size bucket it runs PROFILE_TICKS decode ticks at each candidate draft length (the block
+size K and the powers of two below it) and PROBE_TICKS classic ticks without drafts, compares
+tokens per second, and settles on the fastest length, or declines when no length beats classic
+steps by MIN_SPEEDUP. Verdicts persist as JSON under <cache dir>/spec-policy/, keyed by target,
 draft, block size, backend and CPU, so a restart skips profiling (the seeds' mtp-policy).
 """
 
@@ -25,29 +28,46 @@ logger = logging.getLogger(__name__)
 PROFILE_TICKS = 8  # speculative decode ticks measured per bucket
 PROBE_TICKS = 8  # classic decode ticks measured per bucket
 MIN_SPEEDUP = 1.05  # enable only when drafts beat classic steps by this much
-VERSION = 1
+VERSION = 2  # 2: a verdict carries its draft length
+
+
+@dataclass
+class RateMeasure:
+    ticks: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        self.ticks, self.tokens, self.seconds = self.ticks + 1, self.tokens + num_tokens, self.seconds + seconds
+
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
 
 
 @dataclass
 class BucketMeasure:
-    spec_ticks: int = 0
-    spec_tokens: int = 0
-    spec_seconds: float = 0.0
-    classic_ticks: int = 0
-    classic_tokens: int = 0
-    classic_seconds: float = 0.0
-
-    def rates(self) -> tuple[float, float]:
-        return (self.spec_tokens / max(self.spec_seconds, 1e-9), self.classic_tokens / max(self.classic_seconds, 1e-9))
+    spec: dict[int, RateMeasure] = field(default_factory=dict)  # by draft length
+    classic: RateMeasure = field(default_factory=RateMeasure)
 
 
 @dataclass
 class Verdict:
     verdict: str  # "enable" | "decline"
-    est_speedup: float
+    est_speedup: float  # the chosen length's (the best length's when declined) over classic steps
     spec_tokens_per_s: float
     classic_tokens_per_s: float
+    length: int = 0  # drafts per row when enabled
+    by_length: dict[str, float] = field(default_factory=dict)  # tokens/s measured at each length
     settled_at: float = field(default_factory=time.time)
+
+
+def draft_lengths(block_size: int) -> list[int]:
+    """The lengths profiled, longest first: K and the powers of two below it."""
+    lengths, k = [block_size], 1
+    while k < block_size:
+        lengths.append(k)
+        k *= 2
+    return sorted(set(lengths), reverse=True)
 
 
 def bucket_of(batch_size: int) -> int:
@@ -78,29 +98,40 @@ def machine_id() -> str:
 
 
 class SpecPolicy:
-    def __init__(self, mode: str, key: dict[str, str], cache_dir: str | None = None) -> None:
+    def __init__(self, mode: str, key: dict[str, str], cache_dir: str | None = None, block_size: int = 1) -> None:
         self.mode = mode  # adaptive | enable | decline
         self.key = key
+        self.block_size = block_size  # K: the longest draft
+        self.lengths = draft_lengths(block_size)
         self.measures: dict[int, BucketMeasure] = {}
         self.verdicts: dict[int, Verdict] = {}
+        self._handed: dict[int, int] = {}  # bucket -> the length draft_length gave its latest tick
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = os.path.join(cache_dir or default_cache_dir(), "spec-policy", f"{digest}.json")
         if mode == "adaptive":
             self._load()
 
     # -- the decision ----------------------------------------------------------------------
-    def allows(self, batch_size: int) -> bool:
+    def draft_length(self, batch_size: int) -> int:
+        """Drafts per row for a tick at this batch size (0: a classic tick)."""
         if self.mode != "adaptive":
-            return self.mode == "enable"
+            return self.block_size if self.mode == "enable" else 0
         bucket = bucket_of(batch_size)
         verdict = self.verdicts.get(bucket)
         if verdict is not None:
-            return verdict.verdict == "enable"
+            return verdict.length if verdict.verdict == "enable" else 0
         measure = self.measures.setdefault(bucket, BucketMeasure())
-        return measure.spec_ticks < PROFILE_TICKS  # profile with drafts first, then probe classic steps
+        # Profile each length with drafts first (longest first), then probe classic steps.
+        length = next((k for k in self.lengths if measure.spec.get(k, RateMeasure()).ticks < PROFILE_TICKS), 0)
+        self._handed[bucket] = length
+        return length
+
+    def allows(self, batch_size: int) -> bool:
+        return self.draft_length(batch_size) > 0
 
     def observe(self, batch_size: int, speculative: bool, num_tokens: int, seconds: float) -> None:
-        """One pure decode tick: did drafts run, how many tokens it produced, how long it took."""
+        """One pure decode tick: did drafts run, how many tokens it produced, how long it took. A drafted tick
+        counts for the length draft_length last gave its bucket."""
         if self.mode != "adaptive" or batch_size < 1:
             return
         bucket = bucket_of(batch_size)
@@ -108,22 +139,26 @@ class SpecPolicy:
             return
         m = self.measures.setdefault(bucket, BucketMeasure())
         if speculative:
-            m.spec_ticks, m.spec_tokens, m.spec_seconds = m.spec_ticks + 1, m.spec_tokens + num_tokens, m.spec_seconds + seconds
+            length = self._handed.get(bucket) or self.block_size
+            m.spec.setdefault(length, RateMeasure()).add(num_tokens, seconds)
         else:
-            m.classic_ticks += 1
-            m.classic_tokens += num_tokens
-            m.classic_seconds += seconds
-        if m.spec_ticks >= PROFILE_TICKS and m.classic_ticks >= PROBE_TICKS:
+            m.classic.add(num_tokens, seconds)
+        profiled = all(m.spec.get(k, RateMeasure()).ticks >= PROFILE_TICKS for k in self.lengths)
+        if profiled and m.classic.ticks >= PROBE_TICKS:
             self._settle(bucket, m)
 
     def _settle(self, bucket: int, measure: BucketMeasure) -> None:
-        spec_rate, classic_rate = measure.rates()
-        speedup = spec_rate / max(classic_rate, 1e-9)
-        verdict = Verdict("enable" if speedup >= MIN_SPEEDUP else "decline", round(speedup, 3),
-                          round(spec_rate, 1), round(classic_rate, 1))
+        classic_rate = measure.classic.rate()
+        rates = {k: measure.spec[k].rate() for k in self.lengths}
+        best = max(self.lengths, key=lambda k: (rates[k], -k))  # ties: the shorter draft (fewer forwards)
+        speedup = rates[best] / max(classic_rate, 1e-9)
+        enable = speedup >= MIN_SPEEDUP
+        verdict = Verdict("enable" if enable else "decline", round(speedup, 3), round(rates[best], 1),
+                          round(classic_rate, 1), best if enable else 0,
+                          {str(k): round(r, 1) for k, r in sorted(rates.items())})
         self.verdicts[bucket] = verdict
-        logger.info("adaptive draft policy: settled verdict %s at batch <= %d est_speedup=%.2f [measured]",
-                    verdict.verdict, bucket, speedup)
+        logger.info("adaptive draft policy: settled verdict %s at batch <= %d, draft length %d, est_speedup=%.2f "
+                    "[measured]", verdict.verdict, bucket, verdict.length, speedup)
         self._save()
 
     # -- persistence and the report --------------------------------------------------------
@@ -131,6 +166,7 @@ class SpecPolicy:
         return {
             "version": VERSION, "mode": self.mode, "key": self.key, "path": self.path,
             "verdicts": {str(b): asdict(v) for b, v in sorted(self.verdicts.items())},
+            "block_size": self.block_size, "lengths": self.lengths,
             "profiling": {str(b): asdict(m) for b, m in sorted(self.measures.items()) if b not in self.verdicts},
         }
 

@@ -9,7 +9,7 @@ import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.spec_policy import PROBE_TICKS, PROFILE_TICKS, SpecPolicy
+from conveyor.engine.spec_policy import PROBE_TICKS, PROFILE_TICKS, SpecPolicy, draft_lengths
 from conveyor.loading import Checkpoint, LoadError
 from conveyor.loading.pairing import check_draft_pairing
 from conveyor.loading.tokenizer import Tokenizer
@@ -138,7 +138,7 @@ def test_adaptive_policy_measures_settles_and_persists(tmp_path):
         for _ in range(PROBE_TICKS):
             assert not policy.allows(batch) or batch in policy.verdicts
             policy.observe(batch, False, int(classic_rate), 1.0)
-    assert policy.measures[1].spec_ticks == PROFILE_TICKS
+    assert policy.measures[1].spec[1].ticks == PROFILE_TICKS
     assert policy.allows(1) and not policy.allows(8) and not policy.allows(5)  # 5 falls in the batch-8 bucket
     report = policy.report()
     assert report["verdicts"]["1"]["verdict"] == "enable" and report["verdicts"]["8"]["verdict"] == "decline"
@@ -146,3 +146,48 @@ def test_adaptive_policy_measures_settles_and_persists(tmp_path):
     assert restarted.allows(1) and not restarted.allows(8)
     assert not SpecPolicy("adaptive", {"target": "t", "draft": "other"}, str(tmp_path)).verdicts
     assert SpecPolicy("decline", key, str(tmp_path)).allows(1) is False
+
+
+def test_adaptive_policy_picks_the_fastest_draft_length(tmp_path):
+    assert draft_lengths(4) == [4, 2, 1] and draft_lengths(6) == [6, 4, 2, 1] and draft_lengths(1) == [1]
+    key = {"target": "t", "draft": "d", "draft_block_size": "4"}
+    policy = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
+    # Batch 1: length 2 is fastest (length 4's later drafts are mostly rejected). Batch 4: every length loses.
+    rates = {1: {4: 150.0, 2: 220.0, 1: 180.0, 0: 100.0}, 4: {4: 60.0, 2: 80.0, 1: 95.0, 0: 100.0}}
+    for batch, by_length in rates.items():
+        handed = []
+        while batch not in policy.verdicts:
+            length = policy.draft_length(batch)
+            handed.append(length)
+            policy.observe(batch, length > 0, int(by_length[length]), 1.0)
+        # Each length profiled in turn, longest first, then the classic probe.
+        assert handed == [4] * PROFILE_TICKS + [2] * PROFILE_TICKS + [1] * PROFILE_TICKS + [0] * PROBE_TICKS
+    assert policy.draft_length(1) == 2 and policy.draft_length(3) == 0  # 3 falls in the batch-4 bucket
+    report = policy.report()
+    assert report["verdicts"]["1"]["length"] == 2 and report["verdicts"]["1"]["by_length"]["4"] == 150.0
+    assert report["verdicts"]["4"]["verdict"] == "decline" and report["lengths"] == [4, 2, 1]
+    restarted = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
+    assert restarted.draft_length(1) == 2 and restarted.draft_length(4) == 0
+    assert SpecPolicy("enable", key, str(tmp_path), block_size=4).draft_length(8) == 4
+
+
+@pytest.mark.batch_invariant
+@pytest.mark.parametrize("length", [1, 2])
+def test_the_scheduler_drafts_the_length_the_policy_gives(tiny_checkpoint, plain_outputs, length):
+    want, _ = plain_outputs
+    spec = _speculative(tiny_checkpoint, make_tiny(seed=7), draft_block_size=4)
+    scheduler = spec.engine.scheduler
+    scheduler.draft_length = lambda batch: length
+    drafted = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        drafted.extend(c.draft.num_tokens for c in out.chunks if c.draft is not None)
+        return out
+
+    scheduler.schedule = recording_schedule
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert drafted and max(drafted) == length  # never the block size of 4
+    spec.engine.pool.check_integrity()
