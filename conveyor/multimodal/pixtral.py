@@ -106,8 +106,8 @@ class PixtralProcessor:
         """(H, W) as PixtralImageProcessorPil's get_resize_output_image_size: scaled down (floor) to fit the
         longest edge, then each edge up to whole units."""
         ratio = max(height / self.longest_edge, width / self.longest_edge)
-        if ratio > 1:
-            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        if ratio > 1:  # NOTE: at least 1 px: a 2000 x 1 image floors to 0 rows, which transformers fails on
+            height, width = max(1, int(math.floor(height / ratio))), max(1, int(math.floor(width / ratio)))
         u = self.unit
         return ((height - 1) // u + 1) * u, ((width - 1) // u + 1) * u
 

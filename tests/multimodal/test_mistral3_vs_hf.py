@@ -59,6 +59,12 @@ def test_processor_matches_transformers(sizes, kind):
         assert len(item.embed_runs) == item.extras["rows"]
 
 
+def test_a_sliver_image_gets_one_row():
+    """2000 x 1 px fits the longest edge at 64 x 0 px, which transformers fails on: here one row of units."""
+    item = _ours(hf_processor(transformers)).expand([IMAGE], [ImageInput.from_pil(random_image(0, (2000, 1)))])
+    assert item.items[0].pixel_values.shape == (3, 16, 64) and item.items[0].extras == {"rows": 1, "cols": 4}
+
+
 def test_marker_count_must_match_images():
     from conveyor.errors import InvalidRequestError
 
