@@ -77,7 +77,7 @@ class EngineConfig:
     kv_admission_watermark: float = 0.01
     speculative_ngram: int = 4  # draft tokens per step by prompt lookup (greedy requests); 0 = off
     speculative_max_rows: int = 16  # decode rows + draft tokens of one tick; no drafts beyond
-    draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | mtp | eagle3 | none (the seeds' spelling)
+    draft_kind: str = "auto"  # auto | prompt-lookup | draft-model | mtp | eagle3 | dflash | none (seeds' spelling)
     decode_storage_backend: str = "auto"  # the seeds' flag: auto | paged, both our one paged pool
     prompt_lookup_max_batch: int = 0  # prompt-lookup drafts only while <= N rows decode; 0 = no limit
     draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
@@ -119,6 +119,8 @@ class EngineConfig:
                  "--draft-kind mtp drafts with the model's own MTP head; --draft-model is for --draft-kind draft-model")
         _require(self.draft_kind != "eagle3" or self.draft_model is not None,
                  "--draft-kind eagle3 needs --draft-model PATH (the EAGLE3 drafter's Hugging Face directory)")
+        _require(self.draft_kind != "dflash" or self.draft_model is not None,
+                 "--draft-kind dflash needs --draft-model PATH (the DFlash drafter's Hugging Face directory)")
         _require(1 <= self.draft_block_size <= 16, "draft_block_size must be in [1, 16]")
         _require(self.prompt_lookup_max_batch >= 0, "prompt_lookup_max_batch must be >= 0")
         _require(self.draft_policy in ("adaptive", "enable", "decline"),
@@ -344,7 +346,7 @@ def _split_peers(text: str | None) -> list[str]:
 
 
 AUTO_PARALLEL_SLOTS = 4  # --parallel -1: llama.cpp's auto slot count
-DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "mtp", "eagle3", "none")
+DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "mtp", "eagle3", "dflash", "none")
 # --pooling values, llama-server's: rank = a reranker's score (as --reranking).
 POOLING_FLAG_VALUES = ("auto", "last", "mean", "cls", "rank")
 DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
@@ -359,13 +361,8 @@ _KV_CACHE_TYPE_REFUSALS = {
 for _name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"):
     _KV_CACHE_TYPE_REFUSALS[_name] = f"{_name} KV is not offered: conveyor's kernels read q8_0 blocks only"
 
-_OUR_DRAFTERS = ("conveyor offers a separate draft model sharing the target's tokenizer "
-                 "(--draft-kind draft-model --draft-model PATH), the model's own MTP head (--draft-kind mtp: "
-                 "Qwen3.5 / Qwen3-Next), an EAGLE3 drafter (--draft-kind eagle3 --draft-model PATH), prompt lookup (--draft-kind prompt-lookup) and auto (prompt lookup and a "
-                 "draft model, chosen per row)")
 # Seed values that name a feature conveyor does not have: refused with what to use instead.
 REFUSED_VALUES: dict[tuple[str, str], str] = {
-    ("draft_kind", "dflash"): f"conveyor has no DFlash drafter; {_OUR_DRAFTERS}",
     **{(dest, value): f"{why} (supported: {_KV_TYPES_TEXT})" for dest in ("cache_type_k", "cache_type_v")
        for value, why in _KV_CACHE_TYPE_REFUSALS.items()},
     ("decode_storage_backend", "dense"): (
@@ -533,14 +530,16 @@ FLAGS: list[Flag] = [
     Flag(("--draft-kind", "--spec-type"), "draft_kind", choices=DRAFT_KINDS,
          help="proposer: auto (draft model if given, prompt lookup per row), prompt-lookup, draft-model, "
               "mtp (the model's own multi-token-prediction head: Qwen3.5 / Qwen3-Next), eagle3 (the EAGLE3 drafter "
-              "at --draft-model, reading three of the target's hidden states: Llama-family / Qwen3 targets), none"),
+              "at --draft-model, reading three of the target's hidden states: Llama-family / Qwen3 targets), "
+              "dflash (the DFlash block drafter at --draft-model: a block of drafts in one forward, same targets), "
+              "none"),
     Flag(("--decode-storage-backend",), "decode_storage_backend", choices=DECODE_STORAGE_BACKENDS,
          help="the seeds' KV storage choice: auto and paged are both conveyor's one paged block pool (dense is refused)"),
     Flag(("--prompt-lookup-max-batch",), "prompt_lookup_max_batch", int,
          "prompt-lookup drafts only while at most N rows decode (0 = no limit)"),
     Flag(("--draft-model", "--model-draft"), "draft_model",
          help="draft model (HF directory or .gguf with the target's tokenizer) for speculative decoding; "
-              "with --draft-kind eagle3 the EAGLE3 drafter's HF directory"),
+              "with --draft-kind eagle3 / dflash the EAGLE3 / DFlash drafter's HF directory"),
     Flag(("--draft-block-size",), "draft_block_size", int, "draft-model tokens proposed per row per step"),
     Flag(("--draft-policy",), "draft_policy", choices=("adaptive", "enable", "decline"),
          help="draft-model speculation: adaptive (measured per batch size, persisted), enable, decline"),

@@ -787,3 +787,80 @@ def random_gemma3n_weights(config: ModelConfig, seed: int = 0, scale: float = 0.
             tensor = torch.randn(*shapes.get(part, (h,)), generator=gen) * scale
             weights[name] = 1 + tensor if "norm" in part else tensor
     return weights
+
+
+def write_tiny_dflash(path, target: Checkpoint, seed: int = 0, target_layer_ids: list[int] | None = None,
+                      block_size: int = 4, num_layers: int = 2, hidden_size: int | None = None,
+                      agreeing: bool = False) -> str:
+    """A tiny DFlash drafter for `target` as a Hugging Face directory, as z-lab publishes them: a Qwen3 config
+    with dflash_config (target_layer_ids, mask_token_id: the last token) and block_size, tensors fc, hidden_norm,
+    norm and layers.N.* (q/k norms) in model.safetensors; no embedding or head (the target's). Random weights by
+    default; `hidden_size` other than the target's makes a mismatched one.
+
+    `agreeing` (one layer, for a bigram_target whose mask token embeds as zero: dflash_target) makes the first
+    mask row draft the target's next token: fc and hidden_norm zero (the context's values are zero), q and k
+    constant biases whose scores peak one position back under the rotary, so that row copies v of x_p's row, v
+    and o the identity on the normed embedding, MLP output zero, then the target's final norm: the target's own
+    head on norm(embed(x_p)). Later mask rows read a mask row's zero value: their drafts miss."""
+    import json
+    import math
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg = target.config
+    ids = [0, cfg.num_hidden_layers - 2] if target_layer_ids is None else target_layer_ids
+    h, heads, kv_heads, d, inter = hidden_size or cfg.hidden_size, 4, 2, 16, 96
+    if agreeing:
+        num_layers, kv_heads = 1, h // d  # v and o: the identity on the hidden width
+        heads = kv_heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {"fc.weight": rand(h, len(ids) * h), "hidden_norm.weight": 1 + rand(h), "norm.weight": 1 + rand(h)}
+    for i in range(num_layers):
+        p = f"layers.{i}.self_attn."
+        tensors.update({p + "q_proj.weight": rand(heads * d, h), p + "k_proj.weight": rand(kv_heads * d, h),
+                        p + "v_proj.weight": rand(kv_heads * d, h), p + "o_proj.weight": rand(h, heads * d),
+                        p + "q_norm.weight": 1 + rand(d), p + "k_norm.weight": 1 + rand(d)})
+        p = f"layers.{i}."
+        tensors.update({p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                        p + "mlp.down_proj.weight": rand(h, inter), p + "input_layernorm.weight": 1 + rand(h),
+                        p + "post_attention_layernorm.weight": 1 + rand(h)})
+    if agreeing:
+        freqs = torch.tensor([10000.0 ** (-2 * j / d) for j in range(d // 2)])
+        back = torch.cat([freqs.cos() + freqs.sin(), freqs.cos() - freqs.sin()])  # ones rotated one position back
+        p = "layers.0.self_attn."
+        tensors.update({"fc.weight": torch.zeros(h, len(ids) * h), "hidden_norm.weight": torch.zeros(h),
+                        "norm.weight": target.weights["model.norm.weight"].float(),
+                        p + "q_proj.weight": torch.zeros(h, h), p + "q_proj.bias": back.repeat(heads),
+                        p + "k_proj.weight": torch.zeros(h, h), p + "k_proj.bias": torch.ones(h),
+                        p + "v_proj.weight": torch.eye(h), p + "v_proj.bias": torch.zeros(h),
+                        p + "o_proj.weight": torch.eye(h), p + "o_proj.bias": torch.zeros(h),
+                        p + "q_norm.weight": torch.full((d,), 10.0), p + "k_norm.weight": torch.full((d,), 10.0),
+                        "layers.0.input_layernorm.weight": torch.ones(h),
+                        "layers.0.mlp.down_proj.weight": torch.zeros(h, inter)})
+        assert math.isclose(float(back.norm()), d ** 0.5, rel_tol=1e-5)
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": num_layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": d, "vocab_size": cfg.vocab_size,
+              "max_position_embeddings": 2048, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 10000.0,
+              "attention_bias": agreeing, "tie_word_embeddings": False, "hidden_act": "silu",
+              "num_target_layers": cfg.num_hidden_layers, "block_size": block_size,
+              "dflash_config": {"mask_token_id": cfg.vocab_size - 1, "target_layer_ids": ids}}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def dflash_target(checkpoint: Checkpoint) -> Checkpoint:
+    """bigram_target(checkpoint) with the last token (write_tiny_dflash's mask token) embedding as zero."""
+    target = bigram_target(checkpoint)
+    weights = dict(target.weights)
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["model.embed_tokens.weight"][-1] = 0
+    return replace(target, weights=weights)

@@ -108,8 +108,10 @@ def test_speculation_spellings():
     assert (eagle3.draft_kind, eagle3.ngram_enabled, eagle3.draft_model_enabled) == ("eagle3", False, False)
     with pytest.raises(ConfigError, match="eagle3 needs --draft-model PATH"):
         _engine("--draft-kind", "eagle3")
-    with pytest.raises(SystemExit):
-        _engine("--spec-type", "dflash")
+    dflash = _engine("--spec-type", "dflash", "--draft-model", "/drafter")
+    assert (dflash.draft_kind, dflash.ngram_enabled, dflash.draft_model_enabled) == ("dflash", False, False)
+    with pytest.raises(ConfigError, match="dflash needs --draft-model PATH"):
+        _engine("--draft-kind", "dflash")
 
 
 # Every flag's environment variable means what the flag means, in every boolean spelling. Generated
@@ -223,10 +225,9 @@ def test_a_seed_value_we_lack_is_refused_naming_what_we_offer(dest, value, capsy
     assert message in str(refused.value)
 
 
-def test_the_draft_refusal_names_the_alternatives():
-    for value in ("dflash",):
-        message = config.REFUSED_VALUES[("draft_kind", value)]
-        assert all(kind in message for kind in ("draft-model", "mtp", "prompt-lookup", "auto"))
+def test_every_draft_kind_is_offered():
+    assert not any(dest == "draft_kind" for dest, _ in config.REFUSED_VALUES)  # dflash was refused before #43
+    assert {"draft-model", "mtp", "eagle3", "dflash", "prompt-lookup", "auto"} <= set(config.DRAFT_KINDS)
 
 
 def test_model_given_twice_is_a_multi_model_server_and_once_is_the_engine_model():

@@ -16,7 +16,7 @@ from conveyor.engine.background import PacedWeights, idle_priority
 from conveyor.engine.block_pool import BlockPool
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.disk_store import STATE, WINDOW
-from conveyor.engine.draft_setup import load_draft_model, load_eagle3_head, load_mtp_head
+from conveyor.engine.draft_setup import load_dflash_head, load_draft_model, load_eagle3_head, load_mtp_head
 from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.load_progress import LoadProgress
@@ -38,6 +38,7 @@ from conveyor.loading import Checkpoint, Tokenizer, load_checkpoint
 from conveyor.loading.heap import trim_heap
 from conveyor.loading.mmproj import read_mmproj
 from conveyor.models.config import ModelConfigError
+from conveyor.models.dflash import DFlashHead
 from conveyor.models.eagle3 import Eagle3Head
 from conveyor.models.mtp import MTPHead
 from conveyor.models.pooling import Pooler, PoolingConfig
@@ -47,6 +48,7 @@ from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import VisionModel, build_vision
 from conveyor.models.weights import count_params, describe_formats, weight_bytes_by_format
 from conveyor.runner.draft_runner import DraftRunner
+from conveyor.runner.dflash_runner import DFlashRunner
 from conveyor.runner.mtp_runner import Eagle3Runner, MTPRunner
 from conveyor.models.cache_specs import KVSpec, has_latent_kv, kv_window, state_bytes_per_slot
 from conveyor.runner.model_runner import ModelRunner, kv_group_bytes_per_block
@@ -188,7 +190,8 @@ class EngineCore:
         progress.set_stage("draft model and KV cache")
         self.draft = (load_draft_model(config, checkpoint, draft_checkpoint, self.dtype, self.device, self.backend)
                       or load_mtp_head(config, checkpoint, model, self.dtype, self.device, self.backend)
-                      or load_eagle3_head(config, checkpoint, model, self.dtype, self.device, self.backend))
+                      or load_eagle3_head(config, checkpoint, model, self.dtype, self.device, self.backend)
+                      or load_dflash_head(config, checkpoint, model, self.dtype, self.device, self.backend))
         specs = model.cache_specs()
         # --cache-type-k / -v: every attention layer (full, sliding, a hybrid's, the draft's) keeps K/V this way.
         self.kv_types = KVCacheTypes(config.cache_type_k, config.cache_type_v)
@@ -234,7 +237,8 @@ class EngineCore:
             watermark_applies=self.pool_plan.budget_bytes is not None,
             speculative_ngram=self._speculation_allowed(config), speculative_max_rows=config.speculative_max_rows,
             prompt_lookup_max_batch=config.prompt_lookup_max_batch,
-            draft_model_tokens=config.draft_block_size if self.draft is not None else 0), self.kv,
+            draft_model_tokens=min(config.draft_block_size, self.draft.max_tokens) if self.draft is not None else 0),
+            self.kv,
             stop_checker=self._stop_string_ends)
         self.spec_policy = self._draft_policy(config, checkpoint.name)
         if self.spec_policy is not None:
@@ -317,7 +321,7 @@ class EngineCore:
     def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | None:  # (an Eagle3Runner is an MTPRunner)
         if self.draft is None:
             return None
-        if isinstance(self.draft.model, (MTPHead, Eagle3Head)):
+        if isinstance(self.draft.model, (MTPHead, Eagle3Head, DFlashHead)):
             runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
                                  self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types)
             # NOTE: zeros, not the pool's empty pages: a position the head never wrote (a cached block's last row,
@@ -325,6 +329,8 @@ class EngineCore:
             for layer in runner.kv_layer_tensors():
                 for tensor in layer:
                     tensor.zero_()
+            if isinstance(self.draft.model, DFlashHead):
+                return DFlashRunner(runner)
             return Eagle3Runner(runner) if isinstance(self.draft.model, Eagle3Head) else MTPRunner(runner)
         recurrent = bool(state_bytes_per_slot(self.draft.model.cache_specs()))
         runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
@@ -441,7 +447,8 @@ class EngineCore:
                                 # EAGLE3 drafter (--draft-kind eagle3)
                                 "kind": (None if self.draft is None
                                          else "mtp" if isinstance(self.draft.model, MTPHead)
-                                         else "eagle3" if isinstance(self.draft.model, Eagle3Head) else "draft-model"),
+                                         else "eagle3" if isinstance(self.draft.model, Eagle3Head)
+                                         else "dflash" if isinstance(self.draft.model, DFlashHead) else "draft-model"),
                                 "block_size": config.draft_model_tokens,
                                 "draft_tokens": stats.num_model_draft_tokens,
                                 "accepted_tokens": stats.num_model_accepted_tokens},
