@@ -28,19 +28,25 @@ if [ "${1:-}" = --prepare ]; then PREPARE=1; PREPARE_STAGES=$STAGES; STAGES=; fi
 # every level), the engine tests cost a level's real speed: x86-64-v3, the AVX2 laptops' level, runs all of
 # them; the portable x86-64 and skylake-avx512 levels run the kernel tests and the plain and quantized engine
 # invariance tests (their hybrid, speculation and KV-pressure tests added ~100 s to make test).
-# EAGLE3's greedy == plain decoding (issue #43 item 2's bar: every level) at C=1 and 16, drafts rejected and accepted.
+# EAGLE3's and DFlash's greedy == plain decoding (issue #43 item 2's bar: every level) at C=1 and 16, drafts rejected
+# and accepted.
 SHORT_LEVEL_TESTS=(tests/kernels tests/engine/test_engine.py tests/engine/test_quantized_engine.py
                    tests/engine/test_pooling.py::test_vector_alone_equals_vector_in_a_batch_of_32
                    tests/engine/test_pooling.py::test_long_input_is_chunked_for_last_token_pooling
                    tests/engine/test_eagle3.py::test_random_drafter_greedy_is_plain_decoding
                    tests/engine/test_eagle3.py::test_an_agreeing_drafter_has_its_drafts_accepted
+                   tests/engine/test_dflash.py::test_random_drafter_greedy_is_plain_decoding
+                   tests/engine/test_dflash.py::test_an_agreeing_drafter_has_its_drafts_accepted
                    --ignore=tests/kernels/test_build.py --ignore=tests/kernels/test_levels.py)
 LEVEL_TESTS=("${SHORT_LEVEL_TESTS[@]}" tests/engine/test_speculative.py tests/engine/test_hybrid_engine.py
              tests/engine/test_kv_pressure_and_prefix.py
              tests/engine/test_eagle3.py::test_speculators_layout_and_its_layer_ids
              tests/engine/test_eagle3.py::test_partial_acceptance_stays_exact
              tests/engine/test_eagle3.py::test_prefix_hits_and_chunked_prefill_keep_greedy_exact
-             tests/engine/test_eagle3.py::test_preemption_keeps_greedy_exact)
+             tests/engine/test_eagle3.py::test_preemption_keeps_greedy_exact
+             tests/engine/test_dflash.py::test_partial_acceptance_stays_exact
+             tests/engine/test_dflash.py::test_prefix_hits_and_chunked_prefill_keep_greedy_exact
+             tests/engine/test_dflash.py::test_preemption_keeps_greedy_exact)
 
 if [ "$(uname -m)" != x86_64 ]; then
   echo "kernel levels: $(uname -m) host, only the native level (tested by the main run)"

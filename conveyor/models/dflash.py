@@ -1,9 +1,11 @@
 """DFlash (z-lab, arXiv 2602.06036): a block-diffusion drafter that proposes a whole block in one forward.
 
 It reads the target's residual streams after several layers (dflash_config.target_layer_ids; layer L's output is
-the stream entering L + 1, as `aux_hidden_states` counts) and fuses them once per target row into a context
-feature c = hidden_norm(fc([a_L1 | a_L2 | ...])). Each drafter layer keeps K/V of those features (k_proj / v_proj
-of c, never of the drafter's own stream), written as the target's rows arrive (write_context). A draft reads
+the stream entering L + 1, as `aux_hidden_states` counts) and fuses them once per target row into a context feature
+c = hidden_norm(fc([a_L1 | a_L2 | ...])). NOTE: for the last layer that stream is before the final norm, where
+transformers' hidden_states[-1] is after it; published drafters read earlier layers. Each drafter layer keeps K/V
+of those features (k_proj / v_proj of c, never of the drafter's own stream), written as the target's rows arrive
+(write_context). A draft reads
 
     block      x_p  MASK  MASK ... MASK            positions p .. p+k (x_p: the token the target has not seen)
     input      embed(block) * input_embedding_scale                    # the target's embedding
