@@ -341,10 +341,11 @@ class EngineCore:
     def _draft_policy(self, config: EngineConfig, target_name: str) -> SpecPolicy | None:
         if self.draft is None:
             return None
-        key = {"target": target_name, "draft": self.draft.name, "draft_block_size": str(config.draft_block_size),
+        block_size = min(config.draft_block_size, self.draft.max_tokens)  # (a DFlash drafter: its block - 1 at most)
+        key = {"target": target_name, "draft": self.draft.name, "draft_block_size": str(block_size),
                "backend": f"{self.backend.name}/{self.backend.arch}", "machine": machine_id(),
                "threads": str(torch.get_num_threads())}
-        return SpecPolicy(config.draft_policy, key, config.cache_dir or None, block_size=config.draft_block_size)
+        return SpecPolicy(config.draft_policy, key, config.cache_dir or None, block_size=block_size)
 
     def _speculation_allowed(self, config: EngineConfig) -> int:
         """Drafts are only exact where a verified row equals a decoded one bit for bit: a backend

@@ -134,6 +134,20 @@ def test_preemption_keeps_greedy_exact(random_drafter):
     _check_released(tight)
 
 
+def test_the_adaptive_policy_covers_the_drafter(random_drafter, tmp_path):
+    target, drafter, want = random_drafter
+    spec = LLM(checkpoint=target, parallel=16, draft_kind="dflash", draft_model=drafter, cache_dir=str(tmp_path),
+               speculative_max_rows=64)  # draft_policy adaptive (the default)
+    got = spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    report = spec.engine.speculation_report()  # what /v1/internal/spec-policy serves
+    assert report["draft_model"]["kind"] == "dflash"
+    policy = report["policy"]
+    assert policy["mode"] == "adaptive" and policy["block_size"] == 3 and policy["lengths"] == [3, 2, 1]
+    assert policy["key"]["draft"].endswith(":dflash:" + drafter.rsplit("/", 1)[-1])
+    _check_released(spec)
+
+
 def test_dflash_needs_a_draft_model():
     with pytest.raises(ConfigError, match="--draft-kind dflash needs --draft-model PATH"):
         EngineConfig(draft_kind="dflash")
