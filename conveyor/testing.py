@@ -791,7 +791,7 @@ def random_gemma3n_weights(config: ModelConfig, seed: int = 0, scale: float = 0.
 
 def write_tiny_dflash(path, target: Checkpoint, seed: int = 0, target_layer_ids: list[int] | None = None,
                       block_size: int = 4, num_layers: int = 2, hidden_size: int | None = None,
-                      agreeing: bool = False) -> str:
+                      agreeing: bool = False, layer_shape: dict | None = None) -> str:
     """A tiny DFlash drafter for `target` as a Hugging Face directory, as z-lab publishes them: a Qwen3 config
     with dflash_config (target_layer_ids, mask_token_id: the last token) and block_size, tensors fc, hidden_norm,
     norm and layers.N.* (q/k norms) in model.safetensors; no embedding or head (the target's). Random weights by
@@ -801,7 +801,8 @@ def write_tiny_dflash(path, target: Checkpoint, seed: int = 0, target_layer_ids:
     mask row draft the target's next token: fc and hidden_norm zero (the context's values are zero), q and k
     constant biases whose scores peak one position back under the rotary, so that row copies v of x_p's row, v
     and o the identity on the normed embedding, MLP output zero, then the target's final norm: the target's own
-    head on norm(embed(x_p)). Later mask rows read a mask row's zero value: their drafts miss."""
+    head on norm(embed(x_p)). Later mask rows read a mask row's zero value: their drafts miss. `layer_shape`
+    overrides EAGLE3_LAYER's widths (num_attention_heads, num_key_value_heads, head_dim, intermediate_size)."""
     import json
     import math
     import os
@@ -810,7 +811,9 @@ def write_tiny_dflash(path, target: Checkpoint, seed: int = 0, target_layer_ids:
 
     cfg = target.config
     ids = [0, cfg.num_hidden_layers - 2] if target_layer_ids is None else target_layer_ids
-    h, heads, kv_heads, d, inter = hidden_size or cfg.hidden_size, 4, 2, 16, 96
+    shape = {**EAGLE3_LAYER, **(layer_shape or {})}
+    h, heads, kv_heads, d, inter = (hidden_size or cfg.hidden_size, shape["num_attention_heads"],
+                                    shape["num_key_value_heads"], shape["head_dim"], shape["intermediate_size"])
     if agreeing:
         num_layers, kv_heads = 1, h // d  # v and o: the identity on the hidden width
         heads = kv_heads

@@ -318,7 +318,7 @@ class EngineCore:
         tick = prefill_tokens_per_tick(config.prefill_chunk_size, rows, config.max_batch_prefill_tokens)
         return WindowGroupNeed(self.sliding_window, bytes_per_block, tick, rows)
 
-    def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | None:  # (an Eagle3Runner is an MTPRunner)
+    def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | DFlashRunner | None:  # Eagle3Runner: MTP's
         if self.draft is None:
             return None
         if isinstance(self.draft.model, (MTPHead, Eagle3Head, DFlashHead)):

@@ -90,14 +90,14 @@ class DFlashAttention(LlamaAttention):
         super().__init__(config, ops, 0)
         self.kv_proj = RowInvariantLinear(config.hidden_size, 2 * self.kv_size, config.attention_bias, ops)
 
-    def write_context(self, context: torch.Tensor, rope: Rope, kv_cache, meta: AttentionMetadata) -> None:
-        """context (T, H): fused target features at meta's rows -> their K/V in the cache."""
+    def write_context(self, context: torch.Tensor, rope: Rope, kv_cache, slot_mapping: torch.Tensor) -> None:
+        """context (T, H): fused target features -> their K/V in the cache at slot_mapping (T,)."""
         num_tokens = context.shape[0]
         k, v = self.kv_proj(context).split([self.kv_size, self.kv_size], dim=-1)
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))  # (T, KVH, D)
         k = RotaryEmbedding.apply(k, *rope)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping)
 
 
 class DFlashLayer(nn.Module):
@@ -149,11 +149,11 @@ class DFlashHead(nn.Module):
 
     @torch.inference_mode()
     def write_context(self, context: torch.Tensor, positions: torch.Tensor, caches: list,
-                      meta: AttentionMetadata) -> None:
-        """Every layer's K/V of the context features (T, H) at their positions (meta's slots)."""
+                      slot_mapping: torch.Tensor) -> None:
+        """Every layer's K/V of the context features (T, H) at their positions (T,) and cache slots (T,)."""
         rope = self.rotary.tables(positions, context.dtype)
         for layer, cache in zip(self.layers, caches):
-            layer.self_attn.write_context(context, rope, cache, meta)
+            layer.self_attn.write_context(context, rope, cache, slot_mapping)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list,

@@ -39,19 +39,22 @@ class DFlashRunner:
 
     def record(self, chunks: list[ScheduledChunk], aux: torch.Tensor) -> None:
         """After the target's forward: aux (T, n * H), every row of `chunks` in order -> the drafter's K/V there."""
-        steps, rows, at = [], [], 0
+        # Only positions and slots: a whole prepare_inputs builds tables this write never reads.
+        bs, positions, slots, keep = self.runner.block_size, [], [], []
         for chunk in chunks:
             n = len(chunk.token_ids)
             if not chunk.pool:
-                steps.append(ScheduledChunk(chunk.request_id, chunk.token_ids, chunk.start_position,
-                                            chunk.block_table, False, chunk.sampling_params))
-                rows.append(aux[at:at + n])
-            at += n
-        if not steps:
+                table, start = chunk.block_table, chunk.start_position
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            keep += [not chunk.pool] * n
+        if not slots:
             return
-        inputs = self.runner.prepare_inputs(SchedulerOutput(chunks=steps))
-        self.head.write_context(self.head.fuse(torch.cat(rows)), inputs.positions, self.runner.kv_caches,
-                                inputs.meta)
+        if not all(keep):
+            aux = aux[torch.tensor(keep, device=aux.device)]
+        device = aux.device
+        self.head.write_context(self.head.fuse(aux), torch.tensor(positions, dtype=torch.long, device=device),
+                                self.runner.kv_caches, torch.tensor(slots, dtype=torch.long, device=device))
 
     def propose(self, chunks: list[ScheduledChunk]) -> dict[str, Proposal]:
         """One block per decode chunk with a DraftRequest, all rows in one drafter forward."""
