@@ -134,6 +134,19 @@ def test_preemption_keeps_greedy_exact(random_drafter):
     _check_released(tight)
 
 
+def test_a_q8_0_kv_cache_keeps_greedy_exact(tmp_path):
+    target = tiny_checkpoint(0, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    drafter = write_tiny_dflash(tmp_path, target, layer_shape=dict(num_attention_heads=2, num_key_value_heads=1,
+                                                                   head_dim=32))  # q8_0 rows: 32 values
+    q8 = dict(cache_type_k="q8_0", cache_type_v="q8_0")  # the drafter's K/V too
+    plain = LLM(checkpoint=target, parallel=16, speculative_ngram=0, **q8)
+    want = [o.token_ids for o in plain.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])]
+    spec = _dflash(target, drafter, 16, **q8)
+    assert [g.token_ids for g in spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])] == want
+    assert spec.engine.scheduler.stats.num_model_draft_tokens > 0
+    _check_released(spec)
+
+
 def test_the_adaptive_policy_covers_the_drafter(random_drafter, tmp_path):
     target, drafter, want = random_drafter
     spec = LLM(checkpoint=target, parallel=16, draft_kind="dflash", draft_model=drafter, cache_dir=str(tmp_path),
