@@ -163,7 +163,9 @@ def load_dflash_head(config: EngineConfig, target: Checkpoint, model: nn.Module,
     if spec.layer.hidden_size != cfg.hidden_size:
         raise LoadError(f"{where}: the drafter's hidden size {spec.layer.hidden_size} does not match "
                         f"{target.name}'s {cfg.hidden_size}")
-    ids, n = spec.target_layer_ids, cfg.num_hidden_layers
+    n = cfg.num_hidden_layers
+    ids = spec.target_layer_ids or dflash.default_target_layer_ids(spec.num_target_layers or n,
+                                                                    spec.layer.num_hidden_layers)
     if not ids or not all(0 <= i < n for i in ids):
         raise LoadError(f"{where}: target layers {list(ids)} do not fit {target.name}'s {n} layers (ids in 0..{n - 1})")
     if not 0 <= spec.mask_token_id < cfg.vocab_size or spec.block_size < 2:
@@ -174,7 +176,7 @@ def load_dflash_head(config: EngineConfig, target: Checkpoint, model: nn.Module,
                        ops.name)
         return None
     try:
-        head = dflash.DFlashHead(spec, cfg, ops, model)
+        head = dflash.DFlashHead(spec, ids, cfg, ops, model)
         head.load_weights(dflash.checkpoint_names(weights), WeightLoader(ops, dtype, device, config.weight_dtype))
     except KeyError as exc:
         raise LoadError(f"{where} is incomplete ({exc.args[0]})") from None

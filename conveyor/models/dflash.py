@@ -39,7 +39,7 @@ ARCHITECTURE = "DFlashDraftModel"
 @dataclass(frozen=True)
 class DFlashConfig:
     layer: ModelConfig  # the drafter layers' shape (a Qwen3 config: heads, MLP, rope, eps, num_hidden_layers)
-    target_layer_ids: tuple[int, ...]  # the target layers whose outputs it reads
+    target_layer_ids: tuple[int, ...] | None  # the target layers whose outputs it reads (None: the default)
     block_size: int  # the block it was trained on: at most block_size - 1 drafts per forward
     mask_token_id: int
     input_embedding_scale: float = 1.0
@@ -59,8 +59,8 @@ class DFlashConfig:
         def value(name: str, default: Any = None) -> Any:
             return extra.get(name, raw.get(name, default))
 
-        if value("target_layer_ids") is None or value("mask_token_id") is None:
-            raise ModelConfigError("config.json has no dflash_config.target_layer_ids / mask_token_id")
+        if value("mask_token_id") is None:
+            raise ModelConfigError("config.json has no dflash_config.mask_token_id")
         types = raw.get("layer_types") or ()
         if value("is_causal") or any(t != "full_attention" for t in types):
             raise ModelConfigError("causal or sliding-window DFlash layers are not supported (the block attends "
@@ -69,12 +69,22 @@ class DFlashConfig:
                                                                "use_sliding_window")}
         layer_raw.setdefault("model_type", "qwen3")
         layer = replace(ModelConfig.from_hf_dict(layer_raw), qk_norm=True)
-        return cls(layer=layer, target_layer_ids=tuple(int(i) for i in value("target_layer_ids")),
+        ids = value("target_layer_ids")
+        return cls(layer=layer, target_layer_ids=tuple(int(i) for i in ids) if ids is not None else None,
                    block_size=int(value("block_size", 16)), mask_token_id=int(value("mask_token_id")),
                    input_embedding_scale=float(value("input_embedding_scale", 1.0) or 1.0),
                    output_multiplier=float(value("output_multiplier", 1.0) or 1.0),
                    final_logit_softcapping=float(value("final_logit_softcapping", 0.0) or 0.0),
                    num_target_layers=int(raw["num_target_layers"]) if raw.get("num_target_layers") else None)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's pick when the config names none: one per drafter layer, evenly from layer 1 to N - 3 (the
+    middle layer for a one-layer drafter)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
 def checkpoint_names(weights: Mapping[str, Weight]) -> dict[str, Weight]:
@@ -116,8 +126,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashHead(nn.Module):
-    def __init__(self, spec: DFlashConfig, target_config: ModelConfig, ops: KernelBackend,
-                 target: nn.Module) -> None:
+    def __init__(self, spec: DFlashConfig, target_layer_ids: tuple[int, ...], target_config: ModelConfig,
+                 ops: KernelBackend, target: nn.Module) -> None:
         super().__init__()
         cfg = spec.layer
         if cfg.hidden_size != target_config.hidden_size:
@@ -128,9 +138,9 @@ class DFlashHead(nn.Module):
         hidden = cfg.hidden_size
         self.config, self.ops, self.spec = cfg, ops, spec
         # the stream after target layer L is the one entering L + 1 (aux id 0 is the embedding)
-        self.aux_layer_ids = tuple(i + 1 for i in spec.target_layer_ids)
+        self.aux_layer_ids = tuple(i + 1 for i in target_layer_ids)
         self.vocab_size = target_config.vocab_size
-        self.fc = RowInvariantLinear(len(spec.target_layer_ids) * hidden, hidden, False, ops)
+        self.fc = RowInvariantLinear(len(target_layer_ids) * hidden, hidden, False, ops)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps, ops)
         self.layers = nn.ModuleList(DFlashLayer(cfg, ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, ops)

@@ -134,6 +134,18 @@ def test_preemption_keeps_greedy_exact(random_drafter):
     _check_released(tight)
 
 
+def test_without_target_layer_ids_the_reference_default_is_read(random_drafter, tmp_path):
+    target, _, want = random_drafter
+    drafter = write_tiny_dflash(tmp_path, target, target_layer_ids=[1, 1])
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]  # 2 drafter layers over 4 target layers: 1 .. N-3 = [1, 1]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    spec = _dflash(target, drafter, 16)
+    assert spec.engine.runner.drafter.aux_layers == (2, 2)
+    assert [g.token_ids for g in spec.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])] == want
+    _check_released(spec)
+
+
 def test_a_q8_0_kv_cache_keeps_greedy_exact(tmp_path):
     target = tiny_checkpoint(0, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     drafter = write_tiny_dflash(tmp_path, target, layer_shape=dict(num_attention_heads=2, num_key_value_heads=1,

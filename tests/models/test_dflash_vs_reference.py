@@ -83,7 +83,7 @@ def test_block_logits_match_the_reference(tmp_path):
     tensors = load_file(f"{path}/model.safetensors")
     spec = dflash.DFlashConfig.from_hf_dict(raw)
     assert (spec.block_size, spec.mask_token_id, spec.target_layer_ids) == (5, 127, tuple(LAYER_IDS))
-    head = dflash.DFlashHead(spec, config, target.model.ops, target.model)
+    head = dflash.DFlashHead(spec, spec.target_layer_ids, config, target.model.ops, target.model)
     head.load_weights(dflash.checkpoint_names(tensors),
                       WeightLoader(target.model.ops, torch.float32, torch.device("cpu"), "auto", lambda t: None))
     drafter = DFlashRunner(ModelRunner(head, config, num_blocks=32, block_size=BLOCK, dtype=torch.float32,
