@@ -92,30 +92,12 @@ def checkpoint_names(weights: Mapping[str, Weight]) -> dict[str, Weight]:
     return {name.removeprefix("model."): weight for name, weight in weights.items()}
 
 
-class DFlashAttention(LlamaAttention):
-    """LlamaAttention over the block (fused qkv, per-head q/k norm, rotary, paged K/V) plus kv_proj: the same k/v
-    weights over the context features, whose K/V are all the cache keeps between drafts."""
-
-    def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
-        super().__init__(config, ops, 0)
-        self.kv_proj = RowInvariantLinear(config.hidden_size, 2 * self.kv_size, config.attention_bias, ops)
-
-    def write_context(self, context: torch.Tensor, rope: Rope, kv_cache, slot_mapping: torch.Tensor) -> None:
-        """context (T, H): fused target features -> their K/V in the cache at slot_mapping (T,)."""
-        num_tokens = context.shape[0]
-        k, v = self.kv_proj(context).split([self.kv_size, self.kv_size], dim=-1)
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))  # (T, KVH, D)
-        k = RotaryEmbedding.apply(k, *rope)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping)
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelBackend) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.self_attn = DFlashAttention(config, ops)
+        self.self_attn = LlamaAttention(config, ops, 0)  # over the block: fused qkv, per-head q/k norm, rotary
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
         self.mlp = LlamaMLP(config, ops)
 
@@ -143,6 +125,12 @@ class DFlashHead(nn.Module):
         self.fc = RowInvariantLinear(len(target_layer_ids) * hidden, hidden, False, ops)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps, ops)
         self.layers = nn.ModuleList(DFlashLayer(cfg, ops) for _ in range(cfg.num_hidden_layers))
+        # Every layer's k_proj | v_proj over the context in one GEMM, and their k_norm weights side by side: the
+        # context K/V is written for every target row, so its op count is paid on every step.
+        self.num_kv_heads, self.kv_size = cfg.num_key_value_heads, cfg.num_key_value_heads * cfg.head_dim
+        self.context_kv = RowInvariantLinear(hidden, len(self.layers) * 2 * self.kv_size, cfg.attention_bias, ops)
+        self.register_buffer("context_k_norm", torch.ones(len(self.layers) * self.num_kv_heads, cfg.head_dim),
+                             persistent=False)  # (L * KVH, D)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max(cfg.max_position_embeddings,
                                                           target_config.max_position_embeddings),
@@ -161,9 +149,15 @@ class DFlashHead(nn.Module):
     def write_context(self, context: torch.Tensor, positions: torch.Tensor, caches: list,
                       slot_mapping: torch.Tensor) -> None:
         """Every layer's K/V of the context features (T, H) at their positions (T,) and cache slots (T,)."""
-        rope = self.rotary.tables(positions, context.dtype)
-        for layer, cache in zip(self.layers, caches):
-            layer.self_attn.write_context(context, rope, cache, slot_mapping)
+        num_tokens, num_layers, d = context.shape[0], len(self.layers), self.config.head_dim
+        kv = self.context_kv(context).view(num_tokens, num_layers, 2, self.num_kv_heads, d)
+        k = kv[:, :, 0].reshape(num_tokens, num_layers * self.num_kv_heads, d)  # (T, L * KVH, D)
+        ones = torch.ones(d, dtype=k.dtype, device=k.device)
+        k = self.ops.rms_norm(k, ones, self.config.rms_norm_eps) * self.context_k_norm
+        k = RotaryEmbedding.apply(k, *self.rotary.tables(positions, context.dtype))
+        k = k.view(num_tokens, num_layers, self.num_kv_heads, d)
+        for i, cache in enumerate(caches[:num_layers]):
+            self.ops.write_kv(cache[0], cache[1], k[:, i].contiguous(), kv[:, i, 1].contiguous(), slot_mapping)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list,
@@ -208,8 +202,13 @@ class DFlashHead(nn.Module):
                 return [get(f"{a}{n}_proj.bias") for n in names] if biased else None
 
             loader.linear(attn.qkv_proj, [get(f"{a}{n}_proj.weight") for n in "qkv"], bias("qkv"))
-            loader.linear(attn.kv_proj, [get(f"{a}{n}_proj.weight") for n in "kv"], bias("kv"))
             attn.o_proj = RowInvariantLinear(attn.q_size, self.config.hidden_size, biased, self.ops)
             loader.linear(attn.o_proj, [get(f"{a}o_proj.weight")], bias("o"))
             loader.linear(layer.mlp.gate_up_proj, [get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")])
             loader.linear(layer.mlp.down_proj, [get(f"{p}mlp.down_proj.weight")])
+        names = [f"layers.{i}.self_attn.{n}_proj" for i in range(len(self.layers)) for n in "kv"]
+        biases = [get(f"{n}.bias") for n in names] if self.config.attention_bias else None
+        loader.linear(self.context_kv, [get(f"{n}.weight") for n in names], biases)
+        heads = self.num_kv_heads
+        self.context_k_norm = torch.cat([layer.self_attn.k_norm.weight.detach().expand(heads, -1)
+                                         for layer in self.layers])
