@@ -154,6 +154,10 @@ def _token_id(tokenizer: Any, token: str) -> int:
     return int(found)
 
 
+def _mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' PixtralRMSNorm / Mistral3RMSNorm: fp32 statistics, weight x (normed in x's dtype)."""
     h = x.float()
@@ -182,13 +186,15 @@ class PixtralLayer(nn.Module):
         self.act = _activation(act)
         self.silu = act == "silu"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(P, hidden) -> (P, hidden); cos, sin (P, head_dim) in x's dtype."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                buffers: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """(P, hidden) -> (P, hidden); cos, sin (P, head_dim) in x's dtype. `buffers` ("qkv" (P, 3 hidden), "gate_up"
+        (P, 2 intermediate)): one encode's GEMM outputs, shared by its layers (same bits as fresh ones)."""
         rows, hidden = x.shape
         ops = self.ops
         h = ops.rms_norm(x, self.attention_norm, TOWER_EPS) if ops is not None else _rms_norm(
             x, self.attention_norm, TOWER_EPS)
-        q, k, v = self.qkv(h).split(hidden, dim=1)
+        q, k, v = _mm(h, self.qkv.weight, buffers and buffers["qkv"]).split(hidden, dim=1)
         q, k = (self._rotate(t.reshape(rows, self.heads, -1), cos, sin).reshape(rows, hidden) for t in (q, k))
         attend = ops.dense_attention if ops is not None else reference_dense_attention
         delta = self.o_proj(attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5))
@@ -199,7 +205,7 @@ class PixtralLayer(nn.Module):
         # the kernels: the residual add fused with the norm, silu(gate) * up in one pass (~25 ms a layer at 4k
         # patches), each rounding where torch's ops would
         x, h = ops.add_rms_norm(x, delta, self.ffn_norm, TOWER_EPS)
-        gate_up = self.gate_up(h)
+        gate_up = _mm(h, self.gate_up.weight, buffers and buffers["gate_up"])
         if self.silu:
             mixed = ops.silu_mul(gate_up)
         else:
@@ -268,8 +274,13 @@ class Mistral3VisionEncoder(nn.Module):
         # NOTE: contiguous rows: the conv's transposed strides would make every norm and residual add stride
         x = _rms_norm(x.flatten(1).transpose(0, 1).contiguous(), self.ln_pre, TOWER_EPS)  # (P, hidden)
         cos, sin = self.rotary(h, w, dtype)
+        # NOTE: fresh (P, 2 intermediate) GEMM outputs cost page faults every layer (gate_up 56 -> 32 ms at 4k patches)
+        buffers = None
+        if self.layers and self.layers[0].ops is not None:
+            rows, intermediate = x.shape[0], self.layers[0].intermediate
+            buffers = {"qkv": x.new_empty(rows, 3 * hidden), "gate_up": x.new_empty(rows, 2 * intermediate)}
         for layer in self.layers[:self.feature_layers[0]]:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, buffers)
         if self.merging_layer is not None:
             x = _rms_norm(x, self.norm, self.norm_eps)
             m = self.merge  # patch merger: each m x m block's features (channel-major, as F.unfold orders them)
