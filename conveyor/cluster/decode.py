@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.cluster import transport
+from conveyor.cluster.images import rope_from_wire, spans_from_wire
 from conveyor.cluster.transport import numeric_address
-from conveyor.cluster.node import FrameServer, compile_grammar, refuse, run_unless_closed, to_sampling_params
+from conveyor.cluster.node import FrameServer, compile_grammar, image_marker_of, refuse, run_unless_closed, \
+    to_sampling_params
 from conveyor.cluster.prefill import token_frame
 from conveyor.cluster.wire import Frame, HandoffFrame
 from conveyor.config import ClusterConfig
@@ -40,7 +42,7 @@ class DecodeNode(FrameServer):
 
     def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = (),
                  http_address: str | None = None) -> None:
-        super().__init__(config.serving_bind or "", models, http_address)
+        super().__init__(config.serving_bind or "", models, http_address, image_marker_of(engine.core))
         self.engine = engine
         self.core = engine.core
         self.stats = DecodeStats()
@@ -91,6 +93,14 @@ class DecodeNode(FrameServer):
         await compile_grammar(core, params)
         request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,
                                     cache_prompt=frame.cache_prompt)
+        if frame.images:  # the prompt is the expanded one: its images' spans, hashes and tower rows ride along
+            if core.vision is None:
+                raise InvalidRequestError(f"{core.model_name} does not accept images (a text-only model)", "messages")
+            request.images = spans_from_wire(frame.images, len(frame.prompt_token_ids), core.model_config.hidden_size,
+                                             core.dtype, core.device)
+            request.cache_prompt = request.cache_prompt and core.config.vlm_prefix_cache
+        request.rope_positions = rope_from_wire(frame.rope_positions, len(frame.prompt_token_ids))
+        request.rope_delta = frame.rope_delta
         for token in frame.output_token_ids:
             request.append_output_token(token)
         if request.error is not None:  # the prefill node's masks allowed it: a different grammar here

@@ -71,6 +71,7 @@ class HealthMonitor:
             if isinstance(answer, NodeInfoFrame):
                 pool.set_models(node, answer.models)  # before it (re)joins the rotation
                 pool.set_http_address(node, answer.http_address)
+                node.image_marker = answer.image_marker
         except (PeerClosed, WireError, *_TRANSPORT_ERRORS):
             pass  # accepting is what makes it online
         finally:

@@ -63,6 +63,12 @@ async def compile_grammar(core, params: SamplingParams) -> None:
         raise refuse(400, str(exc), "invalid_request", exc.param) from None
 
 
+def image_marker_of(core) -> str | None:
+    """The image marker text of an engine's vision model (None: a text model, or no engine)."""
+    vision = getattr(core, "vision", None)
+    return vision.processor.image_marker if vision is not None else None
+
+
 def logprobs_to_wire(logprobs: list[TokenLogprob]) -> list[LogprobWire]:
     return [LogprobWire(lp.token_id, lp.logprob, list(lp.top)) for lp in logprobs]
 
@@ -74,14 +80,16 @@ def logprobs_from_wire(logprobs: list[LogprobWire]) -> list[TokenLogprob]:
 class FrameServer:
     """Accepts one request frame per connection and hands it to `handle(frame, reader, writer)`; answers
     an InfoFrame itself. `models`: the ids its GET /v1/models lists (empty: unknown, nothing is checked);
-    `http_address`: where its own HTTP API listens (None: not said)."""
+    `http_address`: where its own HTTP API listens (None: not said); `image_marker`: its vision model's marker text."""
 
     role = "node"
 
-    def __init__(self, bind: str, models: Sequence[str] = (), http_address: str | None = None) -> None:
+    def __init__(self, bind: str, models: Sequence[str] = (), http_address: str | None = None,
+                 image_marker: str | None = None) -> None:
         self.bind = bind
         self.models = list(models)
         self.http_address = http_address
+        self.image_marker = image_marker  # its model's image marker (None: no tower): the router renders with it
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self.num_bad_frames = 0
@@ -128,7 +136,7 @@ class FrameServer:
                 return
             if isinstance(frame, InfoFrame):
                 await _try_send(writer, NodeInfoFrame(role=self.role, models=self.models,
-                                                      http_address=self.http_address))
+                                                      http_address=self.http_address, image_marker=self.image_marker))
                 return
             try:
                 await self.handle(frame, reader, writer)

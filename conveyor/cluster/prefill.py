@@ -13,14 +13,16 @@ error frame; its blocks here were freed at the handoff.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from conveyor.cluster import transport
-from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, logprobs_to_wire, refuse, \
-    run_unless_closed, to_sampling_params, to_wire
+from conveyor.cluster.images import images_from_wire, spans_to_wire
+from conveyor.cluster.node import _TRANSPORT_ERRORS, FrameServer, compile_grammar, image_marker_of, logprobs_to_wire, \
+    refuse, run_unless_closed, to_sampling_params, to_wire
 from conveyor.cluster.transport import PeerClosed
 from conveyor.cluster.wire import DECODE_LOST, WRONG_MODEL, ErrorFrame, Frame, GenerateFrame, HandoffFrame, KVPayload, \
     TokenFrame, WireError
@@ -75,7 +77,7 @@ class PrefillNode(FrameServer):
 
     def __init__(self, engine: AsyncEngine, config: ClusterConfig, models: Sequence[str] = (),
                  http_address: str | None = None) -> None:
-        super().__init__(config.serving_bind or "", models, http_address)
+        super().__init__(config.serving_bind or "", models, http_address, image_marker_of(engine.core))
         self.engine = engine
         self.core = engine.core
         self.decode_peers = config.decode_peer_list
@@ -102,9 +104,14 @@ class PrefillNode(FrameServer):
         except InvalidRequestError as exc:
             raise refuse(400, str(exc), "invalid_request", exc.param) from None
         await compile_grammar(core, params)
+        try:  # images: hashed, then resized and normalized by the family's processor, off the event loop
+            images = await asyncio.to_thread(images_from_wire, frame.images) if frame.images else []
+        except ValueError as exc:
+            raise refuse(400, str(exc), "invalid_request", "messages") from None
+        make = functools.partial(core.make_request, frame.prompt_token_ids, params, frame.request_id,
+                                 priority=frame.priority, cache_prompt=frame.cache_prompt, images=images)
         try:
-            request = core.make_request(frame.prompt_token_ids, params, frame.request_id, priority=frame.priority,
-                                        cache_prompt=frame.cache_prompt)
+            request = await asyncio.to_thread(make) if images else make()
         except InvalidRequestError as exc:
             raise refuse(400, str(exc), "invalid_request", exc.param) from None
         core.kv_transfer.mark_for_handoff(request.request_id)
@@ -156,11 +163,7 @@ class PrefillNode(FrameServer):
 
     async def _relay(self, handoff: KVHandoff, targets: list[str], writer: asyncio.StreamWriter) -> None:
         request = handoff.request
-        frame = HandoffFrame(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                             output_token_ids=request.output_token_ids, sampling=to_wire(request.sampling_params),
-                             kv=KVPayload(**vars(handoff.kv)), priority=request.priority,
-                             cache_prompt=request.cache_prompt, num_cached_tokens=request.num_cached_tokens,
-                             rng_state=handoff.rng_state, model=self.models[0] if self.models else None)
+        frame = handoff_frame(handoff, self.models[0] if self.models else None)
         opened = await self._open_decode(frame, targets)
         if isinstance(opened, str):
             await transport.write_frame(writer, error_token_frame(request.request_id, opened, DECODE_LOST))
@@ -217,6 +220,19 @@ class PrefillNode(FrameServer):
             stats.by_decode[address] = stats.by_decode.get(address, 0) + 1
             return address, reader, writer, first
         return "no decode node took the handoff (" + "; ".join(errors) + ")"
+
+
+def handoff_frame(handoff: KVHandoff, model: str | None) -> HandoffFrame:
+    """The sequence after its first token, for a decode node: tokens (the expanded prompt), sampling, KV, generator,
+    and an image sequence's spans, tower rows and rotary positions (cluster/images.py)."""
+    request = handoff.request
+    rope = [list(axis) for axis in request.rope_positions] if request.rope_positions is not None else None
+    return HandoffFrame(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids, sampling=to_wire(request.sampling_params),
+                        kv=KVPayload(**vars(handoff.kv)), priority=request.priority, cache_prompt=request.cache_prompt,
+                        num_cached_tokens=request.num_cached_tokens, rng_state=handoff.rng_state, model=model,
+                        images=spans_to_wire(request.images, handoff.image_rows), rope_positions=rope,
+                        rope_delta=request.rope_delta)
 
 
 def token_frame(out: RequestOutput, node: str, finished: bool | None = None) -> TokenFrame:

@@ -41,6 +41,7 @@ class Node:
     last_change: float = field(default_factory=time.time)
     models: tuple[str, ...] | None = None  # the ids its GET /v1/models lists; None: not said (yet)
     http_address: str | None = None  # host:port of its own HTTP API, as the router dials it; None: not said
+    image_marker: str | None = None  # its vision model's image marker text (None: no tower, or not said)
 
     @property
     def online(self) -> bool:

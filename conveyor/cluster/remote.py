@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor.cluster import transport
 from conveyor.cluster.node import _TRANSPORT_ERRORS, logprobs_from_wire
 from conveyor.cluster.registry import Node, Registry
 from conveyor.cluster.transport import PeerClosed
-from conveyor.cluster.wire import DECODE_LOST, WRONG_MODEL, ErrorFrame, GenerateFrame, SamplingWire, TokenFrame, \
-    WireError
+from conveyor.cluster.wire import DECODE_LOST, WRONG_MODEL, ErrorFrame, GenerateFrame, ImageWire, SamplingWire, \
+    TokenFrame, WireError
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.sampling_params import GREEDY_TEMPERATURE
 
@@ -66,6 +66,7 @@ class RemoteRequest:
     priority: int = 0
     cache_prompt: bool = True
     model: str | None = None  # only nodes serving it are picked (None: any node)
+    images: list[ImageWire] = field(default_factory=list)  # one per image marker in the prompt
 
     @property
     def deterministic(self) -> bool:
@@ -98,7 +99,7 @@ class RemoteRequest:
             attempt += 1
             frame = GenerateFrame(request_id=f"{self.request_id}-{attempt}", prompt_token_ids=self.prompt_token_ids,
                                   sampling=self.sampling, priority=self.priority, cache_prompt=self.cache_prompt,
-                                  decode_target=decode.address, model=self.model)
+                                  decode_target=decode.address, model=self.model, images=self.images)
             skip, skip_tokens = num_chars_sent, num_tokens_sent
             writer = None
             node.num_in_flight += 1

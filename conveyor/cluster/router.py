@@ -28,14 +28,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from conveyor.cluster.dashboard import router_snapshot
 from conveyor.cluster.forward import PoolingForwarder, add_pooling_routes
 from conveyor.cluster.health import HealthMonitor
+from conveyor.cluster.images import images_to_wire
 from conveyor.cluster.models import ModelDispatch, RoutedModel, add_model_routes, model_card
 from conveyor.cluster.node import to_wire
 from conveyor.cluster.registry import Registry
 from conveyor.cluster.remote import DispatchError, RemoteRequest, no_decode, no_prefill, overloaded
+from conveyor.cluster.wire import ImageWire
 from conveyor.config import ClusterConfig, ServerConfig
 from conveyor.engine.outputs import RequestOutput
 from conveyor.errors import InvalidRequestError
 from conveyor.loading import Tokenizer
+from conveyor.multimodal.image_fetch import ImagePolicy
 from conveyor.server import errors
 from conveyor.server.apis import add_agent_routes, chat_completions
 from conveyor.server.apis.response_store import ResponseStore
@@ -108,16 +111,25 @@ class RouterServing(ServingFront):
 
     def __init__(self, registry: Registry, tokenizer: Tokenizer, model_id: str, model_name: str,
                  max_queue_depth: int, metrics: RouterMetrics, reasoning_parser: str = "auto",
-                 template_kwargs: dict | None = None, strict_model_name: bool = False) -> None:
-        super().__init__(tokenizer, model_id, model_name, reasoning_parser, template_kwargs, strict_model_name)
+                 template_kwargs: dict | None = None, strict_model_name: bool = False,
+                 image_policy: ImagePolicy | None = None) -> None:
+        super().__init__(tokenizer, model_id, model_name, reasoning_parser, template_kwargs, strict_model_name,
+                         image_policy)
         self.registry = registry
         self.max_queue_depth = max_queue_depth
         self.metrics = metrics
         self.num_awaiting_first_token = 0
 
+    # Images: decoded and checked here with a node's code and limits (the same 400s), rendered with the marker the
+    # model's prefill nodes say (their NodeInfoFrame), sent to the prefill node as RGB (cluster/images.py).
     def image_refusal(self) -> str | None:
-        # The KV handoff and the prefill frames carry token ids only (docs/vision.md, "Not yet").
-        return "image requests are not routed by the cluster yet: send them to a node serving a vision model"
+        """A node's 400 when the model's online prefill nodes have no tower (none online: the 503 comes later)."""
+        nodes = self.registry.prefill.online(self.model_id)
+        return super().image_refusal() if nodes and self.image_marker() is None else None
+
+    def image_marker(self) -> str | None:
+        nodes = self.registry.prefill.online(self.model_id)
+        return next((n.image_marker for n in nodes if n.image_marker is not None), None)
 
     # -- running ---------------------------------------------------------------------------
     def _admit(self, num_requests: int = 1) -> None:
@@ -135,7 +147,7 @@ class RouterServing(ServingFront):
             stats.num_rejected_overloaded += 1
             raise _api_error(overloaded())
 
-    def _remotes(self, http: Request, plan: RequestPlan) -> list[RemoteRequest]:
+    def _remotes(self, http: Request, plan: RequestPlan, images: list[ImageWire]) -> list[RemoteRequest]:
         """n requests per prompt with the node's per-choice sampling (validated here, with a node's 400s);
         max_tokens stays unset when the body leaves it, for the prefill node's context window to fill."""
         body = plan.body
@@ -152,11 +164,13 @@ class RouterServing(ServingFront):
             for i, params in enumerate(choices):
                 wire = msgspec.structs.replace(to_wire(params), max_tokens=plan.max_tokens)
                 remotes.append(RemoteRequest(self.registry, f"{base_id}-{p * plan.n + i}", prompt, wire,
-                                             priority=rank, cache_prompt=body.cache_prompt, model=self.model_id))
+                                             priority=rank, cache_prompt=body.cache_prompt, model=self.model_id,
+                                             images=images))
         return remotes
 
     async def start(self, http: Request, plan: RequestPlan, arrival: float) -> RemoteGroup:
-        remotes = self._remotes(http, plan)
+        images = await asyncio.to_thread(images_to_wire, plan.images) if plan.images else []
+        remotes = self._remotes(http, plan, images)
         self._admit(len(remotes))
         self.registry.stats.num_requests += len(remotes)
         group = RemoteGroup(self, remotes, arrival)
@@ -271,7 +285,8 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     monitor = HealthMonitor(registry, cluster.health_check_interval)
     metrics = RouterMetrics(registry)
     servings = [RouterServing(registry, m.tokenizer, m.model_id, m.name, max_queue_depth, metrics,
-                              server.reasoning_parser, server.template_kwargs, server.strict_model_name)
+                              server.reasoning_parser, server.template_kwargs, server.strict_model_name,
+                              ImagePolicy.from_config(server))
                 for m in models]
     limits = RequestLimits.from_config(server)  # the same request limits as a single node
     store = ResponseStore(server.responses_store_max, server.responses_store_max_bytes)  # shared: GET finds any

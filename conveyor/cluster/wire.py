@@ -16,8 +16,9 @@ import msgspec
 
 MAGIC = b"CNVY"
 # 2: TokenFrame.stop_sequence; 3: InfoFrame / NodeInfoFrame and the model a generate or handoff frame is for;
-# 4: NodeInfoFrame.http_address (frames refuse unknown fields, so peers must agree)
-VERSION = 4
+# 4: NodeInfoFrame.http_address; 5: images (GenerateFrame.images, HandoffFrame.images and rotary fields,
+# NodeInfoFrame.image_marker). Frames refuse unknown fields, so peers must agree.
+VERSION = 5
 HEADER = struct.Struct(">4sBI")  # magic, version, body length
 MAX_FRAME_BYTES = 1 << 30
 # TokenFrame.error_code when the stream's decode side is gone (no decode node took the handoff, or it
@@ -58,6 +59,30 @@ class SamplingWire(msgspec.Struct, forbid_unknown_fields=True):
     grammar: GrammarWire | None = None  # response_format / guided_* / a forced tool call
 
 
+class ImageWire(msgspec.Struct, forbid_unknown_fields=True):
+    """One image of a routed request as the router decoded and checked it (ImageInput): RGB rows, width x height x 3
+    bytes. The prefill node hashes it itself and runs its own processor and tower on it."""
+
+    width: int
+    height: int
+    rgb: bytes
+
+
+class ImageSpanWire(msgspec.Struct, forbid_unknown_fields=True):
+    """One image of a handed-off sequence: its place in the expanded prompt (an ImageItem without pixels; its hash
+    keys the blocks it overlaps) and the tower's output rows, (num_embeds, hidden) in `dtype`, so a decode node that
+    re-prefills the sequence (no free block at arrival, a preemption) needs neither pixels nor a tower run."""
+
+    content_hash: str
+    offset: int
+    num_tokens: int
+    embed_runs: list[tuple[int, int]]
+    rows: bytes
+    dtype: str
+    hidden: int
+    bidirectional: bool = False
+
+
 class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     """Router -> prefill node: one request. decode_target is optional (absent: --decode-peers); model is the
     id the router routed it by (None: whatever the node serves)."""
@@ -69,6 +94,7 @@ class GenerateFrame(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     cache_prompt: bool = True
     decode_target: str | None = None
     model: str | None = None
+    images: list[ImageWire] = []  # one per image marker in prompt_token_ids, in order
 
 
 class KVPayload(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -100,6 +126,11 @@ class HandoffFrame(msgspec.Struct, tag="handoff", forbid_unknown_fields=True):
     num_cached_tokens: int = 0
     rng_state: bytes | None = None  # the seeded request's generator after its first draw
     model: str | None = None  # the prefill node's model id: a decode node serving another refuses it
+    # Image sequences: prompt_token_ids is the expanded prompt; its images; multimodal rotary (Qwen-VL) positions
+    # of the prompt (t, h, w) and the delta later rows add (Request.rope_positions / rope_delta).
+    images: list[ImageSpanWire] = []
+    rope_positions: list[list[int]] | None = None
+    rope_delta: int = 0
 
 
 class LogprobWire(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -148,6 +179,7 @@ class NodeInfoFrame(msgspec.Struct, tag="node_info", forbid_unknown_fields=True)
     role: str
     models: list[str]
     http_address: str | None = None
+    image_marker: str | None = None  # the model's image marker text (VisionProcessor.image_marker); None: no tower
 
 
 Frame = GenerateFrame | HandoffFrame | TokenFrame | ErrorFrame | InfoFrame | NodeInfoFrame

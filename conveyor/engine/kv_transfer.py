@@ -80,6 +80,8 @@ class KVHandoff:
     request: Request
     kv: KVBlob
     rng_state: bytes | None = None
+    # Image sequences: each image's tower output, in request.images order (the decode node re-prefills from them)
+    image_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -153,7 +155,15 @@ class KVTransfer:
                       cache_type_k=core.kv_types.k, cache_type_v=core.kv_types.v, values_in_keys=values_in_keys)
         self.stats.num_exported += 1
         self.stats.exported_bytes += len(blob.data)
-        return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id))
+        return KVHandoff(request, blob, core.runner.sampler.generator_state(request.request_id),
+                         [self._image_rows(item) for item in request.images])
+
+    def _image_rows(self, item) -> torch.Tensor:
+        """The rows the prefill just used: held by the encoder cache, or (evicted meanwhile) encoded again on its
+        worker, the same bits."""
+        cache = self.core.runner.encoder_cache
+        rows = cache.peek(item.content_hash) if item.embeds is None else item.embeds
+        return rows if rows is not None else cache.get(item)
 
     # -- decode side ---------------------------------------------------------------------------
     def check_layout(self, blob: KVBlob) -> None:

@@ -35,13 +35,13 @@ class EncoderCache:
         """Start encoding the images not held or under way."""
         self._collect()
         for item in items:
-            if item.content_hash not in self._rows and item.content_hash not in self._pending:
+            if item.embeds is None and item.content_hash not in self._rows and item.content_hash not in self._pending:
                 self._pending[item.content_hash] = self._worker.submit(self._encode, item)
                 self.num_encoded += 1
 
     def ready(self, item: ImageItem) -> bool:
         """Whether get(item) returns without waiting (one evicted meanwhile is submitted again)."""
-        if item.content_hash in self._rows:
+        if item.embeds is not None or item.content_hash in self._rows:
             return True
         self.prefetch([item])
         future = self._pending.get(item.content_hash)
@@ -61,6 +61,8 @@ class EncoderCache:
 
     def get(self, item: ImageItem) -> torch.Tensor:
         """(item.num_embeds, text hidden): the item's embeddings, waiting for (or starting) its encode."""
+        if item.embeds is not None:  # carried with the item (a handoff): nothing to encode
+            return item.embeds
         rows = self._rows.get(item.content_hash)
         if rows is not None:
             self._rows.move_to_end(item.content_hash)
@@ -70,6 +72,12 @@ class EncoderCache:
         rows = self._pending.pop(item.content_hash).result()  # an encode's exception fails this step's rows
         self._keep(item.content_hash, rows)
         return rows
+
+    def peek(self, content_hash: str) -> torch.Tensor | None:
+        """The rows held for an image, if any, without counting a hit or refreshing its place (a KV handoff's
+        export reads them)."""
+        self._collect()
+        return self._rows.get(content_hash)
 
     def _keep(self, content_hash: str, rows: torch.Tensor) -> None:
         self._rows[content_hash] = rows

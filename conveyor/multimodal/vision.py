@@ -49,6 +49,9 @@ class ImageItem:
     # a run in one chunk and the runner extends those rows' causal limit to the run's end.
     bidirectional: bool = False
     extras: dict[str, Any] = field(default_factory=dict)  # family data (Qwen-VL's grid_thw, ...)
+    # The tower's output, when it came with the item instead of pixels (a handed-off image on a decode node:
+    # cluster/images.py); the encoder cache returns it as it is and never encodes such an item.
+    embeds: torch.Tensor | None = None
 
     @property
     def end(self) -> int:

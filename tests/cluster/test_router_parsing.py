@@ -126,9 +126,18 @@ def test_a_relay_that_breaks_ends_its_choice_with_an_error():
     assert broken.closed and serving.registry.stats.num_failed == 1
 
 
-def test_the_router_refuses_images_before_any_node_sees_them():
+def test_the_router_answers_images_as_its_nodes_would():
+    """A model whose prefill nodes have no tower: a node's own 400, before any node sees the image; nodes that say
+    their image marker: the router renders the template with it (the image goes on to the prefill node)."""
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
-    with pytest.raises(APIError, match="not routed by the cluster") as refused:
-        asyncio.run(_serving().plan_chat(body))
+    registry = Registry(["p:1"], ["d:2"])
+    serving = RouterServing(registry, smollm_tokenizer(), "m", "m", 4, RouterMetrics(registry), "think")
+    with pytest.raises(APIError, match="model m does not accept images") as refused:
+        asyncio.run(serving.plan_chat(body))
     assert refused.value.status == 400 and refused.value.param == "messages.[0].content.[1]"
+    registry.prefill.nodes[0].image_marker = "<|im_start|>"
+    assert serving.image_refusal() is None and serving.image_marker() == "<|im_start|>"
+    with pytest.raises(APIError, match="image 1: .*not an image") as refused:  # decoded here: a node's 400
+        asyncio.run(serving.plan_chat(body))
+    assert refused.value.param == "messages.[0].content.[1]"
