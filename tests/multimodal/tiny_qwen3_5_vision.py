@@ -1,0 +1,71 @@
+"""A tiny random Qwen3_5ForConditionalGeneration (hybrid text tower + Qwen3.5's ViT) with a tokenizer and processor
+built here: 8 px patches merged 2 x 2 (16 px units), images smart-resized to 256..4096 pixels, so up to 16 image
+tokens each; a 4 x 4 learned position table resampled to every grid."""
+
+from __future__ import annotations
+
+import numpy as np
+import tokenizers
+import torch
+from PIL import Image
+from tokenizers import models
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+           "<|video_pad|>"]
+IMAGE, START, END, VIDEO = (SPECIAL.index(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                                                       "<|video_pad|>"))
+PATCH, MERGE, MIN_PIXELS, MAX_PIXELS = 8, 2, 256, 4096
+MEAN, STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+
+
+def tiny_tokenizer() -> tokenizers.Tokenizer:
+    vocab = {t: i for i, t in enumerate(SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    return tok
+
+
+def hf_image_processor(transformers):
+    return transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+                                                 patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
+                                                 image_mean=MEAN, image_std=STD)
+
+
+def hf_tokenizer(transformers):
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(), eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+
+
+def processor_config() -> dict:
+    return {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": PATCH,
+            "merge_size": MERGE, "temporal_patch_size": 2, "image_mean": MEAN, "image_std": STD}
+
+
+def hf_config(transformers, out_hidden: int = 64):
+    text = dict(vocab_size=128, hidden_size=out_hidden, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["linear_attention",
+                "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+                eos_token_id=2, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=48, num_heads=2,
+                  in_channels=3, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
+                  out_hidden_size=out_hidden, num_position_embeddings=16)
+    return transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                      video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+                                      tie_word_embeddings=False)
+
+
+def hf_model(transformers, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(hf_config(transformers)).eval()
+    with torch.no_grad():  # the default init leaves biases and the position table at zero: make them count
+        for name, p in model.model.visual.named_parameters():
+            if name.endswith("bias") or "pos_embed" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
