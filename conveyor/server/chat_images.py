@@ -22,8 +22,9 @@ def image_refs(body: ChatCompletionRequest) -> list[ImageRef]:
     for i, message in enumerate(body.messages):
         for j, part in message.image_parts():
             param = f"messages.[{i}].content.[{j}]"
-            if message.role != "user":
-                raise errors.invalid(f"images belong in user messages, not in a {message.role} message", param)
+            if message.role not in ("user", "tool"):  # (tool: Anthropic's tool_result images, in that turn)
+                raise errors.invalid(f"images belong in user messages (or tool results), not in a {message.role} "
+                                     "message", param)
             refs.append(ImageRef(url=part.url, what=f"image {len(refs) + 1}", param=param))
     return refs
 

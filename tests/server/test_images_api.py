@@ -64,9 +64,10 @@ def engine(model_dir):
                                    enable_prefix_caching=False))
 
 
-def _expected(core: EngineCore, messages: list[dict], images: list[int]) -> str:
+def _expected(core: EngineCore, messages: list[dict] | str, images: list[int]) -> str:
     """Greedy text for `messages` (template image parts) with IMAGES[i] for i in `images`, straight on the engine."""
-    text = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = messages if isinstance(messages, str) else core.tokenizer.apply_chat_template(messages,
+                                                                                         add_generation_prompt=True)
     ids = core.tokenizer.encode(text, add_special_tokens=False)
     inputs = [ImageInput.from_pil(picture(i, (40 + 8 * i, 30))) for i in images]
     request = core.make_request(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
@@ -140,6 +141,40 @@ def test_anthropic_and_responses_sdks_send_images(seeing):
                                                 input=[{"role": "user", "content": content + [
                                                     {"type": "input_text", "text": "What?"}]}])
     assert response.output_text.strip() == chat
+    _idle_and_clean(seeing)
+
+
+def test_images_inside_anthropic_tool_results(seeing, engine):
+    """A tool_result's image blocks reach the model in the tool message, as Anthropic passes them: the answer is the
+    one chat gives for that tool message with image_url parts, and the engine's own for that templated turn."""
+    client = anthropic.Anthropic(base_url=seeing.url, api_key="unused", max_retries=0)
+
+    def ask(i: int):
+        result = [_text("Here:"), {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                               "data": URLS[i].split(",")[1]}}]
+        return client.messages.create(model=seeing.model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+                                      messages=[{"role": "user", "content": "Fetch the picture."},
+                                                {"role": "assistant", "content": [_text("Fetching."), {
+                                                    "type": "tool_use", "id": "toolu_1", "name": "fetch",
+                                                    "input": {}}]},
+                                                {"role": "user", "content": [{"type": "tool_result",
+                                                                              "tool_use_id": "toolu_1",
+                                                                              "content": result}]}])
+    message = ask(2)
+    chat = _chat(seeing, [{"role": "user", "content": "Fetch the picture."},
+                          {"role": "assistant", "content": "Fetching.", "tool_calls": [
+                              {"id": "toolu_1", "type": "function", "function": {"name": "fetch", "arguments": "{}"}}]},
+                          {"role": "tool", "tool_call_id": "toolu_1", "content": [_text("Here:"), _image(2)]}],
+                 ignore_eos=False)
+    assert message.content[0].text.strip() == chat
+    # The template renders no tool turns: the plan's fallback writes the result as a user <tool_response> turn, the
+    # image's marker inside it.
+    prompt = ("<bos><start_of_turn>user\nFetch the picture.<end_of_turn>\n<start_of_turn>model\nFetching.\n<tool_call>\n"
+              '{"name": "fetch", "arguments": {}}\n</tool_call><end_of_turn>\n<start_of_turn>user\n<tool_response>\n'
+              "Here:<start_of_image>\n</tool_response><end_of_turn>\n<start_of_turn>model\n")
+    assert message.stop_reason == "end_turn" or message.content[0].text.strip() == _expected(engine, prompt, [2])
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > NUM_EMBEDS
+    assert ask(3).content[0].text != message.content[0].text  # the image is seen
     _idle_and_clean(seeing)
 
 

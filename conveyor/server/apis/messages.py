@@ -66,17 +66,6 @@ class ToolUseBlock(_CacheControlled):
     caller: dict | None = None
 
 
-class ToolResultBlock(_CacheControlled):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] = ""
-    is_error: bool = False
-    toolset_name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
-
-
 class Base64Source(_Body):
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
@@ -97,6 +86,29 @@ class ImageBlock(_CacheControlled):
         source = self.source
         url = source.url if isinstance(source, URLSource) else f"data:{source.media_type};base64,{source.data}"
         return {"type": "image_url", "image_url": {"url": url}}
+
+
+class ToolResultBlock(_CacheControlled):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
+    is_error: bool = False
+    toolset_name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            b.text for b in self.content if isinstance(b, TextBlock))
+
+    def chat_content(self) -> str | list[dict]:
+        """The tool message's content: its text, or (with images, as Anthropic passes them to the model) chat's parts
+        in order, so the template renders the images in the tool message."""
+        error = "Error: " if self.is_error else ""
+        if isinstance(self.content, str) or not any(isinstance(b, ImageBlock) for b in self.content):
+            return error + self.text()
+        parts = [{"type": "text", "text": error}] if error else []
+        for block in self.content:
+            parts.append(block.chat_part() if isinstance(block, ImageBlock) else {"type": "text", "text": block.text})
+        return parts
 
 
 class ThinkingBlock(_Body):
@@ -220,10 +232,10 @@ def _refused_fields(data: dict, ignore_hosted: bool) -> None:
                                      f"{', '.join(sorted(_BLOCK_TYPES))})", f"{where}.type")
             if kind == "image":
                 _check_image_source(block.get("source"), where)
-            if kind == "tool_result" and any(isinstance(b, dict) and b.get("type") == "image"
-                                             for b in _list(block.get("content"))):
-                raise errors.invalid("images inside tool_result blocks are not supported: send the image as an "
-                                     "image block of the user turn", f"{where}.content")
+            if kind == "tool_result":  # its images go to the model in the tool message (server/chat_images.py)
+                for k, inner in enumerate(_list(block.get("content"))):
+                    if isinstance(inner, dict) and inner.get("type") == "image":
+                        _check_image_source(inner.get("source"), f"{where}.content.[{k}]")
             if isinstance(block, dict) and block.get("citations"):
                 raise errors.invalid("citations are not supported", f"{where}.citations")
 
@@ -324,9 +336,7 @@ def _user_turn(blocks: list, calls: set[str], index: int) -> list[dict]:
             if block.tool_use_id not in calls:
                 raise errors.invalid(f"tool_result names tool_use_id {block.tool_use_id!r}, which no earlier "
                                      f"assistant tool_use block has", f"messages.[{index}].content")
-            result = block.text()
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": f"Error: {result}" if block.is_error else result})
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.chat_content()})
         elif isinstance(block, TextBlock):
             text += block.text
         elif isinstance(block, ImageBlock):

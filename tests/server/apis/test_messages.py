@@ -186,7 +186,12 @@ def test_sixteen_concurrent_greedy_equal_one_at_a_time(serve_tiny):
         "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "does not accept images"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}]}]}]}, "inside tool_result"),
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}]}, "source type 'file'"),
+    ({"max_tokens": 4, "messages": [  # tool_result images are taken (tests/server/test_images_api.py): a text model's 400
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "look", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}]}, "does not accept images"),
     ({"max_tokens": 4, "messages": CHAT, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "web_search"),
     ({"max_tokens": 4, "messages": CHAT, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
