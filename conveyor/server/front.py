@@ -66,7 +66,7 @@ class ServingFront(ABC):
         return f"model {self.model_id} does not accept images (a text-only model)"
 
     def image_marker(self) -> str | None:
-        """The text of the model's image marker (None: no vision model here, or the router that does not know)."""
+        """The text of the model's image marker (None: no vision model here; the router asks its prefill nodes)."""
         return None
 
     def plan_completion(self, body: CompletionRequest) -> RequestPlan:
