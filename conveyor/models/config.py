@@ -126,6 +126,9 @@ class ModelConfig:
     mla: MLADims | None = None
     # --- hybrid models (models/hybrid.py): recurrent layers beside attention, named in layer_types --
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims only (Qwen3.5: 0.25)
+    # Interleaved multimodal rotary (Qwen3.5 / Qwen3-VL): frequencies per axis (t, h, w); used only where a forward
+    # gets rope_positions (image prompts), text positions rotate as plain rope. (): none.
+    mrope_section: tuple[int, ...] = ()
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
     conv_kernel_size: int = 0  # the short convolution's width (LFM2's L_cache, DeltaNet's and Mamba2's conv)
     conv_bias: bool = False

@@ -24,8 +24,9 @@ from conveyor.models.hybrid_base import Getter, LayerContext, NormGetter, conv_w
 from conveyor.models.hybrid_layout import MixerSpec, embedding_name, final_norm_name, layer_prefix, sublayers
 from conveyor.models.hybrid_mlp import GatedMLP, MoEMixer, SquaredReluMixer
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
-from conveyor.models.llama import LlamaAttention
+from conveyor.models.llama import Embeds, LlamaAttention
 from conveyor.models.mamba2_mixer import Mamba2Mixer
+from conveyor.models.mrope import mrope_tables
 from conveyor.models.tensors import Weight
 from conveyor.models.weights import WeightLoader, load_ends, tensor_getters
 
@@ -236,20 +237,32 @@ class HybridForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, caches, meta, logits_indices))
+                logits_indices: torch.Tensor, embeds: Embeds | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions (T,) -> float32 logits (len(logits_indices), vocab). `embeds`: (rows, values) put in
+        place of those rows' token embeddings (image rows); `rope_positions` (3, T): multimodal rotary positions
+        (Qwen3.5's interleaved M-RoPE), None: `positions`."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, caches, meta, logits_indices, embeds,
+                                                      rope_positions))
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list, meta: AttentionMetadata,
-                      rows: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, embeds: Embeds | None = None,
+                      rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions (T,) -> the final-normed hidden states (len(rows), hidden) of the token rows `rows`:
         what the head reads, and what an MTP head (models/mtp.py) drafts from."""
         cfg = self.config
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier  # a Python float, as transformers' Granite and Falcon-H1 scale
-        rope = self.rotary.tables(positions, x.dtype) if self.rotary is not None else None
+        if embeds is not None:  # image rows: the tower's output as is
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+        if self.rotary is None:
+            rope = None
+        elif rope_positions is not None and cfg.mrope_section:
+            rope = mrope_tables(self.rotary, rope_positions, cfg.mrope_section, x.dtype)
+        else:
+            rope = self.rotary.tables(positions, x.dtype)
         ctx = LayerContext(rope, caches, meta)
         residual = None
         for layer in self.layers:

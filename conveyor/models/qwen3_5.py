@@ -53,7 +53,14 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
         linear_key_head_dim=int(raw["linear_key_head_dim"]), linear_value_head_dim=int(raw["linear_value_head_dim"]),
         attention_bias=bool(raw.get("attention_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        mrope_section=_mrope_section(raw),
     )
+
+
+def _mrope_section(raw: dict[str, Any]) -> tuple[int, ...]:
+    """The interleaved M-RoPE sections (t, h, w) image prompts rotate by (transformers' default [11, 11, 10])."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return tuple(int(n) for n in rope.get("mrope_section") or (11, 11, 10))
 
 
 def shared_expert_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ multimodal rotary positions of get_rope_index), the tower (Conv3d patch embed as
 bilinearly resampled to the grid, 2D axial rotary q / k, LayerNorm blocks, the 2 x 2 patch merger), as transformers'
 Qwen2VLImageProcessorPil / Qwen3VLProcessor / Qwen3_5VisionModel compute them.
 
-NOTE: not in vision._BUILDERS yet: the text model must take `rope_positions` first (docs/vision.md step 4).
+The text model (models/hybrid.py) rotates image prompts by `rope_positions` (models/mrope.py).
 
     prompt   <|vision_start|> <|image_pad|> <|vision_end|>
     expanded <|vision_start|> <|image_pad|> x (grid_h / 2) (grid_w / 2) <|vision_end|>   embed_runs = ((0, N),)

@@ -124,6 +124,8 @@ _BUILDERS: dict[str, str] = {
     "smolvlm": "conveyor.multimodal.idefics3:build_vision",
     "mistral3": "conveyor.multimodal.pixtral:build_vision",
     "llava": "conveyor.multimodal.pixtral:build_vision",  # Pixtral 12B (other Llava towers: a load error)
+    "qwen3_5": "conveyor.multimodal.qwen3_vl:build_vision",
+    "qwen3_5_moe": "conveyor.multimodal.qwen3_vl:build_vision",
 }
 
 

@@ -63,6 +63,26 @@ def hf_model(transformers, seed: int = 0):
         for name, p in model.model.visual.named_parameters():
             if name.endswith("bias") or "pos_embed" in name:
                 p.normal_(0, 0.5)
+        # text: fan-in scaled weights (at initializer_range 0.02 attention is uniform and positions change nothing)
+        for name, p in model.named_parameters():
+            if "visual" in name or "A_log" in name or "dt_bias" in name:
+                continue
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() > 1:
+                fan_in = p[0].numel()
+                p.normal_(0.0, (3.0 if "q_proj" in name or "k_proj" in name else 1.0) / fan_in ** 0.5)
+    return model
+
+
+def write_model_dir(path, transformers, seed: int = 0):
+    """The model, its tokenizer and image processor saved as a Hub directory; returns the HF model."""
+    model = hf_model(transformers, seed)
+    model.save_pretrained(path)
+    hf_tokenizer(transformers).save_pretrained(path)
+    hf_image_processor(transformers).save_pretrained(path)
     return model
 
 
