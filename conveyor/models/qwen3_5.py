@@ -99,8 +99,9 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
         linear_num_key_heads=int(need(meta, "ssm.group_count")), linear_num_value_heads=value_heads,
         linear_key_head_dim=int(need(meta, "ssm.state_size")),
         linear_value_head_dim=int(need(meta, "ssm.inner_size")) // value_heads,
-        # rope.dimension_sections (multimodal rope) is ignored: text positions rotate as plain rope
         partial_rotary_factor=int(meta("rope.dimension_count") or head_dim) / head_dim,
+        # the M-RoPE sections (t, h, w, and a 4th llama.cpp pads with 0): used by image prompts only
+        mrope_section=tuple(int(n) for n in (meta("rope.dimension_sections") or (11, 11, 10))[:3]),
         attn_output_gate=True,
         norm_weight_offset=0.0,  # NOTE: the converter stored 1 + w already (exact; subtracting 1 would not be)
         **attention_fields(types, tensors))

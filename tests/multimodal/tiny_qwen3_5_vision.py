@@ -89,3 +89,50 @@ def write_model_dir(path, transformers, seed: int = 0):
 def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def write_mmproj(path, model) -> None:
+    """The tower as llama.cpp's converter writes it (convert_hf_to_gguf.py --mmproj, conversion/qwen3vl.py's
+    Qwen3VLVisionModel): `v.*` / `mm.*` names, the Conv3d kernel split into its two frames, projector type
+    qwen3vl_merger, the text model's RMSNorm epsilon as the layer norm's."""
+    import gguf
+
+    cfg = model.config
+    vision = cfg.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", cfg.text_config.hidden_size)
+    writer.add_uint32("clip.vision.image_size", int(vision.num_position_embeddings ** 0.5 * vision.patch_size))
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
+    writer.add_uint32("clip.vision.block_count", vision.depth)
+    writer.add_uint32("clip.vision.attention.head_count", vision.num_heads)
+    writer.add_array("clip.vision.image_mean", MEAN)
+    writer.add_array("clip.vision.image_std", STD)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.spatial_merge_size", vision.spatial_merge_size)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.text_config.rms_norm_eps)
+    layer = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
+             "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
+    other = {"pos_embed": "v.position_embd", "merger.norm": "v.post_ln", "merger.linear_fc1": "mm.0",
+             "merger.linear_fc2": "mm.2", "patch_embed.proj": "v.patch_embd"}
+    prefix = "model.visual."
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(prefix):
+            continue
+        data = tensor.detach().float().numpy()
+        stem, kind = name[len(prefix):].rsplit(".", 1)
+        if stem == "patch_embed.proj" and kind == "weight":
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(data[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(data[:, :, 1]))
+        elif stem.startswith("blocks."):
+            _, index, part = stem.split(".", 2)
+            writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", data)
+        else:
+            writer.add_tensor(f"{other[stem]}.{kind}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

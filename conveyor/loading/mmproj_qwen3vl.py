@@ -1,0 +1,69 @@
+"""llama.cpp's `qwen3vl_merger` projector GGUF (convert_hf_to_gguf.py --mmproj of a Qwen3_5ForConditionalGeneration:
+conversion/qwen3vl.py's Qwen3VLVisionModel) as the VisionCheckpoint multimodal/qwen3_vl.py loads.
+
+The converter splits the Conv3d patch kernel into its two frames (v.patch_embd.weight and .weight.1: stacked back
+here) and writes no temporal patch size (it requires 2), no rope theta (clip.cpp: 10000) and no pixel limits:
+clip.cpp's Qwen-VL limits (8 to 4096 merged tokens per image) stand in for the HF processor's. Its
+layer_norm_epsilon is the text model's RMSNorm epsilon; the tower's LayerNorms use transformers' hard-coded 1e-6.
+DeepStack layers (Qwen3-VL) are refused: multimodal/qwen3_vl.py runs Qwen3.5's tower.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from conveyor.loading.checkpoint import LoadError
+
+TOWER = "model.visual."
+_LAYER = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_up": "mlp.linear_fc1",
+          "ffn_down": "mlp.linear_fc2"}
+_OTHER = {"v.patch_embd": "patch_embed.proj", "v.position_embd": "pos_embed", "v.post_ln": "merger.norm",
+          "mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2"}
+MIN_TOKENS, MAX_TOKENS = 8, 4096  # clip.cpp's set_limit_image_tokens for Qwen-VL projectors
+
+
+def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any, path: str,
+                       model_type: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
+    if any(meta("clip.vision.is_deepstack_layers", []) or []):
+        raise LoadError(f"{path}: a Qwen3-VL projector with DeepStack layers is not supported (Qwen3.5's is)")
+    image = tokenizer.token_to_id("<|image_pad|>")
+    if image is None:
+        raise LoadError(f"{path}: the text model's vocabulary has no <|image_pad|> (not a Qwen vision model?)")
+    weights: dict[str, torch.Tensor] = {}
+    frames = [tensors.pop("v.patch_embd.weight", None), tensors.pop("v.patch_embd.weight.1", None)]
+    if frames[0] is None or frames[1] is None:
+        raise LoadError(f"{path}: the projector has no two-frame patch embedding (v.patch_embd.weight, .weight.1)")
+    weights[TOWER + "patch_embed.proj.weight"] = torch.stack(frames, dim=2)  # (out, C, T=2, P, P)
+    for name, tensor in tensors.items():
+        stem, _, kind = name.rpartition(".")
+        if stem.startswith("v.blk."):
+            _, _, layer, part = stem.split(".", 3)
+            if part not in _LAYER:
+                raise LoadError(f"{path}: unexpected projector tensor {name}")
+            weights[f"{TOWER}blocks.{layer}.{_LAYER[part]}.{kind}"] = tensor
+        elif stem in _OTHER:
+            weights[f"{TOWER}{_OTHER[stem]}.{kind}"] = tensor
+        else:
+            raise LoadError(f"{path}: unexpected projector tensor {name}")
+    patch, merge = int(meta("clip.vision.patch_size")), int(meta("clip.vision.spatial_merge_size", 2))
+    width = int(meta("clip.vision.projection_dim"))
+    positions = weights[TOWER + "pos_embed.weight"].shape[0]
+    if math.isqrt(positions) ** 2 != positions:
+        raise LoadError(f"{path}: {positions} position embeddings are not a square grid")
+    vision = {"depth": int(meta("clip.vision.block_count")), "hidden_size": int(meta("clip.vision.embedding_length")),
+              "intermediate_size": int(meta("clip.vision.feed_forward_length")),
+              "num_heads": int(meta("clip.vision.attention.head_count")), "in_channels": 3, "patch_size": patch,
+              "spatial_merge_size": merge, "temporal_patch_size": 2, "out_hidden_size": width,
+              "num_position_embeddings": positions, "hidden_act": "gelu_pytorch_tanh"}
+    config = {"model_type": model_type, "image_token_id": image, "vision_config": vision,
+              "text_config": {"hidden_size": width}}
+    area = (patch * merge) ** 2
+    processor = {"size": {"shortest_edge": MIN_TOKENS * area, "longest_edge": MAX_TOKENS * area},
+                 "patch_size": patch, "merge_size": merge, "temporal_patch_size": 2,
+                 "image_mean": list(meta("clip.vision.image_mean", [0.5] * 3)),
+                 "image_std": list(meta("clip.vision.image_std", [0.5] * 3))}
+    return config, processor, weights
