@@ -89,3 +89,27 @@ def test_encoder_matches_get_image_features():
         got = encoder.encode(item)
         assert got.shape == (item.num_embeds, 64)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_tower_on_the_kernels_is_close_and_repeatable():
+    """The engine's tower: bf16 with the backend's dense attention: within bf16 rounding of the fp32 tower, and the
+    same bits on every encode (the prefix cache keys on it)."""
+    from conveyor.config import kernel_settings_from_env
+    from conveyor.kernels import cpu_backend
+
+    model, ours = hf_model(transformers), _ours()
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    vision = hf_config(transformers).vision_config.to_dict()
+    fp32 = QwenVisionEncoder(vision)
+    fp32.load_hf(weights, tower_prefix(weights))
+    ops = cpu_backend(kernel_settings_from_env())
+    bf16 = QwenVisionEncoder(vision, ops)
+    bf16.load_hf(weights, tower_prefix(weights))
+    bf16.to(torch.bfloat16).eval()
+    assert all(block.ops is ops for block in bf16.blocks)
+    item = ours.expand([IMAGE], [_image(61, 47, 5)]).items[0]
+    got = bf16.encode(item)
+    assert got.dtype == torch.bfloat16 and torch.equal(bf16.encode(item), got)
+    want = fp32.encode(item)
+    error, scale = (got.float() - want).abs(), want.abs().max()
+    assert error.max() <= 0.1 * scale and error.mean() <= 0.01 * scale
