@@ -72,3 +72,23 @@ def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, 
 def test_chunk_budget_inside_an_image(model_dir, alone):
     core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
     assert _run(core, JOBS) == alone
+
+
+def test_mmproj_equals_the_hf_directory(model_dir, tmp_path):
+    """llama.cpp's qwen3vl_merger mmproj beside the directory's text model == the directory's own tower (images whose
+    resized area is inside both the directory's pixel limits and clip.cpp's, which the mmproj takes)."""
+    from dataclasses import replace
+
+    from tiny_qwen3_5_vision import hf_model, write_mmproj
+
+    from conveyor.loading.hf_loader import load_hf_dir
+
+    write_mmproj(tmp_path / "mmproj.gguf", hf_model(transformers))  # the directory's weights (same seed)
+    text_only = replace(load_hf_dir(model_dir), vision=None)
+    core = EngineCore(EngineConfig(parallel=16, block_size=8, speculative_ngram=0, enable_prefix_caching=False,
+                                   mmproj=str(tmp_path / "mmproj.gguf")), checkpoint=text_only)
+    assert core.vision is not None and core.vision.model_type == "qwen3_5"
+    images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
+    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
+    direct = _core(model_dir, enable_prefix_caching=False)
+    assert [_run(core, [job])[0] for job in jobs] == [_run(direct, [job])[0] for job in jobs]
