@@ -60,7 +60,8 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
               "spatial_merge_size": merge, "temporal_patch_size": 2, "out_hidden_size": width,
               "num_position_embeddings": positions, "hidden_act": "gelu_pytorch_tanh"}
     config = {"model_type": model_type, "image_token_id": image, "vision_config": vision,
-              "text_config": {"hidden_size": width}}
+              "vision_start_token_id": tokenizer.token_to_id("<|vision_start|>"),
+              "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>"), "text_config": {"hidden_size": width}}
     area = (patch * merge) ** 2
     processor = {"size": {"shortest_edge": MIN_TOKENS * area, "longest_edge": MAX_TOKENS * area},
                  "patch_size": patch, "merge_size": merge, "temporal_patch_size": 2,

@@ -93,7 +93,11 @@ class QwenVLProcessor:
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
         vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
         self.image_marker_id = int(raw.get("image_token_id", 248056))
-        self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
+        # The marker text a text-only template's image part becomes (request_plan.py): wrapped in the vision start /
+        # end tokens as Qwen's templates write it (llama.cpp's mtmd adds them too), so the prompt is the same.
+        wrap = [raw.get("vision_start_token_id"), self.image_marker_id, raw.get("vision_end_token_id")]
+        ids = [int(t) for t in wrap] if None not in wrap else [self.image_marker_id]
+        self.image_marker = "".join(tokenizer.decode([t], skip_special_tokens=False) for t in ids)
         self.patch = int(vision["patch_size"])
         self.merge = int(vision["spatial_merge_size"])
         self.temporal = int(vision["temporal_patch_size"])

@@ -48,3 +48,13 @@ def test_a_deepstack_projector_is_refused(sources):
     meta = lambda key, default=None: [False, True] if key == "clip.vision.is_deepstack_layers" else default  # noqa
     with pytest.raises(LoadError, match="DeepStack"):
         qwen3vl_checkpoint(meta, {}, checkpoint.tokenizer, "x.gguf", "qwen3_5")
+
+
+def test_mmproj_marker_is_wrapped(sources):
+    from conveyor.loading.mmproj import read_mmproj
+    from conveyor.multimodal.vision import build_vision
+
+    checkpoint, mmproj = sources
+    loaded = build_vision(read_mmproj(mmproj, checkpoint.tokenizer, checkpoint.config), checkpoint.tokenizer,
+                          torch.float32, torch.device("cpu"))
+    assert loaded.processor.image_marker == "<|vision_start|><|image_pad|><|vision_end|>"

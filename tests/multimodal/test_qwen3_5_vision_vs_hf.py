@@ -59,6 +59,13 @@ def test_expansion_and_rope_positions_match_get_rope_index():
     assert expanded.rope_delta == int(delta)
 
 
+def test_the_marker_text_is_the_templates_whole_image_part():
+    tok = hf_tokenizer(transformers)
+    marker = _ours().image_marker
+    assert marker == "<|vision_start|><|image_pad|><|vision_end|>"
+    assert tok.encode(marker, add_special_tokens=False) == [START, IMAGE, END]
+
+
 def test_text_only_prompts_have_plain_positions():
     expanded = _ours().expand([1, 40, 41], [])
     assert expanded.rope_positions is None and expanded.token_ids == [1, 40, 41]
