@@ -414,7 +414,9 @@ def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, cfg, block_count: int, 
     writer.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
     writer.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
     if arch != "qwen3next":
-        writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+        # the config's sections, padded to 4 as the converter writes them; else _Qwen35MRopeMixin's default
+        sections = list(rope.get("mrope_section") or [11, 11, 10])
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     if block_count > layers:
         writer.add_nextn_predict_layers(block_count - layers)
 

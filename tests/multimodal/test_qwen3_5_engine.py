@@ -92,3 +92,30 @@ def test_mmproj_equals_the_hf_directory(model_dir, tmp_path):
     jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
     direct = _core(model_dir, enable_prefix_caching=False)
     assert [_run(core, [job])[0] for job in jobs] == [_run(direct, [job])[0] for job in jobs]
+
+
+def test_gguf_text_and_mmproj(model_dir, tmp_path):
+    """llama-server's pair: the qwen35 text GGUF (its rope.dimension_sections the M-RoPE sections) + the mmproj ==
+    the directory, same greedy tokens (image requests, concurrent)."""
+    from tiny_qwen3_5_vision import hf_model, write_mmproj, write_text_gguf
+
+    model = hf_model(transformers)
+    write_mmproj(tmp_path / "mmproj.gguf", model)
+    write_text_gguf(tmp_path / "text.gguf", model)
+    core = EngineCore(EngineConfig(model=str(tmp_path / "text.gguf"), mmproj=str(tmp_path / "mmproj.gguf"),
+                                   parallel=16, block_size=8, speculative_ngram=0, dtype="float32"))
+    assert core.model_config.mrope_section == (2, 1, 1)
+    direct = _core(model_dir, dtype="float32")
+    images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
+    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
+    ids = [direct.tokenizer.encode(text, add_special_tokens=False) for text, _ in jobs]
+
+    def tokens(engine):
+        requests = [engine.make_request(i, PARAMS, images=images) for i, (_, images) in zip(ids, jobs)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+        return [r.output_token_ids for r in requests]
+
+    assert tokens(core) == tokens(direct)

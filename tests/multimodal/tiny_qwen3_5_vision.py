@@ -136,3 +136,27 @@ def write_mmproj(path, model) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_text_gguf(path, model) -> None:
+    """The text tower as llama.cpp's converter writes it (qwen35, F32), with this file's vocabulary (control tokens
+    for the specials) so the mmproj finds `<|image_pad|>`."""
+    import transformers
+    from tests.loading.tiny_checkpoints import write_hybrid_gguf
+
+    causal = transformers.Qwen3_5ForCausalLM(model.config.text_config).eval()
+    state = {k.replace("model.language_model.", "model.", 1): v for k, v in model.state_dict().items()
+             if not k.startswith("model.visual.")}
+    causal.load_state_dict(state, strict=False)
+
+    def vocab(writer) -> None:
+        tokens = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
+        tokens += [f"<unused{i}>" for i in range(model.config.text_config.vocab_size - len(tokens))]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+        writer.add_token_merges([])
+        writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
+        writer.add_pad_token_id(0)
+
+    write_hybrid_gguf(path, causal, add_vocab=vocab)
