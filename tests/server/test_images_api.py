@@ -178,6 +178,27 @@ def test_images_inside_anthropic_tool_results(seeing, engine):
     _idle_and_clean(seeing)
 
 
+def test_images_inside_responses_function_call_outputs(seeing):
+    """A function_call_output's input_image parts reach the model in the tool message, as chat's image_url parts do:
+    the Responses answer is the chat answer for the same conversation, and the image is seen."""
+    def ask(i: int):
+        return seeing.client().responses.create(model=seeing.model, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+            {"role": "user", "content": "Fetch the picture."},
+            {"type": "function_call", "call_id": "call_1", "name": "fetch", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": [
+                {"type": "input_text", "text": "Here:"}, {"type": "input_image", "image_url": URLS[i]}]}])
+    response = ask(2)
+    chat = _chat(seeing, [{"role": "user", "content": "Fetch the picture."},
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"id": "call_1", "type": "function", "function": {"name": "fetch", "arguments": "{}"}}]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": [_text("Here:"), _image(2)]}],
+                 ignore_eos=False)
+    assert response.output_text.strip() == chat
+    assert response.usage.input_tokens > NUM_EMBEDS
+    assert ask(3).output_text != response.output_text  # the image is seen
+    _idle_and_clean(seeing)
+
+
 def test_a_file_url_and_the_bare_url_string(seeing, media):
     expected = _chat(seeing, [{"role": "user", "content": [_image(0), _text("What?")]}])
     assert _chat(seeing, [{"role": "user", "content": [

@@ -71,17 +71,24 @@ class MessageItem(_Body):
     phase: Literal["commentary", "final_answer"] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content
-                       if not isinstance(p, ImagePart))
+        return _text(self.content)
 
     def chat_content(self) -> str | list[dict]:
         """Its text, or (with images) chat's parts in order: text and image_url."""
-        if isinstance(self.content, str) or not any(isinstance(p, ImagePart) for p in self.content):
-            return self.text()
-        return [p.chat_part() if isinstance(p, ImagePart) else
-                {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal} for p in self.content]
+        return _chat_content(self.content)
+
+
+def _text(content: list[TextPart | RefusalPart | ImagePart] | str) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content if not isinstance(p, ImagePart))
+
+
+def _chat_content(content: list[TextPart | RefusalPart | ImagePart] | str) -> str | list[dict]:
+    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
+        return _text(content)
+    return [p.chat_part() if isinstance(p, ImagePart) else
+            {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal} for p in content]
 
 
 class FunctionCallItem(_Body):
@@ -98,15 +105,16 @@ class FunctionCallItem(_Body):
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: Annotated[str, Field(min_length=1)]
-    output: list[TextPart] | str
+    output: list[Part] | str  # a tool may return images (a screenshot): they reach the model in the tool message
     id: str | None = None
     status: _STATUS | None = None
     name: str | None = None
     namespace: str | None = None
     caller: dict | None = None
 
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+    def chat_content(self) -> str | list[dict]:
+        """The tool message's content: its text, or (with images) chat's parts in order, as a message item's."""
+        return _chat_content(self.output)
 
 
 class ReasoningItem(_Body):
@@ -360,7 +368,7 @@ def chat_messages(items: list[InputItem], first_input: int = 0) -> list[dict]:
             if item.call_id not in calls:
                 raise errors.invalid(f"function_call_output names call_id {item.call_id!r}, which no earlier "
                                      "function_call item has", f"input.[{i - first_input}].call_id")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.chat_content()})
     return messages
 
 
