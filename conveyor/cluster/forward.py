@@ -17,6 +17,7 @@ the client unchanged, byte for byte.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import httpx
@@ -36,6 +37,7 @@ POOLING_ROUTES = {
     "/v1/rerank": "rerank", "/rerank": "rerank", "/v1/reranking": "rerank", "/reranking": "rerank",
     "/v1/score": "score", "/score": "score",
 }
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # a node counts images with its own processor (count_tokens)
 MAX_ATTEMPTS = 2  # the first node, then one other after a failure or a 503
 _REQUEST_HEADERS = ("content-type", "authorization", "x-api-key", "x-priority")  # a node with --api-key checks too
 _REPLY_HEADERS = ("content-type", "retry-after")
@@ -79,6 +81,16 @@ class PoolingForwarder:
         self.metrics.forwarded.labels(model, http.url.path, str(answer.status_code)).inc()
         return answer
 
+    async def count_tokens(self, http: Request, model: str) -> int:
+        """A Messages count_tokens body with images, counted by a node of `model` (its processor expands each image
+        to its whole token run, as its usage counts it); the node's 4xx is this request's."""
+        if self.pick(model) is None:
+            raise _no_node(model)
+        answer = await self._attempts(http, await http.body(), model, path=COUNT_TOKENS_PATH)
+        if answer.status_code != 200:
+            raise _node_error(answer)
+        return json.loads(answer.body)["input_tokens"]
+
     def resolve(self, name: str | None) -> str:
         """The id of the model a pooling request is for (see the module's table)."""
         dispatch = self.dispatch
@@ -104,8 +116,9 @@ class PoolingForwarder:
                 return min(nodes, key=lambda n: (n.num_in_flight, n.num_dispatched))
         return None
 
-    async def _attempts(self, http: Request, body: bytes, model: str) -> Response:
-        """The last node answer: the first node's, or another's after a failure or a 503."""
+    async def _attempts(self, http: Request, body: bytes, model: str, path: str | None = None) -> Response:
+        """The last node answer: the first node's, or another's after a failure or a 503; posted to `path` (by
+        default the request's own)."""
         tried: list[Node] = []
         answer: httpx.Response | None = None
         failure = ""
@@ -117,7 +130,7 @@ class PoolingForwarder:
                 self.registry.stats.num_retries += 1
             tried.append(node)
             try:
-                answer = await self._post(node, http, body)
+                answer = await self._post(node, http, body, path)
             except httpx.TransportError as exc:
                 failure = self._failed(node, exc)
                 continue
@@ -129,13 +142,13 @@ class PoolingForwarder:
         headers = {k: v for k in _REPLY_HEADERS if (v := answer.headers.get(k)) is not None}
         return Response(answer.content, status_code=answer.status_code, headers=headers)
 
-    async def _post(self, node: Node, http: Request, body: bytes) -> httpx.Response:
+    async def _post(self, node: Node, http: Request, body: bytes, path: str | None = None) -> httpx.Response:
         if self._client is None:
             # No read timeout: a thousand inputs take what they take (a chat stream has none either).
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                                              limits=httpx.Limits(max_connections=None))
-        url = f"http://{node.http_address}{http.url.path}"
-        if http.url.query:
+        url = f"http://{node.http_address}{path or http.url.path}"
+        if path is None and http.url.query:
             url += f"?{http.url.query}"
         headers = {k: v for k in _REQUEST_HEADERS if (v := http.headers.get(k)) is not None}
         node.num_dispatched += 1
@@ -167,6 +180,18 @@ class PoolingForwarder:
             for node in pool.nodes:
                 names.update(dict.fromkeys(node.models if node.models is not None else (pool.default_model,)))
         return [name for name in names if name]
+
+
+def _node_error(answer: Response) -> APIError:
+    """A node's error answer (OpenAI's or Anthropic's shape) as this request's, status and message kept."""
+    try:
+        parsed = json.loads(answer.body)
+        error = parsed["error"]
+        return APIError(answer.status_code, error["message"], error.get("type", "invalid_request_error"),
+                        error.get("param"), error.get("code"))
+    except (ValueError, KeyError, TypeError):
+        return APIError(answer.status_code, answer.body.decode(errors="replace")[:500] or "the node failed",
+                        "server_error")
 
 
 def _no_node(model: str) -> APIError:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -119,6 +119,9 @@ class RouterServing(ServingFront):
         self.max_queue_depth = max_queue_depth
         self.metrics = metrics
         self.num_awaiting_first_token = 0
+        # How a count with images is asked of a node (forward.py; set once the router's forwarder exists): the
+        # router has no image processor, and an image's token run depends on its size and the processor's settings.
+        self.count_on_node: Callable[[Request, str], Awaitable[int]] | None = None
 
     # Images: decoded and checked here with a node's code and limits (the same 400s), rendered with the marker the
     # model's prefill nodes say (their NodeInfoFrame), sent to the prefill node as RGB (cluster/images.py).
@@ -130,6 +133,11 @@ class RouterServing(ServingFront):
     def image_marker(self) -> str | None:
         nodes = self.registry.prefill.online(self.model_id)
         return next((n.image_marker for n in nodes if n.image_marker is not None), None)
+
+    async def count_prompt_tokens(self, plan: RequestPlan, http: Request | None = None) -> int:
+        if plan.images and http is not None and self.count_on_node is not None:
+            return await self.count_on_node(http, self.model_id)
+        return await super().count_prompt_tokens(plan, http)
 
     # -- running ---------------------------------------------------------------------------
     def _admit(self, num_requests: int = 1) -> None:
@@ -293,6 +301,8 @@ def create_router_app(tokenizer: Tokenizer, model_name: str, cluster: ClusterCon
     apps = {m.model_id: _model_app(m, serving, registry, limits, server, store) for m, serving in zip(models, servings)}
     dispatch = ModelDispatch(models, apps, registry, limits, server.api_key, server.strict_model_name)
     forwarder = PoolingForwarder(dispatch, limits, metrics)
+    for serving in servings:
+        serving.count_on_node = forwarder.count_tokens
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

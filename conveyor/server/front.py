@@ -57,8 +57,9 @@ class ServingFront(ABC):
         return plan_chat_request(body, self.tokenizer, self.reasoning_parser, self.model_id, self.template_kwargs,
                                  images, self.image_marker())
 
-    async def count_prompt_tokens(self, plan: RequestPlan) -> int:
-        """The first prompt's length as the model sees it (a node counts each image's whole token run)."""
+    async def count_prompt_tokens(self, plan: RequestPlan, http: HTTPRequest | None = None) -> int:
+        """The first prompt's length as the model sees it (a node counts each image's whole token run; the router
+        asks a node, from the request `http`)."""
         return len(plan.prompts[0])
 
     def image_refusal(self) -> str | None:

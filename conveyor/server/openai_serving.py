@@ -48,9 +48,9 @@ class OpenAIServing(ServingFront):
     def image_marker(self) -> str | None:
         return self.core.vision.processor.image_marker if self.core.vision is not None else None
 
-    async def count_prompt_tokens(self, plan: RequestPlan) -> int:
+    async def count_prompt_tokens(self, plan: RequestPlan, http: HTTPRequest | None = None) -> int:
         if not plan.images or self.core.vision is None:
-            return await super().count_prompt_tokens(plan)
+            return await super().count_prompt_tokens(plan, http)
         try:
             expanded = await asyncio.to_thread(self.core.vision.processor.expand, plan.prompts[0], plan.images)
         except InvalidRequestError as exc:

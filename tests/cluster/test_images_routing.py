@@ -152,10 +152,10 @@ def test_malformed_image_frames_are_refused():
 # -- prefill node, decode node and router on loopback ----------------------------------------------------------
 
 @contextmanager
-def _serve(app, lifecycle=None):
+def _serve(app, lifecycle=None, port: int = 0):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
     server = GracefulServer(config, lifecycle) if lifecycle is not None else uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -182,8 +182,9 @@ def _node(model_dir: str, role: str, decode_bind: str | None = None):
     bind = f"127.0.0.1:{free_port()}"
     cluster = ClusterConfig(node_role=role, serving_bind=bind, decode_peers=decode_bind)
     kind = PrefillNode if role == "prefill" else DecodeNode
-    attach_node(app, kind(engine, cluster, models=[app.state.serving.model_id]))
-    with _serve(app, app.state.lifecycle) as url:
+    port = free_port()  # said to the router (NodeInfoFrame.http_address): it asks a node to count image tokens
+    attach_node(app, kind(engine, cluster, models=[app.state.serving.model_id], http_address=f"127.0.0.1:{port}"))
+    with _serve(app, app.state.lifecycle, port) as url:
         yield SimpleNamespace(url=url, bind=bind, core=engine.core, engine=engine)
 
 
@@ -257,8 +258,14 @@ def test_image_chats_through_the_router_answer_as_a_single_node(cluster):
         client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
         message = client.messages.create(model=cluster.model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
                                          messages=[{"role": "user", "content": blocks + [_text("What?")]}])
-        answers.append((message.content[0].text, message.usage.output_tokens))
+        counted = client.messages.count_tokens(model=cluster.model, messages=[
+            {"role": "user", "content": blocks + [_text("What?")]}]).input_tokens
+        answers.append((message.content[0].text, message.usage.output_tokens, counted))
     assert answers[0] == answers[1]
+    assert answers[1][2] > 2 * NUM_EMBEDS  # each image's whole token run, as the node counts it
+    too_many = {"messages": [{"role": "user", "content": blocks[:1] * 4}]}  # (the nodes take 3 images)
+    routed, single = (_post(base, too_many, "/v1/messages/count_tokens") for base in (cluster.router, cluster.single))
+    assert routed.status_code == single.status_code == 400 and routed.json() == single.json()
     _clean(cluster)
 
 

@@ -528,4 +528,4 @@ def add_routes(router: APIRouter, serving: ServingFront, limits: RequestLimits, 
     async def count_tokens(request: Request) -> Response:
         body = await _parse(request, CountTokensRequest, limits, ignore_hosted)
         plan = await serving.plan_chat(to_chat(body, limits))
-        return JSONResponse({"input_tokens": await serving.count_prompt_tokens(plan)})
+        return JSONResponse({"input_tokens": await serving.count_prompt_tokens(plan, request)})
