@@ -17,6 +17,7 @@
 #include "dense_attention.h"
 #include "isa.h"
 #include "kv_q8.h"
+#include "paged_amx.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -481,30 +482,7 @@ inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double so
 // accumulators, added at the end), wherever the key sits in its group of 16, so a row's
 // scores depend only on its own keys. Replaced a per-key reduce_add that dominated decode.
 
-// r[i] holds 16 dwords of row i; afterwards r[c] holds column c of all 16 rows, in row order.
-inline void transpose16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[i + c], 128-bit lane L: rows i..i+3 at column 4L + c
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
+using conveyor_vec::transpose16x16_epi32;
 
 #if defined(__AVX512BF16__)
 template <int G, int DH>
@@ -692,6 +670,35 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t q_row = H * D, kv_tok = KVH * D, kv_block = BS * KVH * D;
   const float fscale = static_cast<float>(scale);
+#if CONVEYOR_PAGED_AMX
+  // The amx build: bf16 rows in AMX tiles with an online softmax (paged_amx.h), decode and prefill alike.
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (conveyor_paged_amx::enabled() && conveyor_paged_amx::fits(D)) {
+      std::vector<int64_t> firsts(T), ends(T);
+      for (int64_t t = 0; t < T; ++t) {
+        firsts[t] = first_key(static_cast<int64_t>(pos[t]) + 1, window);
+        ends[t] = key_end != nullptr ? static_cast<int64_t>(key_end[t]) : static_cast<int64_t>(pos[t]) + 1;
+      }
+      conveyor_paged_amx::Call call;
+      call.q = reinterpret_cast<const uint16_t*>(q);
+      call.out = reinterpret_cast<uint16_t*>(o);
+      call.H = H;
+      call.D = D;
+      call.kc = reinterpret_cast<const uint16_t*>(kc);
+      call.vc = reinterpret_cast<const uint16_t*>(vc);
+      call.kv_block = kv_block;
+      call.kv_tok = kv_tok;
+      call.bs_shift = bs_shift;
+      call.c = fscale * conveyor_paged_amx::kLog2e;
+      call.scale = fscale;
+      call.softcap = static_cast<float>(softcap);
+      call.sinks = sinks;
+      conveyor_paged_amx::attend(call, bt, block_tables.size(0), max_blocks, seq, firsts.data(), ends.data(), T, KVH,
+                                 H / KVH);
+      return;
+    }
+  }
+#endif
   const auto fast_sum = fast_pass<Pass::kWeightedSum>(vc, G, D);
   const auto fast_qk = fast_pass<Pass::kScores>(kc, G, D);
 #if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
@@ -1269,6 +1276,15 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   return out;
 }
 
+// The path paged_attention takes for bf16 queries and caches of this head dim in this process.
+const char* paged_path(int64_t head_dim) {
+#if CONVEYOR_PAGED_AMX
+  if (conveyor_paged_amx::enabled() && conveyor_paged_amx::fits(head_dim)) return "amx";
+#endif
+  (void)head_dim;
+  return "rows";
+}
+
 // NOTE: every entry point releases the GIL, as torch's own ops do; holding it here stalled the
 // server's event loop for whole kernels and then made the engine wait out the GIL switch interval.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1282,6 +1298,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_end") = py::none(), release());
   m.def("dense_attention", &dense_attention, "Full attention over one sequence, (P, H * D) bf16 (vision towers)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("num_heads"), py::arg("scale"), release());
+  m.def("paged_attention_path", &paged_path, "paged_attention's path for bf16 K/V of this head dim here: amx or rows",
+        py::arg("head_dim"));
   m.def("dense_attention_path", &conveyor_dense::path, "dense_attention's path for a head dim here: amx or fp32",
         py::arg("head_dim"));
 }

@@ -45,6 +45,31 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
 
+// r[i] holds 16 dwords of row i; afterwards r[c] holds column c of all 16 rows, in row order.
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], 128-bit lane L: rows i..i+3 at column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // exp(x) on [-87, 88] (clamped): Cody-Waite reduction plus a degree-6 polynomial, ~1 ulp.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
