@@ -118,7 +118,8 @@ class GGUFTensors(HybridTensors):
 
 
 register(Family("lfm2", "conveyor.models.hybrid:HybridForCausalLM", hf_fields, hybrid=True,
-                gguf_architectures=("lfm2",), gguf_fields=gguf_fields, gguf_weights=GGUFTensors),
+                multimodal_type="lfm2_vl", gguf_architectures=("lfm2",), gguf_fields=gguf_fields,
+                gguf_weights=GGUFTensors),
          Family("lfm2_moe", "conveyor.models.hybrid:HybridForCausalLM", moe_hf_fields, hybrid=True,
                 expert_names=MOE_EXPERT_NAMES, gguf_architectures=("lfm2moe",), gguf_fields=gguf_fields,
                 gguf_weights=GGUFTensors))
