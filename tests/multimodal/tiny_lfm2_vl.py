@@ -61,8 +61,8 @@ def hf_model(transformers, seed: int = 0, use_layernorm: bool = True):
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith("bias") or "position_embedding" in name:
                 p.normal_(0.0, 0.5)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
+            elif "embed_tokens" in name:  # tied to the head: std 1 would give logits of ~50 (greedy always one token)
+                p.normal_(0.0, 0.25)
             elif p.dim() > 1:
                 p.normal_(0.0, 1.0 / p[0].numel() ** 0.5)
     return model
