@@ -24,9 +24,10 @@ import torch
 from conveyor.kernels.quant_ref import NATIVE_TYPES
 from conveyor.loading.checkpoint import Checkpoint, LoadError, QuantizedTensor, Weight, select_weights
 from conveyor.loading.gguf_config import config_from_gguf, field_value
+from conveyor.loading.gguf_header import _Reader, read_header  # _Reader: tests open files with it too
 from conveyor.loading.gguf_split import part_names, whole_name
 from conveyor.loading.gguf_tokenizer import tokenizer_from_gguf
-from conveyor.loading.heap import return_freed_heap
+from conveyor.loading.heap import return_freed_heap, trim_heap
 from conveyor.loading.tokenizer import Tokenizer
 from conveyor.loading.tokenizer_cache import TOKENIZERS
 from conveyor.models import family as families
@@ -63,49 +64,17 @@ _FAULT_AROUND = 2 * 1024 * 1024  # the largest page-cache folio a fault maps who
 logger = logging.getLogger(__name__)
 
 
-class _Reader(gguf.GGUFReader):
-    # NOTE: slicing np.memmap costs microseconds per slice and GGUFReader slices once per vocab string;
-    # a plain ndarray view of the same mapping opens SmolLM2 in 1 s instead of 4 s.
-    def _get(self, *args, **kwargs):
-        if type(self.data) is np.memmap:
-            self.data = self.data.view(np.ndarray)
-        return super()._get(*args, **kwargs)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
-        # NOTE: gguf-py reads an array one element at a time through two numpy views each: Gemma 3's
-        # 262k-token vocabulary (three such arrays) took ~6 s. Flat string and number arrays are read in
-        # one pass here, into the same parts layout (one part per element) that field_value() reads.
-        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        kind, n, start = gguf.GGUFValueType(int(itype[0])), int(count[0]), orig_offs + 12
-        if kind == gguf.GGUFValueType.STRING:
-            view, offs, parts = memoryview(self.data), start, []
-            for _ in range(n):
-                length = int.from_bytes(view[offs:offs + 8], "little")
-                parts.append(bytes(view[offs + 8:offs + 8 + length]))
-                offs += 8 + length
-            return offs - orig_offs, [itype, count, *parts], list(range(2, 2 + n)), [gguf.GGUFValueType.ARRAY, kind]
-        nptype = self.gguf_scalar_to_np.get(kind)
-        if nptype is None:  # arrays of arrays
-            return super()._get_field_parts(orig_offs, raw_type)
-        values = self._get(start, nptype, n)
-        return (12 + int(values.nbytes), [itype, count, *values.reshape(n, 1)], list(range(2, 2 + n)),
-                [gguf.GGUFValueType.ARRAY, kind])
-
-
 def load_gguf(path: str) -> Checkpoint:
     """One GGUF file, or a split one from any of its parts (`NAME-00001-of-00003.gguf`, as llama.cpp's
     gguf-split and convert_hf_to_gguf --split-max-size write them: the metadata in the first)."""
     from conveyor.models import mtp  # (here: importing the loaders imports no family, tests/models/test_family.py)
 
     parts = split_parts(path)
-    readers = []
-    for part in parts:
-        try:
-            readers.append(_Reader(part))
-        except (ValueError, OSError, IndexError) as exc:
-            raise LoadError(f"{part}: not a readable GGUF file ({exc})") from exc
+    try:  # the multi-model server read the header when it started (gguf_header.py): then only the mapping is new
+        header = read_header(parts)
+    except (ValueError, OSError, IndexError) as exc:
+        raise LoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    readers = header.open(parts) if header is not None else _open(parts)
     reader = readers[0]
     if len(readers) > 1:
         _check_split(readers, parts)
@@ -159,23 +128,43 @@ def load_gguf(path: str) -> Checkpoint:
     if config.hidden_act == "xielu":
         weights.update(_xielu_weights(reader, config.num_hidden_layers, path))
     _warn_dequantized(reader)
-    tokenizer = TOKENIZERS.get_or_build([path], lambda: tokenizer_from_gguf(reader, path))
+    tokenizer = (header.tokenizer if header is not None else
+                 TOKENIZERS.get_or_build([path], lambda: tokenizer_from_gguf(reader, path)))
     if tokenizer.eos_token_ids:
         # The tokenizer knows the end-of-turn tokens the template uses; metadata names only one.
         config = replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
     pooling = _with_dense(gguf_pooling(field_value(reader, f"{arch}.pooling_type"), path), dense, path)
     mapping.release_all()  # metadata and vocabulary pages
     del reader
-    return_freed_heap()  # the reader's ~100k small metadata objects, before the weights are packed
+    # The reader's ~100k small metadata objects, before the weights are packed (a kept header made none: a full
+    # collection would only hold the GIL ~0.1 s beside the streams).
+    if header is None:
+        return_freed_heap()
+    else:
+        trim_heap()
     return Checkpoint(config=config, weights=select_weights(config, weights, path), tokenizer=tokenizer,
                       source=path, name=model_name(path), release_pages=mapping.release, pooling=pooling,
                       mtp_weights=head)
 
 
+def _open(parts: list[str]) -> list[_Reader]:
+    readers = []
+    for part in parts:
+        try:
+            readers.append(_Reader(part))
+        except (ValueError, OSError, IndexError) as exc:
+            raise LoadError(f"{part}: not a readable GGUF file ({exc})") from exc
+    return readers
+
+
 def read_gguf_tokenizer(path: str) -> Tokenizer:
-    """A GGUF file's tokenizer alone (the metadata of a split file's first part), through the tokenizer cache."""
-    path = split_parts(path)[0]
-    return TOKENIZERS.get_or_build([path], lambda: tokenizer_from_gguf(_Reader(path), path))
+    """A GGUF file's tokenizer alone (the metadata of a split file's first part), through the tokenizer cache;
+    with the header cache on, read with the file's header (what the multi-model server reads ahead)."""
+    parts = split_parts(path)
+    header = read_header(parts)
+    if header is not None:
+        return header.tokenizer
+    return TOKENIZERS.get_or_build([parts[0]], lambda: tokenizer_from_gguf(_Reader(parts[0]), parts[0]))
 
 
 def _mtp_tensor(config: ModelConfig, own: Any, tensor: gguf.gguf_reader.ReaderTensor, source: str) -> dict[str, Weight]:

@@ -31,7 +31,8 @@ def load_checkpoint(path: str | os.PathLike | None = None, *, hf_file: str | Non
 
 def prefetch_tokenizer(path: str | None) -> bool:
     """Build a local model's tokenizer into loading/tokenizer_cache.py's cache ahead of its load (the multi-model
-    server, at start); None is the default model; a Hub name or a missing path is left to the load (nothing is downloaded here).
+    server, at start), and a GGUF file's header with it where that cache is on (loading/gguf_header.py); None is
+    the default model; a Hub name or a missing path is left to the load (nothing is downloaded here).
     Whether one was built (or already there)."""
     given = os.path.abspath(os.path.expanduser(path)) if path is not None else default_model_path()
     if os.path.isdir(given):

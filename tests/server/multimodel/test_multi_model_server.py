@@ -326,6 +326,30 @@ def test_the_catalog_s_tokenizers_are_read_at_start_and_a_load_takes_the_one_rea
     assert not TOKENIZERS.enabled and len(TOKENIZERS) == 0  # the server's cache goes with it
 
 
+def test_a_gguf_s_header_is_read_at_start_and_its_load_parses_nothing(tmp_path, monkeypatch):
+    """Parsing a GGUF header is ~0.1 s of Python and a gc pass beside the streams (loading/gguf_header.py): read
+    ahead with the tokenizers, a load only maps the file."""
+    import gguf
+
+    from conveyor.loading import gguf_header
+    from conveyor.testing import write_tiny_gguf
+
+    def parsed_again(*args, **kwargs):
+        raise AssertionError("the header was parsed again")
+
+    (tmp_path / "models").mkdir()
+    write_tiny_gguf(tmp_path / "models" / "g0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    with serve_multi(ModelsConfig(models_dir=str(tmp_path / "models"), models_autoload=False)) as (url, multi):
+        multi.front.state.tokenizer_prefetch.join(timeout=60)
+        assert len(gguf_header.HEADERS) == 1
+        monkeypatch.setattr(gguf_header._Reader, "__init__", parsed_again)
+        assert httpx.post(f"{url}/models/load", json={"model": "g0"}, timeout=60).json()["status"] == "loaded"
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "g0", "prompt": "Hi", "max_tokens": 4,
+                                                          "temperature": 0}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    assert not gguf_header.HEADERS.enabled and len(gguf_header.HEADERS) == 0
+
+
 def _tokenizer_of(models_dir: str, name: str):
     from conveyor.loading.hf_loader import read_hf_dir_tokenizer
     from conveyor.loading.tokenizer_cache import TOKENIZERS
