@@ -14,6 +14,7 @@ import torch
 
 from conveyor.loading.checkpoint import LoadError
 from conveyor.loading.gguf_config import field_value
+from conveyor.loading.mmproj_lfm2 import lfm2_checkpoint
 from conveyor.loading.mmproj_pixtral import pixtral_checkpoint
 from conveyor.loading.mmproj_qwen3vl import qwen3vl_checkpoint
 from conveyor.models import family as families
@@ -43,14 +44,21 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
         raise LoadError(f"{path}: cannot read the mmproj GGUF ({exc})") from exc
     meta: Callable[..., Any] = lambda key, default=None: field_value(reader, key, default)  # noqa: E731
     kind = meta("clip.vision.projector_type") or meta("clip.projector_type")
-    if kind not in ("gemma3", "idefics3", "pixtral", "qwen3vl_merger"):
+    if kind not in ("gemma3", "idefics3", "pixtral", "qwen3vl_merger", "lfm2"):
         raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3, "
-                        "pixtral, qwen3vl_merger)")
+                        "pixtral, qwen3vl_merger, lfm2)")
     if kind == "qwen3vl_merger":  # Qwen3.5: its own tensor names (loading/mmproj_qwen3vl.py)
         moe = text_config is not None and text_config.architecture == "qwen3_5_moe_text"
         config, processor, weights = qwen3vl_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
                                                         tokenizer, path, "qwen3_5_moe" if moe else "qwen3_5")
         vision = VisionCheckpoint(config["model_type"], config, processor, weights)
+        if text_config is not None:
+            _check_pairing(vision, text_config, path)
+        return vision
+    if kind == "lfm2":  # LFM2-VL: its own tensor names (loading/mmproj_lfm2.py)
+        config, processor, weights = lfm2_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
+                                                     tokenizer, path)
+        vision = VisionCheckpoint("lfm2_vl", config, processor, weights)
         if text_config is not None:
             _check_pairing(vision, text_config, path)
         return vision

@@ -75,3 +75,64 @@ def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, 
 def test_chunk_budget_smaller_than_a_tile(model_dir, alone):
     core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
     assert _run(core, JOBS) == alone
+
+
+def _tokens(engine, jobs) -> list[list[int]]:
+    requests = [engine.make_request(engine.tokenizer.encode(text, add_special_tokens=False), PARAMS, images=images)
+                for text, images in jobs]
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.fixture(scope="module")
+def mmproj_pair(tmp_path_factory):
+    """A directory with the processor settings an mmproj implies (clip.cpp's 64..256 tokens), its mmproj and its
+    text model as llama.cpp's converter writes them."""
+    from tiny_lfm2_vl import MMPROJ_PROCESSOR, write_mmproj, write_text_gguf
+
+    path = tmp_path_factory.mktemp("lfm2_vl_mmproj")
+    model = write_model_dir(path, transformers, processor=MMPROJ_PROCESSOR)
+    write_mmproj(path / "mmproj.gguf", model)
+    write_text_gguf(path / "text.gguf", model)
+    return path
+
+
+MMPROJ_JOBS = [(f"<|startoftext|><|im_start|>user\n<image>Describe {i}.<|im_end|>\n",
+                [ImageInput.from_pil(random_image(w, h, 20 + i))]) for i, (w, h) in enumerate(((40, 30), (30, 90)))]
+
+
+def test_mmproj_equals_the_hf_directory(mmproj_pair):
+    """llama.cpp's lfm2 mmproj beside the directory's text model == the directory's own tower, bitwise."""
+    from dataclasses import replace
+
+    from conveyor.loading.hf_loader import load_hf_dir
+
+    text_only = replace(load_hf_dir(str(mmproj_pair)), vision=None)
+    core = EngineCore(EngineConfig(parallel=16, block_size=8, speculative_ngram=0, enable_prefix_caching=False,
+                                   mmproj=str(mmproj_pair / "mmproj.gguf")), checkpoint=text_only)
+    assert core.vision is not None and core.vision.model_type == "lfm2_vl"
+    direct = _core(str(mmproj_pair), enable_prefix_caching=False)
+    assert [_run(core, [job])[0] for job in MMPROJ_JOBS] == [_run(direct, [job])[0] for job in MMPROJ_JOBS]
+
+
+def test_gguf_text_and_mmproj(mmproj_pair):
+    """llama-server's pair: the lfm2 text GGUF + the mmproj == the directory, same greedy tokens (fp32, concurrent)."""
+    core = EngineCore(EngineConfig(model=str(mmproj_pair / "text.gguf"), mmproj=str(mmproj_pair / "mmproj.gguf"),
+                                   parallel=16, block_size=8, speculative_ngram=0, dtype="float32"))
+    direct = _core(str(mmproj_pair), dtype="float32")
+    got = _tokens(core, MMPROJ_JOBS)
+    assert got == _tokens(direct, MMPROJ_JOBS)
+    assert got[0] != got[1]  # the two images answer differently
+
+
+def test_mmproj_refuses_another_text_model(mmproj_pair, tmp_path):
+    from conveyor.loading.checkpoint import LoadError
+    from conveyor.loading.mmproj import read_mmproj
+    from conveyor.testing import tiny_config
+
+    config = tiny_config(128)  # a llama text model
+    with pytest.raises(LoadError, match="cannot feed"):
+        read_mmproj(str(mmproj_pair / "mmproj.gguf"), _core(str(mmproj_pair)).tokenizer, config)

@@ -68,13 +68,98 @@ def hf_model(transformers, seed: int = 0, use_layernorm: bool = True):
     return model
 
 
-def write_model_dir(path, transformers, seed: int = 0):
+# What an mmproj implies (clip.cpp's 64..256 tokens, the HF processor's other defaults) with this tower's patch
+MMPROJ_PROCESSOR = dict(encoder_patch_size=PATCH, downsample_factor=FACTOR, image_mean=[0.5, 0.5, 0.5],
+                        image_std=[0.5, 0.5, 0.5], image_processor_type="Lfm2VlImageProcessor")
+
+
+def write_model_dir(path, transformers, seed: int = 0, processor: dict | None = None):
     """The model, its tokenizer and processor settings saved as a Hub directory; returns the HF model."""
     model = hf_model(transformers, seed)
     model.save_pretrained(path)
     hf_tokenizer(transformers).save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    (path / "preprocessor_config.json").write_text(json.dumps(processor or PROCESSOR))
     return model
+
+
+def write_mmproj(path, model) -> None:
+    """The tower and projector as llama.cpp's converter writes them (convert_hf_to_gguf.py --mmproj,
+    conversion/lfm2.py's LFM2VLModel): `v.*` / `mm.*` names, the linear patch embedding as a (out, 3, p, p) conv
+    kernel, projector type lfm2, image_size 256 (the converter's dummy)."""
+    import gguf
+
+    cfg = model.config
+    vision = cfg.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", "lfm2")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_uint32("clip.vision.projection_dim", cfg.text_config.hidden_size)
+    writer.add_uint32("clip.vision.image_size", 256)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
+    writer.add_uint32("clip.vision.block_count", vision.num_hidden_layers)
+    writer.add_uint32("clip.vision.attention.head_count", vision.num_attention_heads)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    writer.add_uint32("clip.vision.projector.scale_factor", cfg.downsample_factor)
+    writer.add_bool("clip.use_gelu", True)
+    layer = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+    other = {"embeddings.patch_embedding": "v.patch_embd", "embeddings.position_embedding": "v.position_embd",
+             "post_layernorm": "v.post_ln"}
+    projector = {"layer_norm": "mm.input_norm", "linear_1": "mm.1", "linear_2": "mm.2"}
+    # transformers 5 saves the tower as model.vision_tower.*; Hub checkpoints as model.vision_tower.vision_model.*
+    tower, mm = "model.vision_tower.", "model.multi_modal_projector."
+    p = vision.patch_size
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float()
+        if name.startswith(tower):
+            stem, kind = name[len(tower):].removeprefix("vision_model.").rsplit(".", 1)
+            if stem == "embeddings.patch_embedding" and kind == "weight":  # the converter's view + permute
+                data = data.view(data.shape[0], p, p, 3).permute(0, 3, 1, 2)
+            if stem.startswith("encoder.layers."):
+                index, part = stem[len("encoder.layers."):].split(".", 1)
+                out = f"v.blk.{index}.{layer[part]}.{kind}"
+            else:
+                out = f"{other[stem]}.{kind}"
+        elif name.startswith(mm):
+            stem, kind = name[len(mm):].rsplit(".", 1)
+            out = f"{projector[stem]}.{kind}"
+        else:
+            continue
+        writer.add_tensor(out, data.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_text_gguf(path, model) -> None:
+    """The text model as llama.cpp's converter writes it (lfm2, F32), with this file's vocabulary (control tokens
+    for the specials) so the mmproj finds `<image>`."""
+    import transformers
+    from tests.loading.tiny_checkpoints import write_hybrid_gguf
+
+    causal = transformers.Lfm2ForCausalLM(model.config.text_config).eval()
+    state = {k.replace("model.language_model.", "model.", 1): v for k, v in model.state_dict().items()
+             if k.startswith("model.language_model.")}
+    causal.load_state_dict(state, strict=False)
+    causal.tie_weights()
+
+    def vocab(writer) -> None:
+        tokens = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
+        tokens += [f"<unused{i}>" for i in range(model.config.text_config.vocab_size - len(tokens))]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+        writer.add_token_merges([])
+        writer.add_bos_token_id(SPECIAL.index("<|startoftext|>"))
+        writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
+        writer.add_pad_token_id(0)
+
+    write_hybrid_gguf(path, causal, add_vocab=vocab)
 
 
 def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
