@@ -112,6 +112,8 @@ class Lfm2VlProcessor:
         vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
         if int(vision["patch_size"]) != self.patch or int(raw.get("downsample_factor", 2)) != self.factor:
             raise ValueError("lfm2_vl: the processor's encoder_patch_size / downsample_factor differ from the model's")
+        if self.tile % (self.patch * self.factor):
+            raise ValueError(f"lfm2_vl: tile_size {self.tile} is not a whole number of patch x downsample_factor")
         self._pieces: dict[str, list[int]] = {}
 
     def smart_resize(self, height: int, width: int) -> tuple[int, int]:

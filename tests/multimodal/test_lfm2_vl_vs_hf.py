@@ -62,6 +62,21 @@ def test_layout_and_tokens_worked_by_hand(model, size):
     assert item.pixel_values.shape == (sum(h * w for h, w in item.extras["shapes"]), 4 * 4 * 3)
 
 
+def test_without_thumbnail_or_special_tokens(model):
+    from tiny_lfm2_vl import hf_tokenizer
+
+    raw, tok = model.config.to_dict(), hf_tokenizer(transformers)
+    image = [ImageInput.from_pil(random_image(50, 40))]
+    bare = Lfm2VlProcessor(raw, dict(PROCESSOR, use_thumbnail=False), tok).expand([IMAGE], image)
+    assert bare.token_ids == [IMAGE_START] + sum(([_row(r, c)] + [IMAGE] * 4 for r in (1, 2) for c in (1, 2)), []) + [
+        IMAGE_END]
+    assert bare.items[0].extras["shapes"] == [(4, 4)] * 4
+    plain = Lfm2VlProcessor(raw, dict(PROCESSOR, use_image_special_tokens=False), tok).expand([IMAGE], image)
+    assert plain.token_ids == [IMAGE] * (4 * 4 + 6)
+    whole = Lfm2VlProcessor(raw, dict(PROCESSOR, do_image_splitting=False), tok).expand([IMAGE], image)
+    assert whole.token_ids == [IMAGE_START] + [IMAGE] * 6 + [IMAGE_END]  # the smart-resized 16 x 24 alone
+
+
 def test_pixels_numpy_and_pil(model):
     """An image already of its smart size is not resized: its patches are (x / 255 - 0.5) / 0.5 in (row, col,
     channel) order; a resized frame is the bilinear antialiased image (PIL's within 1 level); tiles are crops of
