@@ -88,7 +88,7 @@ class Lfm2VlProcessor:
 
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.image_marker_id = int(raw.get("image_token_id", 396))
+        self.image_marker_id = int(raw.get("image_token_id", raw.get("image_token_index", 396)))
         self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
         cfg = {**PROCESSOR_DEFAULTS, **processor_config}
         self.factor = int(cfg["downsample_factor"])

@@ -184,3 +184,22 @@ def test_prefill_logits_and_greedy_match_transformers(tiny, num_images):
         tokens.append(int(last.argmax()))
         last = _logits(runner, tokens[-1:], got, len(tokens) - 1, table)[-1]
     assert tokens[len(got.token_ids):][:len(generated)] == generated  # generate stops at the eos (2)
+
+
+def test_bf16_tower_on_the_kernels_is_close_and_repeatable(tiny):
+    """The engine's tower: bf16 with the backend's dense attention and GELU: within bf16 rounding of the fp32 tower,
+    and the same bits on every encode (the prefix cache keys on it)."""
+    from conveyor.config import kernel_settings_from_env
+    from conveyor.kernels import cpu_backend
+    from conveyor.multimodal.vision import build_vision
+
+    _, checkpoint, vision = tiny
+    ops = cpu_backend(kernel_settings_from_env())
+    bf16 = build_vision(checkpoint.vision, checkpoint.tokenizer, torch.bfloat16, torch.device("cpu"), ops=ops)
+    assert all(layer.ops is ops for layer in bf16.encoder.layers)
+    item = vision.processor.expand([IMAGE], [ImageInput.from_pil(random_image(50, 40, 7))]).items[0]
+    got = bf16.encoder.encode(item)
+    assert got.dtype == torch.bfloat16 and torch.equal(bf16.encoder.encode(item), got)
+    want = vision.encoder.encode(item)
+    error, scale = (got.float() - want).abs(), want.abs().max()
+    assert error.max() <= 0.1 * scale and error.mean() <= 0.01 * scale
