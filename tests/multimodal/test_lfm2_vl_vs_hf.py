@@ -62,6 +62,42 @@ def test_layout_and_tokens_worked_by_hand(model, size):
     assert item.pixel_values.shape == (sum(h * w for h, w in item.extras["shapes"]), 4 * 4 * 3)
 
 
+LAYOUT_KEYS = ("downsample_factor", "min_tiles", "max_tiles", "min_image_tokens", "max_image_tokens",
+               "encoder_patch_size", "tile_size", "max_pixels_tolerance")
+
+
+def _oracle_tokens(images, text, settings: dict, height: int, width: int) -> tuple[str, tuple[int, int, int, int]]:
+    """transformers' layout code: the image's token string and (rows, cols, resized h, resized w)."""
+    kwargs = {k: settings[k] for k in LAYOUT_KEYS}
+    _, rows, cols, new_h, new_w = images._get_split_layout(height, width, **kwargs)
+    patch, factor = settings["encoder_patch_size"], settings["downsample_factor"]
+    per_tile = text._compute_tokens_per_tile(settings["tile_size"], patch, factor)
+    whole = text._compute_tokens_for_image([new_h, new_w], patch, factor)
+    return text._build_image_tokens(rows, cols, per_tile, whole, settings["use_thumbnail"], True), (rows, cols, new_h,
+                                                                                                    new_w)
+
+
+def test_layout_and_tokens_match_transformers_code(model):
+    """Our layout and token runs == transformers' own layout methods (run without torchvision, which only its resize
+    needs) for 60 sizes with the tiny settings (through expand) and 400 with LFM2-VL's real ones (the layout)."""
+    from tiny_lfm2_vl import hf_tokenizer, transformers_layout_code
+
+    from conveyor.multimodal.lfm2_vl import PROCESSOR_DEFAULTS
+
+    images, text = transformers_layout_code()
+    tok = hf_tokenizer(transformers)
+    ours = _ours(model)
+    rng = np.random.default_rng(0)
+    for width, height in rng.integers(1, 120, (60, 2)).tolist():
+        want, _ = _oracle_tokens(images, text, PROCESSOR, height, width)
+        got = ours.expand([IMAGE], [ImageInput.from_pil(random_image(width, height))])
+        assert got.token_ids == tok.encode(want, add_special_tokens=False), (width, height)
+    real = Lfm2VlProcessor({"image_token_id": IMAGE, "vision_config": {"patch_size": 16}}, {}, tok)
+    for width, height in rng.integers(1, 4000, (400, 2)).tolist():
+        _, layout = _oracle_tokens(images, text, PROCESSOR_DEFAULTS, height, width)
+        assert real.layout(height, width) == layout, (width, height)
+
+
 def test_without_thumbnail_or_special_tokens(model):
     from tiny_lfm2_vl import hf_tokenizer
 

@@ -182,3 +182,42 @@ def hf_inputs(items) -> dict[str, torch.Tensor]:
             shapes.append([h, w])
     return dict(pixel_values=torch.stack(pixels), pixel_attention_mask=torch.stack(masks).int(),
                 spatial_shapes=torch.tensor(shapes))
+
+
+def transformers_layout_code():
+    """transformers' own layout code for LFM2-VL: (Lfm2VlImageProcessor, Lfm2VlProcessor) instances made without
+    __init__, for their torchvision-free methods (_get_split_layout, _build_image_tokens, token counts). The image
+    processor's module imports torchvision at the top: it is imported here with stub modules in sys.modules (and
+    transformers' own image modules imported first, so their torchvision checks stay False), then they are removed."""
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+
+    import transformers.image_processing_backends  # noqa: F401  (decide is_torchvision_available before the stub)
+    import transformers.image_transforms  # noqa: F401
+    import transformers.processing_utils  # noqa: F401
+
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
+    stubs = [types.ModuleType(name) for name in names]
+    for parent, child in zip(stubs, stubs[1:]):
+        setattr(parent, child.__name__.rsplit(".", 1)[1], child)
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for stub in stubs:
+            stub.__spec__ = importlib.machinery.ModuleSpec(stub.__name__, None)
+            sys.modules[stub.__name__] = stub
+        module = importlib.import_module("transformers.models.lfm2_vl.image_processing_lfm2_vl")
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    from transformers.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
+
+    images = object.__new__(module.Lfm2VlImageProcessor)
+    text = object.__new__(Lfm2VlProcessor)
+    text.image_token, text.image_start_token, text.image_end_token = "<image>", "<|image_start|>", "<|image_end|>"
+    text.image_thumbnail_token = "<|img_thumbnail|>"
+    return images, text
