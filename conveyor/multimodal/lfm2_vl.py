@@ -176,15 +176,14 @@ class Lfm2VlProcessor:
 
     def run(self, rows: int, cols: int, size: tuple[int, int]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """One image's token ids and its embed runs (one per frame, in frame order)."""
-        ids: list[int] = self._encode("<|image_start|>") if self.special else []
+        ids: list[int] = list(self._encode("<|image_start|>")) if self.special else []
         runs: list[tuple[int, int]] = []
 
         def frame(head: str | None, n: int) -> None:
-            nonlocal ids
             if head is not None and self.special:
-                ids = ids + self._encode(head)
+                ids.extend(self._encode(head))
             runs.append((len(ids), n))
-            ids = ids + [self.image_marker_id] * n
+            ids.extend([self.image_marker_id] * n)
 
         if rows > 1 or cols > 1:
             for r in range(rows):
@@ -195,7 +194,7 @@ class Lfm2VlProcessor:
         else:
             frame(None, self._tokens(*size))
         if self.special:
-            ids = ids + self._encode("<|image_end|>")
+            ids.extend(self._encode("<|image_end|>"))
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
