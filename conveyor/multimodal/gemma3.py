@@ -224,8 +224,8 @@ class Gemma3VisionEncoder(nn.Module):
 
     def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
         """HF names, either layout of TOWER_PREFIXES / PROJECTOR_PREFIXES."""
-        tower = _prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight")
-        projector = _prefix(weights, PROJECTOR_PREFIXES, "mm_input_projection_weight")
+        tower = find_prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight", "gemma3")
+        projector = find_prefix(weights, PROJECTOR_PREFIXES, "mm_input_projection_weight", "gemma3")
         names = {
             "patch_embedding.weight": tower + "embeddings.patch_embedding.weight",
             "patch_embedding.bias": tower + "embeddings.patch_embedding.bias",
@@ -235,26 +235,8 @@ class Gemma3VisionEncoder(nn.Module):
             "soft_emb_norm": projector + "mm_soft_emb_norm.weight",
             "projection": projector + "mm_input_projection_weight",
         }
-        for i in range(len(self.layers)):
-            for part in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                ours = part.split(".")[-1]
-                for kind in ("weight", "bias"):
-                    names[f"layers.{i}.{ours}.{kind}"] = f"{tower}encoder.layers.{i}.{part}.{kind}"
-        state = {}
-        for ours, theirs in names.items():
-            if theirs not in weights:
-                raise KeyError(f"gemma3 vision: missing tensor {theirs}")
-            state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
-        self.load_state_dict(state, strict=True, assign=True)
-        self.eval()
-
-
-def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in weights:
-            return prefix
-    raise KeyError(f"gemma3 vision: no {probe} under {', '.join(prefixes)}")
+        names.update(siglip_layer_names(tower, len(self.layers)))
+        load_renamed(self, weights, names, dtype, "gemma3")
 
 
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
@@ -263,3 +245,35 @@ def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtyp
     encoder.load(checkpoint.weights, dtype)
     return VisionModel(Gemma3Processor(checkpoint.config, checkpoint.processor_config, tokenizer),
                        encoder.to(device), checkpoint.model_type)
+
+
+def siglip_layer_names(tower: str, num_layers: int) -> dict[str, str]:
+    """Our SiglipLayer parameters -> a transformers SigLIP encoder's names under `tower` (Gemma 3, Idefics3,
+    LFM2-VL share the layer)."""
+    names = {}
+    for i in range(num_layers):
+        for part in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            for kind in ("weight", "bias"):
+                names[f"layers.{i}.{part.split('.')[-1]}.{kind}"] = f"{tower}encoder.layers.{i}.{part}.{kind}"
+    return names
+
+
+def load_renamed(module: torch.nn.Module, weights: dict[str, Any], names: dict[str, str], dtype: torch.dtype,
+                 family: str) -> None:
+    """Load `module` strictly from `weights` by `names` (ours -> the checkpoint's); a missing tensor names itself."""
+    state = {}
+    for ours, theirs in names.items():
+        if theirs not in weights:
+            raise KeyError(f"{family} vision: missing tensor {theirs}")
+        state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
+    module.load_state_dict(state, strict=True, assign=True)
+    module.eval()
+
+
+def find_prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str, family: str) -> str:
+    """The first of `prefixes` under which the checkpoint has `probe` (the tensor names vary by export)."""
+    for prefix in prefixes:
+        if prefix + probe in weights:
+            return prefix
+    raise KeyError(f"{family} vision: no {probe} under {', '.join(prefixes)}")

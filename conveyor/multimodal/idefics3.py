@@ -20,7 +20,7 @@ from torch import nn
 
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
-from conveyor.multimodal.gemma3 import SiglipLayer
+from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -207,8 +207,8 @@ class Idefics3VisionEncoder(nn.Module):
         return self.projection(x.reshape(-1, d * s * s))
 
     def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
-        tower = _prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight")
-        connector = _prefix(weights, CONNECTOR_PREFIXES, "modality_projection.proj.weight")
+        tower = find_prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight", "idefics3")
+        connector = find_prefix(weights, CONNECTOR_PREFIXES, "modality_projection.proj.weight", "idefics3")
         names = {
             "patch_embedding.weight": tower + "embeddings.patch_embedding.weight",
             "patch_embedding.bias": tower + "embeddings.patch_embedding.bias",
@@ -217,26 +217,8 @@ class Idefics3VisionEncoder(nn.Module):
             "post_layernorm.bias": tower + "post_layernorm.bias",
             "projection.weight": connector + "modality_projection.proj.weight",
         }
-        for i in range(len(self.layers)):
-            for part in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                ours = part.split(".")[-1]
-                for kind in ("weight", "bias"):
-                    names[f"layers.{i}.{ours}.{kind}"] = f"{tower}encoder.layers.{i}.{part}.{kind}"
-        state = {}
-        for ours, theirs in names.items():
-            if theirs not in weights:
-                raise KeyError(f"idefics3 vision: missing tensor {theirs}")
-            state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
-        self.load_state_dict(state, strict=True, assign=True)
-        self.eval()
-
-
-def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in weights:
-            return prefix
-    raise KeyError(f"idefics3 vision: no {probe} under {', '.join(prefixes)}")
+        names.update(siglip_layer_names(tower, len(self.layers)))
+        load_renamed(self, weights, names, dtype, "idefics3")
 
 
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,

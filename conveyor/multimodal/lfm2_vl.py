@@ -26,7 +26,7 @@ from torch import nn
 
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
-from conveyor.multimodal.gemma3 import SiglipLayer
+from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -291,8 +291,8 @@ class Lfm2VlVisionEncoder(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
     def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
-        tower = _prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight")
-        projector = _prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight")
+        tower = find_prefix(weights, TOWER_PREFIXES, "embeddings.patch_embedding.weight", "lfm2_vl")
+        projector = find_prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight", "lfm2_vl")
         names = {
             "patch_embedding.weight": tower + "embeddings.patch_embedding.weight",
             "patch_embedding.bias": tower + "embeddings.patch_embedding.bias",
@@ -304,25 +304,8 @@ class Lfm2VlVisionEncoder(nn.Module):
             for kind in ("weight", "bias"):
                 if part == "layer_norm" or getattr(self, part).bias is not None or kind == "weight":
                     names[f"{part}.{kind}"] = f"{projector}{part}.{kind}"
-        for i in range(len(self.layers)):
-            for part in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
-                for kind in ("weight", "bias"):
-                    names[f"layers.{i}.{part.split('.')[-1]}.{kind}"] = f"{tower}encoder.layers.{i}.{part}.{kind}"
-        state = {}
-        for ours, theirs in names.items():
-            if theirs not in weights:
-                raise KeyError(f"lfm2_vl vision: missing tensor {theirs}")
-            state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
-        self.load_state_dict(state, strict=True, assign=True)
-        self.eval()
-
-
-def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in weights:
-            return prefix
-    raise KeyError(f"lfm2_vl vision: no {probe} under {', '.join(prefixes)}")
+        names.update(siglip_layer_names(tower, len(self.layers)))
+        load_renamed(self, weights, names, dtype, "lfm2_vl")
 
 
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
