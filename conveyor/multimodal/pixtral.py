@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
+from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -290,8 +291,8 @@ class Mistral3VisionEncoder(nn.Module):
 
     def load(self, weights: dict[str, Any], dtype: torch.dtype) -> None:
         """HF names, either layout of TOWER_PREFIXES / PROJECTOR_PREFIXES."""
-        tower = _prefix(weights, TOWER_PREFIXES, "patch_conv.weight")
-        projector = _prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight")
+        tower = find_prefix(weights, TOWER_PREFIXES, "patch_conv.weight", "mistral3")
+        projector = find_prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight", "mistral3")
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -317,13 +318,6 @@ class Mistral3VisionEncoder(nn.Module):
             state[ours + "down_proj.weight"] = get(theirs + "feed_forward.down_proj.weight")
         self.load_state_dict(state, strict=True, assign=True)
         self.eval()
-
-
-def _prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in weights:
-            return prefix
-    raise KeyError(f"mistral3 vision: no {probe} under {', '.join(prefixes)}")
 
 
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
