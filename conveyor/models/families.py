@@ -9,7 +9,7 @@ from conveyor.models.family import Family, register, register_multimodal_text
 
 FAMILY_MODULES = ("gemma", "phi3", "granite", "olmo2", "smollm3", "ministral3", "glm4", "exaone4", "ernie4_5",
                   "seed_oss", "hunyuan_dense", "apertus", "gemma4", "gemma3n", "mixtral", "qwen3_moe", "olmoe",
-                  "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_next", "granite_hybrid",
+                  "llama4", "deepseek_v3", "gpt_oss", "lfm2", "qwen3_5", "qwen3_vl", "qwen3_next", "granite_hybrid",
                   "nemotron_h", "falcon_h1", "mamba2", "bert", "modernbert", "nomic_bert")
 # llama.cpp's hybrid architectures whose GGUF files no family loads yet, and what they are (a clearer refusal).
 GGUF_NOT_YET = {

@@ -1,14 +1,22 @@
-"""Qwen3.5's vision side (Qwen3-VL's ViT without DeepStack): the processor (Qwen2-VL's smart_resize to whole
-patch x merge units between min and max pixels, rescale, normalize, patchify with the frame repeated over
-temporal_patch_size; `<|image_pad|>` -> one `<|image_pad|>` per merged patch, as Qwen3VLProcessor writes it; the
-multimodal rotary positions of get_rope_index), the tower (Conv3d patch embed as one GEMM, learned position table
-bilinearly resampled to the grid, 2D axial rotary q / k, LayerNorm blocks, the 2 x 2 patch merger), as transformers'
-Qwen2VLImageProcessorPil / Qwen3VLProcessor / Qwen3_5VisionModel compute them.
+"""Qwen3-VL's and Qwen3.5's vision side: the processor (Qwen2-VL's smart_resize to whole patch x merge units between
+min and max pixels, rescale, normalize, patchify with the frame repeated over temporal_patch_size; `<|image_pad|>` ->
+one `<|image_pad|>` per merged patch, as Qwen3VLProcessor writes it; the multimodal rotary positions of
+get_rope_index), the tower (Conv3d patch embed as one GEMM, learned position table bilinearly resampled to the grid,
+2D axial rotary q / k, LayerNorm blocks, the 2 x 2 patch merger, and Qwen3-VL's DeepStack mergers), as transformers'
+Qwen2VLImageProcessorPil / Qwen3VLProcessor / Qwen3VLVisionModel / Qwen3_5VisionModel compute them.
 
-The text model (models/hybrid.py) rotates image prompts by `rope_positions` (models/mrope.py).
+The text models (models/hybrid.py, models/qwen3_vl.py) rotate image prompts by `rope_positions` (models/mrope.py).
 
     prompt   <|vision_start|> <|image_pad|> <|vision_end|>
     expanded <|vision_start|> <|image_pad|> x (grid_h / 2) (grid_w / 2) <|vision_end|>   embed_runs = ((0, N),)
+
+DeepStack (Qwen3-VL): the outputs of the blocks in deepstack_visual_indexes go through mergers of their own; the
+encoder returns them beside the main rows, side by side along the hidden dim as llama.cpp's mmproj does,
+
+    rows (N, hidden * (1 + levels)) = [ main | level 0 | level 1 | ... ]
+
+so the runner, the encoder cache and the prefix cache carry one tensor per image; the text model
+(models/qwen3_vl.py) takes the main part as the rows' input and adds level i after decoder layer i.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from torch.nn import functional as F
 from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
+from conveyor.models.mrope import axis_of_columns
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -34,6 +43,11 @@ TOWER_PREFIXES = ("model.visual.", "visual.")  # transformers 5's layout, then t
 VISION_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
                        num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                        out_hidden_size=3584, num_position_embeddings=2304)
+# What differs in Qwen3-VL's config classes: Qwen3VLVisionConfig's DeepStack layers, Qwen3VLConfig's image token,
+# Qwen3VLTextConfig's M-RoPE sections (Qwen3.5's: [11, 11, 10])
+FAMILY_DEFAULTS = {"qwen3_vl": dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655,
+                                    mrope_section=(24, 20, 20))}
+QWEN3_5_DEFAULTS = dict(deepstack_visual_indexes=(), image_token_id=248056, mrope_section=(11, 11, 10))
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Qwen2VLImageProcessorPil's defaults
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 TOWER_EPS = 1e-6  # hard-coded in modeling_qwen3_5.py (every LayerNorm)
@@ -41,6 +55,16 @@ _RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.
              3: Image.Resampling.BICUBIC}
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu, "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def family_defaults(model_type: str | None) -> dict[str, Any]:
+    return FAMILY_DEFAULTS.get(model_type or "", QWEN3_5_DEFAULTS)
+
+
+def vision_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's vision_config over its config class' defaults."""
+    deepstack = family_defaults(raw.get("model_type"))["deepstack_visual_indexes"]
+    return {**VISION_DEFAULTS, "deepstack_visual_indexes": deepstack, **(raw.get("vision_config") or {})}
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -91,8 +115,8 @@ class QwenVLProcessor:
     image part) -> one `<|image_pad|>` per merged patch; the start / end tokens stay as the template wrote them."""
 
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
-        vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
-        self.image_marker_id = int(raw.get("image_token_id", 248056))
+        vision = vision_settings(raw)
+        self.image_marker_id = int(raw.get("image_token_id", family_defaults(raw.get("model_type"))["image_token_id"]))
         # The marker text a text-only template's image part becomes (request_plan.py): wrapped in the vision start /
         # end tokens as Qwen's templates write it (llama.cpp's mtmd adds them too), so the prompt is the same.
         wrap = [raw.get("vision_start_token_id"), self.image_marker_id, raw.get("vision_end_token_id")]
@@ -222,9 +246,26 @@ class QwenVisionBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
+class PatchMerger(nn.Module):
+    """2 x 2 neighbouring patches -> one text-wide row (Qwen3VLVisionPatchMerger): LayerNorm per patch (the main
+    merger) or over the merged row (`postshuffle`: DeepStack's), then fc1, exact GELU, fc2."""
+
+    def __init__(self, hidden: int, merge: int, out: int, postshuffle: bool) -> None:
+        super().__init__()
+        self.merged = hidden * merge * merge
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.merged if postshuffle else hidden, eps=TOWER_EPS)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.linear_fc2 = nn.Linear(self.merged, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.merged)) if self.postshuffle else self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class QwenVisionEncoder(nn.Module):
-    """Patches -> merged rows (num_embeds, out_hidden_size). One image per encode: full attention over its patches
-    (transformers' cu_seqlens blocks are one image each)."""
+    """Patches -> merged rows (num_embeds, out_hidden_size * (1 + DeepStack levels)). One image per encode: full
+    attention over its patches (transformers' cu_seqlens blocks are one image each)."""
 
     def __init__(self, vision: dict[str, Any], ops: KernelBackend | None = None) -> None:
         super().__init__()
@@ -236,13 +277,23 @@ class QwenVisionEncoder(nn.Module):
         patch_dim = int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
         self.patch_embed = nn.Linear(patch_dim, hidden)  # the Conv3d (stride = kernel) as one GEMM
         self.pos_embed = nn.Embedding(int(vision["num_position_embeddings"]), hidden)
+        depth = int(vision["depth"])
         self.blocks = nn.ModuleList(
             QwenVisionBlock(hidden, int(vision["intermediate_size"]), int(vision["num_heads"]),
-                            str(vision["hidden_act"]), ops) for _ in range(int(vision["depth"])))
-        merged = hidden * self.merge * self.merge
-        self.merger_norm = nn.LayerNorm(hidden, eps=TOWER_EPS)
-        self.merger_fc1 = nn.Linear(merged, merged)
-        self.merger_fc2 = nn.Linear(merged, int(vision["out_hidden_size"]))
+                            str(vision["hidden_act"]), ops) for _ in range(depth))
+        out = int(vision["out_hidden_size"])
+        self.merger = PatchMerger(hidden, self.merge, out, postshuffle=False)
+        self.deepstack = [int(i) for i in vision.get("deepstack_visual_indexes") or ()]
+        if any(not 0 <= i < depth for i in self.deepstack) or len(set(self.deepstack)) != len(self.deepstack):
+            raise ValueError(f"qwen3_vl: deepstack_visual_indexes {self.deepstack} must be distinct blocks of the "
+                             f"{depth}-block tower")
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(hidden, self.merge, out, postshuffle=True) for _ in self.deepstack)
+
+    @property
+    def num_levels(self) -> int:
+        """DeepStack levels beside the main rows (0: Qwen3.5's tower)."""
+        return len(self.deepstack)
 
     def forward(self, patches: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         dtype = self.patch_embed.weight.dtype
@@ -250,10 +301,12 @@ class QwenVisionEncoder(nn.Module):
         at, weight = _interpolation(grid_h, grid_w, self.merge, self.side)
         x = x + (self.pos_embed(at.to(x.device)) * weight.to(x.device, dtype)[:, :, None]).sum(1).to(dtype)
         cos, sin = (t.to(x.device) for t in _axial_rope(grid_h, grid_w, self.merge, self.head_dim, self.theta))
-        for block in self.blocks:
+        levels: list[torch.Tensor] = []  # in block order, as transformers lists them (merger k: the k-th index)
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin)
-        x = self.merger_norm(x).reshape(-1, self.merger_fc1.in_features)
-        return self.merger_fc2(F.gelu(self.merger_fc1(x)))
+            if i in self.deepstack:
+                levels.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
+        return torch.cat([self.merger(x), *levels], dim=1) if levels else self.merger(x)
 
     @torch.inference_mode()
     def encode(self, item: ImageItem) -> torch.Tensor:
@@ -263,6 +316,8 @@ class QwenVisionEncoder(nn.Module):
     def load_hf(self, weights: dict[str, Any], prefix: str) -> None:
         """transformers' names under `prefix` (model.visual.) -> ours; the Conv3d kernel flattened to the GEMM's."""
         def get(name: str) -> torch.Tensor:
+            if prefix + name not in weights:
+                raise ValueError(f"qwen3_vl: the vision tower has no {prefix + name}")
             return torch.as_tensor(weights[prefix + name])
 
         state = {"patch_embed.weight": get("patch_embed.proj.weight").reshape(self.patch_embed.weight.shape),
@@ -273,10 +328,11 @@ class QwenVisionEncoder(nn.Module):
             for mine, theirs in ours.items():
                 for part in ("weight", "bias"):
                     state[f"blocks.{i}.{mine}.{part}"] = get(f"blocks.{i}.{theirs}.{part}")
-        for mine, theirs in (("merger_norm", "merger.norm"), ("merger_fc1", "merger.linear_fc1"),
-                             ("merger_fc2", "merger.linear_fc2")):
-            for part in ("weight", "bias"):
-                state[f"{mine}.{part}"] = get(f"{theirs}.{part}")
+        mergers = ["merger"] + [f"deepstack_merger_list.{k}" for k in range(len(self.deepstack))]
+        for merger in mergers:  # our names are transformers'
+            for layer in ("norm", "linear_fc1", "linear_fc2"):
+                for part in ("weight", "bias"):
+                    state[f"{merger}.{layer}.{part}"] = get(f"{merger}.{layer}.{part}")
         self.load_state_dict(state, strict=True)
 
 
@@ -287,13 +343,27 @@ def tower_prefix(weights: dict[str, Any]) -> str:
     raise ValueError("qwen3_5: the checkpoint has no vision tower (model.visual.patch_embed.proj.weight)")
 
 
+def check_mrope_section(raw: dict[str, Any]) -> None:
+    """The text model's M-RoPE sections (t, h, w) must cover half its rotary width: a load error here, not an
+    error at the first image prompt (the text rows rotate as plain rope whatever the sections say)."""
+    text = raw.get("text_config") or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section") or family_defaults(raw.get("model_type"))["mrope_section"]
+    if "head_dim" not in text and not ("hidden_size" in text and "num_attention_heads" in text):
+        return  # an mmproj's config names no text model: the text GGUF's family checks its own sections
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
+    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
+    try:
+        axis_of_columns(section, int(head_dim * partial))
+    except ValueError as exc:
+        raise ValueError(f"{raw.get('model_type')}: {exc}") from exc
+
+
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,
                  ops: KernelBackend | None = None) -> VisionModel:
     raw = checkpoint.config
-    vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
-    if vision.get("deepstack_visual_indexes"):
-        raise ValueError("qwen3_vl: DeepStack mergers are not supported yet (Qwen3.5's tower has none)")
-    encoder = QwenVisionEncoder(vision, ops)
+    check_mrope_section(raw)
+    encoder = QwenVisionEncoder(vision_settings(raw), ops)
     encoder.load_hf(checkpoint.weights, tower_prefix(checkpoint.weights))
     encoder.to(device=device, dtype=dtype).eval()
     processor = QwenVLProcessor(raw, checkpoint.processor_config, tokenizer)

@@ -126,6 +126,7 @@ _BUILDERS: dict[str, str] = {
     "llava": "conveyor.multimodal.pixtral:build_vision",  # Pixtral 12B (other Llava towers: a load error)
     "qwen3_5": "conveyor.multimodal.qwen3_vl:build_vision",
     "qwen3_5_moe": "conveyor.multimodal.qwen3_vl:build_vision",
+    "qwen3_vl": "conveyor.multimodal.qwen3_vl:build_vision",
     "lfm2_vl": "conveyor.multimodal.lfm2_vl:build_vision",
 }
 
