@@ -47,10 +47,9 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
     if kind not in ("gemma3", "idefics3", "pixtral", "qwen3vl_merger", "lfm2"):
         raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3, "
                         "pixtral, qwen3vl_merger, lfm2)")
-    if kind == "qwen3vl_merger":  # Qwen3.5: its own tensor names (loading/mmproj_qwen3vl.py)
-        moe = text_config is not None and text_config.architecture == "qwen3_5_moe_text"
+    if kind == "qwen3vl_merger":  # Qwen3-VL, Qwen3.5: its own tensor names (loading/mmproj_qwen3vl.py)
         config, processor, weights = qwen3vl_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
-                                                        tokenizer, path, "qwen3_5_moe" if moe else "qwen3_5")
+                                                        tokenizer, path, _qwen_vl_type(meta, text_config))
         vision = VisionCheckpoint(config["model_type"], config, processor, weights)
         if text_config is not None:
             _check_pairing(vision, text_config, path)
@@ -84,6 +83,14 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
     if text_config is not None:
         _check_pairing(vision, text_config, path)
     return vision
+
+
+def _qwen_vl_type(meta: Callable[..., Any], text_config: Any) -> str:
+    """The multimodal model_type a qwen3vl_merger projector loads as: its text model's (Qwen3-VL, Qwen3.5, Qwen3.5-MoE);
+    without one, Qwen3-VL where it has DeepStack layers."""
+    if text_config is None:
+        return "qwen3_vl" if any(meta("clip.vision.is_deepstack_layers", []) or []) else "qwen3_5"
+    return {"qwen3_vl_text": "qwen3_vl", "qwen3_5_moe_text": "qwen3_5_moe"}.get(text_config.architecture, "qwen3_5")
 
 
 def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> None:

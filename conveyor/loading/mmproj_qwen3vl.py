@@ -1,11 +1,13 @@
-"""llama.cpp's `qwen3vl_merger` projector GGUF (convert_hf_to_gguf.py --mmproj of a Qwen3_5ForConditionalGeneration:
-conversion/qwen3vl.py's Qwen3VLVisionModel) as the VisionCheckpoint multimodal/qwen3_vl.py loads.
+"""llama.cpp's `qwen3vl_merger` projector GGUF (convert_hf_to_gguf.py --mmproj of a Qwen3VLForConditionalGeneration
+or Qwen3_5ForConditionalGeneration: conversion/qwen3vl.py's Qwen3VLVisionModel) as the VisionCheckpoint
+multimodal/qwen3_vl.py loads.
 
 The converter splits the Conv3d patch kernel into its two frames (v.patch_embd.weight and .weight.1: stacked back
 here) and writes no temporal patch size (it requires 2), no rope theta (clip.cpp: 10000) and no pixel limits:
 clip.cpp's Qwen-VL limits (8 to 4096 merged tokens per image) stand in for the HF processor's. Its
 layer_norm_epsilon is the text model's RMSNorm epsilon; the tower's LayerNorms use transformers' hard-coded 1e-6.
-DeepStack layers (Qwen3-VL) are refused: multimodal/qwen3_vl.py runs Qwen3.5's tower.
+Qwen3-VL's DeepStack mergers are `v.deepstack.{block}.{norm,fc1,fc2}`, named by the tower block they read, with
+clip.vision.is_deepstack_layers flagging those blocks; they come back as deepstack_merger_list.{k} in block order.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ _LAYER = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "a
           "ffn_down": "mlp.linear_fc2"}
 _OTHER = {"v.patch_embd": "patch_embed.proj", "v.position_embd": "pos_embed", "v.post_ln": "merger.norm",
           "mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2"}
+_DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 MIN_TOKENS, MAX_TOKENS = 8, 4096  # clip.cpp's set_limit_image_tokens for Qwen-VL projectors
 
 
 def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any, path: str,
                        model_type: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
-    if any(meta("clip.vision.is_deepstack_layers", []) or []):
-        raise LoadError(f"{path}: a Qwen3-VL projector with DeepStack layers is not supported (Qwen3.5's is)")
+    deepstack = [i for i, flag in enumerate(meta("clip.vision.is_deepstack_layers", []) or []) if flag]
+    if deepstack and model_type != "qwen3_vl":
+        raise LoadError(f"{path}: a Qwen3-VL projector (DeepStack layers {deepstack}) cannot feed a {model_type} text "
+                        "model")
     image = tokenizer.token_to_id("<|image_pad|>")
     if image is None:
         raise LoadError(f"{path}: the text model's vocabulary has no <|image_pad|> (not a Qwen vision model?)")
@@ -45,6 +50,11 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
             if part not in _LAYER:
                 raise LoadError(f"{path}: unexpected projector tensor {name}")
             weights[f"{TOWER}blocks.{layer}.{_LAYER[part]}.{kind}"] = tensor
+        elif stem.startswith("v.deepstack."):
+            _, _, block, part = stem.split(".", 3)
+            if not block.isdigit() or int(block) not in deepstack or part not in _DEEPSTACK:
+                raise LoadError(f"{path}: projector tensor {name} is not a flagged DeepStack layer's")
+            weights[f"{TOWER}deepstack_merger_list.{deepstack.index(int(block))}.{_DEEPSTACK[part]}.{kind}"] = tensor
         elif stem in _OTHER:
             weights[f"{TOWER}{_OTHER[stem]}.{kind}"] = tensor
         else:
@@ -58,7 +68,8 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
               "intermediate_size": int(meta("clip.vision.feed_forward_length")),
               "num_heads": int(meta("clip.vision.attention.head_count")), "in_channels": 3, "patch_size": patch,
               "spatial_merge_size": merge, "temporal_patch_size": 2, "out_hidden_size": width,
-              "num_position_embeddings": positions, "hidden_act": "gelu_pytorch_tanh"}
+              "num_position_embeddings": positions, "hidden_act": "gelu_pytorch_tanh",
+              "deepstack_visual_indexes": deepstack}
     config = {"model_type": model_type, "image_token_id": image, "vision_config": vision,
               "vision_start_token_id": tokenizer.token_to_id("<|vision_start|>"),
               "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>"), "text_config": {"hidden_size": width}}

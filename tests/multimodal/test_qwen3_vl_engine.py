@@ -1,0 +1,114 @@
+"""Qwen3-VL image requests (DeepStack levels riding the image rows) through the engine (tiny random checkpoint, the default dtype and kernels): 16 concurrent
+requests, several on one image, two with two images, give bitwise the greedy tokens of one at a time (the M-RoPE
+positions and delta ride each request), also with a 3-token prefill chunk budget that ends chunks inside image
+runs; each image encoded once; every KV block comes back."""
+
+import pytest
+from tiny_qwen3_vl import random_image, write_model_dir
+
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import EngineCore
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.multimodal.image_input import ImageInput
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.batch_invariant
+
+IMAGES = [ImageInput.from_pil(random_image(30 + 11 * seed, 40, seed)) for seed in range(4)]
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+JOBS = [(f"<|im_start|>user\n{PAD}Describe picture {i}.<|im_end|>\n", [IMAGES[i % 4]]) for i in range(14)]
+JOBS += [(f"<|im_start|>two{PAD}{PAD}\nSame?<|im_end|>\n", [IMAGES[a], IMAGES[b]]) for a, b in ((1, 3), (3, 1))]
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl_engine")
+    write_model_dir(path, transformers)
+    return str(path)
+
+
+def _core(model_dir, **fields) -> EngineCore:
+    return EngineCore(EngineConfig(model=model_dir, parallel=16, block_size=8, speculative_ngram=0, **fields))
+
+
+def _run(core: EngineCore, jobs) -> list[list[tuple[int, float]]]:
+    requests = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), PARAMS, images=images)
+                for text, images in jobs]
+    for request in requests:
+        core.add_request(request)
+    traces = {r.request_id: [] for r in requests}
+    while core.has_work():
+        for out in core.step():
+            traces[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+    core.kv.check_integrity()
+    assert core.pool.stats().num_used == 0
+    return [traces[r.request_id] for r in requests]
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    core = _core(model_dir, enable_prefix_caching=False)
+    return [_run(core, [job])[0] for job in JOBS]
+
+
+def test_outputs_depend_on_the_image(alone):
+    assert len({tuple(t for t, _ in trace) for trace in alone[:4]}) > 1
+
+
+def test_requests_carry_mrope_positions(model_dir):
+    core = _core(model_dir)
+    ids = core.tokenizer.encode(JOBS[3][0], add_special_tokens=False)
+    request = core.make_request(ids, PARAMS, images=[IMAGES[3]])
+    assert request.rope_positions is not None and request.rope_delta < 0
+
+
+def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, alone):
+    core = _core(model_dir)
+    assert _run(core, JOBS) == alone
+    assert core.runner.encoder_cache.num_encoded == len(IMAGES)
+
+
+def test_chunk_budget_inside_an_image(model_dir, alone):
+    core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
+    assert _run(core, JOBS) == alone
+
+
+def test_prefix_hit_past_an_image_equals_cold(model_dir, alone):
+    """A second round on the same prompts hits the prefix cache past the image rows (their DeepStack levels are in
+    the KV already), bitwise the cold tokens."""
+    core = _core(model_dir)
+    assert _run(core, JOBS[:4]) == alone[:4]
+    hits = core.kv.counters.hit_tokens
+    assert _run(core, JOBS[:4]) == alone[:4]
+    image_ends = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), PARAMS,
+                                    images=images).images[-1].end for text, images in JOBS[:4]]
+    assert core.kv.counters.hit_tokens - hits > sum(image_ends)
+
+
+def test_gguf_text_and_mmproj(model_dir, tmp_path):
+    """llama-server's pair: the qwen3vl text GGUF (rope.dimension_sections the M-RoPE sections) + the qwen3vl_merger
+    mmproj with its DeepStack layers == the directory, same greedy tokens (image requests, concurrent)."""
+    from tiny_qwen3_vl import hf_model, write_mmproj, write_text_gguf
+
+    model = hf_model(transformers)
+    write_mmproj(tmp_path / "mmproj.gguf", model)
+    write_text_gguf(tmp_path / "text.gguf", model)
+    core = EngineCore(EngineConfig(model=str(tmp_path / "text.gguf"), mmproj=str(tmp_path / "mmproj.gguf"),
+                                   parallel=16, block_size=8, speculative_ngram=0, dtype="float32"))
+    assert core.model_config.architecture == "qwen3_vl_text" and core.model_config.mrope_section == (3, 3, 2)
+    assert core.vision.model_type == "qwen3_vl" and core.vision.encoder.num_levels == 2
+    direct = _core(model_dir, dtype="float32")
+    images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
+    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
+    ids = [direct.tokenizer.encode(text, add_special_tokens=False) for text, _ in jobs]
+
+    def tokens(engine):
+        requests = [engine.make_request(i, PARAMS, images=images) for i, (_, images) in zip(ids, jobs)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+        return [r.output_token_ids for r in requests]
+
+    assert tokens(core) == tokens(direct)
