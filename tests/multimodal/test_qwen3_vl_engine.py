@@ -1,7 +1,8 @@
-"""Qwen3-VL image requests (DeepStack levels riding the image rows) through the engine (tiny random checkpoint, the default dtype and kernels): 16 concurrent
-requests, several on one image, two with two images, give bitwise the greedy tokens of one at a time (the M-RoPE
-positions and delta ride each request), also with a 3-token prefill chunk budget that ends chunks inside image
-runs; each image encoded once; every KV block comes back."""
+"""Qwen3-VL image requests through the engine (tiny random checkpoint, the default dtype and kernels; DeepStack levels
+riding the image rows): 16 concurrent requests, several on one image, two with two images, give bitwise the greedy
+tokens of one at a time (the M-RoPE positions and delta ride each request), also with a 3-token prefill chunk budget
+that ends chunks inside image runs (each chunk takes its rows' levels); a prefix hit past the image == cold; each
+image encoded once; every KV block comes back; the llama-server pair (qwen3vl text GGUF + mmproj) == the directory."""
 
 import pytest
 from tiny_qwen3_vl import random_image, write_model_dir

@@ -1,6 +1,6 @@
-"""Qwen3-VL over HTTP (DeepStack levels riding the image rows): chat image_url parts reach the model as the template's <|vision_start|><|image_pad|>
-<|vision_end|>, each pad expanded to the image's rows, with the engine's own greedy answer; a text-only template gets
-the whole wrapped marker as text and the same answer."""
+"""Qwen3-VL over HTTP (DeepStack levels riding the image rows): chat image_url parts reach the model as the
+template's <|vision_start|><|image_pad|><|vision_end|>, each pad expanded to the image's rows, with the engine's own
+greedy answer; a text-only template gets the whole wrapped marker as text and the same answer; a bad image is a 400."""
 
 import base64
 import io

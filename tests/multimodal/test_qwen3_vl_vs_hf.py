@@ -27,7 +27,8 @@ class _Tokenizer:
 
 
 def _processor() -> QwenVLProcessor:
-    return QwenVLProcessor(hf_config(transformers).to_dict(), processor_config(), _Tokenizer(hf_tokenizer(transformers)))
+    tokenizer = _Tokenizer(hf_tokenizer(transformers))
+    return QwenVLProcessor(hf_config(transformers).to_dict(), processor_config(), tokenizer)
 
 
 def test_tower_and_deepstack_mergers_match_get_image_features():
@@ -68,7 +69,12 @@ def test_expansion_and_rope_positions_match_get_rope_index():
     assert expanded.rope_delta == int(delta)
 
 
-def test_bad_mrope_section_is_a_load_error(tmp_path):
+def test_bad_mrope_section_is_a_load_error():
+    """Sections that do not cover half the rotary width fail at load (the text config, and build_vision for
+    Qwen3.5's hybrid whose text family does not check), not at the first image prompt."""
+    from tiny_qwen3_5_vision import hf_config as qwen3_5_config
+
+    from conveyor.models.config import ModelConfig, ModelConfigError
     from conveyor.multimodal.qwen3_vl import check_mrope_section
 
     raw = hf_config(transformers).to_dict()
@@ -76,6 +82,13 @@ def test_bad_mrope_section_is_a_load_error(tmp_path):
     raw["text_config"]["rope_parameters"]["mrope_section"] = [4, 4, 4]
     with pytest.raises(ValueError, match="mrope_section"):
         check_mrope_section(raw)
+    with pytest.raises(ModelConfigError, match="mrope_section"):
+        ModelConfig.from_hf_dict(raw)
+    hybrid = qwen3_5_config(transformers).to_dict()
+    check_mrope_section(hybrid)  # head_dim 16, partial rotary 0.5: [2, 1, 1]
+    hybrid["text_config"]["rope_parameters"]["mrope_section"] = [3, 3, 2]
+    with pytest.raises(ValueError, match="qwen3_5: mrope_section"):
+        check_mrope_section(hybrid)
 
 
 @pytest.fixture(scope="module")
