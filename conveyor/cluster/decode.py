@@ -96,8 +96,8 @@ class DecodeNode(FrameServer):
         if frame.images:  # the prompt is the expanded one: its images' spans, hashes and tower rows ride along
             if core.vision is None:
                 raise InvalidRequestError(f"{core.model_name} does not accept images (a text-only model)", "messages")
-            request.images = spans_from_wire(frame.images, len(frame.prompt_token_ids), core.model_config.hidden_size,
-                                             core.dtype, core.device)
+            width = core.vision.row_width(core.model_config.hidden_size)
+            request.images = spans_from_wire(frame.images, len(frame.prompt_token_ids), width, core.dtype, core.device)
             request.cache_prompt = request.cache_prompt and core.config.vlm_prefix_cache
         request.rope_positions = rope_from_wire(frame.rope_positions, len(frame.prompt_token_ids))
         request.rope_delta = frame.rope_delta

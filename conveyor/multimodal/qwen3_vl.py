@@ -367,4 +367,4 @@ def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtyp
     encoder.load_hf(checkpoint.weights, tower_prefix(checkpoint.weights))
     encoder.to(device=device, dtype=dtype).eval()
     processor = QwenVLProcessor(raw, checkpoint.processor_config, tokenizer)
-    return VisionModel(processor, encoder, checkpoint.model_type)
+    return VisionModel(processor, encoder, checkpoint.model_type, num_levels=encoder.num_levels)

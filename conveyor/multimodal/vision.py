@@ -104,6 +104,13 @@ class VisionModel:
     processor: VisionProcessor
     encoder: VisionEncoder
     model_type: str  # the multimodal checkpoint's model_type ("gemma3", ...)
+    # Qwen3-VL: each encoder row carries this many DeepStack levels beside its main part, side by side along the
+    # hidden dim (models/qwen3_vl.py adds them after the first decoder layers); 0 elsewhere.
+    num_levels: int = 0
+
+    def row_width(self, hidden: int) -> int:
+        """The width of the encoder's rows for a text model `hidden` wide (what a KV handoff carries)."""
+        return hidden * (1 + self.num_levels)
 
 
 @dataclass

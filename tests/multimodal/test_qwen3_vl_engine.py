@@ -113,3 +113,50 @@ def test_gguf_text_and_mmproj(model_dir, tmp_path):
         return [r.output_token_ids for r in requests]
 
     assert tokens(core) == tokens(direct)
+
+
+def test_a_handoff_carries_the_levels(model_dir, alone):
+    """A prefill node's handoff carries each image's rows with their DeepStack levels (64 x 3 wide); the decode node
+    continues it bitwise, imported or re-prefilled from the carried rows, never running its tower."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from conveyor.cluster import wire
+    from conveyor.cluster.decode import DecodeNode
+    from conveyor.cluster.prefill import handoff_frame
+    from conveyor.config import ClusterConfig
+    from conveyor.engine.kv_transfer import KVBlob
+
+    prefill, decode = _core(model_dir), _core(model_dir)
+    node = DecodeNode(SimpleNamespace(core=decode), ClusterConfig(node_role="decode", serving_bind="127.0.0.1:1"))
+    assert decode.vision.row_width(64) == 64 * 3
+
+    async def take(frame: wire.HandoffFrame, recompute: bool):
+        blob = KVBlob(**{name: getattr(frame.kv, name) for name in frame.kv.__struct_fields__})
+        request = await node._request(frame, blob)
+        if recompute:  # as when no block is free at arrival: re-prefilled here from the carried rows
+            decode.kv_transfer.forget(request.request_id)
+        decode.add_request(request)
+        while decode.has_work():
+            decode.step()
+        return request
+
+    for job, recompute in ((0, False), (14, False), (15, True)):
+        text, images = JOBS[job]
+        name = f"job{job}"
+        request = prefill.make_request(prefill.tokenizer.encode(text, add_special_tokens=False), PARAMS, name,
+                                       images=images)
+        prefill.kv_transfer.mark_for_handoff(name)
+        prefill.add_request(request)
+        handoff = None
+        while handoff is None:
+            handoff = next((o.kv_handoff for o in prefill.step() if o.kv_handoff is not None), None)
+        frame = wire.decode(wire.encode(handoff_frame(handoff, None))[wire.HEADER.size:])
+        assert all(span.hidden == 64 * 3 for span in frame.images)
+        got = asyncio.run(take(frame, recompute))
+        assert got.output_token_ids == [t for t, _ in alone[job]], job
+    assert decode.runner.encoder_cache.num_encoded == 0
+    assert decode.kv_transfer.stats.num_imported == 2
+    for core in (prefill, decode):
+        core.kv.check_integrity()
+        assert core.pool.stats().num_used == 0
