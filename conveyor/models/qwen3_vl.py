@@ -67,6 +67,19 @@ class Qwen3VLForCausalLM(LlamaForCausalLM):
         _, x = self.norm.add_and_norm(residual[rows], x[rows])
         return x
 
+    @torch.inference_mode()
+    def aux_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                          meta: AttentionMetadata, rows: torch.Tensor, layer_ids: tuple[int, ...],
+                          embeds: Embeds | None = None,
+                          rope_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaForCausalLM's (an EAGLE3 drafter's input), with M-RoPE positions and DeepStack levels."""
+        aux: dict[int, torch.Tensor] = {}
+        x, residual = self._layers(input_ids, positions, kv_caches, meta, set(layer_ids), aux, embeds, rope_positions)
+        if self.config.num_hidden_layers in layer_ids:
+            aux[self.config.num_hidden_layers] = residual + x
+        _, out = self.norm.add_and_norm(residual[rows], x[rows])
+        return out, torch.cat([aux[i] for i in layer_ids], dim=-1)
+
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, capture: set[int] = frozenset(),
                 aux: dict[int, torch.Tensor] | None = None, embeds: Embeds | None = None,
