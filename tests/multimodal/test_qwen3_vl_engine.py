@@ -1,8 +1,9 @@
 """Qwen3-VL image requests through the engine (tiny random checkpoint, the default dtype and kernels; DeepStack levels
 riding the image rows): 16 concurrent requests, several on one image, two with two images, give bitwise the greedy
 tokens of one at a time (the M-RoPE positions and delta ride each request), also with a 3-token prefill chunk budget
-that ends chunks inside image runs (each chunk takes its rows' levels); a prefix hit past the image == cold; each
-image encoded once; every KV block comes back; the llama-server pair (qwen3vl text GGUF + mmproj) == the directory."""
+that ends chunks inside image runs (each chunk takes its rows' levels) and under preemption; a prefix hit past the
+image == cold; each image encoded once; every KV block comes back; a KV handoff carries the levels; the
+llama-server pair (qwen3vl text GGUF + mmproj) == the directory."""
 
 import pytest
 from tiny_qwen3_vl import random_image, write_model_dir
@@ -73,6 +74,19 @@ def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, 
 def test_chunk_budget_inside_an_image(model_dir, alone):
     core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
     assert _run(core, JOBS) == alone
+
+
+def test_preemption_keeps_outputs_exact(model_dir, alone):
+    """Rows preempted and re-prefilled (their images' rows and levels taken again from the encoder cache)."""
+    roomy = _core(model_dir, enable_prefix_caching=False)
+    plan = roomy.pool_plan
+    tight = _core(model_dir, enable_prefix_caching=False, ctx_size=16 * 512,  # 64 blocks a slot, the least
+                  kv_cache_budget=str(plan.window_pool_bytes + 64 * plan.bytes_per_block))
+    ids = tight.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
+    for image in IMAGES:  # every image through the tower first, so all 16 rows are admitted together
+        tight.runner.encoder_cache.get(tight.make_request(ids, PARAMS, images=[image]).images[0])
+    assert _run(tight, JOBS) == alone
+    assert tight.scheduler.stats.num_preemptions > 0
 
 
 def test_prefix_hit_past_an_image_equals_cold(model_dir, alone):
