@@ -114,13 +114,17 @@ def unstack_experts(config: ModelConfig, weights: dict[str, Weight], source: str
     out = dict(weights)
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
+        transposed = names.stacked_transposed
+        down = out.get(names.stacked(prefix, "down"))
+        if names.stacked_layout_by_shape and isinstance(down, torch.Tensor) and down.dim() == 3:
+            transposed = tuple(down.shape[1:]) == (config.moe_intermediate_size, config.hidden_size)
         for part, pieces in (("gate_up", ("gate", "up")), ("down", ("down",))):
             _unstack_mxfp4(out, names, prefix, part, pieces, source)
             stacked = out.pop(names.stacked(prefix, part), None)
             if stacked is not None:
                 if not isinstance(stacked, torch.Tensor) or stacked.dim() != 3 or len(stacked) != config.num_experts:
                     raise LoadError(f"{source}: {names.stacked(prefix, part)} is not ({config.num_experts}, N, K)")
-                if names.stacked_transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
+                if transposed:  # Llama 4: inputs first, (E, H, 2I) and (E, I, H)
                     stacked = stacked.transpose(1, 2)
                 for piece, tensors in zip(pieces, _split_stack(stacked, len(pieces), names.stacked_interleaved)):
                     out.update({names.expert(prefix, e, piece): tensor for e, tensor in enumerate(tensors)})

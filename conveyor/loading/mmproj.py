@@ -86,11 +86,12 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
 
 
 def _qwen_vl_type(meta: Callable[..., Any], text_config: Any) -> str:
-    """The multimodal model_type a qwen3vl_merger projector loads as: its text model's (Qwen3-VL, Qwen3.5, Qwen3.5-MoE);
-    without one, Qwen3-VL where it has DeepStack layers."""
+    """The multimodal model_type a qwen3vl_merger projector loads as: its text model's (Qwen3-VL and Qwen3.5, dense
+    or MoE); without one, Qwen3-VL where it has DeepStack layers."""
     if text_config is None:
         return "qwen3_vl" if any(meta("clip.vision.is_deepstack_layers", []) or []) else "qwen3_5"
-    return {"qwen3_vl_text": "qwen3_vl", "qwen3_5_moe_text": "qwen3_5_moe"}.get(text_config.architecture, "qwen3_5")
+    types = {"qwen3_vl_text": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+    return types.get(text_config.architecture, "qwen3_5")
 
 
 def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> None:

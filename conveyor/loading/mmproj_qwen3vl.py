@@ -32,7 +32,7 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
                        model_type: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
     deepstack = [i for i, flag in enumerate(meta("clip.vision.is_deepstack_layers", []) or []) if flag]
-    if deepstack and model_type != "qwen3_vl":
+    if deepstack and model_type not in ("qwen3_vl", "qwen3_vl_moe"):
         raise LoadError(f"{path}: a Qwen3-VL projector (DeepStack layers {deepstack}) cannot feed a {model_type} text "
                         "model")
     image = tokenizer.token_to_id("<|image_pad|>")

@@ -470,6 +470,9 @@ class ExpertNames:
     # All experts in one tensor per part, gate|up (E, 2I, H) and down (E, H, I): Qwen3.5-MoE on the Hub, Granite 4.0-H
     stacked_parts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     stacked_transposed: bool = False  # Llama 4: gate|up (E, H, 2I) and down (E, I, H), inputs first
+    # Qwen3-VL-MoE: the Hub's files are inputs first, transformers 5 saves (E, 2I, H) / (E, H, I): each layer's
+    # layout read from its down tensor's shape (stacked_transposed where it is (E, I, H))
+    stacked_layout_by_shape: bool = False
     stacked_interleaved: bool = False  # GPT-OSS: gate and up alternate along the 2I axis (gate first)
 
     def router(self, prefix: str) -> str:

@@ -1,13 +1,14 @@
-"""Qwen3-VL's text model (`qwen3_vl_text`): a dense Qwen3 (q / k RMSNorm per head) whose image prompts rotate by
-interleaved M-RoPE (models/mrope.py, as Qwen3VLTextRotaryEmbedding) and whose image rows take DeepStack levels.
+"""Qwen3-VL's text models: `qwen3_vl_text`, a dense Qwen3 (q / k RMSNorm per head), and `qwen3_vl_moe_text`, a
+Qwen3-MoE (every router renormalises its top-k), whose image prompts rotate by interleaved M-RoPE (models/mrope.py,
+as Qwen3VLTextRotaryEmbedding) and whose image rows take DeepStack levels.
 
 The vision tower (multimodal/qwen3_vl.py) hands each image's rows as [ main | level 0 | level 1 | ... ] along the
 hidden dim. The main part replaces the rows' token embeddings; level i is added to those rows' hidden states after
 decoder layer i (Qwen3VLTextModel._deepstack_process). A chunk holds only the rows of the image positions it runs,
 so chunked prefill, prefix hits and preemption slice the levels exactly as they slice the main rows.
 
-GGUF: llama.cpp's `qwen3vl` (convert_hf_to_gguf.py's Qwen3VLTextModel): Qwen3's tensors, rope.dimension_sections
-the M-RoPE sections.
+GGUF: llama.cpp's `qwen3vl` / `qwen3vlmoe` (convert_hf_to_gguf.py's Qwen3VLTextModel / Qwen3VLMoeTextModel): Qwen3's
+/ Qwen3-MoE's tensors, rope.dimension_sections the M-RoPE sections.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from typing import Any
 import torch
 
 from conveyor.kernels import AttentionMetadata
+from conveyor.models.config import ExpertNames
 from conveyor.models.family import Family, register
 from conveyor.models.llama import Embeds, KVCache, LlamaForCausalLM
+from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.mrope import axis_of_columns, mrope_tables
+from conveyor.models.qwen3_moe import hf_fields as qwen3_moe_fields
 
 _DEFAULT_SECTION = (24, 20, 20)  # Qwen3VLTextRotaryEmbedding's where the config names none
 
@@ -29,6 +33,11 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     section = tuple(int(n) for n in rope.get("mrope_section") or _DEFAULT_SECTION)
     return dict(qk_norm=True, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 mrope_section=_checked(section, raw))
+
+
+def moe_hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    # Qwen3VLMoeTextTopKRouter always renormalises the top-k weights (its config has no norm_topk_prob)
+    return {**qwen3_moe_fields(raw), **hf_fields(raw), "norm_topk_prob": True}
 
 
 def _checked(section: tuple[int, ...], raw: dict[str, Any]) -> tuple[int, ...]:
@@ -47,8 +56,8 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     return dict(mrope_section=section)
 
 
-class Qwen3VLForCausalLM(LlamaForCausalLM):
-    """The shared decoder with M-RoPE positions and DeepStack levels on image rows (`embeds`)."""
+class DeepStackDecoder:
+    """Over a LlamaForCausalLM (dense or MoE): M-RoPE positions and DeepStack levels on image rows (`embeds`)."""
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -116,7 +125,23 @@ class Qwen3VLForCausalLM(LlamaForCausalLM):
         return list(values.split(hidden, dim=1))
 
 
+class Qwen3VLForCausalLM(DeepStackDecoder, LlamaForCausalLM):
+    pass
+
+
+class Qwen3VLMoeForCausalLM(DeepStackDecoder, MoEForCausalLM):
+    pass
+
+
+# Experts stacked one gate|up and one down tensor per layer: (E, hidden, 2 x I) / (E, I, hidden) on the Hub,
+# (E, 2 x I, hidden) / (E, hidden, I) as transformers 5 saves them (both load there; told apart by shape)
+MOE_EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", stacked_layout_by_shape=True)
+_TEXT_DEFAULTS = dict(head_dim=128, rope_theta=500000.0, max_position_embeddings=128000)
+
 register(Family("qwen3_vl_text", "conveyor.models.qwen3_vl:Qwen3VLForCausalLM", hf_fields, multimodal_type="qwen3_vl",
                 # Qwen3VLTextConfig's defaults, where a config.json's text_config leaves a field out
-                multimodal_text_defaults=dict(head_dim=128, rope_theta=500000.0, max_position_embeddings=128000),
-                gguf_architectures=("qwen3vl",), gguf_fields=gguf_fields))
+                multimodal_text_defaults=_TEXT_DEFAULTS, gguf_architectures=("qwen3vl",), gguf_fields=gguf_fields),
+         Family("qwen3_vl_moe_text", "conveyor.models.qwen3_vl:Qwen3VLMoeForCausalLM", moe_hf_fields,
+                multimodal_type="qwen3_vl_moe", expert_names=MOE_EXPERT_NAMES,
+                multimodal_text_defaults={**_TEXT_DEFAULTS, "head_dim": None},
+                gguf_architectures=("qwen3vlmoe",), gguf_fields=gguf_fields))

@@ -45,8 +45,8 @@ VISION_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh
                        out_hidden_size=3584, num_position_embeddings=2304)
 # What differs in Qwen3-VL's config classes: Qwen3VLVisionConfig's DeepStack layers, Qwen3VLConfig's image token,
 # Qwen3VLTextConfig's M-RoPE sections (Qwen3.5's: [11, 11, 10])
-FAMILY_DEFAULTS = {"qwen3_vl": dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655,
-                                    mrope_section=(24, 20, 20))}
+_QWEN3_VL = dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655, mrope_section=(24, 20, 20))
+FAMILY_DEFAULTS = {"qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL}
 QWEN3_5_DEFAULTS = dict(deepstack_visual_indexes=(), image_token_id=248056, mrope_section=(11, 11, 10))
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Qwen2VLImageProcessorPil's defaults
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]

@@ -134,6 +134,7 @@ _BUILDERS: dict[str, str] = {
     "qwen3_5": "conveyor.multimodal.qwen3_vl:build_vision",
     "qwen3_5_moe": "conveyor.multimodal.qwen3_vl:build_vision",
     "qwen3_vl": "conveyor.multimodal.qwen3_vl:build_vision",
+    "qwen3_vl_moe": "conveyor.multimodal.qwen3_vl:build_vision",
     "lfm2_vl": "conveyor.multimodal.lfm2_vl:build_vision",
 }
 
