@@ -51,6 +51,18 @@ def test_tower_and_deepstack_mergers_match_get_image_features():
         assert not torch.allclose(got[:, 64:128], got[:, 128:], atol=1e-2)  # the levels differ
 
 
+def test_pixels_match_the_image_processor():
+    """Qwen3-VL's processor is Qwen2-VL's image processor: patches and grids == Qwen2VLImageProcessorPil's."""
+    from tiny_qwen3_vl import hf_image_processor
+
+    ours, theirs = _processor(), hf_image_processor(transformers)
+    for i, (w, h) in enumerate([(40, 50), (130, 33), (1, 1), (300, 200)]):
+        image = ImageInput.from_pil(random_image(w, h, i))
+        patches, gh, gw = ours.pixels(image)
+        expected = theirs(images=[image.image], return_tensors="pt")
+        assert expected["image_grid_thw"].tolist() == [[1, gh, gw]] and torch.equal(patches, expected["pixel_values"])
+
+
 def test_defaults_are_qwen3_vls():
     """A config that leaves them out gets Qwen3-VL's image token and DeepStack blocks, not Qwen3.5's."""
     raw = {"model_type": "qwen3_vl", "vision_config": {}}
