@@ -1,12 +1,10 @@
 """The server with a vision model: /props says it sees (modalities.vision), a text model says it does not;
 /metrics counts the tower's work."""
 
-import base64
-import io
-
 import httpx
 import pytest
 from tiny_gemma3_vision import random_image, write_model_dir
+from vision_harness import data_url, image_part, post_chat, with_template
 
 from conveyor.config import EngineConfig
 from conveyor.loading.hf_loader import load_hf_dir
@@ -29,12 +27,6 @@ def test_props_modalities(gemma3, tiny_checkpoint):
         assert httpx.get(f"{served.url}/props").json()["modalities"] == {"vision": False, "audio": False}
 
 
-def _data_url(seed: int) -> str:
-    buffer = io.BytesIO()
-    random_image(seed).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def _metric(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
@@ -44,10 +36,7 @@ def test_metrics_count_the_towers_work(gemma3):
         before = httpx.get(f"{served.url}/metrics").text
         assert _metric(before, "conveyor_vision_images_encoded_total") == 0
         for _ in range(2):  # the same image twice: one encode
-            body = {"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": _data_url(0)}}, {"type": "text", "text": "What?"}]}],
-                "max_tokens": 2}
-            assert httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+            post_chat(served, [image_part(data_url(random_image(0))), {"type": "text", "text": "What?"}], max_tokens=2)
         after = httpx.get(f"{served.url}/metrics").text
         assert _metric(after, "conveyor_vision_images_encoded_total") == 1
         assert _metric(after, "conveyor_vision_encode_seconds_total") > 0
@@ -59,22 +48,16 @@ TEXT_ONLY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m
 
 
 def _chat(served, image_seed: int) -> dict:
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _data_url(image_seed)}}, {"type": "text", "text": "What?"}]}],
-        "max_tokens": 6, "temperature": 0}
-    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
+    parts = [image_part(data_url(random_image(image_seed))), {"type": "text", "text": "What?"}]
+    return post_chat(served, parts, max_tokens=6, temperature=0)
 
 
 def test_a_text_only_template_gets_the_marker_as_text(gemma3):
     """A vision model whose template renders no image parts (gemma-3-270m's, copied beside an mmproj): the parts
     are written as the marker text, as llama-server writes its media marker; same answer as the image template's."""
-    from dataclasses import replace
-
     with serve(gemma3, EngineConfig(parallel=2)) as served:
         want = [_chat(served, seed) for seed in (0, 1)]
-    text_only = replace(gemma3, tokenizer=replace(gemma3.tokenizer, chat_template=TEXT_ONLY_TEMPLATE))
+    text_only = with_template(gemma3, TEXT_ONLY_TEMPLATE)
     with serve(text_only, EngineConfig(parallel=2)) as served:
         got = [_chat(served, seed) for seed in (0, 1)]
     for g, w in zip(got, want):

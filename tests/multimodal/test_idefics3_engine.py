@@ -5,87 +5,56 @@ every KV block comes back."""
 
 import pytest
 from tiny_idefics3 import random_image, write_model_dir
+from vision_harness import EngineCase, mmproj_core, sixteen_jobs, tokens
 
-from conveyor.config import EngineConfig
-from conveyor.engine.engine import EngineCore
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.multimodal.image_input import ImageInput
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.batch_invariant
 
 IMAGES = [ImageInput.from_pil(random_image(seed, (30 + 9 * seed, 40))) for seed in range(4)]
-JOBS = [(f"<|im_start|>User:<image>Describe picture {i}.<end_of_utterance>\nAssistant:", [IMAGES[i % 4]])
-        for i in range(14)]
-JOBS += [("<|im_start|>User: two<image><image>\nSame?<end_of_utterance>\nAssistant:", [IMAGES[a], IMAGES[b]])
-         for a, b in ((1, 3), (3, 1))]
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+JOBS = sixteen_jobs("<|im_start|>User:<image>Describe picture {i}.<end_of_utterance>\nAssistant:",
+                    "<|im_start|>User: two<image><image>\nSame?<end_of_utterance>\nAssistant:", IMAGES)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def case(tmp_path_factory) -> EngineCase:
     path = tmp_path_factory.mktemp("idefics3_engine")
     write_model_dir(path, transformers, split=True)
-    return str(path)
-
-
-def _core(model_dir, **fields) -> EngineCore:
-    return EngineCore(EngineConfig(model=model_dir, parallel=16, block_size=8, speculative_ngram=0, **fields))
-
-
-def _run(core: EngineCore, jobs) -> list[list[tuple[int, float]]]:
-    requests = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), PARAMS, images=images)
-                for text, images in jobs]
-    for request in requests:
-        core.add_request(request)
-    traces = {r.request_id: [] for r in requests}
-    while core.has_work():
-        for out in core.step():
-            traces[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
-    core.kv.check_integrity()
-    assert core.pool.stats().num_used == 0
-    return [traces[r.request_id] for r in requests]
+    return EngineCase(str(path), JOBS, IMAGES)
 
 
 @pytest.fixture(scope="module")
-def alone(model_dir):
-    core = _core(model_dir, enable_prefix_caching=False)
-    return [_run(core, [job])[0] for job in JOBS]
+def alone(case):
+    return case.alone()
 
 
 def test_outputs_depend_on_the_image(alone):
-    assert len({tuple(t for t, _ in trace) for trace in alone[:4]}) > 1
+    assert len({tuple(tokens(trace)) for trace in alone[:4]}) > 1
 
 
-def test_split_images_have_a_run_per_frame(model_dir):
-    core = _core(model_dir)
+def test_split_images_have_a_run_per_frame(case):
+    core = case.core()
     ids = core.tokenizer.encode(JOBS[0][0], add_special_tokens=False)
-    item = core.make_request(ids, PARAMS, images=[IMAGES[0]]).images[0]
+    item = core.make_request(ids, case.params, images=[IMAGES[0]]).images[0]
     assert len(item.embed_runs) == item.pixel_values.shape[0] > 1
 
 
-def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, alone):
-    core = _core(model_dir)
-    assert _run(core, JOBS) == alone
-    assert core.runner.encoder_cache.num_encoded == len(IMAGES)
+def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(case, alone):
+    case.check_concurrent(alone)
 
 
-def test_chunk_budget_smaller_than_a_tile(model_dir, alone):
-    core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
-    assert _run(core, JOBS) == alone
+def test_chunk_budget_smaller_than_a_tile(case, alone):
+    case.check_chunk_budget(alone)
 
 
-def test_mmproj_equals_the_hf_directory(model_dir, alone, tmp_path):
+def test_mmproj_equals_the_hf_directory(case, alone, tmp_path):
     """llama.cpp's mmproj (projector type idefics3) beside the text model == the directory's own tower."""
-    from dataclasses import replace
-
     from tiny_idefics3 import hf_model, write_mmproj
 
     from conveyor.loading.hf_loader import load_hf_dir
 
     write_mmproj(tmp_path / "mmproj.gguf", hf_model(transformers))  # seed 0: the directory's weights
-    text_only = replace(load_hf_dir(model_dir), vision=None)
-    core = EngineCore(EngineConfig(parallel=16, block_size=8, speculative_ngram=0, enable_prefix_caching=False,
-                                   mmproj=str(tmp_path / "mmproj.gguf")), checkpoint=text_only)
+    core = mmproj_core(load_hf_dir(case.model_dir), str(tmp_path / "mmproj.gguf"), enable_prefix_caching=False)
     assert core.vision is not None and core.vision.model_type == "idefics3"
-    assert [_run(core, [job])[0] for job in JOBS[:4]] == alone[:4]
+    assert [case.run(core, [job])[0] for job in JOBS[:4]] == alone[:4]

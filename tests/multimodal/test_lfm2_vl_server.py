@@ -2,20 +2,11 @@
 it), each expanded to the image's run (one split into tiles + thumbnail, one whole), with the engine's own greedy
 answer; a text-only template gets `<image>` as text and the same answer."""
 
-import base64
-import io
-from dataclasses import replace
-
-import httpx
 import pytest
 from tiny_lfm2_vl import random_image, write_model_dir
+from vision_harness import check_bad_image_is_a_400, check_chat_and_text_only_template, with_template
 
-from conveyor.config import EngineConfig
-from conveyor.engine.engine import EngineCore
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.loading.hf_loader import load_hf_dir
-from conveyor.multimodal.image_input import ImageInput
-from tests.server.conftest import serve
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,62 +17,21 @@ TEMPLATE = ("<|startoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n
 TEXT_ONLY = ("<|startoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
              "{% endfor %}<|im_start|>assistant\n")
 SIZES = [(50, 40), (20, 30)]  # split (2 x 2 + thumbnail), whole
-MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def lfm2_vl(tmp_path_factory):
     path = tmp_path_factory.mktemp("lfm2_vl_server")
     write_model_dir(path, transformers)
-    checkpoint = load_hf_dir(str(path))
-    return replace(checkpoint, tokenizer=replace(checkpoint.tokenizer, chat_template=TEMPLATE))
-
-
-def _data_url(i: int) -> str:
-    buffer = io.BytesIO()
-    random_image(*SIZES[i], i).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _chat(served) -> dict:
-    parts = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": _data_url(0)}},
-             {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": _data_url(1)}}]
-    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
-    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _expected(checkpoint) -> tuple[str, int]:
-    core = EngineCore(EngineConfig(parallel=1, block_size=8, speculative_ngram=0), checkpoint=checkpoint)
-    ids = core.tokenizer.encode("<|startoftext|><|im_start|>user\nLook:<image>and<image><|im_end|>\n"
-                                "<|im_start|>assistant", add_special_tokens=False)  # (Jinja drops the last newline)
-    request = core.make_request(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-                                images=[ImageInput.from_pil(random_image(*s, i)) for i, s in enumerate(SIZES)])
-    core.add_request(request)
-    while core.has_work():
-        core.step()
-    return core.tokenizer.decode(request.output_token_ids).strip(), len(request.prompt_token_ids)
+    return with_template(load_hf_dir(str(path)), TEMPLATE)
 
 
 def test_chat_images_and_a_text_only_template(lfm2_vl):
-    answer, prompt_tokens = _expected(lfm2_vl)
-    with serve(lfm2_vl, EngineConfig(parallel=2, block_size=8, speculative_ngram=0)) as served:
-        assert httpx.get(f"{served.url}/props").json()["modalities"]["vision"] is True
-        got = _chat(served)
-    assert got["choices"][0]["message"]["content"].strip() == answer
-    assert got["usage"]["prompt_tokens"] == prompt_tokens > 5 * 4 + 8  # both images' runs
-    text_only = replace(lfm2_vl, tokenizer=replace(lfm2_vl.tokenizer, chat_template=TEXT_ONLY))
-    with serve(text_only, EngineConfig(parallel=2, block_size=8, speculative_ngram=0)) as served:
-        again = _chat(served)
-    assert again["choices"][0]["message"]["content"].strip() == answer
-    assert again["usage"]["prompt_tokens"] == prompt_tokens
+    prompt = ("<|startoftext|><|im_start|>user\nLook:<image>and<image><|im_end|>\n"
+              "<|im_start|>assistant")  # (Jinja drops the last newline)
+    images = [random_image(*s, i) for i, s in enumerate(SIZES)]
+    assert check_chat_and_text_only_template(lfm2_vl, TEXT_ONLY, prompt, images) > 5 * 4 + 8  # both images' runs
 
 
 def test_a_bad_image_is_a_400(lfm2_vl):
-    with serve(lfm2_vl, EngineConfig(parallel=2, block_size=8, speculative_ngram=0)) as served:
-        body = {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}], "max_tokens": 2}
-        response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 400, response.text
+    check_bad_image_is_a_400(lfm2_vl, b"hello", text=None)

@@ -5,10 +5,8 @@ runs; each image encoded once; every KV block comes back."""
 
 import pytest
 from tiny_qwen3_5_vision import random_image, write_model_dir
+from vision_harness import EngineCase, gguf_pair_core, mmproj_core, run_tokens, sixteen_jobs, tokens
 
-from conveyor.config import EngineConfig
-from conveyor.engine.engine import EngineCore
-from conveyor.engine.sampling_params import SamplingParams
 from conveyor.multimodal.image_input import ImageInput
 
 transformers = pytest.importorskip("transformers")
@@ -16,85 +14,58 @@ pytestmark = pytest.mark.batch_invariant
 
 IMAGES = [ImageInput.from_pil(random_image(30 + 11 * seed, 40, seed)) for seed in range(4)]
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
-JOBS = [(f"<|im_start|>user\n{PAD}Describe picture {i}.<|im_end|>\n", [IMAGES[i % 4]]) for i in range(14)]
-JOBS += [(f"<|im_start|>two{PAD}{PAD}\nSame?<|im_end|>\n", [IMAGES[a], IMAGES[b]]) for a, b in ((1, 3), (3, 1))]
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+JOBS = sixteen_jobs(f"<|im_start|>user\n{PAD}Describe picture {{i}}.<|im_end|>\n",
+                    f"<|im_start|>two{PAD}{PAD}\nSame?<|im_end|>\n", IMAGES)
+# the mmproj and GGUF pair tests: sizes inside both the directory's pixel limits and clip.cpp's
+PAIR_JOBS = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [ImageInput.from_pil(random_image(w, h, seed))])
+             for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def case(tmp_path_factory) -> EngineCase:
     path = tmp_path_factory.mktemp("qwen3_5_engine")
     write_model_dir(path, transformers)
-    return str(path)
-
-
-def _core(model_dir, **fields) -> EngineCore:
-    return EngineCore(EngineConfig(model=model_dir, parallel=16, block_size=8, speculative_ngram=0, **fields))
-
-
-def _run(core: EngineCore, jobs) -> list[list[tuple[int, float]]]:
-    requests = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), PARAMS, images=images)
-                for text, images in jobs]
-    for request in requests:
-        core.add_request(request)
-    traces = {r.request_id: [] for r in requests}
-    while core.has_work():
-        for out in core.step():
-            traces[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
-    core.kv.check_integrity()
-    assert core.pool.stats().num_used == 0
-    return [traces[r.request_id] for r in requests]
+    return EngineCase(str(path), JOBS, IMAGES)
 
 
 @pytest.fixture(scope="module")
-def alone(model_dir):
-    core = _core(model_dir, enable_prefix_caching=False)
-    return [_run(core, [job])[0] for job in JOBS]
+def alone(case):
+    return case.alone()
 
 
 def test_outputs_depend_on_the_image(alone):
-    assert len({tuple(t for t, _ in trace) for trace in alone[:4]}) > 1
+    assert len({tuple(tokens(trace)) for trace in alone[:4]}) > 1
 
 
-def test_requests_carry_mrope_positions(model_dir):
-    core = _core(model_dir)
+def test_requests_carry_mrope_positions(case):
+    core = case.core()
     ids = core.tokenizer.encode(JOBS[3][0], add_special_tokens=False)
-    request = core.make_request(ids, PARAMS, images=[IMAGES[3]])
+    request = core.make_request(ids, case.params, images=[IMAGES[3]])
     assert request.rope_positions is not None and request.rope_delta < 0
 
 
-def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(model_dir, alone):
-    core = _core(model_dir)
-    assert _run(core, JOBS) == alone
-    assert core.runner.encoder_cache.num_encoded == len(IMAGES)
+def test_concurrent_equals_one_at_a_time_and_encodes_each_image_once(case, alone):
+    case.check_concurrent(alone)
 
 
-def test_chunk_budget_inside_an_image(model_dir, alone):
-    core = _core(model_dir, prefill_chunk_size=3, enable_prefix_caching=False)
-    assert _run(core, JOBS) == alone
+def test_chunk_budget_inside_an_image(case, alone):
+    case.check_chunk_budget(alone)
 
 
-def test_mmproj_equals_the_hf_directory(model_dir, tmp_path):
+def test_mmproj_equals_the_hf_directory(case, tmp_path):
     """llama.cpp's qwen3vl_merger mmproj beside the directory's text model == the directory's own tower (images whose
     resized area is inside both the directory's pixel limits and clip.cpp's, which the mmproj takes)."""
-    from dataclasses import replace
-
     from tiny_qwen3_5_vision import hf_model, write_mmproj
 
     from conveyor.loading.hf_loader import load_hf_dir
 
     write_mmproj(tmp_path / "mmproj.gguf", hf_model(transformers))  # the directory's weights (same seed)
-    text_only = replace(load_hf_dir(model_dir), vision=None)
-    core = EngineCore(EngineConfig(parallel=16, block_size=8, speculative_ngram=0, enable_prefix_caching=False,
-                                   mmproj=str(tmp_path / "mmproj.gguf")), checkpoint=text_only)
+    core = mmproj_core(load_hf_dir(case.model_dir), str(tmp_path / "mmproj.gguf"), enable_prefix_caching=False)
     assert core.vision is not None and core.vision.model_type == "qwen3_5"
-    images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
-    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
-    direct = _core(model_dir, enable_prefix_caching=False)
-    assert [_run(core, [job])[0] for job in jobs] == [_run(direct, [job])[0] for job in jobs]
+    assert [case.run(core, [job])[0] for job in PAIR_JOBS] == EngineCase(case.model_dir, PAIR_JOBS, []).alone()
 
 
-def test_gguf_text_and_mmproj(model_dir, tmp_path):
+def test_gguf_text_and_mmproj(case, tmp_path):
     """llama-server's pair: the qwen35 text GGUF (its rope.dimension_sections the M-RoPE sections) + the mmproj ==
     the directory, same greedy tokens (image requests, concurrent)."""
     from tiny_qwen3_5_vision import hf_model, write_mmproj, write_text_gguf
@@ -102,20 +73,7 @@ def test_gguf_text_and_mmproj(model_dir, tmp_path):
     model = hf_model(transformers)
     write_mmproj(tmp_path / "mmproj.gguf", model)
     write_text_gguf(tmp_path / "text.gguf", model)
-    core = EngineCore(EngineConfig(model=str(tmp_path / "text.gguf"), mmproj=str(tmp_path / "mmproj.gguf"),
-                                   parallel=16, block_size=8, speculative_ngram=0, dtype="float32"))
+    core = gguf_pair_core(str(tmp_path / "text.gguf"), str(tmp_path / "mmproj.gguf"))
     assert core.model_config.mrope_section == (2, 1, 1)
-    direct = _core(model_dir, dtype="float32")
-    images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
-    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
-    ids = [direct.tokenizer.encode(text, add_special_tokens=False) for text, _ in jobs]
-
-    def tokens(engine):
-        requests = [engine.make_request(i, PARAMS, images=images) for i, (_, images) in zip(ids, jobs)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work():
-            engine.step()
-        return [r.output_token_ids for r in requests]
-
-    assert tokens(core) == tokens(direct)
+    direct = case.core(dtype="float32")
+    assert run_tokens(core, PAIR_JOBS, tokenizer=direct.tokenizer) == run_tokens(direct, PAIR_JOBS)

@@ -9,10 +9,13 @@ import pytest
 import torch
 from test_qwen3_vl_vs_hf import PROMPTS, _logits, _runner
 from tiny_qwen3_vl import IMAGE, random_image, write_model_dir
+from vision_harness import EngineCase, gguf_pair_core, run_tokens, tokens
 
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.multimodal.image_input import ImageInput
 
 transformers = pytest.importorskip("transformers")
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
@@ -56,34 +59,15 @@ def test_prefill_logits_and_greedy_match_transformers(tiny, num_images):
 
 
 def test_engine_concurrent_equals_one_at_a_time(tiny):
-    from conveyor.config import EngineConfig
-    from conveyor.engine.engine import EngineCore
-    from conveyor.engine.sampling_params import SamplingParams
-
     *_, model_dir = tiny
-    pad = "<|vision_start|><|image_pad|><|vision_end|>"
     images = [ImageInput.from_pil(random_image(30 + 11 * seed, 40, seed)) for seed in range(4)]
-    jobs = [(f"<|im_start|>user\n{pad}Describe picture {i}.<|im_end|>\n", [images[i % 4]]) for i in range(15)]
-    jobs.append((f"<|im_start|>two{pad}{pad}\nSame?<|im_end|>\n", [images[1], images[3]]))
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-    def run(core, batch):
-        requests = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), params, images=imgs)
-                    for text, imgs in batch]
-        for request in requests:
-            core.add_request(request)
-        while core.has_work():
-            core.step()
-        core.kv.check_integrity()
-        assert core.pool.stats().num_used == 0
-        return [r.output_token_ids for r in requests]
-
-    config = dict(model=model_dir, parallel=16, block_size=8, speculative_ngram=0)
-    alone_core = EngineCore(EngineConfig(**config, enable_prefix_caching=False))
-    alone = [run(alone_core, [job])[0] for job in jobs]
-    assert len({tuple(a) for a in alone[:4]}) > 1
-    assert run(EngineCore(EngineConfig(**config)), jobs) == alone
-    assert run(EngineCore(EngineConfig(**config, prefill_chunk_size=3, enable_prefix_caching=False)), jobs) == alone
+    jobs = [(f"<|im_start|>user\n{PAD}Describe picture {i}.<|im_end|>\n", [images[i % 4]]) for i in range(15)]
+    jobs.append((f"<|im_start|>two{PAD}{PAD}\nSame?<|im_end|>\n", [images[1], images[3]]))
+    case = EngineCase(model_dir, jobs, images, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0))
+    alone = case.alone()
+    assert len({tuple(tokens(a)) for a in alone[:4]}) > 1
+    case.check_concurrent(alone)
+    case.check_chunk_budget(alone)
 
 
 def test_the_hubs_transposed_experts_load_the_same(tiny, tmp_path):
@@ -113,28 +97,13 @@ def test_gguf_text_and_mmproj(tiny, tmp_path):
     """llama-server's pair: the qwen3vlmoe text GGUF + the qwen3vl_merger mmproj == the directory's greedy tokens."""
     from tiny_qwen3_vl import write_mmproj, write_text_gguf
 
-    from conveyor.config import EngineConfig
-    from conveyor.engine.engine import EngineCore
-    from conveyor.engine.sampling_params import SamplingParams
-
     hf, _, _, model_dir = tiny
     write_mmproj(tmp_path / "mmproj.gguf", hf)
     write_text_gguf(tmp_path / "text.gguf", hf)
-    config = dict(parallel=4, block_size=8, speculative_ngram=0, dtype="float32")
-    pair = EngineCore(EngineConfig(model=str(tmp_path / "text.gguf"), mmproj=str(tmp_path / "mmproj.gguf"), **config))
+    pair = gguf_pair_core(str(tmp_path / "text.gguf"), str(tmp_path / "mmproj.gguf"), parallel=4)
     assert pair.model_config.architecture == "qwen3_vl_moe_text" and pair.vision.model_type == "qwen3_vl_moe"
-    direct = EngineCore(EngineConfig(model=model_dir, **config))
-    pad = "<|vision_start|><|image_pad|><|vision_end|>"
-    ids = direct.tokenizer.encode(f"<|im_start|>user\n{pad}Describe.<|im_end|>\n", add_special_tokens=False)
+    direct = EngineCase(model_dir, [], []).core(parallel=4, dtype="float32")
     images = [ImageInput.from_pil(random_image(w, h, seed)) for seed, (w, h) in enumerate([(64, 48), (48, 64)])]
-
-    def tokens(engine):
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        requests = [engine.make_request(ids, params, images=[image]) for image in images]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work():
-            engine.step()
-        return [r.output_token_ids for r in requests]
-
-    assert tokens(pair) == tokens(direct)
+    jobs = [(f"<|im_start|>user\n{PAD}Describe.<|im_end|>\n", [image]) for image in images]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert run_tokens(pair, jobs, params, direct.tokenizer) == run_tokens(direct, jobs, params)
