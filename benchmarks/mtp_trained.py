@@ -1,0 +1,437 @@
+"""The trained-head MTP benchmark (issue #43 item 4): a Qwen3.5-0.8B-shaped model with random base weights and an
+MTP head distilled here on CPU from the model's own greedy outputs, so acceptance is what a trained head gives.
+
+Stages (each writes under --dir, default /tmp/mtp-trained; run them in order, or `all`):
+  build    HF directory: Qwen3.5-0.8B's shape (hidden 1024, 24 layers = 6 x (3 DeltaNet + 1 attention), vocab
+           248320: SmolLM2's 49152 tokens + padding rows, as the converter pads), random weights with the head a
+           permutation of the embedding scaled so the text neither collapses nor is a hash (build()), a random
+           MTP head (mtp.*)
+  convert  llama.cpp's convert_hf_to_gguf.py (MTP block included) -> F16, llama-quantize -> Q4_K_M
+  collect  conveyor on the Q4_K_M file: greedy continuations of training prompts (stdlib module docstrings),
+           batched, with every position's final-normed hidden state (what MTP drafting reads)
+  train    the head (block + fc + norms; embedding/head frozen, tied) by benchmarks/mtp_distill.py
+  export   the trained head into the HF directory, convert + quantize again (base weights unchanged)
+  bench    held-out prompts, same file: conveyor plain vs --draft-kind mtp at C=1 and C=16 (MTP output asserted
+           == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+LLAMA = Path("/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
+PROMPT_TOKENS = 48
+
+
+def config(vocab: int = 248320):
+    import transformers
+    # Qwen3.5-0.8B's card: hidden 1024, FFN 3584, 24 layers (3 DeltaNet + 1 gated attention, x6), 8 heads / 2 KV of
+    # 256, DeltaNet 16 key / 16 value heads of 128, vocab 248320; one MTP layer. NOTE: the head is untied here (the
+    # card ties it; build() explains why): a decode step reads the same bytes either way.
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=False,
+        mtp_num_hidden_layers=1)
+
+
+# ---- build -------------------------------------------------------------------------------------------------------
+
+def build(folder: Path, tokenizer_dir: Path, embed_std: float, seed: int = 0) -> None:
+    """Random weights (transformers' init) with the head a row permutation of the embedding: the final hidden state
+    is norm(embed(x) + what the layers add), so the next token is perm(x) where the embedding outweighs the layers
+    and the layers' (context's) choice where it does not. `embed_std` sets that balance: at the init's 0.02 the
+    layers decide every token (the text is a hash of the context, which no small head learns); here 0.3 gives
+    perm(x) every time, 0.15 a quarter of the time (transformers, fp32, 4 held-out prompts x 48 tokens)."""
+    import safetensors.torch
+    import transformers
+
+    cfg = config()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    weights = {n: w.detach() for n, w in model.state_dict().items()}
+    num_real = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    # NOTE: padding rows (ids past the tokenizer) small, so no greedy step picks a token with no text
+    embed[num_real:] *= 0.05
+    embed *= embed_std
+    perm = torch.arange(cfg.vocab_size)
+    perm[:num_real] = torch.randperm(num_real)
+    head = torch.empty_like(embed)
+    head[perm] = embed  # lm_head row perm[x] is embed(x): logits peak at perm(x) when h ~ embed(x)
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    weights.update(random_head(cfg, weights))
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({n: w.to(torch.bfloat16).contiguous() for n, w in weights.items()},
+                                folder / "model.safetensors", metadata={"format": "pt"})
+    torch.save(perm, folder.parent / "perm.pt")
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+
+
+def random_head(cfg, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The untrained head: its layer a copy of the last attention layer, fc random, norms at 1 (stored as 0)."""
+    last = max(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    prefix = f"model.layers.{last}."
+    head = {f"mtp.layers.0.{n[len(prefix):]}": w.clone() for n, w in weights.items() if n.startswith(prefix)}
+    h = cfg.hidden_size
+    head["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.02
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{name}.weight"] = torch.zeros(h)
+    return head
+
+
+def write_head(folder: Path, head: dict[str, torch.Tensor]) -> None:
+    import safetensors.torch
+    path = folder / "model.safetensors"
+    weights = {n: w for n, w in safetensors.torch.load_file(path).items() if not n.startswith("mtp.")}
+    weights.update({n: w.to(torch.bfloat16).contiguous() for n, w in head.items()})
+    safetensors.torch.save_file(weights, path.with_suffix(".tmp"), metadata={"format": "pt"})
+    path.with_suffix(".tmp").rename(path)
+
+
+def convert(folder: Path, out: Path, quant: str = "Q4_K_M") -> Path:
+    f16 = out.with_name(out.name + "-F16.gguf")
+    env = {**os.environ, "PYTHONPATH": str(LLAMA / "gguf-py")}
+    subprocess.run([sys.executable, str(LLAMA / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(f16),
+                    "--outtype", "f16"], check=True, env=env)
+    target = out.with_name(f"{out.name}-{quant}.gguf")
+    subprocess.run([str(LLAMA / "build-noamx/bin/llama-quantize"), str(f16), str(target), quant, "2"], check=True)
+    return target
+
+
+# ---- prompts -----------------------------------------------------------------------------------------------------
+
+def docstrings() -> list[tuple[str, str]]:
+    """(module, docstring) of the stdlib's top-level .py modules with a docstring of 400+ characters, by name."""
+    found = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        if doc and len(doc) >= 400:
+            found.append((path.stem, doc))
+    return found
+
+
+def prompts(tokenizer, split: str) -> list[list[int]]:
+    """PROMPT_TOKENS-token windows of module docstrings (up to 4 per module for `train`, 2 for `eval`); every fourth
+    module is held out for `eval`."""
+    out = []
+    for i, (_, doc) in enumerate(docstrings()):
+        if (i % 4 == 3) != (split == "eval"):
+            continue
+        ids = tokenizer.encode(doc)
+        for w in range(4 if split == "train" else 2):
+            window = ids[w * PROMPT_TOKENS:(w + 1) * PROMPT_TOKENS]
+            if len(window) == PROMPT_TOKENS:
+                out.append(window)
+    return out
+
+
+# ---- collect -----------------------------------------------------------------------------------------------------
+
+def collect(gguf: Path, out: Path, num_tokens: int, parallel: int, limit: int | None) -> None:
+    """Greedy continuations of the training prompts by conveyor on the file, with the final-normed hidden state
+    of every position the target forwards (recorded through MTPRunner.record, policy pinned to decline)."""
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.runner import mtp_runner
+    from mtp_distill import Sequence
+
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    original = mtp_runner.MTPRunner.record
+
+    def record(self, chunks, hidden):
+        at = 0
+        for chunk in chunks:
+            for i in range(len(chunk.token_ids)):
+                rows.setdefault(chunk.request_id, {})[chunk.start_position + i] = hidden[at + i].float().clone()
+            at += len(chunk.token_ids)
+        original(self, chunks, hidden)
+
+    mtp_runner.MTPRunner.record = record
+    llm = LLM(model=str(gguf), parallel=parallel, speculative_ngram=0, enable_prefix_caching=False,
+              draft_kind="mtp", draft_policy="decline")
+    asked = prompts(llm.tokenizer, "train")[:limit]
+    started = time.perf_counter()
+    results = llm.generate(asked, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    print(f"collect: {len(asked)} prompts x {num_tokens} tokens in {time.perf_counter() - started:.0f} s")
+    sequences = []
+    for result in results:
+        ids = result.prompt_token_ids + result.token_ids
+        got = rows[result.request_id]
+        assert sorted(got) == list(range(len(ids) - 1)), "a position's hidden state is missing"
+        sequences.append(Sequence(ids, torch.stack([got[p] for p in range(len(ids) - 1)]).to(torch.bfloat16),
+                                  len(result.prompt_token_ids)))
+    torch.save(sequences, out)
+    report_text(llm.tokenizer, results, torch.load(out.parent / "perm.pt"))
+
+
+def report_text(tokenizer, results, perm: torch.Tensor | None = None) -> dict:
+    """How degenerate the greedy text is: distinct tokens / tokens per continuation; how much of it a bigram
+    table explains (a token seen before followed by the same successor as its first time); a sample."""
+    ratios = [len(set(r.token_ids)) / len(r.token_ids) for r in results]
+    first: dict[int, int] = {}
+    same = seen = 0
+    for r in results:
+        for a, b in zip(r.token_ids, r.token_ids[1:]):
+            if a in first:
+                seen += 1
+                same += first[a] == b
+            else:
+                first[a] = b
+    summary = {"distinct_token_ratio_mean": round(sum(ratios) / len(ratios), 3), "min": round(min(ratios), 3),
+               "max": round(max(ratios), 3), "distinct_tokens_all": len({t for r in results for t in r.token_ids}),
+               "tokens_all": sum(len(r.token_ids) for r in results),
+               "bigram_repeat_same_successor": round(same / max(seen, 1), 3),
+               "sample": tokenizer.decode(results[0].token_ids[:40])}
+    if perm is not None:  # how often the embedding's bigram (build()) chose the token rather than the layers
+        pairs = [(a, b) for r in results for a, b in zip(r.token_ids, r.token_ids[1:])]
+        summary["next_is_perm_share"] = round(sum(int(perm[a]) == b for a, b in pairs) / len(pairs), 3)
+    print(json.dumps(summary))
+    return summary
+
+
+# ---- train -------------------------------------------------------------------------------------------------------
+
+def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batch_size: int, lr: float) -> None:
+    import safetensors.torch
+    from mtp_distill import MTPStudent, accuracy, loss, windows
+
+    sequences = torch.load(data, weights_only=False)
+    held = max(1, len(sequences) // 10)  # the last tenth checks the fit (the benchmark's prompts are other modules)
+    window = window or min(len(s.token_ids) for s in sequences) - 2  # 0: each sequence one window
+    train_batch, check_batch = windows(sequences[:-held], window), windows(sequences[-held:], window)
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    num_real = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    student = MTPStudent(config(), weights["model.embed_tokens.weight"].float(), weights["lm_head.weight"].float(),
+                         num_real)
+    student.load_head({n: w.float() for n, w in weights.items() if n.startswith("mtp.")})
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    print(f"train: {train_batch.token_ids.shape[0]} windows of {window}; check {check_batch.token_ids.shape[0]}; "
+          f"first-draft accuracy before {accuracy(student, check_batch):.3f}", flush=True)
+    started, step, epoch = time.perf_counter(), 0, 0
+    while time.perf_counter() - started < minutes * 60:
+        order = torch.randperm(train_batch.token_ids.shape[0])
+        for i in range(0, len(order), batch_size):
+            pick = order[i:i + batch_size]
+            part = type(train_batch)(*(t[pick] for t in vars(train_batch).values()))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                total, stats = loss(student, part)
+            optimizer.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            if step % 20 == 0:
+                print(f"step {step} epoch {epoch} {time.perf_counter() - started:.0f}s "
+                      + " ".join(f"{k}={v:.3f}" for k, v in stats.items() if k != "rows"), flush=True)
+            if time.perf_counter() - started > minutes * 60:
+                break
+        epoch += 1
+    print(f"train: {step} steps, {epoch} epochs; first-draft accuracy on the held tenth "
+          f"{accuracy(student, check_batch):.3f}", flush=True)
+    torch.save(student.head_weights(), out)
+
+
+# ---- check -------------------------------------------------------------------------------------------------------
+
+def check(model: Path, num_prompts: int, num_tokens: int, perm: Path) -> dict:
+    """Greedy continuations of a few held-out prompts: is the text degenerate?"""
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=str(model), parallel=num_prompts, speculative_ngram=0, enable_prefix_caching=False)
+    asked = prompts(llm.tokenizer, "eval")[:num_prompts]
+    results = llm.generate(asked, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    return report_text(llm.tokenizer, results, torch.load(perm) if perm.exists() else None)
+
+
+# ---- bench -------------------------------------------------------------------------------------------------------
+
+def conveyor_run(path: Path, asked: list[list[int]], concurrency: int, num_tokens: int, **engine) -> dict:
+    """Greedy, ignore_eos: `asked` in waves of `concurrency` (C=1: one request at a time), after a warm-up."""
+    import gc
+
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=str(path), parallel=concurrency, speculative_ngram=0, speculative_max_rows=128,
+              enable_prefix_caching=False, **engine)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    llm.generate(asked[:concurrency], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm up
+    stats = llm.engine.scheduler.stats
+    drafted0, accepted0 = stats.num_model_draft_tokens, stats.num_model_accepted_tokens
+    outs, started = [], time.perf_counter()
+    for i in range(0, len(asked), concurrency):
+        outs += llm.generate(asked[i:i + concurrency], params)
+    seconds = time.perf_counter() - started
+    drafted, accepted = stats.num_model_draft_tokens - drafted0, stats.num_model_accepted_tokens - accepted0
+    del llm
+    gc.collect()
+    return {"tokens_per_s": round(sum(len(o.token_ids) for o in outs) / seconds, 2), "seconds": round(seconds, 1),
+            "drafted": drafted, "accepted": accepted,
+            "acceptance": round(accepted / drafted, 3) if drafted else None, "token_ids": [o.token_ids for o in outs]}
+
+
+class LlamaServer:
+    def __init__(self, path: Path, parallel: int, log: Path, extra: list[str]) -> None:
+        import socket
+
+        import httpx
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        cmd = [str(LLAMA / "build-noamx/bin/llama-server"), "-m", str(path), "-np", str(parallel),
+               "-c", str(parallel * 512), "-t", "2", "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"llama-server did not start: {log}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def llama_run(path: Path, asked: list[list[int]], concurrency: int, num_tokens: int, log: Path,
+              extra: list[str]) -> dict:
+    """The same requests through llama-server's /completion (token-id prompts), `concurrency` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    server = LlamaServer(path, concurrency, log, extra)
+    try:
+        def ask(prompt: list[int], n: int) -> dict:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True}
+            return httpx.post(f"{server.url}/completion", json=body, timeout=600).json()
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda p: ask(p, 8), asked[:concurrency]))  # warm up
+            outs, started = [], time.perf_counter()
+            for i in range(0, len(asked), concurrency):
+                outs += list(pool.map(lambda p: ask(p, num_tokens), asked[i:i + concurrency]))
+            seconds = time.perf_counter() - started
+    finally:
+        server.stop()
+    drafted = sum(o["timings"].get("draft_n", 0) for o in outs)
+    accepted = sum(o["timings"].get("draft_n_accepted", 0) for o in outs)
+    return {"tokens_per_s": round(sum(len(o["tokens"]) for o in outs) / seconds, 2), "seconds": round(seconds, 1),
+            "drafted": drafted, "accepted": accepted, "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "token_ids": [o["tokens"] for o in outs]}
+
+
+def _agree(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per request: how many leading tokens two runs share."""
+    return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
+
+
+def bench(args: argparse.Namespace) -> None:
+    import transformers
+
+    path = args.model or args.dir / "qwen35-08b-mtp-trained-Q4_K_M.gguf"
+    asked_all = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")
+    out_path = args.dir / "bench.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    k = args.k
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        asked = asked_all[:args.c1_prompts] if concurrency == 1 else asked_all[:concurrency]
+        runs: dict[str, dict] = {}
+        if "conveyor" in args.only:
+            runs["conveyor_plain"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="none")
+            runs[f"conveyor_mtp_k{k}"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
+                                                      draft_policy="enable", draft_block_size=k)
+            runs["conveyor_mtp_adaptive"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
+                                                         draft_block_size=k)
+            for name in (f"conveyor_mtp_k{k}", "conveyor_mtp_adaptive"):  # greedy: bitwise plain decoding
+                assert runs[name]["token_ids"] == runs["conveyor_plain"]["token_ids"], name
+        if "llama" in args.only:
+            log = args.dir / f"llama-server-c{concurrency}"
+            runs["llama_plain"] = llama_run(path, asked, concurrency, args.tokens, log.with_suffix(".plain.log"), [])
+            runs[f"llama_mtp_k{k}"] = llama_run(path, asked, concurrency, args.tokens, log.with_suffix(".mtp.log"),
+                                                ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)])
+            same = runs[f"llama_mtp_k{k}"]["token_ids"] == runs["llama_plain"]["token_ids"]
+            runs["llama_mtp_agrees_with_plain"] = same
+        key = f"C={concurrency}"
+        merged = {**results.get(key, {}), **runs}
+        if "conveyor_plain" in merged and "llama_plain" in merged:
+            merged["conveyor_vs_llama_plain_leading_tokens_equal"] = _agree(merged["conveyor_plain"]["token_ids"],
+                                                                            merged["llama_plain"]["token_ids"])
+        results[key] = merged
+        print(key, json.dumps({n: {f: v for f, v in r.items() if f != "token_ids"} if isinstance(r, dict) else r
+                               for n, r in merged.items()}), flush=True)
+    out_path.write_text(json.dumps(results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "bench"))
+    p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
+    p.add_argument("--embed-std", type=float, default=0.215)
+    p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--minutes", type=float, default=15)
+    p.add_argument("--window", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--k", type=int, default=3, help="bench: draft tokens per step")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--c1-prompts", type=int, default=4)
+    p.add_argument("--only", default="conveyor,llama")
+    args = p.parse_args()
+    hf, base = args.dir / "hf", args.dir / "qwen35-08b-mtp"
+    if args.stage == "build":
+        build(hf, args.dir / "tok", args.embed_std)
+    elif args.stage == "convert":
+        print(convert(hf, base))
+    elif args.stage == "check":
+        check(args.model or base.with_name(base.name + "-Q4_K_M.gguf"), args.prompts, args.tokens, args.dir / "perm.pt")
+    elif args.stage == "collect":
+        collect(base.with_name(base.name + "-Q4_K_M.gguf"), args.dir / "distill.pt", args.tokens, args.parallel,
+                args.limit)
+    elif args.stage == "train":
+        train(hf, args.dir / "distill.pt", args.dir / "head.pt", args.minutes, args.window, args.batch_size, args.lr)
+    elif args.stage == "export":
+        write_head(hf, torch.load(args.dir / "head.pt"))
+        print(convert(hf, args.dir / "qwen35-08b-mtp-trained"))
+    elif args.stage == "bench":
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
