@@ -16,14 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.nn import functional as F
 
-from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.preprocess import HALF, PixelNormalizer, check_marker_count, resample_filter
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 # Where checkpoints keep the tower and projector: the Hub's layout (transformers 5 saves it too), then the in-memory one.
@@ -33,8 +32,6 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 # SiglipVisionConfig's defaults, where a config.json's vision_config leaves a field out
 SIGLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                        image_size=224, patch_size=16, layer_norm_eps=1e-6, num_channels=3)
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
-             3: Image.Resampling.BICUBIC}
 
 
 class Gemma3Processor:
@@ -60,10 +57,8 @@ class Gemma3Processor:
         vision = {**SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
         size = processor_config.get("size") or {}
         self.image_size = int(size.get("height") or vision.get("image_size", 224))
-        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 2)), Image.Resampling.BILINEAR)
-        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
-        self.mean = np.array(processor_config.get("image_mean", [0.5, 0.5, 0.5]), dtype=np.float32)
-        self.std = np.array(processor_config.get("image_std", [0.5, 0.5, 0.5]), dtype=np.float32)
+        self.resample = resample_filter(processor_config, 2)  # bilinear
+        self.normalize = PixelNormalizer.from_config(processor_config, HALF, HALF)
         if processor_config.get("do_pan_and_scan"):
             raise ValueError("gemma3: do_pan_and_scan is not supported")
 
@@ -71,15 +66,10 @@ class Gemma3Processor:
         """(3, S, S) float32, as Gemma3ImageProcessorPil: PIL resize, x * rescale in float64 -> float32, then
         (x - mean) / std in float32."""
         resized = image.image.resize((self.image_size, self.image_size), resample=self.resample)
-        x = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)  # (S, S, 3)
-        x = (x - self.mean) / self.std
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+        return torch.from_numpy(np.ascontiguousarray(self.normalize(resized)))
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
-        if markers != len(images):
-            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
-                                      f"{len(images)} images", "messages")
+        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
         out: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)
@@ -261,11 +251,12 @@ def siglip_layer_names(tower: str, num_layers: int) -> dict[str, str]:
 
 def load_renamed(module: torch.nn.Module, weights: dict[str, Any], names: dict[str, str], dtype: torch.dtype,
                  family: str) -> None:
-    """Load `module` strictly from `weights` by `names` (ours -> the checkpoint's); a missing tensor names itself."""
+    """Load `module` strictly from `weights` by `names` (ours -> the checkpoint's); a missing tensor names itself
+    (a ValueError: the CLI reports a malformed checkpoint in one line, where a KeyError would be a traceback)."""
     state = {}
     for ours, theirs in names.items():
         if theirs not in weights:
-            raise KeyError(f"{family} vision: missing tensor {theirs}")
+            raise ValueError(f"{family} vision: missing tensor {theirs}")
         state[ours] = torch.as_tensor(weights[theirs]).to(dtype)
     module.load_state_dict(state, strict=True, assign=True)
     module.eval()
@@ -276,4 +267,4 @@ def find_prefix(weights: dict[str, Any], prefixes: tuple[str, ...], probe: str, 
     for prefix in prefixes:
         if prefix + probe in weights:
             return prefix
-    raise KeyError(f"{family} vision: no {probe} under {', '.join(prefixes)}")
+    raise ValueError(f"{family} vision: no {probe} under {', '.join(prefixes)}")

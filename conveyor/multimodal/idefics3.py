@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.preprocess import HALF, PixelNormalizer, check_marker_count, resample_filter
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_model.", "vision_model.", "vision_tower.vision_model.")  # the last: --mmproj
@@ -30,9 +30,6 @@ CONNECTOR_PREFIXES = ("model.connector.", "connector.")
 VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
                        image_size=224, patch_size=32, layer_norm_eps=1e-6, num_channels=3)
 MAX_IMAGE_SIZE = 4096  # transformers' absolute bound on a resized edge
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
-             3: Image.Resampling.BICUBIC}
-IMAGENET_STANDARD = [0.5, 0.5, 0.5]
 
 
 def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
@@ -81,10 +78,8 @@ class Idefics3Processor:
         self.tile = int((processor_config.get("max_image_size") or {}).get("longest_edge", 364))
         self.do_resize = bool(processor_config.get("do_resize", True))
         self.split = bool(processor_config.get("do_image_splitting", True))
-        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 1)), Image.Resampling.LANCZOS)
-        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
-        self.mean = np.array(processor_config.get("image_mean", IMAGENET_STANDARD), dtype=np.float32)
-        self.std = np.array(processor_config.get("image_std", IMAGENET_STANDARD), dtype=np.float32)
+        self.resample = resample_filter(processor_config, 1)  # Lanczos
+        self.normalize = PixelNormalizer.from_config(processor_config, HALF, HALF)
         self._pieces: dict[str, list[int]] = {}
 
     def frames(self, image: ImageInput) -> tuple[list[Image.Image], int, int]:
@@ -114,12 +109,8 @@ class Idefics3Processor:
         return tiles + [img.resize((tile, tile), resample=self.resample)], rows, cols
 
     def pixels(self, frames: list[Image.Image]) -> torch.Tensor:
-        """(F, 3, S, S) float32: x * rescale in float64 -> float32, then (x - mean) / std in float32."""
-        out = []
-        for frame in frames:
-            x = (np.asarray(frame).astype(np.float64) * self.rescale).astype(np.float32)
-            out.append(((x - self.mean) / self.std).transpose(2, 0, 1))
-        return torch.from_numpy(np.ascontiguousarray(np.stack(out)))
+        """(F, 3, S, S) float32, each frame normalized as Idefics3ImageProcessorPil does."""
+        return torch.from_numpy(np.ascontiguousarray(np.stack([self.normalize(frame) for frame in frames])))
 
     def _encode(self, text: str) -> list[int]:
         if text not in self._pieces:
@@ -145,10 +136,7 @@ class Idefics3Processor:
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
-        if markers != len(images):
-            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
-                                      f"{len(images)} images", "messages")
+        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
         out: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)

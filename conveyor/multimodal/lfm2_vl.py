@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.preprocess import check_marker_count
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")
@@ -198,10 +198,7 @@ class Lfm2VlProcessor:
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
-        if markers != len(images):
-            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
-                                      f"{len(images)} images", "messages")
+        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
         out: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)

@@ -14,20 +14,20 @@ One image per encode, so the tower's block-diagonal mask (one block per image) i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.nn import functional as F
 
-from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, PixelNormalizer, activation, check_marker_count,
+                                          resample_filter)
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")  # transformers 5's layout, then the Hub's
@@ -35,13 +35,7 @@ PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 # PixtralVisionConfig's defaults, where a config.json's vision_config leaves a field out
 VISION_DEFAULTS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                        num_channels=3, patch_size=16, hidden_act="gelu")
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # PixtralImageProcessorPil's defaults
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 TOWER_EPS = 1e-5  # hard-coded in modeling_pixtral.py (ln_pre and every layer's norms)
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
-             3: Image.Resampling.BICUBIC}
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu, "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _patch(value: Any, default: int) -> int:
@@ -69,12 +63,6 @@ def _settings(raw: dict[str, Any]) -> dict[str, Any]:
             "bias": bool(raw.get("multimodal_projector_bias", True))}
 
 
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTS:
-        raise ValueError(f"mistral3: activation {name!r} is not supported ({', '.join(_ACTS)})")
-    return _ACTS[name]
-
-
 class PixtralProcessor:
     """`[IMG]` (the marker: what Mistral's chat templates write for an image part) -> rows x (cols x `[IMG]` +
     `[IMG_BREAK]`), the last `[IMG_BREAK]` replaced by `[IMG_END]`; rows and cols count patch x spatial_merge_size
@@ -98,10 +86,8 @@ class PixtralProcessor:
         for flag in ("do_resize", "do_rescale", "do_normalize"):
             if not processor_config.get(flag, True):
                 raise ValueError(f"mistral3: {flag} false is not supported")
-        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 3)), Image.Resampling.BICUBIC)
-        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
-        self.mean = np.array(processor_config.get("image_mean", CLIP_MEAN), dtype=np.float32)
-        self.std = np.array(processor_config.get("image_std", CLIP_STD), dtype=np.float32)
+        self.resample = resample_filter(processor_config, 3)  # bicubic
+        self.normalize = PixelNormalizer.from_config(processor_config, CLIP_MEAN, CLIP_STD)
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) as PixtralImageProcessorPil's get_resize_output_image_size: scaled down (floor) to fit the
@@ -116,9 +102,7 @@ class PixtralProcessor:
         """(3, H, W) float32: PIL resize, x * rescale in float64 -> float32, then (x - mean) / std in float32."""
         height, width = self.resized_size(image.image.height, image.image.width)
         resized = image.image.resize((width, height), resample=self.resample)
-        x = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)  # (H, W, 3)
-        x = (x - self.mean) / self.std
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+        return torch.from_numpy(np.ascontiguousarray(self.normalize(resized)))
 
     def run(self, rows: int, cols: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """One image's token ids and its embed runs (one per row)."""
@@ -127,10 +111,7 @@ class PixtralProcessor:
         return ids, tuple((r * (cols + 1), cols) for r in range(rows))
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
-        if markers != len(images):
-            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
-                                      f"{len(images)} images", "messages")
+        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
         out: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)
@@ -184,7 +165,7 @@ class PixtralLayer(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = _activation(act)
+        self.act = activation(act, "mistral3")
         self.silu = act == "silu"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -250,7 +231,7 @@ class Mistral3VisionEncoder(nn.Module):
         width = hidden * len(self.feature_layers)
         self.linear_1 = nn.Linear(width, int(text["hidden_size"]), bias=bias)
         self.linear_2 = nn.Linear(int(text["hidden_size"]), int(text["hidden_size"]), bias=bias)
-        self.projector_act = _activation(str(raw.get("projector_hidden_act", "gelu")))
+        self.projector_act = activation(str(raw.get("projector_hidden_act", "gelu")), "mistral3")
         if len(self.feature_layers) > 1:  # the projector norms and merges hidden-wide rows (HF does the same)
             raise ValueError("mistral3: several vision_feature_layer entries are not supported")
 
@@ -296,7 +277,7 @@ class Mistral3VisionEncoder(nn.Module):
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
-                raise KeyError(f"mistral3 vision: missing tensor {name}")
+                raise ValueError(f"mistral3 vision: missing tensor {name}")
             return torch.as_tensor(weights[name]).to(dtype)
 
         state = {"patch_conv.weight": get(tower + "patch_conv.weight"), "ln_pre": get(tower + "ln_pre.weight")}

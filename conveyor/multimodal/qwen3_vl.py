@@ -22,12 +22,11 @@ so the runner, the encoder cache and the prefix cache carry one tensor per image
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.nn import functional as F
 
@@ -35,7 +34,10 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.models.mrope import axis_of_columns
+from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, PixelNormalizer, activation, check_marker_count,
+                                          resample_filter)
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.visual.", "visual.")  # transformers 5's layout, then the Hub's
@@ -48,13 +50,7 @@ VISION_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh
 _QWEN3_VL = dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655, mrope_section=(24, 20, 20))
 FAMILY_DEFAULTS = {"qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL}
 QWEN3_5_DEFAULTS = dict(deepstack_visual_indexes=(), image_token_id=248056, mrope_section=(11, 11, 10))
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Qwen2VLImageProcessorPil's defaults
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 TOWER_EPS = 1e-6  # hard-coded in modeling_qwen3_5.py (every LayerNorm)
-_RESAMPLE = {0: Image.Resampling.NEAREST, 1: Image.Resampling.LANCZOS, 2: Image.Resampling.BILINEAR,
-             3: Image.Resampling.BICUBIC}
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu, "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def family_defaults(model_type: str | None) -> dict[str, Any]:
@@ -116,6 +112,7 @@ class QwenVLProcessor:
 
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
         vision = vision_settings(raw)
+        family = raw.get("model_type", "qwen3_5")
         self.image_marker_id = int(raw.get("image_token_id", family_defaults(raw.get("model_type"))["image_token_id"]))
         # The marker text a text-only template's image part becomes (request_plan.py): wrapped in the vision start /
         # end tokens as Qwen's templates write it (llama.cpp's mtmd adds them too), so the prompt is the same.
@@ -129,26 +126,22 @@ class QwenVLProcessor:
                           ("temporal_patch_size", self.temporal)):
             theirs = processor_config.get(key)
             if theirs is not None and int(theirs) != ours:
-                raise ValueError(f"qwen3_5: the processor's {key} {theirs} != the tower's {ours}")
+                raise ValueError(f"{family}: the processor's {key} {theirs} != the tower's {ours}")
         size = processor_config.get("size") or {}
         self.min_pixels = int(processor_config.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
         self.max_pixels = int(processor_config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
         for flag in ("do_resize", "do_rescale", "do_normalize"):
             if not processor_config.get(flag, True):
-                raise ValueError(f"qwen3_5: {flag} false is not supported")
-        self.resample = _RESAMPLE.get(int(processor_config.get("resample", 3)), Image.Resampling.BICUBIC)
-        self.rescale = float(processor_config.get("rescale_factor", 1 / 255))
-        self.mean = np.array(processor_config.get("image_mean", CLIP_MEAN), dtype=np.float32)
-        self.std = np.array(processor_config.get("image_std", CLIP_STD), dtype=np.float32)
+                raise ValueError(f"{family}: {flag} false is not supported")
+        self.resample = resample_filter(processor_config, 3)  # bicubic
+        self.normalize = PixelNormalizer.from_config(processor_config, CLIP_MEAN, CLIP_STD)
 
     def pixels(self, image: ImageInput) -> tuple[torch.Tensor, int, int]:
         """(grid_h * grid_w, 3 * temporal * patch * patch) float32 patches in merge-block order, grid_h, grid_w:
         PIL resize, x * rescale in float64 -> float32, (x - mean) / std in float32, then patchify."""
         height, width = smart_resize(image.image.height, image.image.width, self.patch * self.merge,
                                      self.min_pixels, self.max_pixels)
-        resized = image.image.resize((width, height), resample=self.resample)
-        x = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)  # (H, W, 3)
-        x = ((x - self.mean) / self.std).transpose(2, 0, 1)
+        x = self.normalize(image.image.resize((width, height), resample=self.resample))  # (3, H, W)
         p, m = self.patch, self.merge
         gh, gw = height // p, width // p
         x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh, gw, mh, mw, C, ph, pw)
@@ -156,10 +149,7 @@ class QwenVLProcessor:
         return torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, -1)), gh, gw
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        markers = sum(1 for t in prompt_token_ids if t == self.image_marker_id)
-        if markers != len(images):
-            raise InvalidRequestError(f"the prompt has {markers} image markers ({self.image_marker}) for "
-                                      f"{len(images)} images", "messages")
+        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
         out: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)
@@ -232,9 +222,7 @@ class QwenVisionBlock(nn.Module):
         self.proj = nn.Linear(hidden, hidden)
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
-        if act not in _ACTS:
-            raise ValueError(f"qwen3_5: vision activation {act!r} is not supported ({', '.join(_ACTS)})")
-        self.act = _ACTS[act]
+        self.act = activation(act, "qwen3_vl vision")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rows, hidden = x.shape
@@ -337,10 +325,7 @@ class QwenVisionEncoder(nn.Module):
 
 
 def tower_prefix(weights: dict[str, Any]) -> str:
-    for prefix in TOWER_PREFIXES:
-        if prefix + "patch_embed.proj.weight" in weights:
-            return prefix
-    raise ValueError("qwen3_5: the checkpoint has no vision tower (model.visual.patch_embed.proj.weight)")
+    return find_prefix(weights, TOWER_PREFIXES, "patch_embed.proj.weight", "qwen3_vl")
 
 
 def check_mrope_section(raw: dict[str, Any]) -> None:

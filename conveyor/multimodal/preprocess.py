@@ -1,0 +1,69 @@
+"""What the vision families' processors and towers share: the marker-count check every expand() starts with, PIL
+resize filters, transformers' PIL rescale + normalize, and the activations a config may name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.nn import functional as F
+
+from conveyor.errors import InvalidRequestError
+from conveyor.multimodal.image_input import ImageInput
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD: Pixtral's and Qwen-VL's defaults
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)  # IMAGENET_STANDARD_MEAN / _STD: SigLIP's (Gemma 3, Idefics3)
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str, family: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{family}: activation {name!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def check_marker_count(prompt_token_ids: Sequence[int], marker_id: int, marker: str,
+                       images: Sequence[ImageInput]) -> None:
+    """One image per marker token, else a 400 (the chat template writes one marker per image part)."""
+    markers = sum(1 for t in prompt_token_ids if t == marker_id)
+    if markers != len(images):
+        raise InvalidRequestError(f"the prompt has {markers} image markers ({marker}) for {len(images)} images",
+                                  "messages")
+
+
+def resample_filter(processor_config: dict[str, Any], default: int) -> Image.Resampling:
+    """The config's `resample` (PIL's numbering, as transformers' PILImageResampling) as a PIL filter."""
+    value = processor_config.get("resample", default)
+    if not (isinstance(value, int) and 0 <= value <= 5):  # PILImageResampling's range
+        raise ValueError(f"image processor resample {value!r} is not one of PIL's filters (0-5)")
+    return Image.Resampling(value)
+
+
+@dataclass(frozen=True)
+class PixelNormalizer:
+    """x * rescale in float64 -> float32, then (x - mean) / std in float32: the order transformers' PIL image
+    processors round in (each step a numpy op on the whole image), so the pixels match theirs bitwise."""
+
+    rescale: float
+    mean: np.ndarray  # (3,) float32
+    std: np.ndarray  # (3,) float32
+
+    @classmethod
+    def from_config(cls, processor_config: dict[str, Any], mean: Sequence[float],
+                    std: Sequence[float]) -> PixelNormalizer:
+        """The config's rescale_factor, image_mean and image_std; `mean` and `std` where it names none."""
+        return cls(float(processor_config.get("rescale_factor", 1 / 255)),
+                   np.array(processor_config.get("image_mean", mean), dtype=np.float32),
+                   np.array(processor_config.get("image_std", std), dtype=np.float32))
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """An RGB image -> (3, H, W) float32 (a transposed view: make it contiguous before torch takes it)."""
+        x = (np.asarray(image).astype(np.float64) * self.rescale).astype(np.float32)  # (H, W, 3)
+        return ((x - self.mean) / self.std).transpose(2, 0, 1)
