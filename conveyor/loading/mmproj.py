@@ -47,42 +47,36 @@ def read_mmproj(path: str, tokenizer: Any, text_config: Any = None) -> VisionChe
     if kind not in ("gemma3", "idefics3", "pixtral", "qwen3vl_merger", "lfm2"):
         raise LoadError(f"{path}: mmproj projector type {kind!r} is not supported (supported: gemma3, idefics3, "
                         "pixtral, qwen3vl_merger, lfm2)")
+    tensors = {t.name: _tensor(t) for t in reader.tensors}
     if kind == "qwen3vl_merger":  # Qwen3-VL, Qwen3.5: its own tensor names (loading/mmproj_qwen3vl.py)
-        config, processor, weights = qwen3vl_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
-                                                        tokenizer, path, _qwen_vl_type(meta, text_config))
-        vision = VisionCheckpoint(config["model_type"], config, processor, weights)
-        if text_config is not None:
-            _check_pairing(vision, text_config, path)
-        return vision
-    if kind == "lfm2":  # LFM2-VL: its own tensor names (loading/mmproj_lfm2.py)
-        config, processor, weights = lfm2_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
-                                                     tokenizer, path)
-        vision = VisionCheckpoint("lfm2_vl", config, processor, weights)
-        if text_config is not None:
-            _check_pairing(vision, text_config, path)
-        return vision
-    if kind == "pixtral":  # Mistral 3 / Pixtral 12B: its own tensor names (loading/mmproj_pixtral.py)
-        config, processor, weights = pixtral_checkpoint(meta, {t.name: _tensor(t) for t in reader.tensors},
-                                                        tokenizer, path)
-        vision = VisionCheckpoint(config["model_type"], config, processor, weights)
-        if text_config is not None:
-            _check_pairing(vision, text_config, path)
-        return vision
-    weights = {_hf_name(t.name): _tensor(t) for t in reader.tensors}
-    if kind == "idefics3":
-        vision = VisionCheckpoint("idefics3", *_idefics3_config(meta, tokenizer, path), weights)
-        if text_config is not None:
-            _check_pairing(vision, text_config, path)
-        return vision
+        config, processor, weights = qwen3vl_checkpoint(meta, tensors, tokenizer, path,
+                                                        _qwen_vl_type(meta, text_config))
+    elif kind == "lfm2":  # LFM2-VL: its own tensor names (loading/mmproj_lfm2.py)
+        config, processor, weights = lfm2_checkpoint(meta, tensors, tokenizer, path)
+    elif kind == "pixtral":  # Mistral 3 / Pixtral 12B: its own tensor names (loading/mmproj_pixtral.py)
+        config, processor, weights = pixtral_checkpoint(meta, tensors, tokenizer, path)
+    elif kind == "idefics3":  # SigLIP's names, as Gemma 3's
+        weights = {_hf_name(name): tensor for name, tensor in tensors.items()}
+        config, processor = _idefics3_config(meta, tokenizer, path)
+    else:
+        config, processor, weights = _gemma3_checkpoint(meta, tensors, tokenizer, path)
+    vision = VisionCheckpoint(config["model_type"], config, processor, weights)
+    if text_config is not None:
+        _check_pairing(vision, text_config, path)
+    return vision
+
+
+def _gemma3_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
+                       path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    weights = {_hf_name(name): tensor for name, tensor in tensors.items()}
     norm = "multi_modal_projector.mm_soft_emb_norm.weight"
+    if norm not in weights:
+        raise LoadError(f"{path}: the gemma3 projector has no mm.soft_emb_norm.weight")
     weights[norm] = weights[norm] - 1.0  # stored as Gemma's 1 + w
     if "multi_modal_projector.mm_input_projection.weight" in weights:
         weights["multi_modal_projector.mm_input_projection_weight"] = weights.pop(
             "multi_modal_projector.mm_input_projection.weight")
-    vision = VisionCheckpoint("gemma3", _gemma3_config(meta, tokenizer, path), _processor(meta), weights)
-    if text_config is not None:
-        _check_pairing(vision, text_config, path)
-    return vision
+    return _gemma3_config(meta, tokenizer, path), _processor(meta), weights
 
 
 def _qwen_vl_type(meta: Callable[..., Any], text_config: Any) -> str:
