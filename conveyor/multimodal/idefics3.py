@@ -21,7 +21,7 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import HALF, PixelNormalizer, check_marker_count, resample_filter
+from conveyor.multimodal.preprocess import HALF, PixelNormalizer, TextPieces, check_marker_count, resample_filter
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_model.", "vision_model.", "vision_tower.vision_model.")  # the last: --mmproj
@@ -65,7 +65,6 @@ class Idefics3Processor:
     ends at a special token, so no merge crosses them."""
 
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
         self.image_marker_id = int(raw.get("image_token_id", raw.get("image_token_index", 128_257)))
         self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
         vision = {**VISION_DEFAULTS, **(raw.get("vision_config") or {})}
@@ -80,7 +79,7 @@ class Idefics3Processor:
         self.split = bool(processor_config.get("do_image_splitting", True))
         self.resample = resample_filter(processor_config, 1)  # Lanczos
         self.normalize = PixelNormalizer.from_config(processor_config, HALF, HALF)
-        self._pieces: dict[str, list[int]] = {}
+        self.pieces = TextPieces(tokenizer)
 
     def frames(self, image: ImageInput) -> tuple[list[Image.Image], int, int]:
         """The image's frames (tiles row by row, then the global image; or the one resized image) and the grid."""
@@ -112,11 +111,6 @@ class Idefics3Processor:
         """(F, 3, S, S) float32, each frame normalized as Idefics3ImageProcessorPil does."""
         return torch.from_numpy(np.ascontiguousarray(np.stack([self.normalize(frame) for frame in frames])))
 
-    def _encode(self, text: str) -> list[int]:
-        if text not in self._pieces:
-            self._pieces[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._pieces[text]
-
     def run(self, rows: int, cols: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """One image's token ids and its embed runs (one per frame, in frame order)."""
         fake, n = "<fake_token_around_image>", self.image_seq_len
@@ -126,13 +120,13 @@ class Idefics3Processor:
         for i, head in enumerate(heads):
             if i and i % cols == 0:
                 head = "\n" + head
-            ids += self._encode(head)
+            ids += self.pieces(head)
             runs.append((len(ids), n))
             ids += [self.image_marker_id] * n
-        ids += self._encode(("\n\n" if heads else "") + f"{fake}<global-img>")
+        ids += self.pieces(("\n\n" if heads else "") + f"{fake}<global-img>")
         runs.append((len(ids), n))
         ids += [self.image_marker_id] * n
-        ids += self._encode(fake)
+        ids += self.pieces(fake)
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:

@@ -27,7 +27,7 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import check_marker_count
+from conveyor.multimodal.preprocess import TextPieces, check_marker_count
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")
@@ -87,7 +87,6 @@ class Lfm2VlProcessor:
     tokenized alone."""
 
     def __init__(self, raw: dict[str, Any], processor_config: dict[str, Any], tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
         self.image_marker_id = int(raw.get("image_token_id", raw.get("image_token_index", 396)))
         self.image_marker = tokenizer.decode([self.image_marker_id], skip_special_tokens=False)
         cfg = {**PROCESSOR_DEFAULTS, **processor_config}
@@ -114,7 +113,7 @@ class Lfm2VlProcessor:
             raise ValueError("lfm2_vl: the processor's encoder_patch_size / downsample_factor differ from the model's")
         if self.tile % (self.patch * self.factor):
             raise ValueError(f"lfm2_vl: tile_size {self.tile} is not a whole number of patch x downsample_factor")
-        self._pieces: dict[str, list[int]] = {}
+        self.pieces = TextPieces(tokenizer)
 
     def smart_resize(self, height: int, width: int) -> tuple[int, int]:
         """(height, width): both whole patch x factor units, the area within min..max image tokens."""
@@ -166,22 +165,17 @@ class Lfm2VlProcessor:
         x = x.reshape(c, h // p, p, w // p, p).permute(1, 3, 2, 4, 0)  # (gh, gw, p, p, c)
         return x.reshape((h // p) * (w // p), p * p * c)
 
-    def _encode(self, text: str) -> list[int]:
-        if text not in self._pieces:
-            self._pieces[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._pieces[text]
-
     def _tokens(self, height: int, width: int) -> int:
         return math.ceil((height // self.patch) / self.factor) * math.ceil((width // self.patch) / self.factor)
 
     def run(self, rows: int, cols: int, size: tuple[int, int]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """One image's token ids and its embed runs (one per frame, in frame order)."""
-        ids: list[int] = list(self._encode("<|image_start|>")) if self.special else []
+        ids: list[int] = list(self.pieces("<|image_start|>")) if self.special else []
         runs: list[tuple[int, int]] = []
 
         def frame(head: str | None, n: int) -> None:
             if head is not None and self.special:
-                ids.extend(self._encode(head))
+                ids.extend(self.pieces(head))
             runs.append((len(ids), n))
             ids.extend([self.image_marker_id] * n)
 
@@ -194,7 +188,7 @@ class Lfm2VlProcessor:
         else:
             frame(None, self._tokens(*size))
         if self.special:
-            ids.extend(self._encode("<|image_end|>"))
+            ids.extend(self.pieces("<|image_end|>"))
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:

@@ -46,6 +46,22 @@ def resample_filter(processor_config: dict[str, Any], default: int) -> Image.Res
     return Image.Resampling(value)
 
 
+class TextPieces:
+    """Token ids of the short texts an image run is built from (tile headers, start / end markers), each tokenized
+    alone and once: every piece starts and ends at a special token, so no merge crosses into its neighbours.
+    Tuples: a caller extends its run from them and can never change the cached ids."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._ids: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, text: str) -> tuple[int, ...]:
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids
+
+
 @dataclass(frozen=True)
 class PixelNormalizer:
     """x * rescale in float64 -> float32, then (x - mean) / std in float32: the order transformers' PIL image
