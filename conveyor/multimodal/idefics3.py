@@ -21,7 +21,7 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import HALF, PixelNormalizer, TextPieces, check_marker_count, resample_filter
+from conveyor.multimodal.preprocess import HALF, ImageRun, PixelNormalizer, TextPieces, expand_markers, resample_filter
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_model.", "vision_model.", "vision_tower.vision_model.")  # the last: --mmproj
@@ -130,21 +130,13 @@ class Idefics3Processor:
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
-        out: list[int] = []
-        items: list[ImageItem] = []
-        pending = iter(images)
-        for token in prompt_token_ids:
-            if token != self.image_marker_id:
-                out.append(token)
-                continue
-            image = next(pending)
-            frames, rows, cols = self.frames(image)
-            ids, runs = self.run(rows, cols)
-            items.append(ImageItem(image.content_hash, len(out), len(ids), runs, self.pixels(frames),
-                                   extras={"rows": rows, "cols": cols}))
-            out += ids
-        return ExpandedPrompt(out, items)
+        return ExpandedPrompt(*expand_markers(prompt_token_ids, self.image_marker_id, self.image_marker, images,
+                                              self._image_run))
+
+    def _image_run(self, image: ImageInput) -> ImageRun:
+        frames, rows, cols = self.frames(image)
+        ids, runs = self.run(rows, cols)
+        return ImageRun(ids, runs, self.pixels(frames), {"rows": rows, "cols": cols})
 
 
 class Idefics3VisionEncoder(nn.Module):

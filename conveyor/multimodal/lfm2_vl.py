@@ -27,7 +27,7 @@ from torch import nn
 from conveyor.kernels import KernelBackend
 from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import TextPieces, check_marker_count
+from conveyor.multimodal.preprocess import ImageRun, TextPieces, expand_markers
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")
@@ -192,23 +192,15 @@ class Lfm2VlProcessor:
         return ids, tuple(runs)
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
-        out: list[int] = []
-        items: list[ImageItem] = []
-        pending = iter(images)
-        for token in prompt_token_ids:
-            if token != self.image_marker_id:
-                out.append(token)
-                continue
-            image = next(pending)
-            frames, rows, cols, size = self.frames(image)
-            ids, runs = self.run(rows, cols, size)
-            shapes = [(f.shape[1] // self.patch, f.shape[2] // self.patch) for f in frames]
-            pixels = torch.cat([self.patches(f) for f in frames])  # (sum of patches, p * p * 3)
-            items.append(ImageItem(image.content_hash, len(out), len(ids), runs, pixels,
-                                   extras={"rows": rows, "cols": cols, "shapes": shapes}))
-            out += ids
-        return ExpandedPrompt(out, items)
+        return ExpandedPrompt(*expand_markers(prompt_token_ids, self.image_marker_id, self.image_marker, images,
+                                              self._image_run))
+
+    def _image_run(self, image: ImageInput) -> ImageRun:
+        frames, rows, cols, size = self.frames(image)
+        ids, runs = self.run(rows, cols, size)
+        shapes = [(f.shape[1] // self.patch, f.shape[2] // self.patch) for f in frames]
+        pixels = torch.cat([self.patches(f) for f in frames])  # (sum of patches, p * p * 3)
+        return ImageRun(ids, runs, pixels, {"rows": rows, "cols": cols, "shapes": shapes})
 
 
 def resize_positions(table: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, PixelNormalizer, activation, check_marker_count,
+from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -111,22 +111,14 @@ class PixtralProcessor:
         return ids, tuple((r * (cols + 1), cols) for r in range(rows))
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
-        out: list[int] = []
-        items: list[ImageItem] = []
-        pending = iter(images)
-        for token in prompt_token_ids:
-            if token != self.image_marker_id:
-                out.append(token)
-                continue
-            image = next(pending)
-            pixels = self.pixels(image)
-            rows, cols = pixels.shape[1] // self.unit, pixels.shape[2] // self.unit
-            ids, runs = self.run(rows, cols)
-            items.append(ImageItem(image.content_hash, len(out), len(ids), runs, pixels,
-                                   extras={"rows": rows, "cols": cols}))
-            out += ids
-        return ExpandedPrompt(out, items)
+        return ExpandedPrompt(*expand_markers(prompt_token_ids, self.image_marker_id, self.image_marker, images,
+                                              self._image_run))
+
+    def _image_run(self, image: ImageInput) -> ImageRun:
+        pixels = self.pixels(image)
+        rows, cols = pixels.shape[1] // self.unit, pixels.shape[2] // self.unit
+        ids, runs = self.run(rows, cols)
+        return ImageRun(ids, runs, pixels, {"rows": rows, "cols": cols})
 
 
 def _token_id(tokenizer: Any, token: str) -> int:

@@ -1,5 +1,5 @@
-"""What the vision families' processors and towers share: the marker-count check every expand() starts with, PIL
-resize filters, transformers' PIL rescale + normalize, and the activations a config may name."""
+"""What the vision families' processors and towers share: expand()'s marker walk and its marker-count check, PIL
+resize filters, transformers' PIL rescale + normalize, cached text pieces, and the activations a config may name."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from conveyor.errors import InvalidRequestError
 from conveyor.multimodal.image_input import ImageInput
+from conveyor.multimodal.vision import ImageItem
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD: Pixtral's and Qwen-VL's defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -36,6 +37,37 @@ def check_marker_count(prompt_token_ids: Sequence[int], marker_id: int, marker: 
     if markers != len(images):
         raise InvalidRequestError(f"the prompt has {markers} image markers ({marker}) for {len(images)} images",
                                   "messages")
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """What one image's marker expands to: the token ids, the embed runs among them (relative to the first), the
+    encoder's input and the family's extras (ImageItem's fields but the placement)."""
+
+    token_ids: Sequence[int]
+    embed_runs: tuple[tuple[int, int], ...]
+    pixel_values: torch.Tensor
+    extras: dict[str, Any]
+
+
+def expand_markers(prompt_token_ids: Sequence[int], marker_id: int, marker: str, images: Sequence[ImageInput],
+                   image_run: Callable[[ImageInput], ImageRun]) -> tuple[list[int], list[ImageItem]]:
+    """The expanded ids and one ImageItem per image: each marker token replaced by its image's run, in order
+    (a marker count other than the image count is a 400)."""
+    check_marker_count(prompt_token_ids, marker_id, marker, images)
+    out: list[int] = []
+    items: list[ImageItem] = []
+    pending = iter(images)
+    for token in prompt_token_ids:
+        if token != marker_id:
+            out.append(token)
+            continue
+        image = next(pending)
+        run = image_run(image)
+        items.append(ImageItem(image.content_hash, len(out), len(run.token_ids), run.embed_runs, run.pixel_values,
+                               extras=run.extras))
+        out += run.token_ids
+    return out, items
 
 
 def resample_filter(processor_config: dict[str, Any], default: int) -> Image.Resampling:

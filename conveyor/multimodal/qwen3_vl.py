@@ -36,7 +36,7 @@ from conveyor.kernels.attention import reference_dense_attention
 from conveyor.models.mrope import axis_of_columns
 from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, PixelNormalizer, activation, check_marker_count,
+from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
@@ -149,24 +149,17 @@ class QwenVLProcessor:
         return torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, -1)), gh, gw
 
     def expand(self, prompt_token_ids: Sequence[int], images: Sequence[ImageInput]) -> ExpandedPrompt:
-        check_marker_count(prompt_token_ids, self.image_marker_id, self.image_marker, images)
-        out: list[int] = []
-        items: list[ImageItem] = []
-        pending = iter(images)
-        for token in prompt_token_ids:
-            if token != self.image_marker_id:
-                out.append(token)
-                continue
-            image = next(pending)
-            patches, gh, gw = self.pixels(image)
-            n = gh * gw // (self.merge * self.merge)
-            items.append(ImageItem(image.content_hash, len(out), n, ((0, n),), patches,
-                                   extras={"grid_h": gh, "grid_w": gw}))
-            out += [self.image_marker_id] * n
-        if not items:
+        out, items = expand_markers(prompt_token_ids, self.image_marker_id, self.image_marker, images,
+                                    self._image_run)
+        if not items:  # a text-only prompt: plain positions, as get_rope_index gives it
             return ExpandedPrompt(out, items)
         positions, delta = rope_positions(out, items, self.merge)
         return ExpandedPrompt(out, items, rope_positions=positions, rope_delta=delta)
+
+    def _image_run(self, image: ImageInput) -> ImageRun:
+        patches, gh, gw = self.pixels(image)
+        n = gh * gw // (self.merge * self.merge)
+        return ImageRun([self.image_marker_id] * n, ((0, n),), patches, {"grid_h": gh, "grid_w": gw})
 
 
 def _axial_rope(grid_h: int, grid_w: int, merge: int, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:

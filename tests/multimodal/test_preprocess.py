@@ -7,7 +7,8 @@ from PIL import Image
 
 from conveyor.errors import InvalidRequestError
 from conveyor.multimodal.image_input import ImageInput
-from conveyor.multimodal.preprocess import HALF, PixelNormalizer, activation, check_marker_count, resample_filter
+from conveyor.multimodal.preprocess import (HALF, ImageRun, PixelNormalizer, activation, check_marker_count,
+                                          expand_markers, resample_filter)
 
 
 def test_marker_count_mismatch_is_a_400():
@@ -16,6 +17,29 @@ def test_marker_count_mismatch_is_a_400():
     with pytest.raises(InvalidRequestError, match=r"2 image markers \(<image>\) for 1 images") as info:
         check_marker_count([7, 7], 7, "<image>", [image])
     assert info.value.param == "messages"
+
+
+def test_expand_markers_places_each_run_in_order():
+    """Marker 7 -> its image's run (width + 1 tokens, the embed rows after a head token); offsets count the runs
+    before; the images' order is the markers'."""
+    import torch
+
+    images = [ImageInput.from_pil(Image.new("RGB", (w, 2))) for w in (2, 3)]
+    calls = []
+
+    def image_run(image: ImageInput) -> ImageRun:
+        calls.append(image)
+        width = image.size[0]
+        return ImageRun([8] + [7] * width, ((1, width),), torch.zeros(width), {"width": width})
+
+    ids, items = expand_markers([1, 7, 2, 7, 3], 7, "<m>", images, image_run)
+    assert ids == [1, 8, 7, 7, 2, 8, 7, 7, 7, 3]
+    assert [(i.offset, i.num_tokens, i.embed_runs, i.extras) for i in items] == [
+        (1, 3, ((1, 2),), {"width": 2}), (5, 4, ((1, 3),), {"width": 3})]
+    assert [i.content_hash for i in items] == [image.content_hash for image in images] and calls == images
+    with pytest.raises(InvalidRequestError, match="1 image markers"):
+        expand_markers([1, 7], 7, "<m>", images, image_run)
+    assert len(calls) == 2  # refused before any image was processed
 
 
 def test_resample_is_pils_numbering():
