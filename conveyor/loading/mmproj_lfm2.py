@@ -14,11 +14,10 @@ from typing import Any, Callable
 import torch
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.mmproj_siglip import SIGLIP_LAYER_NAMES
 
 TOWER = "model.vision_tower.vision_model."
 PROJECTOR = "model.multi_modal_projector."
-_LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 _OTHER = {"v.patch_embd": TOWER + "embeddings.patch_embedding",
           "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm",
           "mm.input_norm": PROJECTOR + "layer_norm", "mm.1": PROJECTOR + "linear_1", "mm.2": PROJECTOR + "linear_2"}
@@ -35,9 +34,9 @@ def lfm2_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], 
         stem, _, kind = name.rpartition(".")
         if stem.startswith("v.blk."):
             _, _, layer, part = stem.split(".", 3)
-            if part not in _LAYER:
+            if part not in SIGLIP_LAYER_NAMES:
                 raise LoadError(f"{path}: unexpected projector tensor {name}")
-            weights[f"{TOWER}encoder.layers.{layer}.{_LAYER[part]}.{kind}"] = tensor
+            weights[f"{TOWER}encoder.layers.{layer}.{SIGLIP_LAYER_NAMES[part]}.{kind}"] = tensor
         elif stem in _OTHER:
             weights[f"{_OTHER[stem]}.{kind}"] = tensor
         else:
