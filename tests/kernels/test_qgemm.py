@@ -79,16 +79,19 @@ def test_matches_dequantize_then_fp32_matmul(qtype, in_features, out_features, b
 
 
 def _activation_block(qtype: int) -> int:
-    """Values per activation scale at this level (docs/kernels.md): 256 for Q4_K on plain AVX2, else 32."""
-    return 256 if qtype == Q.Q4_K and backend.qgemm.backend() == "avx2" else 32
+    """Values per activation scale at this level (docs/kernels.md): 256 for Q4_K on plain AVX2 and on AMX int8
+    (at every M there), else 32."""
+    return 256 if qtype == Q.Q4_K and backend.qgemm.backend() in ("avx2", "amx_int8") else 32
 
 
 def _quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     """x as the kernel rounds it: int8 per `block` values (scale amax/127, half to even), in float64."""
     v = x.float().reshape(x.shape[0], -1, block)
     amax = v.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # fp32, as the kernel's 127.f / amax
-    q = torch.round(v * inv).clamp(-127, 127)
+    # fp32 steps each rounded once, as the kernel's 127.f / amax and v * inv (torch's fp32 division and product
+    # can land an ulp off, which moves a tie such as 63.5 to the other integer)
+    inv = torch.where(amax > 0, 127.0 / amax.double(), torch.zeros_like(amax, dtype=torch.float64)).float()
+    q = torch.round((v.double() * inv.double()).float()).clamp(-127, 127)
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
@@ -111,6 +114,25 @@ def test_activation_rounding_is_the_levels_stated_block(qtype):
     tol = want.abs() * 2.0 ** -8 + 1e-4 * want.abs().max()  # bf16's half ulp, plus fp32 steps
     assert ((got - want).abs() <= tol).all()
     assert ((other - want).abs() > tol).any()  # the check can tell the two schemes apart
+
+
+@pytest.mark.parametrize("in_features", [512, 2048])
+def test_q4k_prefill_sizes_are_the_rounded_activations_times_the_weights(in_features):
+    """From 16 rows on, amx_int8 runs Q4_K on its own tiles (sub-block scales folded into the weights, two
+    16-row blocks per B load): at M = 16, 48 (a pair and a single block) and 100, every output is the exact
+    product of the level's rounded activations with the dequantized weights, as at decode sizes."""
+    out_features = 40
+    raw = random_raw(Q.Q4_K, out_features, in_features, seed=21)
+    packed = backend.pack_quantized(raw, Q.Q4_K, in_features)
+    gen = torch.Generator().manual_seed(22)
+    spread = torch.tensor([30.0, 1.0, 0.5, 3.0, 0.1, 1.0, 8.0, 0.3]).repeat_interleave(32).repeat(in_features // 256)
+    x = (torch.randn(100, in_features, generator=gen) * spread).bfloat16()
+    weight = dequantize_raw(raw, Q.Q4_K, in_features).double()
+    want = _quantized_activations(x, _activation_block(Q.Q4_K)) @ weight.T
+    for m in (16, 48, 100):
+        got = backend.quantized_linear(x[:m], packed, Q.Q4_K, out_features, in_features, None).double()
+        tol = want[:m].abs() * 2.0 ** -8 + 1e-4 * want[:m].abs().max()
+        assert ((got - want[:m]).abs() <= tol).all(), m
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
@@ -155,7 +177,8 @@ def amx_cases() -> dict[str, torch.Tensor]:
 @pytest.mark.skipif(backend.qgemm.backend() != "amx_int8", reason="AMX int8 runs only in AMX builds on AMX CPUs")
 def test_amx_rows_equal_the_vnni_paths_bit_for_bit(tmp_path):
     """The AMX tiles (from 16 rows on) and, with CONVEYOR_DISABLE_AMX (decided once per process), the AVX-512
-    VNNI tiles give every row the same bits at every M and batch position; and each row its M = 1 bits."""
+    VNNI tiles give every row the same bits at every M and batch position (but Q4_K, whose activations amx_int8
+    quantizes per 256 at every M, avx512_vnni per 32); and each row, Q4_K's too, its M = 1 bits."""
     path = tmp_path / "vnni.pt"
     code = ("import sys, torch, tests.kernels.test_qgemm as t; "
             "assert t.backend.qgemm.backend() == 'avx512_vnni'; torch.save(t.amx_cases(), sys.argv[1])")
@@ -166,6 +189,9 @@ def test_amx_rows_equal_the_vnni_paths_bit_for_bit(tmp_path):
     vnni, amx = torch.load(path), amx_cases()
     assert vnni.keys() == amx.keys()
     for key, got in amx.items():
+        if key.startswith("Q4_K "):
+            assert not torch.equal(got, vnni[key]), key  # the two levels' contracts differ: the check can tell
+            continue
         assert torch.equal(got.view(torch.int16), vnni[key].view(torch.int16)), key  # bits: -0.0 is not 0.0
     # Row i of [start, start + M) has the bits of row start + i in the 256-row batch (M = 1: the row alone, on VNNI).
     for name in {key.split()[0] for key in amx}:

@@ -30,6 +30,8 @@
 //
 // One build runs one path, from the -march macros: AVX-512 VNNI (16 columns per zmm), AVX2
 // (8-column halves; AVX-VNNI's dpbusd where the CPU has it, else maddubs + madd), or portable C++.
+// Q4_K on plain AVX2 and on amx_int8 (AMX on, at every M) quantizes activations per 256 instead (one
+// float step per superblock on exact int32 superblock sums; see tile_sb_q4k and amx_sb_item).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -343,6 +345,9 @@ struct QuantRows {
   // only for the types and level that read it (seeded_sums).
   int32_t* seed;
   float* sd;     // (M, K/256) scale per 256-block, where the activations are quantized per superblock
+  // (M, K/64) with sd: the 32-block sums of blocks 2j, 2j + 1 as one int16 pair word (low: 2j), the AVX-512
+  // superblock Q4_K's broadcast operand for its mins (|b| <= 32 x 127 fits int16)
+  int32_t* b2;
   int64_t k, chunks;
 };
 
@@ -426,6 +431,33 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
 // still kept (the mins); d, s and b16 are unused.
 void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t* b) {
   for (int64_t blk = 0; blk < k / 256; ++blk) {
+#if defined(QG_AVX512)
+    {  // The scalar loop below, 16 values per vector, with quantize_block16x2's ops (the same bytes and scales)
+      __m512 v[16];
+      __m512 amax = _mm512_setzero_ps();
+      for (int h = 0; h < 16; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 256 * blk + 16 * h));
+        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        const __m512 a = _mm512_abs_ps(v[h]);
+        amax = _mm512_max_ps(amax, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a));
+      }
+      const float m = _mm512_reduce_max_ps(amax);
+      sd[blk] = m / 127.f;
+      const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+      for (int c = 0; c < 8; ++c) {
+        int32_t sum = 0;
+        for (int h = 2 * c; h < 2 * c + 2; ++h) {
+          __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));  // NaN -> -127
+          const __m512i qi = _mm512_cvtps_epi32(r);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 256 * blk + 16 * h), _mm512_cvtepi32_epi8(qi));
+          sum += _mm512_reduce_add_epi32(qi);
+        }
+        b[8 * blk + c] = sum;
+      }
+      continue;
+    }
+#endif
     float v[256];
     float amax = 0.f;
     for (int j = 0; j < 256; ++j) {
@@ -453,7 +485,14 @@ void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t
 // ------------------------------------------------------------------------------------------
 #if defined(QG_AVX512)
 constexpr int kMaxRows = 8;
+// amx_int8 (an AMX build with the tiles on, decided once per process) runs Q4_K with activations per
+// superblock at every M, decode included (tile_sb_q4k, amx_sb_item); avx512_vnni keeps the per-32 contract.
+#if CONVEYOR_HAS_AMX && defined(__AMX_INT8__)
+bool amx_enabled();
+inline bool superblock_acts(int qt) { return qt == kQ4_K && amx_enabled(); }
+#else
 inline bool superblock_acts(int) { return false; }
+#endif
 inline bool seeded_sums(int) { return false; }
 
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
@@ -578,9 +617,86 @@ inline void store_rows(const __m512* acc, int rows, int64_t r0, const float* bia
   }
 }
 
+// ---- Q4_K per superblock (the amx_int8 level at every M; plain AVX2's contract on 16-column vectors) ----
+// Activations int8 per 256 (quantize_row_sb). A superblock's sum_c sc_c S_c and its mins sum_c mn_c bx_c are
+// exact int32 (|sum| <= 8 x 63 x 32 x 15 x 127 < 2^31), however they are formed: VNNI per chunk (sc_c x S_c,
+// here), or AMX on the weights folded to sc q = 32 hi + lo (amx_sb_item). Then one float step per superblock and
+// row, sb_q4k_float, in superblock order: a row's bits are the same whichever path and M computed its sums.
+
+// The superblock's 16 columns' mins as int16 pairs per dword: sub-blocks (2j, 2j + 1), j = 0..3.
+inline void sb_q4k_min_pairs(const uint8_t* sbp, __m512i* mnp) {
+  for (int j = 0; j < 4; ++j) {
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 192 + 32 * j)));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 208 + 32 * j)));
+    mnp[j] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+}
+
+// sum_c mn_c bx_c per column, exact; b2: the row's 4 pair words of this superblock (QuantRows::b2).
+inline __m512i sb_q4k_mins(const __m512i* mnp, const int32_t* b2) {
+  __m512i m = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mnp[0], _mm512_set1_epi32(b2[0]));
+  m = _mm512_dpwssd_epi32(m, mnp[1], _mm512_set1_epi32(b2[1]));
+  m = _mm512_dpwssd_epi32(m, mnp[2], _mm512_set1_epi32(b2[2]));
+  return _mm512_dpwssd_epi32(m, mnp[3], _mm512_set1_epi32(b2[3]));
+}
+
+// The superblock's float step: acc += (dx d) S - (dx dmin) M, plain AVX2's sb_q4k_step on 16 columns.
+inline __m512 sb_q4k_float(__m512 acc, __m512i isum, __m512i msum, float dx, __m512 d, __m512 dmin) {
+  const __m512 dxv = _mm512_set1_ps(dx);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(dxv, d), _mm512_cvtepi32_ps(isum), acc);
+  return _mm512_fnmadd_ps(_mm512_mul_ps(dxv, dmin), _mm512_cvtepi32_ps(msum), acc);
+}
+
+// Rows [r0, r0 + MR) x one group on the VNNI tiles (decode sizes, below AMX's 16 rows): chunk sums by dpbusd,
+// times the chunk's sub-block scale in int32.
+template <int MR>
+void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+                 int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(kQ4_K);
+  const int64_t sb_per_row = xr.k / 256;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));
+      __m512i w[8];
+      unpack<kQ4_K>(ch, w);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
+        __m512i s0 = dot4(_mm512_setzero_si512(), w[0], x);
+        __m512i s1 = dot4(_mm512_setzero_si512(), w[4], x + 16);
+        s0 = dot4(s0, w[1], x + 4);
+        s1 = dot4(s1, w[5], x + 20);
+        s0 = dot4(s0, w[2], x + 8);
+        s1 = dot4(s1, w[6], x + 24);
+        s0 = dot4(s0, w[3], x + 12);
+        s1 = dot4(s1, w[7], x + 28);
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
+      }
+    }
+    const __m512 d = load_half16(sbp), dmin = load_half16(sbp + 32);
+    __m512i mnp[4];
+    sb_q4k_min_pairs(sbp, mnp);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const __m512i msum = sb_q4k_mins(mnp, xr.b2 + row * (xr.k / 64) + 4 * s);
+      acc[r] = sb_q4k_float(acc[r], isum[r], msum, xr.sd[row * sb_per_row + s], d, dmin);
+    }
+  }
+  store_rows(acc, MR, r0, bias, out, ldo, cols);
+}
+
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
+  if constexpr (QT == kQ4_K) {
+    if (superblock_acts(QT)) return tile_sb_q4k<MR>(wg, n_sb, xr, r0, bias, out, ldo, cols);
+  }
   constexpr TypeInfo t = type_info(QT);
   constexpr int cpb = t.sb / 32;
   constexpr int64_t sbb = sb_bytes(t);
@@ -833,17 +949,152 @@ void amx_item(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, const int8_t
   }
 }
 
+// ---- Q4_K on AMX per superblock (activations per 256, see tile_sb_q4k) ----
+// The panel folds each sub-block scale into its weights, sc q (0..945) = 32 hi + lo with hi, lo in 0..31 (two
+// signed-int8 planes, B tiles of 64 k: 16 k-groups x 64 bytes), so a superblock is 4 full 64-k steps of two
+// products (hi, lo) accumulating in the C tiles, then one store and one float step: S = 32 C_hi + C_lo exactly.
+// Two 16-row blocks share each B load (tiles: C hi/lo of block 0 tmm0/1, of block 1 tmm2/3; A tmm4/5; B hi/lo
+// tmm6/7, all 16 x 64). The panel is per-thread scratch, 2 bytes per weight of one column group.
+struct AmxSbPanel {
+  std::vector<__m512i> hi, lo;  // (n_sb, 64): superblock s, 64-k step j = rows 16 j .. 16 j + 15 of its tile
+  std::vector<__m512i> mnp;     // (n_sb, 4): sb_q4k_min_pairs
+  std::vector<__m512> d, dmin;  // (n_sb)
+};
+
+void amx_sb_configure() {
+  conveyor_amx::TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void amx_sb_unpack_panel(const uint8_t* wg, int64_t n_sb, AmxSbPanel& p) {
+  constexpr TypeInfo t = type_info(kQ4_K);
+  if (static_cast<int64_t>(p.d.size()) < n_sb) {
+    p.hi.resize(64 * n_sb);
+    p.lo.resize(64 * n_sb);
+    p.mnp.resize(4 * n_sb);
+    p.d.resize(n_sb);
+    p.dmin.resize(n_sb);
+  }
+  const __m512i low_byte = _mm512_set1_epi16(0x00FF), five_bits = _mm512_set1_epi16(31);
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    p.d[s] = load_half16(sbp);
+    p.dmin[s] = load_half16(sbp + 32);
+    sb_q4k_min_pairs(sbp, p.mnp.data() + 4 * s);
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));  // the weights stream from memory once per call
+      __m512i w[8];
+      unpack<kQ4_K>(ch, w);
+      // Column i's scale in both int16 words of dword i (its bytes 4 i .. 4 i + 3 are its 4 k)
+      const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
+      const __m512i sc16 = _mm512_or_si512(sc32, _mm512_slli_epi32(sc32, 16));
+      for (int g = 0; g < 8; ++g) {
+        const __m512i pe = _mm512_mullo_epi16(_mm512_and_si512(w[g], low_byte), sc16);  // even bytes' sc q
+        const __m512i po = _mm512_mullo_epi16(_mm512_srli_epi16(w[g], 8), sc16);        // odd bytes'
+        const int64_t at = 64 * s + 8 * c + g;
+        p.hi[at] = _mm512_or_si512(_mm512_srli_epi16(pe, 5), _mm512_slli_epi16(_mm512_srli_epi16(po, 5), 8));
+        p.lo[at] = _mm512_or_si512(_mm512_and_si512(pe, five_bits), _mm512_slli_epi16(_mm512_and_si512(po, five_bits), 8));
+      }
+    }
+  }
+}
+
+// NB (1 or 2) 16-row blocks from padded row r0 (`tiled`: 64-byte A units, amx_tile_rows) against the panel;
+// the first `rows` stored. Superblock s + 1's products run while s's float step does (one set of C tiles:
+// s's sums are stored before s + 1 zeroes them).
+template <int NB>
+void amx_sb_block(const AmxSbPanel& p, int64_t n_sb, const QuantRows& xr, const int8_t* tiled, int64_t r0, int rows,
+                  const float* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  constexpr int kRows = NB * kAmxRows;
+  alignas(64) float acc[kRows][16] = {};
+  alignas(64) int32_t cs[2 * NB][kAmxRows * 16];
+  const int8_t* a0 = tiled + r0 * xr.k;
+  const int8_t* a1 = a0 + kAmxRows * xr.k;
+  const auto* hi = reinterpret_cast<const uint8_t*>(p.hi.data());
+  const auto* lo = reinterpret_cast<const uint8_t*>(p.lo.data());
+  const int64_t sb_per_row = xr.k / 256;
+  auto issue = [&](int64_t s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NB == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t step = 4 * s + j;  // 64-k step: 1 KB of panel per plane, 1 KB of A per block
+      _tile_loadd(6, hi + 1024 * step, 64);
+      _tile_loadd(7, lo + 1024 * step, 64);
+      _tile_loadd(4, a0 + 1024 * step, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      if constexpr (NB == 2) {
+        _tile_loadd(5, a1 + 1024 * step, 64);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+  };
+  issue(0);
+  for (int64_t s = 0; s < n_sb; ++s) {
+    _tile_stored(0, cs[0], 64);
+    _tile_stored(1, cs[1], 64);
+    if constexpr (NB == 2) {
+      _tile_stored(2, cs[2], 64);
+      _tile_stored(3, cs[3], 64);
+    }
+    if (s + 1 < n_sb) issue(s + 1);
+    const __m512 d = p.d[s], dmin = p.dmin[s];
+    const __m512i* mnp = p.mnp.data() + 4 * s;
+    for (int r = 0; r < kRows; ++r) {
+      const int b = r / kAmxRows, rr = r % kAmxRows;
+      const int64_t row = r0 + r;
+      const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cs[2 * b] + 16 * rr), 5),
+                                            _mm512_load_si512(cs[2 * b + 1] + 16 * rr));
+      const __m512i msum = sb_q4k_mins(mnp, xr.b2 + row * (xr.k / 64) + 4 * s);
+      _mm512_store_ps(acc[r], sb_q4k_float(_mm512_load_ps(acc[r]), isum, msum, xr.sd[row * sb_per_row + s], d, dmin));
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* o = out + (r0 + r) * ldo;
+    for (int64_t i = 0; i < cols; ++i) o[i] = round_bf16(bias != nullptr ? acc[r][i] + bias[i] : acc[r][i]);
+  }
+}
+
+// One work item (as amx_item): the group's panel once, then its 16-row blocks two at a time.
+void amx_sb_item(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, const int8_t* tiled, int64_t r0, int64_t rows,
+                 int64_t m, const float* bias, uint16_t* out, int64_t ldo, int64_t cols) {
+  thread_local AmxSbPanel panel;
+  amx_sb_unpack_panel(wg, n_sb, panel);
+  const AmxSbPanel& p = panel;
+  const int64_t end = std::min(r0 + rows, m);
+  for (int64_t rb = r0; rb < end; rb += 2 * kAmxRows) {
+    const int real = static_cast<int>(std::min<int64_t>(2 * kAmxRows, end - rb));
+    if (real > kAmxRows) {
+      amx_sb_block<2>(p, n_sb, xr, tiled, rb, real, bias, out, ldo, cols);
+    } else {
+      amx_sb_block<1>(p, n_sb, xr, tiled, rb, real, bias, out, ldo, cols);
+    }
+  }
+}
+
 using AmxFn = void (*)(const uint8_t*, int64_t, const QuantRows&, const int8_t*, int64_t, int64_t, int64_t,
                        const float*, uint16_t*, int64_t, int64_t);
 
-// The quantized rows as the A tiles read them: per 16-row block, chunk by chunk, 16 rows x 32 bytes
-// (one tile, contiguous), so a block's walk over K is one sequential stream. (m_pad, K) bytes.
-void amx_tile_rows(const QuantRows& xr, int64_t m_pad, int8_t* tiled) {
+// The quantized rows as the A tiles read them: per 16-row block, `unit` bytes of K at a time (32: a chunk,
+// 64: amx_sb_item's step), 16 rows x unit bytes (one tile, contiguous), so a block's walk over K is one
+// sequential stream. (m_pad, K) bytes.
+void amx_tile_rows(const QuantRows& xr, int64_t m_pad, int unit, int8_t* tiled) {
+  const int64_t units = xr.k / unit;
   conveyor_parallel::parallel_for(0, m_pad / kAmxRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rb = begin; rb < end; ++rb) {
-      for (int64_t kc = 0; kc < xr.chunks; ++kc) {
-        int8_t* dst = tiled + (rb * xr.chunks + kc) * kAmxRows * 32;
-        for (int r = 0; r < kAmxRows; ++r) std::memcpy(dst + 32 * r, xr.q + (rb * kAmxRows + r) * xr.k + 32 * kc, 32);
+      for (int64_t u = 0; u < units; ++u) {
+        int8_t* dst = tiled + (rb * units + u) * kAmxRows * unit;
+        for (int r = 0; r < kAmxRows; ++r) std::memcpy(dst + unit * r, xr.q + (rb * kAmxRows + r) * xr.k + unit * u, unit);
       }
     }
   });
@@ -855,7 +1106,7 @@ AmxFn amx_fn(int qt) {
     case kQ5_0: return &amx_item<kQ5_0>;
     case kQ5_1: return &amx_item<kQ5_1>;
     case kQ8_0: return &amx_item<kQ8_0>;
-    case kQ4_K: return &amx_item<kQ4_K>;
+    case kQ4_K: return &amx_sb_item;  // per superblock (superblock_acts)
     case kQ5_K: return &amx_item<kQ5_K>;
     case kQ6_K: return &amx_item<kQ6_K>;
     case kMXFP4: return &amx_item<kMXFP4>;
@@ -1594,7 +1845,8 @@ namespace {
 // decode sizes, in `big` (a tensor for the call) at prefill sizes.
 QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int qt, torch::Tensor& big) {
   const int64_t k = xc.size(1), chunks = k / 32;
-  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12) + m_pad * (k / 256 + 1) * 4;
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12) + m_pad * (k / 256 + 1) * 4 +
+                       m_pad * (k / 64) * 4;
   thread_local std::vector<uint8_t> small;
   uint8_t* buf;
   if (need <= (1 << 20)) {
@@ -1614,7 +1866,10 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   xr.b16 = xr.b + m_pad * chunks;
   xr.seed = xr.b16 + 2 * m_pad * chunks;
   xr.sd = reinterpret_cast<float*>(xr.seed + 3 * m_pad * chunks);
+  xr.b2 = reinterpret_cast<int32_t*>(xr.sd + m_pad * (k / 256 + 1));
   for (int64_t r = m; r < m_pad; ++r) {
+    std::memset(xr.sd + r * (k / 256), 0, (k / 256) * sizeof(float));
+    std::memset(xr.b2 + r * (k / 64), 0, (k / 64) * sizeof(int32_t));
     std::memset(xr.q + r * k, 0, k);
     std::memset(xr.d + r * chunks, 0, chunks * sizeof(float));
     std::memset(xr.s + r * chunks, 0, chunks * sizeof(float));
@@ -1629,6 +1884,9 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
     for (int64_t r = begin; r < end; ++r) {
       if (per_superblock) {
         quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks);
+        for (int64_t j = 0; j < k / 64; ++j) {
+          xr.b2[r * (k / 64) + j] = int16_pair_word(xr.b[r * chunks + 2 * j], xr.b[r * chunks + 2 * j + 1]);
+        }
       } else {
         quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
                      xr.b16 + 2 * r * chunks, seeded ? xr.seed + 3 * r * chunks : nullptr, type_info(qt).offset);
@@ -1706,11 +1964,12 @@ torch::Tensor qgemm_linear(const torch::Tensor& x, const torch::Tensor& packed, 
     const int64_t spans = (m_pad + span - 1) / span, groups = pw.groups;
     const AmxFn fn = amx_fn(static_cast<int>(qt));
     const bool halves = type_info(static_cast<int>(qt)).kind == Kind::kK6;
+    const bool per_sb = superblock_acts(static_cast<int>(qt));
     const torch::Tensor tiled_rows = torch::empty({m_pad * k}, x.options().dtype(at::kByte));
     auto* tiled = reinterpret_cast<int8_t*>(tiled_rows.data_ptr<uint8_t>());
-    amx_tile_rows(xr, m_pad, tiled);
+    amx_tile_rows(xr, m_pad, per_sb ? 64 : 32, tiled);
     conveyor_parallel::parallel_for(0, spans * groups, 1, [&](int64_t begin, int64_t end) {
-      amx_configure(halves);
+      if (per_sb) amx_sb_configure(); else amx_configure(halves);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t g = item % groups, c0 = g * kGroup;
         fn(pw.w + g * pw.group_bytes, pw.n_sb, xr, tiled, item / groups * span, span, m,
