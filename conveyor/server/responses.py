@@ -38,7 +38,10 @@ class TokenText:
         hit = self._cache.get(token_id)
         if hit is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            piece = self.tokenizer.id_to_piece(token_id)
+            try:
+                piece = self.tokenizer.id_to_piece(token_id)
+            except IndexError:  # NOTE: an embedding row past the tokenizer (a padded vocabulary): no text, no bytes
+                piece = ""
             # A byte-level piece knows its exact bytes even when they are half a UTF-8 character.
             raw = bytes(_BYTE_DECODER[c] for c in piece) if all(c in _BYTE_DECODER for c in piece) \
                 else text.encode()

@@ -15,6 +15,13 @@ def test_token_bytes_are_exact_for_half_characters():
     assert any(token_text(i)[0] == "\ufffd" for i in ids)  # some tokens are half a character as text
 
 
+def test_a_token_past_the_tokenizer_has_no_text():
+    """Models pad their embeddings past the tokenizer (Qwen: 151,936 rows, ~151,670 tokens); sampling a padding id
+    with logprobs on was an IndexError (a 500) on the whole response."""
+    tokenizer = smollm_tokenizer()
+    assert TokenText(tokenizer)(tokenizer.vocab_size + 5) == ("", [])
+
+
 def test_usage_counts_each_prompt_once():
     choices = [ChoiceState(i, num_prompt_tokens=p, num_output_tokens=o, num_cached_tokens=c)
                for i, (p, o, c) in enumerate([(10, 3, 0), (10, 4, 8), (5, 1, 0), (5, 2, 0)])]
