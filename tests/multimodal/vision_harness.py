@@ -58,6 +58,18 @@ def check_no_leak(core: EngineCore) -> None:
     assert core.pool.stats().num_used == 0
 
 
+def run_traces(core: EngineCore, requests: list) -> list[Trace]:
+    """Add `requests` (made with logprobs), step until idle; each one's (token, logprob) trace; no block leaked."""
+    for request in requests:
+        core.add_request(request)
+    traces: dict[str, Trace] = {r.request_id: [] for r in requests}
+    while core.has_work():
+        for out in core.step():
+            traces[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
+    check_no_leak(core)
+    return [traces[r.request_id] for r in requests]
+
+
 def run_tokens(core: EngineCore, jobs: list[Job], params: SamplingParams = PARAMS,
                tokenizer: Any = None) -> list[list[int]]:
     """All jobs at once; each one's generated token ids. `tokenizer` (default: the core's) encodes the prompts: a
@@ -84,16 +96,8 @@ class EngineCase:
     def run(self, core: EngineCore, jobs: list[Job] | None = None) -> list[Trace]:
         """All `jobs` (default: the case's) at once; each one's (token, logprob) trace; no block leaked."""
         jobs = self.jobs if jobs is None else jobs
-        requests = [core.make_request(core.tokenizer.encode(text, add_special_tokens=False), self.params,
-                                      images=images) for text, images in jobs]
-        for request in requests:
-            core.add_request(request)
-        traces: dict[str, Trace] = {r.request_id: [] for r in requests}
-        while core.has_work():
-            for out in core.step():
-                traces[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs]
-        check_no_leak(core)
-        return [traces[r.request_id] for r in requests]
+        return run_traces(core, [core.make_request(core.tokenizer.encode(text, add_special_tokens=False),
+                                                   self.params, images=images) for text, images in jobs])
 
     def alone(self, **fields: Any) -> list[Trace]:
         """Each job by itself, no prefix cache: what every batched run must equal bitwise."""
@@ -170,36 +174,38 @@ def with_template(checkpoint, template: str):
     return replace(checkpoint, tokenizer=replace(checkpoint.tokenizer, chat_template=template))
 
 
-def engine_answer(checkpoint, prompt: str, images: list[Image.Image], max_tokens: int) -> tuple[str, int]:
+def engine_answer(checkpoint, prompt: str, images: list[Image.Image], max_tokens: int) -> tuple[str, int, list[float]]:
     """The engine's own greedy answer to `prompt` (the template's rendering, markers in place) with `images`: the
-    stripped text and the expanded prompt's length."""
+    stripped text, the expanded prompt's length and each generated token's logprob."""
     core = EngineCore(EngineConfig(parallel=1, block_size=8, speculative_ngram=0), checkpoint=checkpoint)
-    ids = core.tokenizer.encode(prompt, add_special_tokens=False)
-    request = core.make_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    request = core.make_request(core.tokenizer.encode(prompt, add_special_tokens=False),
+                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0),
                                 images=[ImageInput.from_pil(image) for image in images])
-    run_requests(core, [request])
-    return core.tokenizer.decode(request.output_token_ids).strip(), len(request.prompt_token_ids)
+    (trace,) = run_traces(core, [request])
+    return core.tokenizer.decode(tokens(trace)).strip(), len(request.prompt_token_ids), [lp for _, lp in trace]
 
 
 def check_chat_and_text_only_template(checkpoint, text_only: str, prompt: str, images: list[Image.Image],
                                       max_tokens: int = 6) -> int:
     """Two image_url parts ("Look:" [image 0] "and" [image 1]) through the checkpoint's template == the engine's
-    answer to `prompt` (what that template renders); /props says vision. Through `text_only` (a template that
-    renders no image parts) the parts become the marker text: the same answer, the same prompt length. Returns
-    the prompt length, for the family's own bound on it."""
-    answer, prompt_tokens = engine_answer(checkpoint, prompt, images, max_tokens)
+    answer to `prompt` (what that template renders): the same text and, bitwise, the same logprobs (a tiny random
+    model's words may not change with the images; its logprobs do); /props says vision. Through `text_only` (a
+    template that renders no image parts) the parts become the marker text: the same answer. Returns the prompt
+    length, for the family's own bound on it."""
+    answer, prompt_tokens, logprobs = engine_answer(checkpoint, prompt, images, max_tokens)
     parts = [{"type": "text", "text": "Look:"}, image_part(data_url(images[0])), {"type": "text", "text": "and"},
              image_part(data_url(images[1]))]
-    fields = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    fields = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True)
     with serve(checkpoint, EngineConfig(**SERVER_FIELDS)) as served:
         assert httpx.get(f"{served.url}/props").json()["modalities"]["vision"] is True
         got = post_chat(served, parts, **fields)
-    assert got["choices"][0]["message"]["content"].strip() == answer
-    assert got["usage"]["prompt_tokens"] == prompt_tokens
     with serve(with_template(checkpoint, text_only), EngineConfig(**SERVER_FIELDS)) as served:
         again = post_chat(served, parts, **fields)
-    assert again["choices"][0]["message"]["content"].strip() == answer
-    assert again["usage"]["prompt_tokens"] == prompt_tokens
+    for response in (got, again):
+        choice = response["choices"][0]
+        assert choice["message"]["content"].strip() == answer
+        assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == logprobs
+        assert response["usage"]["prompt_tokens"] == prompt_tokens
     return prompt_tokens
 
 
