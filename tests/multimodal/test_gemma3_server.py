@@ -49,7 +49,7 @@ TEXT_ONLY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m
 
 def _chat(served, image_seed: int) -> dict:
     parts = [image_part(data_url(random_image(image_seed))), {"type": "text", "text": "What?"}]
-    return post_chat(served, parts, max_tokens=6, temperature=0)
+    return post_chat(served, parts, max_tokens=6, temperature=0, logprobs=True)
 
 
 def test_a_text_only_template_gets_the_marker_as_text(gemma3):
@@ -63,6 +63,7 @@ def test_a_text_only_template_gets_the_marker_as_text(gemma3):
     for g, w in zip(got, want):
         assert g["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
         assert g["usage"]["prompt_tokens"] == w["usage"]["prompt_tokens"]
+        assert g["choices"][0]["logprobs"] == w["choices"][0]["logprobs"]  # bitwise: the same prompt, not just words
 
 
 def test_models_dir_pairs_a_subfolders_mmproj(tmp_path):
