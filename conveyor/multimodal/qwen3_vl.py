@@ -222,8 +222,8 @@ class QwenVisionBlock(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=1)
         q, k = (_rotate(t.reshape(rows, self.heads, -1), cos, sin).reshape(rows, hidden) for t in (q, k))
         attend = self.ops.dense_attention if self.ops is not None else reference_dense_attention
-        x = x + self.proj(attend(q.contiguous(), k.contiguous(), v.contiguous(), self.heads,
-                                 (hidden // self.heads) ** -0.5))
+        # (v stays a column slice of the fused qkv: dense_attention reads it in place, no copy)
+        x = x + self.proj(attend(q, k, v, self.heads, (hidden // self.heads) ** -0.5))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
 
