@@ -145,7 +145,7 @@ class Lfm2VlProcessor:
     def frames(self, image: ImageInput) -> tuple[list[torch.Tensor], int, int, tuple[int, int]]:
         """The image's frames as (3, h, w) uint8 (tiles row by row, then the thumbnail; or the one resized image),
         the grid and the thumbnail's (or the image's) resized size."""
-        pixels = torch.from_numpy(np.array(image.image.convert("RGB"))).permute(2, 0, 1).contiguous()
+        pixels = torch.from_numpy(np.array(image.image)).permute(2, 0, 1).contiguous()  # ImageInput is RGB already
         height, width = pixels.shape[-2:]
         rows, cols, new_h, new_w = self.layout(height, width)
         if rows == cols == 1:

@@ -2,8 +2,8 @@
 
 Engine: an EngineCase (a tiny checkpoint's directory, its image jobs, their sampling params) runs the jobs one at a
 time and all at once, with a small chunk budget and under preemption; every run checks that each KV block came back.
-Server: a chat with image_url parts against the engine's own greedy answer, through the family's template and a
-text-only one; a corrupt image is a 400 and the server still answers.
+Server: a chat with image_url parts against the engine's own greedy answer (its text, and its logprobs bitwise),
+through the family's template and a text-only one; a corrupt image is a 400 and the server still answers.
 
 Each family file keeps its own jobs, prompts and family-specific checks (named after this module, not `harness`:
 pytest imports test helpers by bare module name, and tests/cluster has a cluster_harness)."""
