@@ -25,7 +25,8 @@ from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import HALF, PixelNormalizer, check_marker_count, resample_filter
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
-# Where checkpoints keep the tower and projector: the Hub's layout (transformers 5 saves it too), then the in-memory one.
+# Where checkpoints keep the tower and projector: the Hub's layout (transformers 5 saves it too), then the in-memory
+# one.
 TOWER_PREFIXES = ("vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
                   "model.vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")

@@ -194,7 +194,8 @@ def _interpolation(grid_h: int, grid_w: int, merge: int, side: int) -> tuple[tor
 
     h_at, h_w = taps(row, grid_h)
     w_at, w_w = taps(col, grid_w)
-    return (h_at[:, :, None] * side + w_at[:, None, :]).reshape(-1, 4), (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    index = (h_at[:, :, None] * side + w_at[:, None, :]).reshape(-1, 4)  # (P, 4): the 2 x 2 taps
+    return index, (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
