@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from tiny_gemma3_vision import random_image, write_mmproj, write_model_dir
+from vision_harness import run_tokens
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import EngineCore
@@ -45,14 +46,8 @@ def test_mmproj_gives_the_hf_tensors_and_config(tiny):
 
 
 def _greedy(core: EngineCore, images) -> list[list[int]]:
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    ids = core.tokenizer.encode(PROMPT, add_special_tokens=False)
-    requests = [core.make_request(ids, params, images=[image]) for image in images]
-    for request in requests:
-        core.add_request(request)
-    while core.has_work():
-        core.step()
-    return [r.output_token_ids for r in requests]
+    return run_tokens(core, [(PROMPT, [image]) for image in images],
+                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 
 
 def test_engine_with_mmproj_equals_the_hf_directory(tiny):
