@@ -19,9 +19,10 @@ from PIL import Image
 from torch import nn
 
 from conveyor.kernels import KernelBackend
-from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import HALF, ImageRun, PixelNormalizer, TextPieces, expand_markers, resample_filter
+from conveyor.multimodal.siglip import SiglipLayer, siglip_layer_names
+from conveyor.multimodal.tower_weights import find_prefix, load_renamed
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_model.", "vision_model.", "vision_tower.vision_model.")  # the last: --mmproj

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels import KernelBackend
-from conveyor.multimodal.gemma3 import SiglipLayer, find_prefix, load_renamed, siglip_layer_names
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import ImageRun, TextPieces, expand_markers
+from conveyor.multimodal.siglip import SiglipLayer, siglip_layer_names
+from conveyor.multimodal.tower_weights import find_prefix, load_renamed
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.")

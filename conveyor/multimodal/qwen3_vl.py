@@ -34,10 +34,10 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.models.mrope import axis_of_columns
-from conveyor.multimodal.gemma3 import find_prefix
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
+from conveyor.multimodal.tower_weights import find_prefix
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.visual.", "visual.")  # transformers 5's layout, then the Hub's

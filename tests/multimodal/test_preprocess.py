@@ -72,7 +72,7 @@ def test_a_missing_tower_tensor_is_a_value_error():
     """The CLI reports a ValueError as a one-line load failure (a KeyError would be a traceback)."""
     import torch
 
-    from conveyor.multimodal.gemma3 import find_prefix, load_renamed
+    from conveyor.multimodal.tower_weights import find_prefix, load_renamed
 
     with pytest.raises(ValueError, match="gemma3 vision: no patch.weight under a., b."):
         find_prefix({"c.patch.weight": 0}, ("a.", "b."), "patch.weight", "gemma3")
