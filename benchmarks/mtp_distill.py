@@ -98,25 +98,26 @@ def windows(sequences: list[Sequence], length: int) -> Batch:
     return Batch(*(torch.stack(column) for column in zip(*parts)))
 
 
-def loss(student: MTPStudent, batch: Batch, chained_weight: float = 0.5) -> tuple[torch.Tensor, dict]:
+def loss(student: MTPStudent, batch: Batch, chained_weight: float = 0.5,
+         temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Cross-entropy on x_{q+2} + (1 - cos(out_q, h_{q+1})), and the same once more chained: the second pass reads
     out_q in place of h_{q+1} and x_{q+2}, as a second draft does."""
     out = student(batch.token_ids, batch.hidden, batch.positions)  # (B, T, H)
     total, stats = _terms(student, out, batch.labels, batch.next_hidden)
     if chained_weight:  # rows at q+1 read (x_{q+2}, out_q) and predict x_{q+3}, regress h_{q+2}
         chained = student(batch.token_ids[:, 1:], out[:, :-1], batch.positions[:, 1:])  # (B, T-1, H)
-        more, chained_stats = _terms(student, chained, batch.labels[:, 1:], batch.next_hidden[:, 1:])
+        more, chained_stats = _terms(student, chained, batch.labels[:, 1:], batch.next_hidden[:, 1:], temperature)
         total = total + chained_weight * more
         stats.update({f"chained_{k}": v for k, v in chained_stats.items()})
     return total, stats
 
 
-def _terms(student: MTPStudent, out: torch.Tensor, labels: torch.Tensor,
-           next_hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _terms(student: MTPStudent, out: torch.Tensor, labels: torch.Tensor, next_hidden: torch.Tensor,
+           temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     mask = labels >= 0
     rows = out[mask]  # (R, H)
     logits = student.logits(rows).float()  # (R, V)
-    ce = nn.functional.cross_entropy(logits, labels[mask])
+    ce = nn.functional.cross_entropy(logits / temperature, labels[mask])
     cos = nn.functional.cosine_similarity(rows.float(), next_hidden[mask].float(), dim=-1).mean()
     accuracy = (logits.argmax(-1) == labels[mask]).float().mean()
     return ce + (1 - cos), {"ce": ce.item(), "cos": cos.item(), "acc": accuracy.item(), "rows": int(mask.sum())}

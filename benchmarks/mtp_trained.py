@@ -211,7 +211,12 @@ def report_text(tokenizer, results, perm: torch.Tensor | None = None) -> dict:
 
 # ---- train -------------------------------------------------------------------------------------------------------
 
-def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batch_size: int, lr: float) -> None:
+def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batch_size: int, lr: float,
+          init: str, temperature: float) -> None:
+    """AdamW on the head (bf16 autocast); the held-out tenth's first-draft accuracy after every epoch, the best
+    epoch's head kept (a few thousand sequences overfit within a few epochs). `init`: `checkpoint` (the random head
+    build() wrote) or `copy` (fc passes the next token's normed embedding through, the layer adds nothing: the
+    head starts as the bigram the embedding mostly decides, and training fits what the context adds)."""
     import safetensors.torch
     from mtp_distill import MTPStudent, accuracy, loss, windows
 
@@ -224,10 +229,17 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
     student = MTPStudent(config(), weights["model.embed_tokens.weight"].float(), weights["lm_head.weight"].float(),
                          num_real)
     student.load_head({n: w.float() for n, w in weights.items() if n.startswith("mtp.")})
+    if init == "copy":
+        with torch.no_grad():
+            h = student.fc.weight.shape[0]
+            student.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+            student.layer.self_attn.o_proj.weight.zero_()
+            student.layer.mlp.down_proj.weight.zero_()
     params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    best = (accuracy(student, check_batch), 0, student.head_weights())
     print(f"train: {train_batch.token_ids.shape[0]} windows of {window}; check {check_batch.token_ids.shape[0]}; "
-          f"first-draft accuracy before {accuracy(student, check_batch):.3f}", flush=True)
+          f"first-draft accuracy before {best[0]:.3f}", flush=True)
     started, step, epoch = time.perf_counter(), 0, 0
     while time.perf_counter() - started < minutes * 60:
         order = torch.randperm(train_batch.token_ids.shape[0])
@@ -235,7 +247,7 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
             pick = order[i:i + batch_size]
             part = type(train_batch)(*(t[pick] for t in vars(train_batch).values()))
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                total, stats = loss(student, part)
+                total, stats = loss(student, part, temperature=temperature)
             optimizer.zero_grad()
             total.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -247,9 +259,13 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
             if time.perf_counter() - started > minutes * 60:
                 break
         epoch += 1
-    print(f"train: {step} steps, {epoch} epochs; first-draft accuracy on the held tenth "
-          f"{accuracy(student, check_batch):.3f}", flush=True)
-    torch.save(student.head_weights(), out)
+        held_accuracy = accuracy(student, check_batch)
+        print(f"epoch {epoch}: held-out first-draft accuracy {held_accuracy:.3f}", flush=True)
+        if held_accuracy > best[0]:
+            best = (held_accuracy, epoch, student.head_weights())
+    print(f"train: {step} steps, {epoch} epochs; kept epoch {best[1]}, held-out first-draft accuracy {best[0]:.3f}",
+          flush=True)
+    torch.save(best[2], out)
 
 
 # ---- check -------------------------------------------------------------------------------------------------------
@@ -361,9 +377,9 @@ def _agree(a: list[list[int]], b: list[list[int]]) -> list[int]:
 def bench(args: argparse.Namespace) -> None:
     import transformers
 
-    path = args.model or args.dir / "qwen35-08b-mtp-trained-Q4_K_M.gguf"
+    path = args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf"
     asked_all = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")
-    out_path = args.dir / "bench.json"
+    out_path = args.dir / f"bench-{path.stem}.json"
     results = json.loads(out_path.read_text()) if out_path.exists() else {}
     k = args.k
     for concurrency in (int(c) for c in args.concurrency.split(",")):
@@ -395,9 +411,52 @@ def bench(args: argparse.Namespace) -> None:
     out_path.write_text(json.dumps(results))
 
 
+def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int) -> dict:
+    """Where a C=1 step's time goes, plain and with MTP drafting: mean ms of the target's forward (one row; a
+    verify's k+1 rows), of the head's layer and of its lm_head per draft, and what a verify round yields."""
+    from conveyor.runner import model_runner, mtp_runner
+
+    times: dict[str, list[float]] = {}
+
+    def timed(owner, name: str, label):
+        original = getattr(owner, name)
+
+        def wrapper(self, *args, **kwargs):
+            started = time.perf_counter()
+            result = original(self, *args, **kwargs)
+            key = label(self, args) if callable(label) else label
+            times.setdefault(key, []).append((time.perf_counter() - started) * 1e3)
+            return result
+        setattr(owner, name, wrapper)
+        return original
+
+    def target_rows(self, args) -> str:
+        rows = sum(len(c.token_ids) for c in args[0].chunks)  # drafts are appended to a verify chunk
+        return f"target forward, {rows} rows"
+
+    saved = [(model_runner.ModelRunner, "forward", timed(model_runner.ModelRunner, "forward", target_rows)),
+             (mtp_runner.MTPRunner, "_forward", timed(mtp_runner.MTPRunner, "_forward", "head layer (+ fc, norms)")),
+             (mtp_runner.MTPRunner, "propose", timed(mtp_runner.MTPRunner, "propose", "propose (k drafts)"))]
+    from conveyor.models.mtp import MTPHead
+    saved.append((MTPHead, "compute_logits", timed(MTPHead, "compute_logits", "head lm_head")))
+    try:
+        out = {}
+        for name, engine in (("plain", {"draft_kind": "none"}),
+                             (f"mtp_k{k}", {"draft_kind": "mtp", "draft_policy": "enable", "draft_block_size": k})):
+            times.clear()
+            run = conveyor_run(path, asked, 1, num_tokens, **engine)
+            out[name] = {"tokens_per_s": run["tokens_per_s"], "acceptance": run["acceptance"],
+                         "ms": {key: [len(v), round(sum(v) / len(v), 2)] for key, v in sorted(times.items())
+                                if len(v) >= 5}}
+        return out
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "bench"))
+    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "bench", "profile"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
     p.add_argument("--embed-std", type=float, default=0.215)
     p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
@@ -409,6 +468,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--head", default="head", help="train / export: the trained head's name (DIR/HEAD.pt)")
+    p.add_argument("--init", choices=("checkpoint", "copy"), default="copy")
+    p.add_argument("--temperature", type=float, default=1.0, help="train: the cross-entropy's logit divisor")
     p.add_argument("--k", type=int, default=3, help="bench: draft tokens per step")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--c1-prompts", type=int, default=4)
@@ -425,12 +487,18 @@ def main() -> None:
         collect(base.with_name(base.name + "-Q4_K_M.gguf"), args.dir / "distill.pt", args.tokens, args.parallel,
                 args.limit)
     elif args.stage == "train":
-        train(hf, args.dir / "distill.pt", args.dir / "head.pt", args.minutes, args.window, args.batch_size, args.lr)
+        train(hf, args.dir / "distill.pt", args.dir / f"{args.head}.pt", args.minutes, args.window, args.batch_size,
+              args.lr, args.init, args.temperature)
     elif args.stage == "export":
-        write_head(hf, torch.load(args.dir / "head.pt"))
-        print(convert(hf, args.dir / "qwen35-08b-mtp-trained"))
+        write_head(hf, torch.load(args.dir / f"{args.head}.pt"))
+        print(convert(hf, args.dir / f"qwen35-08b-mtp-{args.head}"))
     elif args.stage == "bench":
         bench(args)
+    elif args.stage == "profile":
+        import transformers
+        asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:args.c1_prompts]
+        print(json.dumps(profile(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
+                                 args.k)))
 
 
 if __name__ == "__main__":
