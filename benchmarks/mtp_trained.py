@@ -12,7 +12,13 @@ Stages (each writes under --dir, default /tmp/mtp-trained; run them in order, or
   train    the head (block + fc + norms; embedding/head frozen, tied) by benchmarks/mtp_distill.py
   export   the trained head into the HF directory, convert + quantize again (base weights unchanged)
   bench    held-out prompts, same file: conveyor plain vs --draft-kind mtp at C=1 and C=16 (MTP output asserted
-           == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16
+           == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16 (DIR/bench-FILE.json)
+  profile  C=1: ms per target forward (by rows), per head layer and per head lm_head call, plain and MTP
+
+Usage (the results.md section's runs):
+  python benchmarks/mtp_trained.py build; ... convert; ... collect --tokens 128
+  ... train --head head-scratch --init checkpoint --minutes 14; ... export --head head-scratch
+  ... bench --model DIR/qwen35-08b-mtp-head-scratch-Q4_K_M.gguf --tokens 96 --k 3
 """
 
 from __future__ import annotations
