@@ -6,11 +6,15 @@ are accepted, and whether it does depends on the pairing, the hardware and the b
 high batch the target step is compute-bound and the drafts stop being free). How many to draft
 depends on the same things: a longer draft pays only while its later tokens are still accepted
 often enough to cover their forwards. So the policy measures instead of guessing: for each
-batch-size bucket it runs PROFILE_TICKS decode ticks at each candidate draft length (the block
-size K and the powers of two below it) and PROBE_TICKS classic ticks without drafts, compares
+batch-size bucket it first runs PROBE_TICKS classic ticks without drafts, then PROFILE_TICKS decode
+ticks at each candidate draft length (the block size K and the powers of two below it), compares
 tokens per second, and settles on the fastest length, or declines when no length beats classic
-steps by MIN_SPEEDUP. Verdicts persist as JSON under <cache dir>/spec-policy/, keyed by target,
-draft, block size, backend and CPU, so a restart skips profiling (the seeds' mtp-policy).
+steps by MIN_SPEEDUP. Profiling a losing length is what a cold policy costs, so a length whose
+first EARLY_TICKS run below EARLY_CUT of the classic rate is not profiled further, and a bucket
+above a declined one declines without profiling (drafts only pay less as the batch grows: the
+verify forward turns compute-bound while acceptance per row stays the same). Verdicts persist as
+JSON under <cache dir>/spec-policy/, keyed by target, draft, block size, backend and CPU, so a
+restart skips profiling (the seeds' mtp-policy).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ logger = logging.getLogger(__name__)
 PROFILE_TICKS = 8  # speculative decode ticks measured per bucket
 PROBE_TICKS = 8  # classic decode ticks measured per bucket
 MIN_SPEEDUP = 1.05  # enable only when drafts beat classic steps by this much
+EARLY_TICKS = 2  # ticks after which a clearly losing length stops being profiled
+EARLY_CUT = 0.8  # "clearly losing": below this share of the classic rate
 VERSION = 2  # 2: a verdict carries its draft length
 
 
@@ -59,6 +65,7 @@ class Verdict:
     length: int = 0  # drafts per row when enabled
     by_length: dict[str, float] = field(default_factory=dict)  # tokens/s measured at each length
     settled_at: float = field(default_factory=time.time)
+    inferred_from: int = 0  # the smaller declined bucket this decline follows from (0: measured here)
 
 
 def draft_lengths(block_size: int) -> list[int]:
@@ -117,14 +124,37 @@ class SpecPolicy:
         if self.mode != "adaptive":
             return self.block_size if self.mode == "enable" else 0
         bucket = bucket_of(batch_size)
-        verdict = self.verdicts.get(bucket)
+        verdict = self.verdicts.get(bucket) or self._infer_decline(bucket)
         if verdict is not None:
             return verdict.length if verdict.verdict == "enable" else 0
         measure = self.measures.setdefault(bucket, BucketMeasure())
-        # Profile each length with drafts first (longest first), then probe classic steps.
-        length = next((k for k in self.lengths if measure.spec.get(k, RateMeasure()).ticks < PROFILE_TICKS), 0)
+        # Probe classic steps first (the baseline the early cut needs), then each length, longest first.
+        length = 0
+        if measure.classic.ticks >= PROBE_TICKS:
+            length = next((k for k in self.lengths if not self._profiled(measure, k)), 0)
         self._handed[bucket] = length
         return length
+
+    def _profiled(self, measure: BucketMeasure, length: int) -> bool:
+        rate = measure.spec.get(length, RateMeasure())
+        if rate.ticks >= PROFILE_TICKS:
+            return True
+        return rate.ticks >= EARLY_TICKS and rate.rate() < EARLY_CUT * measure.classic.rate()
+
+    def _infer_decline(self, bucket: int) -> Verdict | None:
+        """A decline at a smaller bucket holds here too; recorded (and persisted) as inferred."""
+        below = [b for b, v in self.verdicts.items() if b < bucket and v.verdict == "decline"]
+        if not below:
+            return None
+        source = self.verdicts[max(below)]
+        verdict = Verdict("decline", source.est_speedup, source.spec_tokens_per_s, source.classic_tokens_per_s,
+                          inferred_from=max(below))
+        self.verdicts[bucket] = verdict
+        self.measures.pop(bucket, None)
+        logger.info("adaptive draft policy: decline at batch <= %d follows from the decline at batch <= %d",
+                    bucket, max(below))
+        self._save()
+        return verdict
 
     def allows(self, batch_size: int) -> bool:
         return self.draft_length(batch_size) > 0
@@ -143,13 +173,12 @@ class SpecPolicy:
             m.spec.setdefault(length, RateMeasure()).add(num_tokens, seconds)
         else:
             m.classic.add(num_tokens, seconds)
-        profiled = all(m.spec.get(k, RateMeasure()).ticks >= PROFILE_TICKS for k in self.lengths)
-        if profiled and m.classic.ticks >= PROBE_TICKS:
+        if m.classic.ticks >= PROBE_TICKS and all(self._profiled(m, k) for k in self.lengths):
             self._settle(bucket, m)
 
     def _settle(self, bucket: int, measure: BucketMeasure) -> None:
         classic_rate = measure.classic.rate()
-        rates = {k: measure.spec[k].rate() for k in self.lengths}
+        rates = {k: measure.spec[k].rate() for k in self.lengths}  # every length has >= EARLY_TICKS ticks
         best = max(self.lengths, key=lambda k: (rates[k], -k))  # ties: the shorter draft (fewer forwards)
         speedup = rates[best] / max(classic_rate, 1e-9)
         enable = speedup >= MIN_SPEEDUP

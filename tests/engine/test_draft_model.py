@@ -9,7 +9,8 @@ import torch
 
 from conveyor.engine.llm import LLM
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.spec_policy import PROBE_TICKS, PROFILE_TICKS, SpecPolicy, draft_lengths
+from conveyor.engine.spec_policy import (EARLY_CUT, EARLY_TICKS, PROBE_TICKS, PROFILE_TICKS, SpecPolicy, bucket_of,
+                                         draft_lengths)
 from conveyor.loading import Checkpoint, LoadError
 from conveyor.loading.pairing import check_draft_pairing
 from conveyor.loading.tokenizer import Tokenizer
@@ -128,16 +129,23 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_checkpoint):
         LLM(checkpoint=tiny_checkpoint, draft_checkpoint=small)
 
 
+def _settle(policy: SpecPolicy, batch: int, by_length: dict[int, float]) -> list[int]:
+    """Ticks at `batch` until its bucket settles, each at the rate `by_length` gives the length handed."""
+    handed = []
+    while bucket_of(batch) not in policy.verdicts:
+        length = policy.draft_length(batch)
+        handed.append(length)
+        policy.observe(batch, length > 0, int(by_length[length]), 1.0)
+    return handed
+
+
 def test_adaptive_policy_measures_settles_and_persists(tmp_path):
     key = {"target": "t", "draft": "d"}
     policy = SpecPolicy("adaptive", key, str(tmp_path))
     # Batch 1: drafts double the tokens per second -> enable. Batch 8: they halve it -> decline.
-    for batch, spec_rate, classic_rate in ((1, 200.0, 100.0), (8, 50.0, 100.0)):
-        while policy.allows(batch):
-            policy.observe(batch, True, int(spec_rate), 1.0)
-        for _ in range(PROBE_TICKS):
-            assert not policy.allows(batch) or batch in policy.verdicts
-            policy.observe(batch, False, int(classic_rate), 1.0)
+    assert _settle(policy, 1, {1: 200.0, 0: 100.0}) == [0] * PROBE_TICKS + [1] * PROFILE_TICKS
+    # Classic steps first; length 1 runs at half the classic rate, so it stops after EARLY_TICKS.
+    assert _settle(policy, 8, {1: 50.0, 0: 100.0}) == [0] * PROBE_TICKS + [1] * EARLY_TICKS
     assert policy.measures[1].spec[1].ticks == PROFILE_TICKS
     assert policy.allows(1) and not policy.allows(8) and not policy.allows(5)  # 5 falls in the batch-8 bucket
     report = policy.report()
@@ -152,16 +160,14 @@ def test_adaptive_policy_picks_the_fastest_draft_length(tmp_path):
     assert draft_lengths(4) == [4, 2, 1] and draft_lengths(6) == [6, 4, 2, 1] and draft_lengths(1) == [1]
     key = {"target": "t", "draft": "d", "draft_block_size": "4"}
     policy = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
-    # Batch 1: length 2 is fastest (length 4's later drafts are mostly rejected). Batch 4: every length loses.
-    rates = {1: {4: 150.0, 2: 220.0, 1: 180.0, 0: 100.0}, 4: {4: 60.0, 2: 80.0, 1: 95.0, 0: 100.0}}
-    for batch, by_length in rates.items():
-        handed = []
-        while batch not in policy.verdicts:
-            length = policy.draft_length(batch)
-            handed.append(length)
-            policy.observe(batch, length > 0, int(by_length[length]), 1.0)
-        # Each length profiled in turn, longest first, then the classic probe.
-        assert handed == [4] * PROFILE_TICKS + [2] * PROFILE_TICKS + [1] * PROFILE_TICKS + [0] * PROBE_TICKS
+    # Batch 1: length 2 is fastest (length 4's later drafts are mostly rejected). Batch 4: every length loses,
+    # length 4 clearly (below EARLY_CUT of the classic rate: cut after EARLY_TICKS), the others narrowly.
+    rates = {1: {4: 150.0, 2: 220.0, 1: 180.0, 0: 100.0}, 4: {4: 60.0, 2: 85.0, 1: 95.0, 0: 100.0}}
+    assert EARLY_CUT * 100.0 < 85.0
+    assert _settle(policy, 1, rates[1]) == [0] * PROBE_TICKS + [4] * PROFILE_TICKS + [2] * PROFILE_TICKS + \
+        [1] * PROFILE_TICKS
+    assert _settle(policy, 4, rates[4]) == [0] * PROBE_TICKS + [4] * EARLY_TICKS + [2] * PROFILE_TICKS + \
+        [1] * PROFILE_TICKS
     assert policy.draft_length(1) == 2 and policy.draft_length(3) == 0  # 3 falls in the batch-4 bucket
     report = policy.report()
     assert report["verdicts"]["1"]["length"] == 2 and report["verdicts"]["1"]["by_length"]["4"] == 150.0
@@ -169,6 +175,21 @@ def test_adaptive_policy_picks_the_fastest_draft_length(tmp_path):
     restarted = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
     assert restarted.draft_length(1) == 2 and restarted.draft_length(4) == 0
     assert SpecPolicy("enable", key, str(tmp_path), block_size=4).draft_length(8) == 4
+
+
+def test_a_decline_holds_for_every_larger_batch_without_profiling(tmp_path):
+    key = {"target": "t", "draft": "d"}
+    policy = SpecPolicy("adaptive", key, str(tmp_path))
+    _settle(policy, 2, {1: 80.0, 0: 100.0})
+    assert policy.verdicts[2].verdict == "decline" and policy.verdicts[2].inferred_from == 0
+    # Batch 16 and 5 (bucket 8): no tick drafts, the verdict says where it comes from and persists.
+    assert policy.draft_length(16) == 0 and policy.draft_length(5) == 0
+    assert policy.verdicts[16].inferred_from == 2 and policy.verdicts[8].inferred_from == 2
+    assert 16 not in policy.measures and policy.report()["verdicts"]["16"]["verdict"] == "decline"
+    assert SpecPolicy("adaptive", key, str(tmp_path)).verdicts[16].inferred_from == 2
+    # A smaller batch is still measured: drafts may pay where the verify forward is not compute-bound.
+    assert _settle(policy, 1, {1: 200.0, 0: 100.0})[:PROBE_TICKS] == [0] * PROBE_TICKS
+    assert policy.allows(1) and not policy.allows(2)
 
 
 @pytest.mark.batch_invariant
