@@ -59,12 +59,18 @@ def hf_config(transformers, out_hidden: int = 64):
 def hf_model(transformers, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(hf_config(transformers)).eval()
-    with torch.no_grad():  # the default init leaves biases and the position table at zero: make them count
+    make_weights_count(model)
+    return model
+
+
+def make_weights_count(model) -> None:
+    """The default init leaves the tower's biases and position table at zero and the text tower's attention uniform
+    (initializer_range 0.02: positions change nothing): redraw them so every part of the path shows in the output."""
+    with torch.no_grad():
         for name, p in model.model.visual.named_parameters():
             if name.endswith("bias") or "pos_embed" in name:
                 p.normal_(0, 0.5)
-        # text: fan-in scaled weights (at initializer_range 0.02 attention is uniform and positions change nothing)
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters():  # text: fan-in scaled weights
             if "visual" in name or "A_log" in name or "dt_bias" in name:
                 continue
             if "norm" in name:
@@ -72,9 +78,8 @@ def hf_model(transformers, seed: int = 0):
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
             elif p.dim() > 1:
-                fan_in = p[0].numel()
+                fan_in = p.shape[-1] if p.dim() == 3 else p[0].numel()  # stacked experts: (E, out, in)
                 p.normal_(0.0, (3.0 if "q_proj" in name or "k_proj" in name else 1.0) / fan_in ** 0.5)
-    return model
 
 
 def write_model_dir(path, transformers, seed: int = 0):
@@ -94,7 +99,8 @@ def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
 def write_mmproj(path, model) -> None:
     """The tower as llama.cpp's converter writes it (convert_hf_to_gguf.py --mmproj, conversion/qwen3vl.py's
     Qwen3VLVisionModel): `v.*` / `mm.*` names, the Conv3d kernel split into its two frames, projector type
-    qwen3vl_merger, the text model's RMSNorm epsilon as the layer norm's."""
+    qwen3vl_merger, the text model's RMSNorm epsilon as the layer norm's; a Qwen3-VL tower's DeepStack mergers as
+    `v.deepstack.{block}.*` with clip.vision.is_deepstack_layers flagging their blocks."""
     import gguf
 
     cfg = model.config
@@ -114,6 +120,10 @@ def write_mmproj(path, model) -> None:
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.spatial_merge_size", vision.spatial_merge_size)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.text_config.rms_norm_eps)
+    deepstack_blocks = list(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deepstack_blocks:
+        writer.add_array("clip.vision.is_deepstack_layers", [i in deepstack_blocks for i in range(vision.depth)])
+    deepstack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
     layer = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
              "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
     other = {"pos_embed": "v.position_embd", "merger.norm": "v.post_ln", "merger.linear_fc1": "mm.0",
@@ -130,6 +140,10 @@ def write_mmproj(path, model) -> None:
         elif stem.startswith("blocks."):
             _, index, part = stem.split(".", 2)
             writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", data)
+        elif stem.startswith("deepstack_merger_list."):
+            _, index, part = stem.split(".", 2)
+            block = deepstack_blocks[int(index)]  # the converter names a merger by the block it reads
+            writer.add_tensor(f"v.deepstack.{block}.{deepstack[part]}.{kind}", data)
         else:
             writer.add_tensor(f"{other[stem]}.{kind}", data)
     writer.write_header_to_file()
@@ -149,14 +163,16 @@ def write_text_gguf(path, model) -> None:
              if not k.startswith("model.visual.")}
     causal.load_state_dict(state, strict=False)
 
-    def vocab(writer) -> None:
-        tokens = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
-        tokens += [f"<unused{i}>" for i in range(model.config.text_config.vocab_size - len(tokens))]
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
-        writer.add_token_merges([])
-        writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
-        writer.add_pad_token_id(0)
+    write_hybrid_gguf(path, causal, add_vocab=lambda writer: write_vocab(writer, model.config.text_config.vocab_size))
 
-    write_hybrid_gguf(path, causal, add_vocab=vocab)
+
+def write_vocab(writer, vocab_size: int) -> None:
+    """This file's vocabulary as a GGUF token list (control tokens for the specials), so an mmproj finds its markers."""
+    tokens = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    writer.add_token_merges([])
+    writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
+    writer.add_pad_token_id(0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tiny_qwen3_5_vision import (END, IMAGE, MEAN, SPECIAL, START, STD, VIDEO, hf_image_processor, hf_tokenizer,
-                                 processor_config, random_image)
+from tiny_qwen3_5_vision import (END, IMAGE, START, VIDEO, hf_image_processor, hf_tokenizer, make_weights_count,
+                                 processor_config, random_image, write_mmproj, write_vocab)
 
 __all__ = ["END", "IMAGE", "START", "hf_config", "hf_image_processor", "hf_model", "hf_tokenizer", "processor_config",
            "random_image", "write_mmproj", "write_model_dir", "write_text_gguf"]
@@ -38,21 +38,7 @@ def hf_model(transformers, seed: int = 0, moe: bool = False):
     torch.manual_seed(seed)
     cls = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
     model = cls(hf_config(transformers, moe=moe)).eval()
-    with torch.no_grad():  # the default init leaves biases and the position table at zero: make them count
-        for name, p in model.model.visual.named_parameters():
-            if name.endswith("bias") or "pos_embed" in name:
-                p.normal_(0, 0.5)
-        # text: fan-in scaled weights (at initializer_range 0.02 attention is uniform and positions change nothing)
-        for name, p in model.named_parameters():
-            if "visual" in name:
-                continue
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif p.dim() > 1:
-                fan_in = p.shape[-1] if p.dim() == 3 else p[0].numel()  # stacked experts: (E, out, in)
-                p.normal_(0.0, (3.0 if "q_proj" in name or "k_proj" in name else 1.0) / fan_in ** 0.5)
+    make_weights_count(model)
     return model
 
 
@@ -63,60 +49,6 @@ def write_model_dir(path, transformers, seed: int = 0, moe: bool = False):
     hf_tokenizer(transformers).save_pretrained(path)
     hf_image_processor(transformers).save_pretrained(path)
     return model
-
-
-def write_mmproj(path, model) -> None:
-    """The tower as llama.cpp's converter writes it (conversion/qwen3vl.py's Qwen3VLVisionModel): `v.*` / `mm.*`
-    names, the Conv3d kernel split into its two frames, each DeepStack merger as `v.deepstack.{block}.*` with
-    clip.vision.is_deepstack_layers flagging its block."""
-    import gguf
-
-    cfg = model.config
-    vision = cfg.vision_config
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_string("clip.projector_type", "qwen3vl_merger")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", cfg.text_config.hidden_size)
-    writer.add_uint32("clip.vision.image_size", int(vision.num_position_embeddings ** 0.5 * vision.patch_size))
-    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
-    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
-    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
-    writer.add_uint32("clip.vision.block_count", vision.depth)
-    writer.add_uint32("clip.vision.attention.head_count", vision.num_heads)
-    writer.add_array("clip.vision.image_mean", MEAN)
-    writer.add_array("clip.vision.image_std", STD)
-    writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.spatial_merge_size", vision.spatial_merge_size)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", cfg.text_config.rms_norm_eps)
-    writer.add_array("clip.vision.is_deepstack_layers", [i in vision.deepstack_visual_indexes
-                                                         for i in range(vision.depth)])
-    layer = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
-             "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
-    other = {"pos_embed": "v.position_embd", "merger.norm": "v.post_ln", "merger.linear_fc1": "mm.0",
-             "merger.linear_fc2": "mm.2", "patch_embed.proj": "v.patch_embd"}
-    deepstack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
-    prefix = "model.visual."
-    for name, tensor in model.state_dict().items():
-        if not name.startswith(prefix):
-            continue
-        data = tensor.detach().float().numpy()
-        stem, kind = name[len(prefix):].rsplit(".", 1)
-        if stem == "patch_embed.proj" and kind == "weight":
-            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(data[:, :, 0]))
-            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(data[:, :, 1]))
-        elif stem.startswith("blocks."):
-            _, index, part = stem.split(".", 2)
-            writer.add_tensor(f"v.blk.{index}.{layer[part]}.{kind}", data)
-        elif stem.startswith("deepstack_merger_list."):
-            _, index, part = stem.split(".", 2)
-            block = vision.deepstack_visual_indexes[int(index)]  # the converter names it by its block
-            writer.add_tensor(f"v.deepstack.{block}.{deepstack[part]}.{kind}", data)
-        else:
-            writer.add_tensor(f"{other[stem]}.{kind}", data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def write_text_gguf(path, model) -> None:
@@ -136,14 +68,7 @@ def write_text_gguf(path, model) -> None:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    tokens = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
-    tokens += [f"<unused{i}>" for i in range(cfg.vocab_size - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
-    writer.add_token_merges([])
-    writer.add_eos_token_id(SPECIAL.index("<|im_end|>"))
-    writer.add_pad_token_id(0)
+    write_vocab(writer, cfg.vocab_size)
     for name, tensor in model.state_dict().items():
         if name.startswith("model.visual."):
             continue
