@@ -83,6 +83,8 @@ class EngineConfig:
     draft_model: str | None = None  # HF directory or .gguf sharing the target's tokenizer
     draft_block_size: int = 4  # draft-model tokens proposed per row per step
     draft_policy: str = "adaptive"  # adaptive (measured per batch size) | enable | decline
+    draft_vocab: str | None = None  # token-frequency file: the MTP / DFlash head scores only its top ids (FR-Spec)
+    draft_vocab_size: int = 0  # ids of --draft-vocab kept (special tokens included); 0 = every id it lists
     cache_dir: str | None = None  # persisted verdicts; None = $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor
     kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
     require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
@@ -125,6 +127,12 @@ class EngineConfig:
         _require(self.prompt_lookup_max_batch >= 0, "prompt_lookup_max_batch must be >= 0")
         _require(self.draft_policy in ("adaptive", "enable", "decline"),
                  "draft_policy must be adaptive, enable or decline")
+        _require(self.draft_vocab_size >= 0, "draft_vocab_size must be >= 0 (0 = every id --draft-vocab lists)")
+        _require(self.draft_vocab is not None or self.draft_vocab_size == 0,
+                 "--draft-vocab-size needs --draft-vocab FILE (the token frequencies that rank the ids)")
+        _require(self.draft_vocab is None or self.draft_kind in ("mtp", "dflash"),
+                 "--draft-vocab applies to --draft-kind mtp or dflash (the drafters that score with the target's "
+                 "LM head; an EAGLE3 drafter carries its own draft vocabulary, d2t)")
         _require(self.max_batch_size >= 0, "max_batch_size must be >= 0")
         _require(self.ctx_size >= 0, "ctx_size must be >= 0")
         _require(self.max_queue_depth >= 1, "max_queue_depth must be at least 1")
@@ -543,6 +551,12 @@ FLAGS: list[Flag] = [
     Flag(("--draft-block-size",), "draft_block_size", int, "draft-model tokens proposed per row per step"),
     Flag(("--draft-policy",), "draft_policy", choices=("adaptive", "enable", "decline"),
          help="draft-model speculation: adaptive (measured per batch size, persisted), enable, decline"),
+    Flag(("--draft-vocab",), "draft_vocab",
+         help="token-frequency file (`TOKEN_ID COUNT` lines) for --draft-kind mtp / dflash: the drafter's LM head "
+              "scores only the most frequent ids (plus special tokens), gathered once at load (FR-Spec); output is "
+              "unchanged, drafts outside it are never proposed; none = the whole vocabulary"),
+    Flag(("--draft-vocab-size",), "draft_vocab_size", int,
+         "ids of --draft-vocab the drafter scores, special tokens included (0 = every id the file lists)"),
     Flag(("--cache-dir",), "cache_dir", help="where measured verdicts persist (default ~/.cache/conveyor)"),
     Flag(("--kernel-arch",), "kernel_arch",
          help="-march the C++ CPU kernels are built for (native, x86-64-v3, x86-64, ...); cached per value and CPU"),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.config import EngineConfig
+from conveyor.engine.draft_vocab import attach_draft_vocab
 from conveyor.kernels import KernelBackend
 from conveyor.loading import Checkpoint, LoadError, load_checkpoint
 from conveyor.loading.checkpoint import unstack_experts
@@ -73,11 +74,12 @@ def load_mtp_head(config: EngineConfig, target: Checkpoint, model: nn.Module, dt
         head.load_weights(weights, WeightLoader(ops, dtype, device, config.weight_dtype, target.release_pages))
     except KeyError as exc:
         raise LoadError(f"--draft-kind mtp: the MTP head of {target.name} is incomplete ({exc.args[0]})") from None
+    vocab = attach_draft_vocab(config, target, head, WeightLoader(ops, dtype, device, config.weight_dtype))
     head.eval()
     if config.batch_invariant:
         set_row_tiles(head)
     logger.info("MTP head of %s proposes %d tokens per row", target.name, config.draft_block_size)
-    return DraftModel(f"{target.name}:mtp", cfg, head)
+    return DraftModel(f"{target.name}:mtp{vocab}", cfg, head)
 
 
 def load_eagle3_head(config: EngineConfig, target: Checkpoint, model: nn.Module, dtype: torch.dtype,
@@ -182,6 +184,7 @@ def load_dflash_head(config: EngineConfig, target: Checkpoint, model: nn.Module,
         raise LoadError(f"{where} is incomplete ({exc.args[0]})") from None
     except ModelConfigError as exc:
         raise LoadError(f"{where}: {exc}") from None
+    vocab = attach_draft_vocab(config, target, head, WeightLoader(ops, dtype, device, config.weight_dtype))
     head.eval()
     if config.batch_invariant:
         set_row_tiles(head)
@@ -189,4 +192,4 @@ def load_dflash_head(config: EngineConfig, target: Checkpoint, model: nn.Module,
     drafts = min(config.draft_block_size, spec.block_size - 1)
     logger.info("DFlash drafter %s (%d layers, block %d, target layers %s) proposes %d tokens per row", name,
                 spec.layer.num_hidden_layers, spec.block_size, list(ids), drafts)
-    return DraftModel(f"{target.name}:dflash:{name}", cfg, head, spec.block_size - 1)
+    return DraftModel(f"{target.name}:dflash:{name}{vocab}", cfg, head, spec.block_size - 1)

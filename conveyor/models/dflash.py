@@ -28,6 +28,7 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec, KVSpec
 from conveyor.models.config import ModelConfig, ModelConfigError
+from conveyor.models.draft_vocab import DraftVocabHead
 from conveyor.models.layers import RMSNorm, RotaryEmbedding, RowInvariantLinear
 from conveyor.models.llama import LlamaAttention, LlamaMLP, Rope
 from conveyor.models.tensors import Weight
@@ -135,6 +136,7 @@ class DFlashHead(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max(cfg.max_position_embeddings,
                                                           target_config.max_position_embeddings),
                                       cfg.rope_theta, cfg.rope_scaling)
+        self.draft_vocab: DraftVocabHead | None = None  # --draft-vocab: the target head's rows for a subset of ids
         # NOTE: a tuple, not an attribute: the target's modules must not count as this drafter's (weights, meta check).
         self._shared = (target,)
 
@@ -176,7 +178,16 @@ class DFlashHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normed outputs (R, H) -> float32 logits over the target's vocabulary (R, V), by the target's LM head."""
-        logits = self._shared[0].lm_head(hidden).float()
+        return self._scale(self._shared[0].lm_head(hidden).float())
+
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits (R, N), their target ids (N,)) over the draft vocabulary (--draft-vocab), or the full (R, V)
+        logits and None without one."""
+        if self.draft_vocab is None:
+            return self.compute_logits(hidden), None
+        return self._scale(self.draft_vocab(hidden)), self.draft_vocab.token_ids
+
+    def _scale(self, logits: torch.Tensor) -> torch.Tensor:
         if self.spec.output_multiplier != 1.0:
             logits = logits * self.spec.output_multiplier
         if self.spec.final_logit_softcapping > 0:

@@ -137,6 +137,12 @@ class Eagle3Head(nn.Module):
         logits[:, self.draft_to_target] = draft
         return logits
 
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What drafts are picked from: (logits (R, draft_vocab), their target ids (d2t)), or the full (R, V)
+        logits and None when the draft vocabulary is the target's (no -inf fill of the ids it never drafts)."""
+        draft = self.lm_head(self.norm(hidden)).float()  # (R, draft_vocab)
+        return (draft, None) if draft.shape[1] == self.vocab_size else (draft, self.draft_to_target)
+
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         """From checkpoint_names' names: fc, layers.0.*, norm, lm_head, d2t (and embed_tokens, when it has one)."""
         get, norm = tensor_getters(weights, loader, 0.0)

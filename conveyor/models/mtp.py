@@ -24,6 +24,7 @@ from torch import nn
 from conveyor.kernels import AttentionMetadata, KernelBackend
 from conveyor.models.cache_specs import CacheSpec
 from conveyor.models.config import ModelConfig
+from conveyor.models.draft_vocab import DraftVocabHead
 from conveyor.models.hybrid import AttentionMixer, HybridDecoderLayer
 from conveyor.models.hybrid_base import LayerContext
 from conveyor.models.hybrid_layout import layer_prefix
@@ -88,6 +89,7 @@ class MTPHead(nn.Module):
         self.fc = RowInvariantLinear(2 * hidden, hidden, False, ops)
         self.layer = HybridDecoderLayer(self.config, ops, self.index)
         self.norm = RMSNorm(hidden, eps, ops)
+        self.draft_vocab: DraftVocabHead | None = None  # --draft-vocab: the head's rows for a subset of ids
         # NOTE: a tuple, not attributes: the target's modules must not count as this head's (weights, meta check).
         self._shared = (target,)
         self._specs: list[CacheSpec] = []
@@ -113,6 +115,15 @@ class MTPHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._shared[0].compute_logits(hidden)
+
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What drafts are picked from: (logits (R, N), their target ids (N,)) over the draft vocabulary, or the
+        full (R, V) logits and None without one."""
+        if self.draft_vocab is None:
+            return self.compute_logits(hidden), None
+        logits = self.draft_vocab(hidden)
+        scaling = self._shared[0].config.logits_scaling  # as the target's compute_logits
+        return (logits / scaling if scaling != 1.0 else logits), self.draft_vocab.token_ids
 
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         """From the checkpoint's mtp.* tensors (layer_weights' names)."""

@@ -67,11 +67,11 @@ class DFlashRunner:
                                             chunk.sampling_params, num_draft_tokens=k))
         if not steps:
             return {}
-        logits = self.block_logits(steps)  # (sum k, V)
+        logits, token_ids = self.head.draft_logits(self.block_outputs(steps))  # (sum k, N or V)
         per_row = [s for s in steps for _ in range(s.num_draft_tokens)]
         sampled = {s.request_id for s in steps if not s.sampling_params.greedy}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
-        tokens = pick_drafts(self.runner.sampler, logits, per_row, sampled, probs)
+        tokens = pick_drafts(self.runner.sampler, logits, per_row, sampled, probs, token_ids)
         proposals, at = {}, 0
         for s in steps:
             proposal = Proposal(tokens[at:at + s.num_draft_tokens])
@@ -83,6 +83,10 @@ class DFlashRunner:
 
     def block_logits(self, steps: list[ScheduledChunk]) -> torch.Tensor:
         """The blocks' one drafter forward -> logits of every block row but the first, block by block (sum k, V)."""
+        return self.head.compute_logits(self.block_outputs(steps))
+
+    def block_outputs(self, steps: list[ScheduledChunk]) -> torch.Tensor:
+        """The blocks' one drafter forward -> the normed output of every block row but the first (sum k, H)."""
         inputs = self.runner.prepare_inputs(SchedulerOutput(chunks=steps))
         ends = [s.start_position + len(s.token_ids) for s in steps for _ in s.token_ids]
         meta = replace(inputs.meta, key_end=torch.tensor(ends, dtype=torch.int32, device=inputs.input_ids.device))
@@ -93,4 +97,4 @@ class DFlashRunner:
             firsts.add(at)
             at += len(s.token_ids)
         rows = torch.tensor([i for i in range(at) if i not in firsts], device=out.device)
-        return self.head.compute_logits(out[rows])
+        return out[rows]

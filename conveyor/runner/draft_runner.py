@@ -105,14 +105,20 @@ class DraftRunner:
 
 
 def pick_drafts(sampler: Sampler, logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str],
-                probs: dict[str, list[torch.Tensor]]) -> list[int]:
+                probs: dict[str, list[torch.Tensor]], token_ids: torch.Tensor | None = None) -> list[int]:
     """One draft per step row: the argmax for greedy rows; for sampled rows a draw from the draft distribution q,
-    appended to probs[request] for rejection sampling (runner/rejection.py)."""
+    appended to probs[request] for rejection sampling (runner/rejection.py). `token_ids` (N,): the target ids of
+    logits' N columns (a draft vocabulary, ascending); None: the columns are the whole vocabulary."""
     tokens = sampler.ops.argmax(logits)
+    if token_ids is not None:
+        tokens = token_ids[tokens]
     rows = [i for i, s in enumerate(steps) if s.request_id in sampled]
     if rows:
         sampling_rows = [SamplingRow(steps[i].request_id, steps[i].sampling_params) for i in rows]
-        q = sampler.probabilities(logits[rows], [r.params for r in sampling_rows])  # (S, V)
+        picked = logits[rows]
+        if token_ids is not None:  # q over the target's ids (0 off the subset), as rejection sampling reads it
+            picked = picked.new_full((len(rows), sampler.vocab_size), float("-inf")).index_copy_(1, token_ids, picked)
+        q = sampler.probabilities(picked, [r.params for r in sampling_rows])  # (S, V)
         noise = torch.empty_like(q).exponential_(generator=sampler.generator_for(sampling_rows[0]))
         drawn = (q / noise).argmax(dim=-1)
         tokens = tokens.clone()

@@ -90,7 +90,8 @@ class MTPRunner:
             inputs.append(pending.hiddens)
         while steps:
             last = self._forward(steps, torch.cat(inputs))  # (R, H): each step's last row
-            tokens = pick_drafts(self.runner.sampler, self.head.compute_logits(last), steps, sampled, probs)
+            logits, token_ids = self.head.draft_logits(last)  # (R, N) over a draft vocabulary, or (R, V)
+            tokens = pick_drafts(self.runner.sampler, logits, steps, sampled, probs, token_ids)
             next_steps, inputs = [], []
             for i, (step, token) in enumerate(zip(steps, tokens)):
                 proposal = proposals[step.request_id]

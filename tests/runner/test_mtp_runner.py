@@ -42,6 +42,9 @@ class _Head:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.one_hot(hidden[:, 0].long() % VOCAB, VOCAB).float()
 
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.compute_logits(hidden), None
+
 
 class _Runner:
     """The parts of a ModelRunner over the head that MTPRunner reads."""
