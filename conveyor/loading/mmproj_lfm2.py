@@ -14,13 +14,15 @@ from typing import Any, Callable
 import torch
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.mmproj_names import TensorNames, rename_tensors
 from conveyor.loading.mmproj_siglip import SIGLIP_LAYER_NAMES
 
 TOWER = "model.vision_tower.vision_model."
 PROJECTOR = "model.multi_modal_projector."
-_OTHER = {"v.patch_embd": TOWER + "embeddings.patch_embedding",
-          "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm",
-          "mm.input_norm": PROJECTOR + "layer_norm", "mm.1": PROJECTOR + "linear_1", "mm.2": PROJECTOR + "linear_2"}
+_NAMES = TensorNames({"v.patch_embd": TOWER + "embeddings.patch_embedding",
+                      "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm",
+                      "mm.input_norm": PROJECTOR + "layer_norm", "mm.1": PROJECTOR + "linear_1",
+                      "mm.2": PROJECTOR + "linear_2"}, TOWER + "encoder.layers.{}", SIGLIP_LAYER_NAMES)
 
 
 def lfm2_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
@@ -29,18 +31,7 @@ def lfm2_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], 
     image = tokenizer.token_to_id("<image>")
     if image is None:
         raise LoadError(f"{path}: the text model's vocabulary has no <image> (not an LFM2-VL model?)")
-    weights: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        stem, _, kind = name.rpartition(".")
-        if stem.startswith("v.blk."):
-            _, _, layer, part = stem.split(".", 3)
-            if part not in SIGLIP_LAYER_NAMES:
-                raise LoadError(f"{path}: unexpected projector tensor {name}")
-            weights[f"{TOWER}encoder.layers.{layer}.{SIGLIP_LAYER_NAMES[part]}.{kind}"] = tensor
-        elif stem in _OTHER:
-            weights[f"{_OTHER[stem]}.{kind}"] = tensor
-        else:
-            raise LoadError(f"{path}: unexpected projector tensor {name}")
+    weights = rename_tensors(tensors, _NAMES, path, "lfm2")
     kernel = weights.get(TOWER + "embeddings.patch_embedding.weight")
     if kernel is None or kernel.dim() != 4:
         raise LoadError(f"{path}: the projector has no conv-shaped patch embedding (v.patch_embd.weight)")

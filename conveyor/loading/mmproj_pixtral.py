@@ -15,14 +15,17 @@ from typing import Any, Callable
 import torch
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.mmproj_names import TensorNames, rename_tensors
 
 TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
 _LAYER = {"ln1": "attention_norm", "ln2": "ffn_norm", "attn_q": "attention.q_proj", "attn_k": "attention.k_proj",
           "attn_v": "attention.v_proj", "attn_out": "attention.o_proj", "ffn_gate": "feed_forward.gate_proj",
           "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
-_OTHER = {"v.patch_embd": TOWER + "patch_conv", "v.pre_ln": TOWER + "ln_pre", "mm.input_norm": PROJECTOR + "norm",
-          "mm.patch_merger": PROJECTOR + "patch_merger.merging_layer", "mm.1": PROJECTOR + "linear_1",
-          "mm.2": PROJECTOR + "linear_2"}
+_NAMES = TensorNames({"v.patch_embd": TOWER + "patch_conv", "v.pre_ln": TOWER + "ln_pre",
+                      "mm.input_norm": PROJECTOR + "norm", "mm.patch_merger": PROJECTOR + "patch_merger.merging_layer",
+                      "mm.1": PROJECTOR + "linear_1", "mm.2": PROJECTOR + "linear_2"},
+                     TOWER + "transformer.layers.{}", _LAYER, unused=frozenset({"v.token_embd.img_break"}))
+_PERMUTED = (".attention.q_proj.", ".attention.k_proj.")  # llama.cpp's interleaved rotary rows (attn_q, attn_k)
 
 
 def pixtral_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
@@ -53,18 +56,10 @@ def pixtral_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
     for key in ("image_mean", "image_std"):  # else the processor's (CLIP's) defaults
         if meta(f"clip.vision.{key}") is not None:
             processor[key] = meta(f"clip.vision.{key}")
-    weights = {}
-    for name, tensor in tensors.items():
-        stem, _, kind = name.rpartition(".")
-        if stem.startswith("v.blk."):
-            _, _, layer, part = stem.split(".", 3)
-            if part not in _LAYER:
-                raise LoadError(f"{path}: unexpected tensor {name} in a pixtral projector")
-            if part in ("attn_q", "attn_k"):
-                tensor = _unpermute(tensor, heads)
-            weights[f"{TOWER}transformer.layers.{layer}.{_LAYER[part]}.{kind}"] = tensor
-        elif stem in _OTHER:
-            weights[f"{_OTHER[stem]}.{kind}"] = tensor
+    weights = rename_tensors(tensors, _NAMES, path, "pixtral")
+    for name in weights:
+        if any(part in name for part in _PERMUTED):
+            weights[name] = _unpermute(weights[name], heads)
     return config, processor, weights
 
 

@@ -18,12 +18,13 @@ from typing import Any, Callable
 import torch
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.mmproj_names import TensorNames, rename_tensors
 
 TOWER = "model.visual."
 _LAYER = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_up": "mlp.linear_fc1",
           "ffn_down": "mlp.linear_fc2"}
-_OTHER = {"v.patch_embd": "patch_embed.proj", "v.position_embd": "pos_embed", "v.post_ln": "merger.norm",
-          "mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2"}
+_STEMS = {"v.patch_embd": TOWER + "patch_embed.proj", "v.position_embd": TOWER + "pos_embed",
+          "v.post_ln": TOWER + "merger.norm", "mm.0": TOWER + "merger.linear_fc1", "mm.2": TOWER + "merger.linear_fc2"}
 _DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 MIN_TOKENS, MAX_TOKENS = 8, 4096  # clip.cpp's set_limit_image_tokens for Qwen-VL projectors
 
@@ -43,22 +44,7 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
     if frames[0] is None or frames[1] is None:
         raise LoadError(f"{path}: the projector has no two-frame patch embedding (v.patch_embd.weight, .weight.1)")
     weights[TOWER + "patch_embed.proj.weight"] = torch.stack(frames, dim=2)  # (out, C, T=2, P, P)
-    for name, tensor in tensors.items():
-        stem, _, kind = name.rpartition(".")
-        if stem.startswith("v.blk."):
-            _, _, layer, part = stem.split(".", 3)
-            if part not in _LAYER:
-                raise LoadError(f"{path}: unexpected projector tensor {name}")
-            weights[f"{TOWER}blocks.{layer}.{_LAYER[part]}.{kind}"] = tensor
-        elif stem.startswith("v.deepstack."):
-            _, _, block, part = stem.split(".", 3)
-            if not block.isdigit() or int(block) not in deepstack or part not in _DEEPSTACK:
-                raise LoadError(f"{path}: projector tensor {name} is not a flagged DeepStack layer's")
-            weights[f"{TOWER}deepstack_merger_list.{deepstack.index(int(block))}.{_DEEPSTACK[part]}.{kind}"] = tensor
-        elif stem in _OTHER:
-            weights[f"{TOWER}{_OTHER[stem]}.{kind}"] = tensor
-        else:
-            raise LoadError(f"{path}: unexpected projector tensor {name}")
+    weights.update(rename_tensors(tensors, _names(deepstack), path, "qwen3vl_merger"))
     patch, merge = int(meta("clip.vision.patch_size")), int(meta("clip.vision.spatial_merge_size", 2))
     width = int(meta("clip.vision.projection_dim"))
     positions = weights[TOWER + "pos_embed.weight"].shape[0]
@@ -79,3 +65,11 @@ def qwen3vl_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor
                  "image_mean": list(meta("clip.vision.image_mean", [0.5] * 3)),
                  "image_std": list(meta("clip.vision.image_std", [0.5] * 3))}
     return config, processor, weights
+
+
+def _names(deepstack: list[int]) -> TensorNames:
+    """The file's names: a DeepStack merger's are those of the block it reads, flagged in `deepstack` (merger k
+    reads the k-th flagged block); an unflagged block's merger tensors are unknown."""
+    mergers = {f"v.deepstack.{block}.{part}": f"{TOWER}deepstack_merger_list.{k}.{theirs}"
+               for k, block in enumerate(deepstack) for part, theirs in _DEEPSTACK.items()}
+    return TensorNames({**_STEMS, **mergers}, TOWER + "blocks.{}", _LAYER)

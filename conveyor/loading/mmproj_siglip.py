@@ -11,23 +11,26 @@ from typing import Any, Callable
 import torch
 
 from conveyor.loading.checkpoint import LoadError
+from conveyor.loading.mmproj_names import TensorNames, rename_tensors
 
 TOWER = "vision_tower.vision_model."
 # llama.cpp's names inside `v.blk.N.` -> SigLIP's inside `encoder.layers.N.` (LFM2-VL's SigLIP2 layers too)
 SIGLIP_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
                       "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
                       "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
-_NAMES = {"v.patch_embd": TOWER + "embeddings.patch_embedding",
-          "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm",
-          "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
-          "mm.input_projection": "multi_modal_projector.mm_input_projection",
-          "mm.model.fc": "connector.modality_projection.proj"}  # Idefics3's
+_TOWER_STEMS = {"v.patch_embd": TOWER + "embeddings.patch_embedding",
+                "v.position_embd": TOWER + "embeddings.position_embedding", "v.post_ln": TOWER + "post_layernorm"}
+_GEMMA3 = TensorNames({**_TOWER_STEMS, "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
+                       "mm.input_projection": "multi_modal_projector.mm_input_projection"},
+                      TOWER + "encoder.layers.{}", SIGLIP_LAYER_NAMES)
+_IDEFICS3 = TensorNames({**_TOWER_STEMS, "mm.model.fc": "connector.modality_projection.proj"},
+                        TOWER + "encoder.layers.{}", SIGLIP_LAYER_NAMES)
 
 
 def gemma3_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tensor], tokenizer: Any,
                       path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config, processor config, HF-named weights) from the file's metadata and its fp32 tensors (GGUF names)."""
-    weights = {_hf_name(name): tensor for name, tensor in tensors.items()}
+    weights = rename_tensors(tensors, _GEMMA3, path, "gemma3")
     norm = "multi_modal_projector.mm_soft_emb_norm.weight"
     if norm not in weights:
         raise LoadError(f"{path}: the gemma3 projector has no mm.soft_emb_norm.weight")
@@ -42,7 +45,7 @@ def idefics3_checkpoint(meta: Callable[..., Any], tensors: dict[str, torch.Tenso
                         path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config, processor config, HF-named weights): SigLIP's names, the connector's `mm.model.fc`."""
     config, processor = _idefics3_config(meta, tokenizer, path)
-    return config, processor, {_hf_name(name): tensor for name, tensor in tensors.items()}
+    return config, processor, rename_tensors(tensors, _IDEFICS3, path, "idefics3")
 
 
 def _gemma3_config(meta: Callable[..., Any], tokenizer: Any, path: str) -> dict[str, Any]:
@@ -95,12 +98,3 @@ def _processor(meta: Callable[..., Any]) -> dict[str, Any]:
     size = int(meta("clip.vision.image_size"))
     return {"size": {"height": size, "width": size}, "image_mean": meta("clip.vision.image_mean", [0.5] * 3),
             "image_std": meta("clip.vision.image_std", [0.5] * 3), "resample": 2, "rescale_factor": 1 / 255}
-
-
-def _hf_name(name: str) -> str:
-    stem, _, kind = name.rpartition(".")
-    if stem.startswith("v.blk."):
-        _, _, layer, part = stem.split(".", 3)
-        if part in SIGLIP_LAYER_NAMES:
-            return f"{TOWER}encoder.layers.{layer}.{SIGLIP_LAYER_NAMES[part]}.{kind}"
-    return f"{_NAMES[stem]}.{kind}" if stem in _NAMES else name

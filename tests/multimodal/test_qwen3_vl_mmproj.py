@@ -57,5 +57,5 @@ def test_an_unflagged_deepstack_tensor_is_refused(sources):
     meta = lambda key, default=None: [True, False] if key == "clip.vision.is_deepstack_layers" else default  # noqa
     tensors = {"v.patch_embd.weight": torch.zeros(4, 3, 8, 8), "v.patch_embd.weight.1": torch.zeros(4, 3, 8, 8),
                "v.deepstack.1.fc1.weight": torch.zeros(1)}
-    with pytest.raises(LoadError, match="not a flagged DeepStack"):
+    with pytest.raises(LoadError, match=r"unknown tensor v\.deepstack\.1\.fc1\.weight in a qwen3vl_merger"):
         qwen3vl_checkpoint(meta, tensors, checkpoint.tokenizer, "x.gguf", "qwen3_vl")
