@@ -27,7 +27,7 @@ from conveyor.kernels.attention import reference_dense_attention
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
-from conveyor.multimodal.tower_weights import find_prefix
+from conveyor.multimodal.tower_weights import Names, find_prefix, load_renamed
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")  # transformers 5's layout, then the Hub's
@@ -266,31 +266,23 @@ class Mistral3VisionEncoder(nn.Module):
         """HF names, either layout of TOWER_PREFIXES / PROJECTOR_PREFIXES."""
         tower = find_prefix(weights, TOWER_PREFIXES, "patch_conv.weight", "mistral3")
         projector = find_prefix(weights, PROJECTOR_PREFIXES, "linear_1.weight", "mistral3")
-
-        def get(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"mistral3 vision: missing tensor {name}")
-            return torch.as_tensor(weights[name]).to(dtype)
-
-        state = {"patch_conv.weight": get(tower + "patch_conv.weight"), "ln_pre": get(tower + "ln_pre.weight")}
+        names: Names = {"patch_conv.weight": tower + "patch_conv.weight", "ln_pre": tower + "ln_pre.weight"}
         if self.merging_layer is not None:
-            state["norm"] = get(projector + "norm.weight")
-            state["merging_layer.weight"] = get(projector + "patch_merger.merging_layer.weight")
+            names["norm"] = projector + "norm.weight"
+            names["merging_layer.weight"] = projector + "patch_merger.merging_layer.weight"
         for name in ("linear_1", "linear_2"):
-            state[f"{name}.weight"] = get(f"{projector}{name}.weight")
+            names[f"{name}.weight"] = f"{projector}{name}.weight"
             if getattr(self, name).bias is not None:
-                state[f"{name}.bias"] = get(f"{projector}{name}.bias")
+                names[f"{name}.bias"] = f"{projector}{name}.bias"
         for i in range(len(self.layers)):
             theirs, ours = f"{tower}transformer.layers.{i}.", f"layers.{i}."
-            state[ours + "attention_norm"] = get(theirs + "attention_norm.weight")
-            state[ours + "ffn_norm"] = get(theirs + "ffn_norm.weight")
-            state[ours + "qkv.weight"] = torch.cat([get(f"{theirs}attention.{p}_proj.weight") for p in "qkv"])
-            state[ours + "o_proj.weight"] = get(theirs + "attention.o_proj.weight")
-            state[ours + "gate_up.weight"] = torch.cat([get(f"{theirs}feed_forward.{p}_proj.weight")
-                                                        for p in ("gate", "up")])
-            state[ours + "down_proj.weight"] = get(theirs + "feed_forward.down_proj.weight")
-        self.load_state_dict(state, strict=True, assign=True)
-        self.eval()
+            names[ours + "attention_norm"] = theirs + "attention_norm.weight"
+            names[ours + "ffn_norm"] = theirs + "ffn_norm.weight"
+            names[ours + "qkv.weight"] = tuple(f"{theirs}attention.{p}_proj.weight" for p in "qkv")
+            names[ours + "o_proj.weight"] = theirs + "attention.o_proj.weight"
+            names[ours + "gate_up.weight"] = tuple(f"{theirs}feed_forward.{p}_proj.weight" for p in ("gate", "up"))
+            names[ours + "down_proj.weight"] = theirs + "feed_forward.down_proj.weight"
+        load_renamed(self, weights, names, dtype, "mistral3")
 
 
 def build_vision(checkpoint: VisionCheckpoint, tokenizer: Any, dtype: torch.dtype, device: torch.device,

@@ -37,7 +37,7 @@ from conveyor.models.mrope import axis_of_columns
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
-from conveyor.multimodal.tower_weights import find_prefix
+from conveyor.multimodal.tower_weights import find_prefix, renamed_state
 from conveyor.multimodal.vision import ExpandedPrompt, ImageItem, VisionCheckpoint, VisionModel
 
 TOWER_PREFIXES = ("model.visual.", "visual.")  # transformers 5's layout, then the Hub's
@@ -297,24 +297,22 @@ class QwenVisionEncoder(nn.Module):
 
     def load_hf(self, weights: dict[str, Any], prefix: str) -> None:
         """transformers' names under `prefix` (model.visual.) -> ours; the Conv3d kernel flattened to the GEMM's."""
-        def get(name: str) -> torch.Tensor:
-            if prefix + name not in weights:
-                raise ValueError(f"qwen3_vl: the vision tower has no {prefix + name}")
-            return torch.as_tensor(weights[prefix + name])
-
-        state = {"patch_embed.weight": get("patch_embed.proj.weight").reshape(self.patch_embed.weight.shape),
-                 "patch_embed.bias": get("patch_embed.proj.bias"), "pos_embed.weight": get("pos_embed.weight")}
+        names = {"patch_embed.weight": "patch_embed.proj.weight", "patch_embed.bias": "patch_embed.proj.bias",
+                 "pos_embed.weight": "pos_embed.weight"}
         ours = {"norm1": "norm1", "norm2": "norm2", "qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.linear_fc1",
                 "fc2": "mlp.linear_fc2"}
         for i in range(len(self.blocks)):
             for mine, theirs in ours.items():
                 for part in ("weight", "bias"):
-                    state[f"blocks.{i}.{mine}.{part}"] = get(f"blocks.{i}.{theirs}.{part}")
+                    names[f"blocks.{i}.{mine}.{part}"] = f"blocks.{i}.{theirs}.{part}"
         mergers = ["merger"] + [f"deepstack_merger_list.{k}" for k in range(len(self.deepstack))]
         for merger in mergers:  # our names are transformers'
             for layer in ("norm", "linear_fc1", "linear_fc2"):
                 for part in ("weight", "bias"):
-                    state[f"{merger}.{layer}.{part}"] = get(f"{merger}.{layer}.{part}")
+                    names[f"{merger}.{layer}.{part}"] = f"{merger}.{layer}.{part}"
+        state = renamed_state(weights, {mine: prefix + theirs for mine, theirs in names.items()},
+                              self.patch_embed.weight.dtype, "qwen3_vl")
+        state["patch_embed.weight"] = state["patch_embed.weight"].reshape(self.patch_embed.weight.shape)
         self.load_state_dict(state, strict=True)
 
 
