@@ -22,6 +22,8 @@ from conveyor.models.hybrid_gguf import HybridTensors, attention_fields, first_s
 from conveyor.models.tensors import QuantizedTensor, Weight
 
 logger = logging.getLogger(__name__)
+# transformers' Qwen3.5 M-RoPE sections where the config names none (multimodal/qwen3_vl.py's check reads it)
+MROPE_SECTION = (11, 11, 10)
 
 # The channel step: the sparse MoE block in MoE layers (Qwen3.5-MoE, Qwen3-Next), the SwiGLU MLP elsewhere.
 _CHANNEL = ("post_attention_layernorm", (("experts", "mlp"),))
@@ -60,7 +62,7 @@ def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
 def _mrope_section(raw: dict[str, Any]) -> tuple[int, ...]:
     """The interleaved M-RoPE sections (t, h, w) image prompts rotate by (transformers' default [11, 11, 10])."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    return tuple(int(n) for n in rope.get("mrope_section") or (11, 11, 10))
+    return tuple(int(n) for n in rope.get("mrope_section") or MROPE_SECTION)
 
 
 def shared_expert_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
         linear_value_head_dim=int(need(meta, "ssm.inner_size")) // value_heads,
         partial_rotary_factor=int(meta("rope.dimension_count") or head_dim) / head_dim,
         # the M-RoPE sections (t, h, w, and a 4th llama.cpp pads with 0): used by image prompts only
-        mrope_section=tuple(int(n) for n in (meta("rope.dimension_sections") or (11, 11, 10))[:3]),
+        mrope_section=tuple(int(n) for n in (meta("rope.dimension_sections") or MROPE_SECTION)[:3]),
         attn_output_gate=True,
         norm_weight_offset=0.0,  # NOTE: the converter stored 1 + w already (exact; subtracting 1 would not be)
         **attention_fields(types, tensors))

@@ -25,12 +25,13 @@ from conveyor.models.moe_llama import MoEForCausalLM
 from conveyor.models.mrope import axis_of_columns, mrope_tables
 from conveyor.models.qwen3_moe import hf_fields as qwen3_moe_fields
 
-_DEFAULT_SECTION = (24, 20, 20)  # Qwen3VLTextRotaryEmbedding's where the config names none
+# Qwen3VLTextRotaryEmbedding's M-RoPE sections where the config names none (multimodal/qwen3_vl.py's check reads it)
+MROPE_SECTION = (24, 20, 20)
 
 
 def hf_fields(raw: dict[str, Any]) -> dict[str, Any]:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    section = tuple(int(n) for n in rope.get("mrope_section") or _DEFAULT_SECTION)
+    section = tuple(int(n) for n in rope.get("mrope_section") or MROPE_SECTION)
     return dict(qk_norm=True, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 mrope_section=_checked(section, raw))
 
@@ -49,7 +50,7 @@ def _checked(section: tuple[int, ...], raw: dict[str, Any]) -> tuple[int, ...]:
 
 def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     sections = meta("rope.dimension_sections")
-    section = tuple(int(n) for n in sections[:3]) if sections else _DEFAULT_SECTION
+    section = tuple(int(n) for n in sections[:3]) if sections else MROPE_SECTION
     head_dim = base["head_dim"]
     axis_of_columns(section, head_dim)  # llama.cpp asserts rotary == head_dim for qwen3vl
     # (n_deepstack_layers is not read: the levels ride the mmproj's rows, and the model takes as many as come)

@@ -34,6 +34,8 @@ from conveyor.errors import InvalidRequestError
 from conveyor.kernels import KernelBackend
 from conveyor.kernels.attention import reference_dense_attention
 from conveyor.models.mrope import axis_of_columns
+from conveyor.models.qwen3_5 import MROPE_SECTION as QWEN3_5_MROPE_SECTION
+from conveyor.models.qwen3_vl import MROPE_SECTION as QWEN3_VL_MROPE_SECTION
 from conveyor.multimodal.image_input import ImageInput
 from conveyor.multimodal.preprocess import (CLIP_MEAN, CLIP_STD, ImageRun, PixelNormalizer, activation, expand_markers,
                                           resample_filter)
@@ -47,9 +49,9 @@ VISION_DEFAULTS = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh
                        out_hidden_size=3584, num_position_embeddings=2304)
 # What differs in Qwen3-VL's config classes: Qwen3VLVisionConfig's DeepStack layers, Qwen3VLConfig's image token,
 # Qwen3VLTextConfig's M-RoPE sections (Qwen3.5's: [11, 11, 10])
-_QWEN3_VL = dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655, mrope_section=(24, 20, 20))
+_QWEN3_VL = dict(deepstack_visual_indexes=(8, 16, 24), image_token_id=151655, mrope_section=QWEN3_VL_MROPE_SECTION)
 FAMILY_DEFAULTS = {"qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL}
-QWEN3_5_DEFAULTS = dict(deepstack_visual_indexes=(), image_token_id=248056, mrope_section=(11, 11, 10))
+QWEN3_5_DEFAULTS = dict(deepstack_visual_indexes=(), image_token_id=248056, mrope_section=QWEN3_5_MROPE_SECTION)
 TOWER_EPS = 1e-6  # hard-coded in modeling_qwen3_5.py (every LayerNorm)
 
 
