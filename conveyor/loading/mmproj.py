@@ -65,7 +65,7 @@ def _qwen_vl_type(meta: Callable[..., Any], text_config: Any) -> str:
 
 
 def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> None:
-    """The projector must feed this text model: its family's multimodal type, its width."""
+    """The projector must feed this text model: its family's multimodal type, its width, its DeepStack levels."""
     family = families.get(text_config.architecture)
     aliased = families.multimodal_text_types().get(vision.model_type) == text_config.architecture  # Idefics3: llama
     aliased = aliased or text_config.architecture in _ALSO_FEEDS.get(vision.model_type, ())
@@ -76,6 +76,11 @@ def _check_pairing(vision: VisionCheckpoint, text_config: Any, path: str) -> Non
     if width != text_config.hidden_size:
         raise LoadError(f"{path}: the projector writes {width}-wide embeddings, the text model is "
                         f"{text_config.hidden_size} wide")
+    levels = len(vision.config.get("vision_config", {}).get("deepstack_visual_indexes") or ())
+    expected = text_config.num_deepstack_levels  # None: not stated (the text model takes the levels that come)
+    if expected is not None and levels != expected:  # else wrong output, no error: levels missing or extra
+        raise LoadError(f"{path}: the mmproj has {levels} DeepStack levels, the {text_config.architecture} text model "
+                        f"expects {expected} (its n_deepstack_layers)")
 
 
 def _tensor(tensor: Any) -> torch.Tensor:

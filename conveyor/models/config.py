@@ -129,6 +129,9 @@ class ModelConfig:
     # Interleaved multimodal rotary (Qwen3.5 / Qwen3-VL): frequencies per axis (t, h, w); used only where a forward
     # gets rope_positions (image prompts), text positions rotate as plain rope. (): none.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: the DeepStack levels the mmproj must hand (llama.cpp's n_deepstack_layers; its input rows are
+    # hidden * (1 + levels) wide). None: not stated (a Hub directory's tower comes from the same config.json).
+    num_deepstack_levels: int | None = None
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate; attention output * sigmoid(gate)
     conv_kernel_size: int = 0  # the short convolution's width (LFM2's L_cache, DeltaNet's and Mamba2's conv)
     conv_bias: bool = False

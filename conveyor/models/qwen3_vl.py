@@ -53,8 +53,8 @@ def gguf_fields(meta, base: dict[str, Any], tensors: dict) -> dict[str, Any]:
     section = tuple(int(n) for n in sections[:3]) if sections else MROPE_SECTION
     head_dim = base["head_dim"]
     axis_of_columns(section, head_dim)  # llama.cpp asserts rotary == head_dim for qwen3vl
-    # (n_deepstack_layers is not read: the levels ride the mmproj's rows, and the model takes as many as come)
-    return dict(mrope_section=section)
+    levels = meta("n_deepstack_layers")  # checked against the mmproj's levels at load (loading/mmproj.py)
+    return dict(mrope_section=section, num_deepstack_levels=None if levels is None else int(levels))
 
 
 class DeepStackDecoder:

@@ -1,11 +1,12 @@
 """llama.cpp's qwen3vl_merger mmproj of a Qwen3-VL (DeepStack mergers as v.deepstack.{block}.*) loads as the same
-tower as the Hugging Face directory: bitwise the same rows, every level (fp32); refusals."""
+tower as the Hugging Face directory: bitwise the same rows, every level (fp32); refusals, among them a text GGUF
+whose n_deepstack_layers is not the mmproj's level count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_qwen3_vl import DEEPSTACK, IMAGE, random_image, write_mmproj, write_model_dir
+from tiny_qwen3_vl import DEEPSTACK, IMAGE, hf_model, random_image, write_mmproj, write_model_dir, write_text_gguf
 
 from conveyor.loading.checkpoint import LoadError
 from conveyor.multimodal.image_input import ImageInput
@@ -59,3 +60,24 @@ def test_an_unflagged_deepstack_tensor_is_refused(sources):
                "v.deepstack.1.fc1.weight": torch.zeros(1)}
     with pytest.raises(LoadError, match=r"unknown tensor v\.deepstack\.1\.fc1\.weight in a qwen3vl_merger"):
         qwen3vl_checkpoint(meta, tensors, checkpoint.tokenizer, "x.gguf", "qwen3_vl")
+
+
+@pytest.mark.parametrize("levels", [0, 1, 3])
+def test_a_text_gguf_expecting_other_deepstack_levels_is_refused(sources, tmp_path, levels):
+    """The text model adds whatever levels come, so a mismatch would be wrong output: a load error instead."""
+    from conveyor.loading.gguf_loader import load_gguf
+    from conveyor.loading.mmproj import read_mmproj
+
+    _, mmproj = sources
+    model = hf_model(transformers)
+    write_text_gguf(tmp_path / "text.gguf", model, deepstack_levels=levels)
+    text = load_gguf(str(tmp_path / "text.gguf"))
+    assert text.config.num_deepstack_levels == levels
+    with pytest.raises(LoadError) as error:
+        read_mmproj(mmproj, text.tokenizer, text.config)
+    assert str(error.value) == (f"{mmproj}: the mmproj has {len(DEEPSTACK)} DeepStack levels, the qwen3_vl_text text "
+                                f"model expects {levels} (its n_deepstack_layers)")
+    write_text_gguf(tmp_path / "text.gguf", model)  # as the converter writes it: the pair loads
+    text = load_gguf(str(tmp_path / "text.gguf"))
+    assert text.config.num_deepstack_levels == len(DEEPSTACK)
+    assert read_mmproj(mmproj, text.tokenizer, text.config).model_type == "qwen3_vl"

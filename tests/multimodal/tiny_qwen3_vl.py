@@ -51,10 +51,10 @@ def write_model_dir(path, transformers, seed: int = 0, moe: bool = False):
     return model
 
 
-def write_text_gguf(path, model) -> None:
+def write_text_gguf(path, model, deepstack_levels: int = len(DEEPSTACK)) -> None:
     """The text tower as llama.cpp's converter writes it (qwen3vl / qwen3vlmoe, F32: Qwen3's / Qwen3-MoE's tensors,
-    experts stacked (E, N, K) per part, the M-RoPE sections padded to 4, n_deepstack_layers), with the tiny
-    vocabulary (control tokens for the specials)."""
+    experts stacked (E, N, K) per part, the M-RoPE sections padded to 4, n_deepstack_layers: `deepstack_levels`),
+    with the tiny vocabulary (control tokens for the specials)."""
     from tests.loading.tiny_checkpoints import gguf_name, gguf_writer
 
     cfg = model.config.text_config
@@ -63,7 +63,7 @@ def write_text_gguf(path, model) -> None:
     writer = gguf_writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_sections(SECTION + [0])
-    writer.add_uint32(f"{arch}.n_deepstack_layers", len(DEEPSTACK))
+    writer.add_uint32(f"{arch}.n_deepstack_layers", deepstack_levels)
     if moe:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
