@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # A tick with nothing to run waits this long at most for a prefix read from disk (then commands are drained).
 DISK_READ_POLL_S = 0.02
+DRAFT_STATE_ROWS = 4  # drafting rows of a hybrid that keep a state snapshot per draft (see _state_pool)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -303,10 +304,16 @@ class EngineCore:
         # A drafting row adds at least one token to the tick's speculative_max_rows, so at most half of them draft.
         speculating = (min(self.max_batch_size, config.speculative_max_rows // 2)
                        if (config.ngram_enabled or self.draft is not None) else 0)
+        # A drafter's rows also keep the state after each draft but the last (Scheduler._plan_draft_states), for
+        # the first DRAFT_STATE_ROWS of them: past a few rows drafting seldom pays, and a miss's recompute rides
+        # in the batch; rows without them recompute their accepted drafts.
+        drafts = min(config.draft_block_size, self.draft.max_tokens) if self.draft is not None else 1
+        draft_states = min(speculating, DRAFT_STATE_ROWS) * (drafts - 1)
         snapshots = config.state_snapshots if config.enable_prefix_caching else 0
-        pool = StatePool(self.max_batch_size + speculating + snapshots, bytes_per_slot, snapshots)
-        logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d prefix snapshots)",
-                    pool.num_slots, bytes_per_slot / 2**20, self.max_batch_size, speculating, snapshots)
+        pool = StatePool(self.max_batch_size + speculating + draft_states + snapshots, bytes_per_slot, snapshots)
+        logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d draft states, %d prefix "
+                    "snapshots)", pool.num_slots, bytes_per_slot / 2**20, self.max_batch_size, speculating,
+                    draft_states, snapshots)
         return pool
 
     def _window_need(self, config: EngineConfig, bytes_per_block: int) -> WindowGroupNeed | None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from conveyor.engine.block_keys import chain_hashes
 from conveyor.engine.block_pool import ROOT_PARENT, BlockPool
 from conveyor.engine.disk_store import STATE, WINDOW
-from conveyor.engine.outputs import SchedulerOutput
+from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.engine.prefix_reads import DiskReads
 from conveyor.engine.request import Request
 from conveyor.engine.state_pool import StatePool
@@ -426,8 +426,14 @@ class KVCacheManager:
         """A forward failed: its snapshot and rollback slots go back unwritten (update() never ran)."""
         self.abandon_snapshots(plan.pending_snapshots)
         for chunk in plan.chunks:
-            if chunk.rollback_slot is not None:
-                self.states.free(chunk.rollback_slot)
+            self.free_rollback(chunk)
+
+    def free_rollback(self, chunk: ScheduledChunk) -> None:
+        """A speculating chunk's rollback slots back to the pool (after update() restored one, or unwritten)."""
+        if chunk.rollback_slot is not None:
+            self.states.free(chunk.rollback_slot)
+        for slot in chunk.draft_state_slots:
+            self.states.free(slot)
 
     def state_slot(self, request_id: str) -> int | None:
         return self.req_slots.get(request_id)

@@ -43,6 +43,9 @@ class ScheduledChunk:
     # (tokens of this chunk processed, slot): copy the state there at that point (prefix snapshots, rollback)
     state_snapshots: list[tuple[int, int]] = field(default_factory=list)
     rollback_slot: int | None = None  # speculation: the state after the real token, restored if a draft misses
+    # ... and after drafts 1, 2, ... (as many as the pool spares): a miss after accepted drafts restores the state
+    # there instead of recomputing them next tick
+    draft_state_slots: tuple[int, ...] = ()
     # Models with a sliding K/V group: the sliding layers' table (a snapshot too); empty without one.
     window_block_table: tuple[int, ...] = ()
     # Pooling requests (embeddings, scores): the chunk ends the prompt and its rows are pooled, not sampled.

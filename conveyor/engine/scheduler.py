@@ -141,11 +141,26 @@ class Scheduler:
                     chunk.token_ids, chunk.num_draft_tokens, chunk.draft = chunk.token_ids[:real_tokens], 0, None
                 else:
                     chunk.state_snapshots.append((1, chunk.rollback_slot))
+                    self._plan_draft_states(chunk)
             at, pending = self.kv.plan_snapshots(request, chunk.start_position, real_tokens)
             chunk.state_snapshots += at
             out.pending_snapshots += pending
         out.state_copies = self.kv.pending_state_copies
         self.kv.pending_state_copies = []
+
+    def _plan_draft_states(self, chunk: ScheduledChunk) -> None:
+        """The state after each draft but the last (the live state is that one), into spare scratch slots: on a
+        miss after accepted drafts update() restores it, where recomputing them would cost a tick that cannot
+        draft. Slots the pool cannot spare are left out (those drafts are recomputed, as before)."""
+        num_drafts = chunk.num_draft_tokens or chunk.draft.num_tokens
+        slots = []
+        for count in range(2, num_drafts + 1):  # rows processed: the real token and count - 1 drafts
+            slot = self.kv.states.allocate_spare()
+            if slot is None:
+                break
+            slots.append(slot)
+            chunk.state_snapshots.append((count, slot))
+        chunk.draft_state_slots = tuple(slots)
 
     def _schedule_alternate(self, out: SchedulerOutput, decode_rows: list[Request], parked: list[Request],
                             chunk: int) -> None:
@@ -364,8 +379,7 @@ class Scheduler:
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.is_finished:
-                if chunk.rollback_slot is not None:
-                    self.kv.states.free(chunk.rollback_slot)
+                self.kv.free_rollback(chunk)
                 continue  # aborted while the forward ran
             token = result.sampled_token_ids.get(chunk.request_id)
             new_tokens = [token] if chunk.sample and token is not None else []
@@ -379,11 +393,14 @@ class Scheduler:
             computed = len(chunk.token_ids) - chunk.num_draft_tokens + accepted
             if chunk.rollback_slot is not None:
                 if accepted < len(drafts):
-                    # A recurrent state cannot step back: restore it after the real token and recompute the
-                    # accepted drafts next tick (their K/V is rewritten with the same bits).
-                    computed -= accepted
-                    self.kv.pending_state_copies.append((chunk.rollback_slot, chunk.state_slot))
-                self.kv.states.free(chunk.rollback_slot)
+                    # A recurrent state cannot step back: restore the one after the last accepted draft where a
+                    # snapshot holds it, else the nearest before it, and recompute the accepted drafts after
+                    # that next tick (their K/V is rewritten with the same bits).
+                    slots = (chunk.rollback_slot, *chunk.draft_state_slots)  # after 1, 2, ... rows
+                    kept = min(accepted, len(slots) - 1)
+                    computed -= accepted - kept
+                    self.kv.pending_state_copies.append((slots[kept], chunk.state_slot))
+                self.kv.free_rollback(chunk)
             request.num_computed_tokens += computed
             if request.status == RequestStatus.PREFILLING:
                 self.stats.num_prompt_tokens_computed += len(chunk.token_ids) - chunk.num_draft_tokens

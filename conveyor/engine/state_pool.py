@@ -70,6 +70,10 @@ class StatePool:
             self._scratch.add(slot)
         return slot
 
+    def allocate_spare(self) -> int | None:
+        """A scratch slot only where one is free: optional work (a draft's rollback point) never evicts a snapshot."""
+        return self.allocate_scratch() if self._free else None
+
     def free(self, slot: int) -> None:
         assert slot in self._live or slot in self._scratch, f"state slot {slot} is not held"
         self._live.discard(slot)

@@ -412,7 +412,11 @@ def _pool_span(chunk_index: int, first_row: int, num_rows: int, config: PoolingC
 
 
 def _with_drafts(chunk: ScheduledChunk, proposal: Proposal | None) -> ScheduledChunk:
-    """The verify chunk: the row's token followed by the draft model's proposals."""
-    if proposal is None or not proposal.token_ids:
+    """The verify chunk: the row's token followed by the draft model's proposals; state snapshots planned for
+    drafts it did not propose are dropped (they are never restored: update() only reads those of accepted ones)."""
+    token_ids = chunk.token_ids + (proposal.token_ids if proposal is not None else [])
+    snapshots = [(count, slot) for count, slot in chunk.state_snapshots if count <= len(token_ids)]
+    if len(token_ids) == len(chunk.token_ids) and len(snapshots) == len(chunk.state_snapshots):
         return chunk
-    return replace(chunk, token_ids=chunk.token_ids + proposal.token_ids, num_draft_tokens=len(proposal.token_ids))
+    return replace(chunk, token_ids=token_ids, state_snapshots=snapshots,
+                   num_draft_tokens=chunk.num_draft_tokens + len(token_ids) - len(chunk.token_ids))

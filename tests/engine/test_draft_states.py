@@ -1,0 +1,71 @@
+"""A hybrid's drafting rows keep the recurrent state after each draft (Scheduler._plan_draft_states): a miss after
+accepted drafts restores the state there, so no tick recomputes them; rows the pool spares no slots for recompute,
+as before. Greedy output is bitwise plain decoding either way; every state slot comes back."""
+
+import pytest
+
+from conveyor.engine import engine
+from conveyor.engine.engine import DRAFT_STATE_ROWS
+from conveyor.engine.llm import LLM
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.testing import agreeing_mtp_head, tiny_hybrid_checkpoint
+
+pytestmark = pytest.mark.batch_invariant
+
+PROMPTS = [f"Echo {i}: " + "alpha beta gamma delta " * (1 + i % 4) for i in range(16)]
+
+
+def _greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12 + 5 * (i % 3), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def partial():
+    """A head that agrees about 3 times in 4 (drafts partly accepted), and plain decoding's outputs."""
+    checkpoint = agreeing_mtp_head(tiny_hybrid_checkpoint("qwen3_5_text", mtp=True, tie_word_embeddings=False),
+                                   noise=0.02)
+    plain = LLM(checkpoint=checkpoint, parallel=16, speculative_ngram=0)
+    return checkpoint, [o.token_ids for o in plain.generate(PROMPTS, [_greedy(i) for i in range(16)])]
+
+
+def _run(checkpoint, parallel: int) -> tuple[LLM, list[list[int]], list]:
+    """Outputs, and every chunk the runner was handed that recomputes drafts (a decoding row's several known
+    tokens: what a rollback to the real token leaves to do)."""
+    llm = LLM(checkpoint=checkpoint, parallel=parallel, draft_kind="mtp", draft_policy="enable",
+              speculative_max_rows=64, enable_prefix_caching=False)
+    recomputes, execute = [], llm.engine.runner.execute
+
+    def spy(plan, *args):
+        for chunk in plan.chunks:
+            request = llm.engine.scheduler.requests.get(chunk.request_id)
+            if request is not None and request.output_token_ids and len(chunk.token_ids) > 1 + chunk.num_draft_tokens:
+                recomputes.append(chunk)
+        return execute(plan, *args)
+
+    llm.engine.runner.execute = spy
+    outs = llm.generate(PROMPTS[:parallel], [_greedy(i) for i in range(parallel)])
+    llm.engine.kv.check_integrity()
+    assert llm.engine.states.all_free()
+    return llm, [o.token_ids for o in outs], recomputes
+
+
+def test_rows_with_draft_states_never_recompute(partial):
+    checkpoint, want = partial
+    llm, got, recomputes = _run(checkpoint, DRAFT_STATE_ROWS)
+    assert got == want[:DRAFT_STATE_ROWS]
+    stats = llm.engine.scheduler.stats
+    assert 0 < stats.num_model_accepted_tokens < 0.9 * stats.num_model_draft_tokens  # misses after accepted drafts
+    assert recomputes == []
+    assert llm.engine.states.num_slots == 3 * DRAFT_STATE_ROWS + 2 * DRAFT_STATE_ROWS  # k = 4: 3 states per row
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_rows_past_the_spared_slots_recompute_and_stay_exact(partial, monkeypatch, rows):
+    """0: no row keeps draft states (every miss after accepted drafts recomputes them); 1: one of 4 rows does."""
+    monkeypatch.setattr(engine, "DRAFT_STATE_ROWS", rows)
+    checkpoint, want = partial
+    llm, got, recomputes = _run(checkpoint, 4)
+    assert got == want[:4]
+    assert llm.engine.states.num_slots == 4 + 4 + rows * 3  # sequences, rollback points, draft states (k = 4)
+    if rows == 0:
+        assert recomputes
