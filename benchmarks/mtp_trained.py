@@ -11,6 +11,8 @@ Stages (each writes under --dir, default /tmp/mtp-trained; run them in order, or
            batched, with every position's final-normed hidden state (what MTP drafting reads)
   train    the head (block + fc + norms; embedding/head frozen, tied) by benchmarks/mtp_distill.py
   export   the trained head into the HF directory, convert + quantize again (base weights unchanged)
+  vocab    the draft vocabulary's token counts (--draft-vocab): the collected greedy continuations of the TRAINING
+           prompts (never the held-out ones the bench asks), DIR/draft-vocab.txt
   bench    held-out prompts, same file: conveyor plain vs --draft-kind mtp at C=1 and C=16 (MTP output asserted
            == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16 (DIR/bench-FILE.json)
   profile  C=1: ms per target forward (by rows), per head layer and per head lm_head call, plain and MTP
@@ -19,6 +21,7 @@ Usage (the results.md section's runs):
   python benchmarks/mtp_trained.py build; ... convert; ... collect --tokens 128
   ... train --head head-scratch --init checkpoint --minutes 14; ... export --head head-scratch
   ... bench --model DIR/qwen35-08b-mtp-head-scratch-Q4_K_M.gguf --tokens 96 --k 3
+  ... vocab; ... bench ... --only conveyor --draft-vocab DIR/draft-vocab.txt --draft-vocab-size 8192
 """
 
 from __future__ import annotations
@@ -274,6 +277,22 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
     torch.save(best[2], out)
 
 
+# ---- vocab -------------------------------------------------------------------------------------------------------
+
+def vocab(data: Path, out: Path) -> None:
+    """Count the collected continuations (the model's own greedy outputs on the training prompts) into a
+    --draft-vocab file."""
+    from conveyor.engine.draft_vocab import write_token_counts
+
+    sequences = torch.load(data, weights_only=False)
+    counts = write_token_counts(out, (s.token_ids[s.num_prompt_tokens:] for s in sequences))
+    ranked = sorted(counts.values(), reverse=True)
+    total = sum(ranked)
+    cover = {n: round(sum(ranked[:n]) / total, 4) for n in (1024, 2048, 4096, 8192, 16384) if n < len(ranked)}
+    print(json.dumps({"sequences": len(sequences), "tokens": total, "distinct": len(ranked),
+                      "share_of_tokens_in_top_n": cover, "file": str(out)}))
+
+
 # ---- check -------------------------------------------------------------------------------------------------------
 
 def check(model: Path, num_prompts: int, num_tokens: int, perm: Path) -> dict:
@@ -380,6 +399,13 @@ def _agree(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
 
 
+def draft_vocab_args(args: argparse.Namespace) -> dict:
+    """--draft-vocab / --draft-vocab-size as engine arguments (none without a file)."""
+    if args.draft_vocab is None:
+        return {}
+    return {"draft_vocab": str(args.draft_vocab), "draft_vocab_size": args.draft_vocab_size}
+
+
 def bench(args: argparse.Namespace) -> None:
     import transformers
 
@@ -393,11 +419,13 @@ def bench(args: argparse.Namespace) -> None:
         runs: dict[str, dict] = {}
         if "conveyor" in args.only:
             runs["conveyor_plain"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="none")
-            runs[f"conveyor_mtp_k{k}"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
-                                                      draft_policy="enable", draft_block_size=k)
-            runs["conveyor_mtp_adaptive"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
-                                                         draft_block_size=k)
-            for name in (f"conveyor_mtp_k{k}", "conveyor_mtp_adaptive"):  # greedy: bitwise plain decoding
+            vocab = draft_vocab_args(args)
+            tag = f"_vocab{args.draft_vocab_size or 'all'}" if vocab else ""
+            runs[f"conveyor_mtp_k{k}{tag}"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
+                                                           draft_policy="enable", draft_block_size=k, **vocab)
+            runs[f"conveyor_mtp_adaptive{tag}"] = conveyor_run(path, asked, concurrency, args.tokens,
+                                                               draft_kind="mtp", draft_block_size=k, **vocab)
+            for name in (f"conveyor_mtp_k{k}{tag}", f"conveyor_mtp_adaptive{tag}"):  # greedy: bitwise plain
                 assert runs[name]["token_ids"] == runs["conveyor_plain"]["token_ids"], name
         if "llama" in args.only:
             log = args.dir / f"llama-server-c{concurrency}"
@@ -417,7 +445,7 @@ def bench(args: argparse.Namespace) -> None:
     out_path.write_text(json.dumps(results))
 
 
-def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int) -> dict:
+def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int, vocab: dict) -> dict:
     """Where a C=1 step's time goes, plain and with MTP drafting: mean ms of the target's forward (one row; a
     verify's k+1 rows), of the head's layer and of its lm_head per draft, and what a verify round yields."""
     from conveyor.runner import model_runner, mtp_runner
@@ -444,11 +472,12 @@ def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int) -> dict
              (mtp_runner.MTPRunner, "_forward", timed(mtp_runner.MTPRunner, "_forward", "head layer (+ fc, norms)")),
              (mtp_runner.MTPRunner, "propose", timed(mtp_runner.MTPRunner, "propose", "propose (k drafts)"))]
     from conveyor.models.mtp import MTPHead
-    saved.append((MTPHead, "compute_logits", timed(MTPHead, "compute_logits", "head lm_head")))
+    saved.append((MTPHead, "draft_logits", timed(MTPHead, "draft_logits", "head lm_head")))
     try:
         out = {}
         for name, engine in (("plain", {"draft_kind": "none"}),
-                             (f"mtp_k{k}", {"draft_kind": "mtp", "draft_policy": "enable", "draft_block_size": k})):
+                             (f"mtp_k{k}", {"draft_kind": "mtp", "draft_policy": "enable", "draft_block_size": k,
+                                            **vocab})):
             times.clear()
             run = conveyor_run(path, asked, 1, num_tokens, **engine)
             out[name] = {"tokens_per_s": run["tokens_per_s"], "acceptance": run["acceptance"],
@@ -462,7 +491,8 @@ def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "bench", "profile"))
+    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "vocab", "bench",
+                                     "profile"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
     p.add_argument("--embed-std", type=float, default=0.215)
     p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
@@ -481,6 +511,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--c1-prompts", type=int, default=4)
     p.add_argument("--only", default="conveyor,llama")
+    p.add_argument("--draft-vocab", type=Path, help="bench / profile: conveyor's MTP runs with this draft vocabulary")
+    p.add_argument("--draft-vocab-size", type=int, default=0)
     args = p.parse_args()
     hf, base = args.dir / "hf", args.dir / "qwen35-08b-mtp"
     if args.stage == "build":
@@ -498,13 +530,15 @@ def main() -> None:
     elif args.stage == "export":
         write_head(hf, torch.load(args.dir / f"{args.head}.pt"))
         print(convert(hf, args.dir / f"qwen35-08b-mtp-{args.head}"))
+    elif args.stage == "vocab":
+        vocab(args.dir / "distill.pt", args.dir / "draft-vocab.txt")
     elif args.stage == "bench":
         bench(args)
     elif args.stage == "profile":
         import transformers
         asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:args.c1_prompts]
         print(json.dumps(profile(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
-                                 args.k)))
+                                 args.k, draft_vocab_args(args))))
 
 
 if __name__ == "__main__":
