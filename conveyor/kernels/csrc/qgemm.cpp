@@ -30,8 +30,8 @@
 //
 // One build runs one path, from the -march macros: AVX-512 VNNI (16 columns per zmm), AVX2
 // (8-column halves; AVX-VNNI's dpbusd where the CPU has it, else maddubs + madd), or portable C++.
-// Q4_K on plain AVX2 and on amx_int8 (AMX on, at every M) quantizes activations per 256 instead (one
-// float step per superblock on exact int32 superblock sums; see tile_sb_q4k and amx_sb_item).
+// Q4_K on plain AVX2, avx512_vnni and amx_int8 (at every M) quantizes activations per 256 instead (one float
+// step per superblock on exact int32 superblock sums; see tile_sb_q4k and amx_sb_item).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -485,14 +485,11 @@ void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t
 // ------------------------------------------------------------------------------------------
 #if defined(QG_AVX512)
 constexpr int kMaxRows = 8;
-// amx_int8 (an AMX build with the tiles on, decided once per process) runs Q4_K with activations per
-// superblock at every M, decode included (tile_sb_q4k, amx_sb_item); avx512_vnni keeps the per-32 contract.
-#if CONVEYOR_HAS_AMX && defined(__AMX_INT8__)
-bool amx_enabled();
-inline bool superblock_acts(int qt) { return qt == kQ4_K && amx_enabled(); }
-#else
-inline bool superblock_acts(int) { return false; }
-#endif
+// Q4_K runs with activations per superblock at every M, decode included, on amx_int8 (amx_sb_item from 16 rows,
+// tile_sb_q4k below) and avx512_vnni (tile_sb_q4k): the same exact int32 superblock sums and float step, so the
+// two levels (and plain AVX2's, sb_q4k_step) give a row the same bits. One float step per superblock instead of
+// eight also made the avx512_vnni prefill faster (benchmarks/results.md, issue #43).
+inline bool superblock_acts(int qt) { return qt == kQ4_K; }
 inline bool seeded_sums(int) { return false; }
 
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
@@ -630,7 +627,7 @@ inline void store_rows(const __m512* acc, int rows, int64_t r0, const float* bia
   }
 }
 
-// ---- Q4_K per superblock (the amx_int8 level at every M; plain AVX2's contract on 16-column vectors) ----
+// ---- Q4_K per superblock (avx512_vnni and amx_int8 at every M; plain AVX2's contract on 16-column vectors) ----
 // Activations int8 per 256 (quantize_row_sb). A superblock's sum_c sc_c S_c and its mins sum_c mn_c bx_c are
 // exact int32 (|sum| <= 8 x 63 x 32 x 15 x 127 < 2^31), however they are formed: VNNI per chunk (sc_c x S_c,
 // here), or AMX on the weights folded to sc q = 32 hi + lo (amx_sb_item). Then one float step per superblock and
@@ -660,8 +657,8 @@ inline __m512 sb_q4k_float(__m512 acc, __m512i isum, __m512i msum, float dx, __m
   return _mm512_fnmadd_ps(_mm512_mul_ps(dxv, dmin), _mm512_cvtepi32_ps(msum), acc);
 }
 
-// Rows [r0, r0 + MR) x one group on the VNNI tiles (decode sizes, below AMX's 16 rows): chunk sums by dpbusd,
-// times the chunk's sub-block scale in int32.
+// Rows [r0, r0 + MR) x one group on the VNNI tiles (avx512_vnni at every M; amx_int8 below its 16 rows): chunk
+// sums by dpbusd, times the chunk's sub-block scale in int32.
 template <int MR>
 void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
                  int64_t ldo, int64_t cols) {
