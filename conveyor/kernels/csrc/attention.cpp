@@ -649,6 +649,17 @@ inline int64_t first_key(int64_t visible, int64_t window) {
   return 0;
 }
 
+// Denormals flushed to zero (FTZ) and read as zero (DAZ) while a row path runs, on every thread and call (so still
+// one arithmetic): a peaked softmax's tiny weights took microcode assists in the weighted sums, as on the tile
+// path (paged_amx.h).
+struct DenormalsOff {
+#if defined(__x86_64__) || defined(__i386__)
+  const unsigned csr = _mm_getcsr();
+  DenormalsOff() { _mm_setcsr(csr | 0x8040); }
+  ~DenormalsOff() { _mm_setcsr(csr); }
+#endif
+};
+
 template <typename scalar_t>
 void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& token_seq, const torch::Tensor& token_pos,
@@ -709,10 +720,13 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 #endif
 
   conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
+    const DenormalsOff flush;
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
     for (int64_t task = begin; task < end; ++task) {
-      // vkv: this task's sub-group of query heads (its first head is vkv * G), reading KV head kvh.
-      const int64_t t = task / (KVH * NSUB), vkv = task % (KVH * NSUB), kvh = vkv / NSUB;
+      // vkv: this task's sub-group of query heads (its first head is vkv * G), reading KV head kvh. Tasks go head
+      // major, rows last to first: a thread's run of tasks reads one KV head's keys (in L2, not the whole
+      // cache), and a prefill's longest rows are claimed first, so the two threads end together.
+      const int64_t t = T - 1 - task % T, vkv = task / T, kvh = vkv / NSUB;
       // Keys [first, pos]: the whole history, the last `window` positions (sliding window), or with a
       // negative window the query's own chunk of -window positions (Llama 4's chunked attention).
       // key_end (Gemma 3's image rows): keys up to the end of the row's bidirectional run; the window still
