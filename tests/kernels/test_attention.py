@@ -190,8 +190,9 @@ def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (6, 2, 32)])
 def test_keys_past_a_row_are_never_read(heads, kv_heads, head_dim):
-    """Cache slots no row may see (past each sequence's end, unowned blocks) hold NaN: no output changes."""
-    seq_lens, rows = [9, 17, 135, 1], [1, 2, 3, 1]
+    """Cache slots no row may see (past each sequence's end, unowned blocks) hold NaN: no output changes (20 rows of
+    one sequence: a prefill's keys prepared once per call)."""
+    seq_lens, rows = [9, 17, 135, 1], [1, 2, 20, 1]
     query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, seed=7, heads=heads, kv_heads=kv_heads,
                                         head_dim=head_dim)
     clean = paged_attention(query, kc, vc, meta, scale=0.125)

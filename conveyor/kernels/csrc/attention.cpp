@@ -548,6 +548,164 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   if (D == 128) return pick_dpbf16<4>(G);
   return nullptr;
 }
+
+// ---- A prefill's rows: each sequence's keys transposed, and its values widened, once per call ----
+// Every row of a prefill chunk re-loads and re-transposes each 16-key group in scores_dpbf16 and re-widens each
+// value row in weighted_sum_bf16. Where a sequence has kPrepassRows rows or more in the call, its KV heads' key
+// groups (16 keys from key 0, scores_dpbf16's registers after the transpose, zeros past the last key) and fp32
+// values are made once, and its rows read them: the same values into the same op chains, so the same bits
+// whichever way a row goes (each lane's score is its own chain, wherever the key sits in its group).
+constexpr int64_t kPrepassRows = 16;
+
+using PreScoresFn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const __m512i*, float*);
+using PreSumFn = void (*)(const float*, int64_t, int64_t, const float*, float*);
+
+// Key group `grp` (keys 16 grp .. + 15, those past `keys` zero) of one KV head, transposed: DH x 16 vectors.
+template <int DH>
+void transpose_key_group(const c10::BFloat16* kc, const int32_t* table, int bs_shift, int64_t kv_block,
+                         int64_t kv_tok, int64_t kv_offset, int64_t keys, int64_t grp, __m512i* out) {
+  const int64_t n = std::min<int64_t>(16, keys - 16 * grp);
+  for (int h = 0; h < DH; ++h) {
+    __m512i rows[16];
+    for (int i = 0; i < 16; ++i)
+      rows[i] = i < n ? _mm512_loadu_si512(kc + cache_row(table, 16 * grp + i, bs_shift, kv_block, kv_tok, kv_offset) +
+                                           32 * h)
+                      : _mm512_setzero_si512();
+    transpose16x16_epi32(rows);
+    for (int c = 0; c < 16; ++c) out[16 * h + c] = rows[c];
+  }
+}
+
+// scores_dpbf16 on the transposed groups `kt` (group 0 = keys 0..15): the groups that hold keys [first, first +
+// num_keys), each lane's chain as there, only the row's own keys stored.
+template <int G, int DH>
+void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const __m512i* kt,
+                       float* scores) {
+  int32_t qpair[G][16 * DH];
+  std::memcpy(qpair, q_heads, sizeof(qpair));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t end = first + num_keys;
+  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
+    const __m512i* rows = kt + grp * 16 * DH;
+    __m512 even[G], odd[G];
+    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h)
+      for (int c = 0; c < 16; c += 2)
+        for (int g = 0; g < G; ++g) {
+          even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[16 * h + c], (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
+          odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[16 * h + c + 1],
+                                    (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
+        }
+    const int64_t base = 16 * grp, lo = std::max(first, base), hi = std::min(end, base + 16);
+    const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
+    for (int g = 0; g < G; ++g) {
+      const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale);
+      float* dst = scores + g * num_keys + (lo - first);  // the group's first stored key
+      if (mask == 0xFFFF) {
+        _mm512_storeu_ps(dst, v);
+      } else {
+        _mm512_mask_compressstoreu_ps(dst, mask, v);
+      }
+    }
+  }
+}
+
+// weighted_sum_bf16 on fp32 values `vf` (key 0's row first, rows D apart): the same FMA chains.
+template <int G, int DV>
+void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const float* vf, float* acc_out) {
+  __m512 acc[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const float* v = vf + (j + first) * 16 * DV;
+    __m512 vv[DV];
+    for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(v + 16 * d);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * num_keys + j]);
+      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc_out + g * DV * 16 + 16 * d, acc[g][d]);
+}
+
+template <int DH>
+void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum) {
+  switch (G) {
+    case 1: qk = scores_dpbf16_pre<1, DH>, sum = weighted_sum_pre<1, 2 * DH>; break;
+    case 2: qk = scores_dpbf16_pre<2, DH>, sum = weighted_sum_pre<2, 2 * DH>; break;
+    case 3: qk = scores_dpbf16_pre<3, DH>, sum = weighted_sum_pre<3, 2 * DH>; break;
+    case 4: qk = scores_dpbf16_pre<4, DH>, sum = weighted_sum_pre<4, 2 * DH>; break;
+    default: qk = nullptr, sum = nullptr;
+  }
+}
+
+// One call's prepared sequences: where sequence s's KV head h starts in `kt` and `vf` (-1: not prepared).
+struct Prepass {
+  PreScoresFn qk = nullptr;
+  PreSumFn sum = nullptr;
+  std::vector<int64_t> keys, kt_at, vf_at;  // per sequence
+  std::vector<__m512i> kt;                  // per sequence, KV head: its groups x DH x 16
+  std::vector<float> vf;                    // per sequence, KV head: its keys x D
+
+  bool has(int64_t s) const { return qk != nullptr && kt_at[s] >= 0; }
+  const __m512i* keys_of(int64_t s, int64_t kvh, int64_t DH) const {
+    return kt.data() + kt_at[s] + kvh * ((keys[s] + 15) / 16) * 16 * DH;
+  }
+  const float* values_of(int64_t s, int64_t kvh, int64_t D) const { return vf.data() + vf_at[s] + kvh * keys[s] * D; }
+};
+
+// Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64 or 128,
+// G <= 4: scores_dpbf16's shapes); leaves pre.qk null when none has.
+void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt, int64_t max_blocks,
+                  int64_t num_seqs, const int32_t* seq, const int64_t* visible, int64_t T, int64_t KVH, int64_t G,
+                  int64_t D, int bs_shift, int64_t kv_block, int64_t kv_tok) {
+  pre.qk = nullptr;
+  if (T < kPrepassRows || G > 4 || (D != 64 && D != 128)) return;
+  std::vector<int64_t> rows(num_seqs, 0);
+  pre.keys.assign(num_seqs, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    ++rows[seq[t]];
+    pre.keys[seq[t]] = std::max(pre.keys[seq[t]], visible[t]);
+  }
+  const int64_t DH = D / 32;
+  pre.kt_at.assign(num_seqs, -1);
+  pre.vf_at.assign(num_seqs, -1);
+  int64_t kt_size = 0, vf_size = 0;
+  std::vector<int64_t> items;  // s * KVH + kvh
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (rows[s] < kPrepassRows) continue;
+    pre.kt_at[s] = kt_size;
+    pre.vf_at[s] = vf_size;
+    kt_size += KVH * ((pre.keys[s] + 15) / 16) * 16 * DH;
+    vf_size += KVH * pre.keys[s] * D;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back(s * KVH + kvh);
+  }
+  if (items.empty()) return;
+  if (static_cast<int64_t>(pre.kt.size()) < kt_size) pre.kt.resize(kt_size);
+  if (static_cast<int64_t>(pre.vf.size()) < vf_size) pre.vf.resize(vf_size);
+  if (DH == 2) pick_pre<2>(G, pre.qk, pre.sum); else pick_pre<4>(G, pre.qk, pre.sum);
+  conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = items[i] / KVH, kvh = items[i] % KVH, keys = pre.keys[s];
+      const int32_t* table = bt + s * max_blocks;
+      __m512i* kt = pre.kt.data() + pre.kt_at[s] + kvh * ((keys + 15) / 16) * 16 * DH;
+      for (int64_t grp = 0; 16 * grp < keys; ++grp) {
+        if (DH == 2) {
+          transpose_key_group<2>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+        } else {
+          transpose_key_group<4>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+        }
+      }
+      float* vf = pre.vf.data() + pre.vf_at[s] + kvh * keys * D;
+      for (int64_t key = 0; key < keys; ++key) {
+        const c10::BFloat16* v = vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + key * D + d, load_bf16(v + d));
+      }
+    }
+  });
+}
+#define CONVEYOR_ROW_PREPASS 1
 #else
 // AVX-512 without BF16 (Skylake-SP to Ice Lake servers, and VMs that hide AVX512_BF16): the same
 // transposed 16-key layout, each (d, d+1) pair widened to fp32 (a shift for d, a mask for d + 1)
@@ -719,6 +877,18 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   const void* dp_qk = nullptr;
 #endif
 
+#if defined(CONVEYOR_ROW_PREPASS)
+  thread_local Prepass pre;  // the caller's scratch, kept across calls
+  pre.qk = nullptr;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (dp_qk != nullptr && fast_sum != nullptr && NSUB == 1) {
+      std::vector<int64_t> visible(T);
+      for (int64_t t = 0; t < T; ++t) visible[t] = key_end != nullptr ? key_end[t] : static_cast<int64_t>(pos[t]) + 1;
+      prepare_rows(pre, kc, vc, bt, max_blocks, block_tables.size(0), seq, visible.data(), T, KVH, G, D, bs_shift,
+                   kv_block, kv_tok);
+    }
+  }
+#endif
   conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
     const DenormalsOff flush;
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
@@ -736,7 +906,18 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int64_t num_keys = visible - first;
       const int32_t* table = bt + static_cast<int64_t>(seq[t]) * max_blocks;
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
+#if defined(CONVEYOR_ROW_PREPASS)
+      const bool prepared = pre.has(seq[t]);  // this row's sequence's keys and values prepared (prepare_rows)
+#else
+      constexpr bool prepared = false;
+#endif
       // Pass 1: scores, in key order.
+#if defined(CONVEYOR_ROW_PREPASS)
+      if (prepared)
+        pre.qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, first, num_keys,
+               pre.keys_of(seq[t], kvh, D / 32), scores.data());
+      else
+#endif
 #if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
       if (dp_qk != nullptr)
         dp_qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, first, num_keys,
@@ -755,7 +936,11 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
-      if (fast_sum != nullptr) {
+      if (prepared) {
+#if defined(CONVEYOR_ROW_PREPASS)
+        pre.sum(scores.data(), first, num_keys, pre.values_of(seq[t], kvh, D), acc.data());
+#endif
+      } else if (fast_sum != nullptr) {
         fast_sum(scores.data(), first, num_keys, vc, table, BS, kv_block, kv_tok, kvh * D, acc.data());
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
