@@ -85,6 +85,7 @@ class EngineConfig:
     draft_policy: str = "adaptive"  # adaptive (measured per batch size) | enable | decline
     draft_vocab: str | None = None  # token-frequency file: the MTP / DFlash head scores only its top ids (FR-Spec)
     draft_vocab_size: int = 0  # ids of --draft-vocab kept (special tokens included); 0 = every id it lists
+    draft_p_min: float = 0.0  # a greedy row stops drafting at a draft whose top probability is below this; 0 = off
     cache_dir: str | None = None  # persisted verdicts; None = $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor
     kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
     require_kernels: bool = False  # fail at startup when a C++ kernel does not build (CI)
@@ -130,6 +131,7 @@ class EngineConfig:
         _require(self.draft_vocab_size >= 0, "draft_vocab_size must be >= 0 (0 = every id --draft-vocab lists)")
         _require(self.draft_vocab is not None or self.draft_vocab_size == 0,
                  "--draft-vocab-size needs --draft-vocab FILE (the token frequencies that rank the ids)")
+        _require(0.0 <= self.draft_p_min < 1.0, "draft_p_min must be in [0, 1) (0 = off)")
         _require(self.draft_vocab is None or self.draft_kind in ("mtp", "dflash"),
                  "--draft-vocab applies to --draft-kind mtp or dflash (the drafters that score with the target's "
                  "LM head; an EAGLE3 drafter carries its own draft vocabulary, d2t)")
@@ -555,6 +557,9 @@ FLAGS: list[Flag] = [
          help="token-frequency file (`TOKEN_ID COUNT` lines) for --draft-kind mtp / dflash: the drafter's LM head "
               "scores only the most frequent ids (plus special tokens), gathered once at load (FR-Spec); output is "
               "unchanged, drafts outside it are never proposed; none = the whole vocabulary"),
+    Flag(("--draft-p-min",), "draft_p_min", float,
+         "model drafters (draft model, mtp, eagle3, dflash): a greedy row stops drafting at a draft whose top "
+         "probability is below P (llama-server's --draft-p-min; 0 = off)"),
     Flag(("--draft-vocab-size",), "draft_vocab_size", int,
          "ids of --draft-vocab the drafter scores, special tokens included (0 = every id the file lists)"),
     Flag(("--cache-dir",), "cache_dir", help="where measured verdicts persist (default ~/.cache/conveyor)"),

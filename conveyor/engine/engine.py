@@ -337,13 +337,14 @@ class EngineCore:
                 for tensor in layer:
                     tensor.zero_()
             if isinstance(self.draft.model, DFlashHead):
-                return DFlashRunner(runner)
-            return Eagle3Runner(runner) if isinstance(self.draft.model, Eagle3Head) else MTPRunner(runner)
+                return DFlashRunner(runner, config.draft_p_min)
+            kind = Eagle3Runner if isinstance(self.draft.model, Eagle3Head) else MTPRunner
+            return kind(runner, config.draft_p_min)
         recurrent = bool(state_bytes_per_slot(self.draft.model.cache_specs()))
         runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,
                              self.dtype, self.device, self.backend, seed=config.seed + 1, kv_types=self.kv_types,
                              num_state_slots=self.states.num_slots if recurrent else 0)
-        return DraftRunner(runner, recurrent=recurrent)
+        return DraftRunner(runner, recurrent=recurrent, p_min=config.draft_p_min)
 
     def _draft_policy(self, config: EngineConfig, target_name: str) -> SpecPolicy | None:
         if self.draft is None:

@@ -14,20 +14,22 @@ Every block row sees keys up to p+k (AttentionMetadata.key_end), the block both 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import torch
 
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.runner.draft_runner import Proposal, pick_drafts
+from conveyor.runner.draft_runner import Proposal, confident_rows, pick_drafts
 
 
 class DFlashRunner:
     wants_hidden = True  # ModelRunner.forward hands this runner the target's streams (record())
 
-    def __init__(self, runner) -> None:  # runner: a ModelRunner over the DFlashHead (its K/V tensors and sampler)
+    def __init__(self, runner, p_min: float = 0.0) -> None:  # runner: a ModelRunner over the DFlashHead
         self.runner = runner
         self.head = runner.model
+        self.p_min = p_min  # --draft-p-min: a greedy row's block ends at its first draft this unsure
         self.aux_layers = self.head.aux_layer_ids
         self.max_drafts = self.head.spec.block_size - 1
 
@@ -72,9 +74,11 @@ class DFlashRunner:
         sampled = {s.request_id for s in steps if not s.sampling_params.greedy}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in sampled}
         tokens = pick_drafts(self.runner.sampler, logits, per_row, sampled, probs, token_ids)
+        keep = confident_rows(logits, per_row, sampled, self.p_min)
         proposals, at = {}, 0
         for s in steps:
-            proposal = Proposal(tokens[at:at + s.num_draft_tokens])
+            block = range(at, at + s.num_draft_tokens)
+            proposal = Proposal([tokens[i] for i in itertools.takewhile(lambda i: keep[i], block)])
             at += s.num_draft_tokens
             if s.request_id in sampled:
                 proposal.probs = torch.stack(probs[s.request_id])  # (k, V)

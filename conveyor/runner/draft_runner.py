@@ -41,9 +41,10 @@ class _DraftState:
 class DraftRunner:
     wants_hidden = False  # the target's hidden states feed an MTP head (runner/mtp_runner.py), not a draft model
 
-    def __init__(self, runner, recurrent: bool = False) -> None:  # runner: ModelRunner over the draft model
+    def __init__(self, runner, recurrent: bool = False, p_min: float = 0.0) -> None:  # runner: over the draft model
         self.runner = runner
         self.recurrent = recurrent  # a hybrid draft: its state rolls back through the rows' rollback slots
+        self.p_min = p_min  # --draft-p-min: a greedy row stops drafting at a draft this unsure (confident_rows)
         self._states: dict[str, _DraftState] = {}
 
     def forget(self, request_ids: list[str]) -> None:
@@ -64,8 +65,11 @@ class DraftRunner:
         while steps:
             logits, _ = self.runner.forward(SchedulerOutput(chunks=steps))  # (R, V), one row per step chunk
             tokens = pick_drafts(self.runner.sampler, logits, steps, sampled, probs)
+            keep = confident_rows(logits, steps, sampled, self.p_min)
             next_steps = []
-            for step, token in zip(steps, tokens):
+            for step, token, kept in zip(steps, tokens, keep):
+                if not kept:
+                    continue
                 proposal = proposals[step.request_id]
                 proposal.token_ids.append(token)
                 if len(proposal.token_ids) < wanted[step.request_id]:
@@ -126,6 +130,16 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, steps: list[ScheduledChu
         for j, i in enumerate(rows):
             probs[steps[i].request_id].append(q[j])
     return tokens.tolist()
+
+
+def confident_rows(logits: torch.Tensor, steps: list[ScheduledChunk], sampled: set[str], p_min: float) -> list[bool]:
+    """Per step row: whether its draft is kept (--draft-p-min). A greedy row's draft is kept while the drafter's
+    top probability reaches p_min: a draft it is unsure of is likely rejected, and its verify row and the drafts
+    chained after it cost more than they return. Sampled rows keep theirs (rejection sampling weighs them)."""
+    if p_min <= 0:
+        return [True] * len(steps)
+    top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()  # (R,)
+    return [s.request_id in sampled or p >= p_min for s, p in zip(steps, top)]
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

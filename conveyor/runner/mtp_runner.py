@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
-from conveyor.runner.draft_runner import Proposal, pick_drafts
+from conveyor.runner.draft_runner import Proposal, confident_rows, pick_drafts
 
 FLUSH_ROWS = 32  # pending rows of a row that does not draft, fed to the head in one go
 
@@ -45,9 +45,10 @@ class MTPRunner:
     wants_hidden = True  # ModelRunner.forward hands this runner the target's hidden states (record())
     aux_layers: tuple[int, ...] = ()  # the final-normed hidden state (EAGLE3: the streams into these layers)
 
-    def __init__(self, runner) -> None:  # runner: a ModelRunner over the MTPHead (its K/V tensors and sampler)
+    def __init__(self, runner, p_min: float = 0.0) -> None:  # runner: a ModelRunner over the MTPHead
         self.runner = runner
         self.head = runner.model
+        self.p_min = p_min  # --draft-p-min: a greedy row stops drafting at a draft this unsure (confident_rows)
         self._pending: dict[str, _Pending] = {}
 
     def forget(self, request_ids: list[str]) -> None:
@@ -92,8 +93,11 @@ class MTPRunner:
             last = self._forward(steps, torch.cat(inputs))  # (R, H): each step's last row
             logits, token_ids = self.head.draft_logits(last)  # (R, N) over a draft vocabulary, or (R, V)
             tokens = pick_drafts(self.runner.sampler, logits, steps, sampled, probs, token_ids)
+            keep = confident_rows(logits, steps, sampled, self.p_min)
             next_steps, inputs = [], []
             for i, (step, token) in enumerate(zip(steps, tokens)):
+                if not keep[i]:
+                    continue
                 proposal = proposals[step.request_id]
                 proposal.token_ids.append(token)
                 if len(proposal.token_ids) < wanted[step.request_id]:
@@ -141,8 +145,8 @@ class Eagle3Runner(MTPRunner):
     """EAGLE3 (models/eagle3.py) on MTP's machinery: record() gets the target's streams into the drafter's aux
     layers (T, 3H), fused by its fc at once, so what waits per request is the layer's hidden input (T, H)."""
 
-    def __init__(self, runner) -> None:
-        super().__init__(runner)
+    def __init__(self, runner, p_min: float = 0.0) -> None:
+        super().__init__(runner, p_min)
         self.aux_layers = self.head.aux_layer_ids
 
     def record(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:

@@ -100,6 +100,11 @@ def test_dflash_with_a_draft_vocab_is_plain_decoding(tmp_path):
     assert got == want
     assert llm.engine.scheduler.stats.num_model_draft_tokens > 0
     assert llm.engine.draft.model.draft_vocab is not None
+    # a confidence floor cuts each block at its first unsure draft
+    floor, got = _run(target, 4, PROMPTS[:8], draft_kind="dflash", draft_model=drafter, draft_policy="enable",
+                      draft_vocab=str(path), draft_p_min=0.5)
+    assert got == want
+    assert floor.engine.scheduler.stats.num_model_draft_tokens < llm.engine.scheduler.stats.num_model_draft_tokens
 
 
 def test_selection_keeps_special_tokens_and_ranks_by_count():
@@ -147,3 +152,17 @@ def test_the_counts_file_round_trips(tmp_path):
     assert path.read_text() == "4 3\n3 2\n9 1\n"
     assert read_token_counts(path) == {4: 3, 3: 2, 9: 1}
     assert torch.equal(select_token_ids(read_token_counts(path), 2, 10, keep=[]), torch.tensor([3, 4]))
+
+
+def test_a_confidence_floor_stops_unsure_drafts_and_keeps_greedy_exact():
+    """--draft-p-min: a random head is seldom sure, so a high floor drafts far less; output stays plain."""
+    checkpoint = tiny_hybrid_checkpoint("qwen3_5_text", mtp=True)
+    _, want = _run(checkpoint, 8, PROMPTS[:8], speculative_ngram=0)
+    counts = {}
+    for p_min in (0.0, 0.9):
+        llm, got = _run(checkpoint, 8, PROMPTS[:8], draft_kind="mtp", draft_policy="enable", draft_p_min=p_min)
+        assert got == want
+        counts[p_min] = llm.engine.scheduler.stats.num_model_draft_tokens
+    assert counts[0.9] < counts[0.0] / 2
+    with pytest.raises(ConfigError, match="draft_p_min"):
+        EngineConfig(draft_kind="mtp", draft_p_min=1.0)
