@@ -30,8 +30,8 @@
 //
 // One build runs one path, from the -march macros: AVX-512 VNNI (16 columns per zmm), AVX2
 // (8-column halves; AVX-VNNI's dpbusd where the CPU has it, else maddubs + madd), or portable C++.
-// Q4_K on plain AVX2, avx512_vnni and amx_int8 (at every M) quantizes activations per 256 instead (one float
-// step per superblock on exact int32 superblock sums; see tile_sb_q4k and amx_sb_item).
+// Q4_K on plain AVX2, avx512_vnni and amx_int8 (at every M), and Q6_K on avx512_vnni, quantize activations per 256
+// instead (one float step per superblock on exact int32 superblock sums; see tile_sb_q4k, amx_sb_item, tile_sb_q6k).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -348,6 +348,9 @@ struct QuantRows {
   // (M, K/64) with sd: the 32-block sums of blocks 2j, 2j + 1 as one int16 pair word (low: 2j), the AVX-512
   // superblock Q4_K's broadcast operand for its mins (|b| <= 32 x 127 fits int16)
   int32_t* b2;
+  // (M, K/32) with sd: the 16-block sums of each 32-block (b16) as one int16 pair word, the AVX-512 superblock Q6_K's
+  // broadcast operand for its offset (|sum| <= 16 x 127 fits int16)
+  int32_t* b16p;
   int64_t k, chunks;
 };
 
@@ -426,10 +429,10 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
   }
 }
 
-// The same row quantized with one scale per 256 values (llama.cpp's Q8_K): for the plain-AVX2
-// Q4_K path, which then sums a superblock's eight chunks exactly in int32. The 32-block sums are
-// still kept (the mins); d, s and b16 are unused.
-void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t* b) {
+// The same row quantized with one scale per 256 values (llama.cpp's Q8_K): for the superblock Q4_K (and
+// AVX-512's Q6_K) paths, which then sum a superblock's chunks exactly in int32. The 32-block sums are still kept
+// (Q4_K's mins), and the 16-block sums in b16 (Q6_K's offset); d and s are unused.
+void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t* b, int32_t* b16) {
   for (int64_t blk = 0; blk < k / 256; ++blk) {
 #if defined(QG_AVX512)
     {  // The scalar loop below, 16 values per vector, with quantize_block16x2's ops (the same bytes and scales)
@@ -451,7 +454,8 @@ void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t
           r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));  // NaN -> -127
           const __m512i qi = _mm512_cvtps_epi32(r);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 256 * blk + 16 * h), _mm512_cvtepi32_epi8(qi));
-          sum += _mm512_reduce_add_epi32(qi);
+          b16[16 * blk + h] = _mm512_reduce_add_epi32(qi);
+          sum += b16[16 * blk + h];
         }
         b[8 * blk + c] = sum;
       }
@@ -467,15 +471,17 @@ void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     sd[blk] = amax / 127.f;
     for (int c = 0; c < 8; ++c) {
-      int32_t sum = 0;
+      int32_t half[2] = {0, 0};
       for (int j = 0; j < 32; ++j) {
         float r = std::nearbyint(v[32 * c + j] * inv);
         r = std::min(127.f, std::max(-127.f, r));
         const int8_t qi = static_cast<int8_t>(r);
         q[256 * blk + 32 * c + j] = qi;
-        sum += qi;
+        half[j / 16] += qi;
       }
-      b[8 * blk + c] = sum;
+      b16[16 * blk + 2 * c] = half[0];
+      b16[16 * blk + 2 * c + 1] = half[1];
+      b[8 * blk + c] = half[0] + half[1];
     }
   }
 }
@@ -489,7 +495,14 @@ constexpr int kMaxRows = 8;
 // tile_sb_q4k below) and avx512_vnni (tile_sb_q4k): the same exact int32 superblock sums and float step, so the
 // two levels (and plain AVX2's, sb_q4k_step) give a row the same bits. One float step per superblock instead of
 // eight also made the avx512_vnni prefill faster (benchmarks/results.md, issue #43).
-inline bool superblock_acts(int qt) { return qt == kQ4_K; }
+// Q6_K likewise on avx512_vnni only (tile_sb_q6k): amx_int8 keeps its per-16 float steps for Q6_K (its AMX tiles
+// sum per chunk half), so there the VNNI tiles below 16 rows do too.
+#if CONVEYOR_HAS_AMX && defined(__AMX_INT8__)
+bool amx_enabled();
+inline bool superblock_acts(int qt) { return qt == kQ4_K || (qt == kQ6_K && !amx_enabled()); }
+#else
+inline bool superblock_acts(int qt) { return qt == kQ4_K || qt == kQ6_K; }
+#endif
 inline bool seeded_sums(int) { return false; }
 
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {  // acc[i] += sum_t w[4i+t] x[t]
@@ -695,11 +708,73 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
   store_rows(acc, MR, r0, bias, out, ldo, cols);
 }
 
+// MR rows' sums over G k-groups of one chunk (x: row 0's first activation, rows ld apart), one dpbusd chain per
+// row, the rows interleaved so that their chains overlap.
+template <int MR, int G>
+inline void row_chains(const __m512i* w, const int8_t* x, int64_t ld, __m512i* sums) {
+  for (int r = 0; r < MR; ++r) sums[r] = dot4(_mm512_setzero_si512(), w[0], x + r * ld);
+  for (int g = 1; g < G; ++g)
+    for (int r = 0; r < MR; ++r) sums[r] = dot4(sums[r], w[g], x + r * ld + 4 * g);
+}
+
+// ---- Q6_K per superblock (avx512_vnni; activations per 256, quantize_row_sb) ----
+// w = d sc_j (q - 32), sc_j a signed byte per 16 k. A superblock's sum_j sc_j S_j with S_j = sum over sub-block j of
+// q x (q unsigned, 0..63) is exact in int32 (|S_j| <= 16 x 63 x 127, x |sc| <= 128, x 16 < 2^31), and so is its
+// offset 32 sum_j sc_j bx_j (bx_j the activations' 16-sums, by vpdpwssd on (sc, sc) x (bx, bx) pairs). Then one
+// float step per superblock and row: acc += (dx d) (sum_j sc_j S_j - 32 sum_j sc_j bx_j), where the per-32 path
+// takes sixteen (one per sub-block). At every M the same ops, so rows stay batch-invariant.
+template <int MR>
+void tile_sb_q6k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+                 int64_t ldo, int64_t cols) {
+  constexpr TypeInfo t = type_info(kQ6_K);
+  const int64_t sb_per_row = xr.k / 256;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n_sb; ++s) {
+    const uint8_t* sbp = wg + s * sb_bytes(t);
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
+      prefetch_ahead(ch, chunk_bytes(t));
+      __m512i w[8];
+      unpack<kQ6_K>(ch, w);
+      const int8_t* x = xr.q + r0 * xr.k + 256 * s + 32 * c;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 16 * (2 * c + h))));
+        __m512i half[MR];
+        row_chains<MR, 4>(w + 4 * h, x + 16 * h, xr.k, half);
+        for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc));
+      }
+    }
+    __m512i scp[8];  // the 16 columns' sub-block scales as int16 pairs (2i, 2i + 1), sign-extended
+    for (int i = 0; i < 8; ++i) {
+      const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 32 * i)));
+      const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 48 + 32 * i)));
+      scp[i] = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
+    }
+    const __m512 d = load_half16(sbp);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const int32_t* bp = xr.b16p + row * xr.chunks + 8 * s;
+      __m512i off = _mm512_dpwssd_epi32(_mm512_setzero_si512(), scp[0], _mm512_set1_epi32(bp[0]));
+      for (int i = 1; i < 8; ++i) off = _mm512_dpwssd_epi32(off, scp[i], _mm512_set1_epi32(bp[i]));
+      const __m512i total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(off, 5));
+      const __m512 dxv = _mm512_set1_ps(xr.sd[row * sb_per_row + s]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxv, d), _mm512_cvtepi32_ps(total), acc[r]);
+    }
+  }
+  store_rows(acc, MR, r0, bias, out, ldo, cols);
+}
+
 template <int QT, int MR>
 void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
           int64_t ldo, int64_t cols) {
   if constexpr (QT == kQ4_K) {
     if (superblock_acts(QT)) return tile_sb_q4k<MR>(wg, n_sb, xr, r0, bias, out, ldo, cols);
+  }
+  if constexpr (QT == kQ6_K) {
+    if (superblock_acts(QT)) return tile_sb_q6k<MR>(wg, n_sb, xr, r0, bias, out, ldo, cols);
   }
   constexpr TypeInfo t = type_info(QT);
   constexpr int cpb = t.sb / 32;
@@ -1842,7 +1917,7 @@ namespace {
 // decode sizes, in `big` (a tensor for the call) at prefill sizes.
 QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int qt, torch::Tensor& big) {
   const int64_t k = xc.size(1), chunks = k / 32;
-  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12) + m_pad * (k / 256 + 1) * 4 +
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12 + 4) + m_pad * (k / 256 + 1) * 4 +
                        m_pad * (k / 64) * 4;
   thread_local std::vector<uint8_t> small;
   uint8_t* buf;
@@ -1864,7 +1939,9 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   xr.seed = xr.b16 + 2 * m_pad * chunks;
   xr.sd = reinterpret_cast<float*>(xr.seed + 3 * m_pad * chunks);
   xr.b2 = reinterpret_cast<int32_t*>(xr.sd + m_pad * (k / 256 + 1));
+  xr.b16p = xr.b2 + m_pad * (k / 64);
   for (int64_t r = m; r < m_pad; ++r) {
+    std::memset(xr.b16p + r * chunks, 0, chunks * sizeof(int32_t));
     std::memset(xr.sd + r * (k / 256), 0, (k / 256) * sizeof(float));
     std::memset(xr.b2 + r * (k / 64), 0, (k / 64) * sizeof(int32_t));
     std::memset(xr.q + r * k, 0, k);
@@ -1880,9 +1957,13 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   auto quant = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (per_superblock) {
-        quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks);
+        quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks,
+                        xr.b16 + 2 * r * chunks);
         for (int64_t j = 0; j < k / 64; ++j) {
           xr.b2[r * (k / 64) + j] = int16_pair_word(xr.b[r * chunks + 2 * j], xr.b[r * chunks + 2 * j + 1]);
+        }
+        for (int64_t c = 0; c < chunks; ++c) {
+          xr.b16p[r * chunks + c] = int16_pair_word(xr.b16[2 * (r * chunks + c)], xr.b16[2 * (r * chunks + c) + 1]);
         }
       } else {
         quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
