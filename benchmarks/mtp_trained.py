@@ -282,15 +282,12 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
 def vocab(data: Path, out: Path) -> None:
     """Count the collected continuations (the model's own greedy outputs on the training prompts) into a
     --draft-vocab file."""
-    from conveyor.engine.draft_vocab import write_token_counts
+    from conveyor.engine.draft_vocab import coverage, write_token_counts
 
     sequences = torch.load(data, weights_only=False)
     counts = write_token_counts(out, (s.token_ids[s.num_prompt_tokens:] for s in sequences))
-    ranked = sorted(counts.values(), reverse=True)
-    total = sum(ranked)
-    cover = {n: round(sum(ranked[:n]) / total, 4) for n in (1024, 2048, 4096, 8192, 16384) if n < len(ranked)}
-    print(json.dumps({"sequences": len(sequences), "tokens": total, "distinct": len(ranked),
-                      "share_of_tokens_in_top_n": cover, "file": str(out)}))
+    print(json.dumps({"sequences": len(sequences), "tokens": sum(counts.values()), "distinct": len(counts),
+                      "share_of_tokens_in_top_n": coverage(counts, (1024, 2048, 4096, 8192, 16384)), "file": str(out)}))
 
 
 # ---- check -------------------------------------------------------------------------------------------------------

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name", help="ORG/NAME, as `conveyor ls` lists it")
     rm.set_defaults(func=_run_rm)
 
+    vocab = subparsers.add_parser("draft-vocab", help="count text files' tokens into a --draft-vocab file (FR-Spec)")
+    vocab.add_argument("files", nargs="+", metavar="TEXT", help="text files like what the server will write")
+    vocab.add_argument("-o", "--output", required=True, help="the TOKEN_ID COUNT file to write")
+    add_flags(vocab, {"model", "hf_file", "revision"})
+    vocab.set_defaults(func=_run_draft_vocab)
+
     from conveyor.bench import cli as bench_cli
 
     bench_cli.add_parser(subparsers)
@@ -114,6 +120,23 @@ def _run_pull(args: argparse.Namespace) -> int:
     except LoadError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_draft_vocab(args: argparse.Namespace) -> int:
+    """`conveyor draft-vocab`: the model's tokenizer over the files, counts written most frequent first."""
+    from conveyor.engine.draft_vocab import count_text_files, coverage, write_token_counts
+    from conveyor.loading import LoadError, load_checkpoint
+
+    config, _ = load_configs(args)
+    try:
+        tokenizer = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision).tokenizer
+        counts = write_token_counts(args.output, count_text_files(tokenizer, args.files))
+    except LoadError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 1
+    shares = ", ".join(f"top {n}: {share:.1%}" for n, share in coverage(counts, (4096, 16384, 32768)).items())
+    print(f"{args.output}: {sum(counts.values())} tokens, {len(counts)} distinct ids" + (f" ({shares})" if shares else ""))
     return 0
 
 

@@ -59,6 +59,23 @@ def write_token_counts(path: str | Path, token_lists: Iterable[Iterable[int]]) -
     return counts
 
 
+def count_text_files(tokenizer: Tokenizer, paths: Iterable[str | Path]) -> Iterable[list[int]]:
+    """Each text file's token ids (no special tokens added): a corpus like the text the server will write."""
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LoadError(f"draft-vocab: cannot read {path} ({exc})") from None
+        yield tokenizer.encode(text, add_special_tokens=False)
+
+
+def coverage(counts: Counter, sizes: Iterable[int]) -> dict[int, float]:
+    """The share of the counted tokens the top N ids hold, per N below the number of distinct ids."""
+    ranked = sorted(counts.values(), reverse=True)
+    total = sum(ranked) or 1
+    return {n: round(sum(ranked[:n]) / total, 4) for n in sizes if n < len(ranked)}
+
+
 def special_token_ids(tokenizer: Tokenizer) -> set[int]:
     """EOS ids, BOS and every added token the tokenizer marks special."""
     ids = set(tokenizer.eos_token_ids)

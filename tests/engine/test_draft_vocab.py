@@ -166,3 +166,23 @@ def test_a_confidence_floor_stops_unsure_drafts_and_keeps_greedy_exact():
     assert counts[0.9] < counts[0.0] / 2
     with pytest.raises(ConfigError, match="draft_p_min"):
         EngineConfig(draft_kind="mtp", draft_p_min=1.0)
+
+
+def test_the_cli_counts_text_files_with_the_models_tokenizer(tmp_path, capsys):
+    from collections import Counter
+
+    from conveyor.cli import main
+    from conveyor.loading import load_checkpoint
+    from conveyor.testing import write_tiny_model_dir
+
+    model = write_tiny_model_dir(tmp_path / "model")
+    (tmp_path / "a.txt").write_text("alpha beta gamma alpha beta alpha")
+    (tmp_path / "b.txt").write_text("delta alpha")
+    out = tmp_path / "counts.txt"
+    assert main(["draft-vocab", "-m", model, str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "-o", str(out)]) == 0
+    tokenizer = load_checkpoint(model).tokenizer
+    want = Counter(tokenizer.encode("alpha beta gamma alpha beta alpha", add_special_tokens=False)
+                   + tokenizer.encode("delta alpha", add_special_tokens=False))
+    assert read_token_counts(out) == dict(want)
+    assert f"{sum(want.values())} tokens" in capsys.readouterr().out
+    assert main(["draft-vocab", "-m", model, str(tmp_path / "missing.txt"), "-o", str(out)]) == 1
