@@ -141,7 +141,8 @@ class Scheduler:
                     chunk.token_ids, chunk.num_draft_tokens, chunk.draft = chunk.token_ids[:real_tokens], 0, None
                 else:
                     chunk.state_snapshots.append((1, chunk.rollback_slot))
-                    self._plan_draft_states(chunk)
+                    if chunk.draft is not None:  # a model drafter's (the pool holds slots for those, not lookup's)
+                        self._plan_draft_states(chunk)
             at, pending = self.kv.plan_snapshots(request, chunk.start_position, real_tokens)
             chunk.state_snapshots += at
             out.pending_snapshots += pending
@@ -152,7 +153,7 @@ class Scheduler:
         """The state after each draft but the last (the live state is that one), into spare scratch slots: on a
         miss after accepted drafts update() restores it, where recomputing them would cost a tick that cannot
         draft. Slots the pool cannot spare are left out (those drafts are recomputed, as before)."""
-        num_drafts = chunk.num_draft_tokens or chunk.draft.num_tokens
+        num_drafts = chunk.draft.num_tokens
         slots = []
         for count in range(2, num_drafts + 1):  # rows processed: the real token and count - 1 drafts
             slot = self.kv.states.allocate_spare()

@@ -186,3 +186,17 @@ def test_the_cli_counts_text_files_with_the_models_tokenizer(tmp_path, capsys):
     assert read_token_counts(out) == dict(want)
     assert f"{sum(want.values())} tokens" in capsys.readouterr().out
     assert main(["draft-vocab", "-m", model, str(tmp_path / "missing.txt"), "-o", str(out)]) == 1
+
+
+def test_a_tied_head_gathers_the_embeddings_rows(tmp_path):
+    """Qwen3.5's card ties the head: the draft vocabulary's rows come from the embedding."""
+    checkpoint = tiny_hybrid_checkpoint("qwen3_5_text", mtp=True)
+    assert checkpoint.config.tie_word_embeddings and "lm_head.weight" not in checkpoint.weights
+    _, want = _run(checkpoint, 4, PROMPTS[:4], speculative_ngram=0)
+    path = tmp_path / "counts.txt"
+    write_token_counts(path, want)
+    llm, got = _run(checkpoint, 4, PROMPTS[:4], draft_kind="mtp", draft_policy="enable", draft_vocab=str(path))
+    assert got == want
+    vocab = llm.engine.draft.model.draft_vocab
+    embed = checkpoint.weights["model.embed_tokens.weight"]
+    assert torch.equal(vocab.lm_head.dense_weight().float(), embed[vocab.token_ids].to(torch.bfloat16).float())
