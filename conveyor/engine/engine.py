@@ -310,7 +310,8 @@ class EngineCore:
         drafts = min(config.draft_block_size, self.draft.max_tokens) if self.draft is not None else 1
         draft_states = min(speculating, DRAFT_STATE_ROWS) * (drafts - 1)
         snapshots = config.state_snapshots if config.enable_prefix_caching else 0
-        pool = StatePool(self.max_batch_size + speculating + draft_states + snapshots, bytes_per_slot, snapshots)
+        pool = StatePool(self.max_batch_size + speculating + draft_states + snapshots, bytes_per_slot, snapshots,
+                         max_spare=draft_states)
         logger.info("recurrent state: %d slots x %.2f MiB (%d sequences, %d rollback, %d draft states, %d prefix "
                     "snapshots)", pool.num_slots, bytes_per_slot / 2**20, self.max_batch_size, speculating,
                     draft_states, snapshots)
@@ -407,7 +408,8 @@ class EngineCore:
             return None
         stats = self.states.stats()
         return {"slots": stats.num_slots, "live": stats.num_live, "scratch": stats.num_scratch,
-                "snapshots": stats.num_snapshots, "max_snapshots": self.states.max_snapshots, "free": stats.num_free,
+                "snapshots": stats.num_snapshots, "max_snapshots": self.states.max_snapshots,
+                "max_draft_states": self.states.max_spare, "free": stats.num_free,
                 "bytes_per_slot": stats.bytes_per_slot, "bytes_reserved": self.states.total_bytes,
                 "bytes_in_use": (stats.num_live + stats.num_scratch + stats.num_snapshots) * stats.bytes_per_slot,
                 "snapshot_hits": stats.num_snapshot_hits, "snapshot_evictions": stats.num_snapshot_evictions}

@@ -3,7 +3,8 @@
 A slot holds one sequence's state over every recurrent layer (fixed bytes, whatever its length). Every
 slot is in exactly one place:
   live      held by a running sequence, from admission to finish, abort or preemption
-  scratch   held for one step: the state after a speculating row's real token (rolled back to on a miss)
+  scratch   held for one step: the state after a speculating row's real token (rolled back to on a miss), or
+            after one of its drafts (a spare: at most max_spare of those at once)
   snapshot  the state after a cached prefix of whole blocks, keyed by that prefix's block hash (LRU)
   free
 """
@@ -28,15 +29,17 @@ class StateStats:
 
 
 class StatePool:
-    def __init__(self, num_slots: int, bytes_per_slot: int, max_snapshots: int = 0) -> None:
+    def __init__(self, num_slots: int, bytes_per_slot: int, max_snapshots: int = 0, max_spare: int = 0) -> None:
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
         self.num_slots = num_slots
         self.bytes_per_slot = bytes_per_slot
         self.max_snapshots = max_snapshots  # prefix snapshots kept at most (0: no prefix caching of state)
+        self.max_spare = max_spare  # spare scratch slots (draft states) held at most: the slots sized for them
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
         self._live: set[int] = set()
         self._scratch: set[int] = set()
+        self._spare: set[int] = set()  # the scratch slots allocate_spare handed out
         self._snapshots: OrderedDict[int, int] = OrderedDict()  # prefix hash -> slot, oldest first
         self.num_snapshot_hits = 0
         self.num_snapshot_evictions = 0
@@ -71,13 +74,19 @@ class StatePool:
         return slot
 
     def allocate_spare(self) -> int | None:
-        """A scratch slot only where one is free: optional work (a draft's rollback point) never evicts a snapshot."""
-        return self.allocate_scratch() if self._free else None
+        """A scratch slot for optional work (a draft's rollback point), within the max_spare slots sized for it: it
+        never evicts a snapshot, nor takes a free slot that another row's rollback point or a snapshot counts on."""
+        if len(self._spare) >= self.max_spare or not self._free:
+            return None
+        slot = self.allocate_scratch()
+        self._spare.add(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         assert slot in self._live or slot in self._scratch, f"state slot {slot} is not held"
         self._live.discard(slot)
         self._scratch.discard(slot)
+        self._spare.discard(slot)
         self._free.append(slot)
 
     # -- prefix snapshots ------------------------------------------------------------------------
@@ -138,6 +147,7 @@ class StatePool:
             for b in places[i + 1:]:
                 assert not a & b, f"state slots in two places: {sorted(a & b)}"
         assert sum(len(p) for p in places) == self.num_slots, "a state slot is lost"
+        assert self._spare <= self._scratch and len(self._spare) <= self.max_spare, "a spare slot outside its share"
 
     def all_free(self) -> bool:
         """No live or scratch slot (snapshots may stay: they are a cache)."""

@@ -69,3 +69,26 @@ def test_rows_past_the_spared_slots_recompute_and_stay_exact(partial, monkeypatc
     assert llm.engine.states.num_slots == 4 + 4 + rows * 3  # sequences, rollback points, draft states (k = 4)
     if rows == 0:
         assert recomputes
+
+
+def test_draft_states_stay_within_their_share_of_the_pool(partial, monkeypatch):
+    """The pool holds DRAFT_STATE_ROWS rows' worth of draft states: with free prefix-snapshot slots about, rows
+    past that share take none (else a later row's rollback point or a prefix snapshot finds no slot)."""
+    monkeypatch.setattr(engine, "DRAFT_STATE_ROWS", 1)
+    checkpoint, want = partial
+    llm = LLM(checkpoint=checkpoint, parallel=4, draft_kind="mtp", draft_policy="enable", speculative_max_rows=64,
+              enable_prefix_caching=True, state_snapshots=8)
+    held, execute = [], llm.engine.runner.execute
+
+    def spy(plan, *args):
+        held.append(sum(len(c.draft_state_slots) for c in plan.chunks))
+        return execute(plan, *args)
+
+    llm.engine.runner.execute = spy
+    outs = llm.generate(PROMPTS[:4], [_greedy(i) for i in range(4)])
+    assert [o.token_ids for o in outs] == want[:4]
+    assert 0 < max(held) <= 3  # one row's worth (k = 4: 3 states)
+    assert llm.engine.states.stats().num_snapshot_evictions == 0
+    assert llm.engine.state_report()["max_draft_states"] == 3
+    llm.engine.kv.check_integrity()
+    assert llm.engine.states.all_free()

@@ -42,3 +42,20 @@ def test_a_duplicate_snapshot_returns_its_slot_and_none_without_a_budget():
     assert pool.stats().num_snapshots == 1 and pool.num_free == 2
     pool.check_integrity()
     assert StatePool(2, bytes_per_slot=8).reserve_snapshot() is None
+
+
+def test_spare_slots_stay_within_their_share_and_never_evict():
+    pool = StatePool(5, bytes_per_slot=8, max_snapshots=2, max_spare=2)
+    a, b = pool.allocate_spare(), pool.allocate_spare()
+    assert a is not None and b is not None
+    assert pool.allocate_spare() is None and pool.num_free == 3  # its share is spent, free slots or not
+    pool.free(a)
+    c = pool.allocate_spare()
+    assert c is not None
+    pool.free(b)
+    pool.commit_snapshot(1, pool.reserve_snapshot())
+    for _ in range(3):
+        pool.allocate()
+    assert pool.num_free == 0 and pool.stats().num_scratch == 1  # c: one of its two
+    assert pool.allocate_spare() is None and pool.stats().num_snapshots == 1  # no free slot: the snapshot stays
+    pool.check_integrity()
