@@ -878,7 +878,10 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 #endif
 
 #if defined(CONVEYOR_ROW_PREPASS)
-  thread_local Prepass pre;  // the caller's scratch, kept across calls
+  thread_local Prepass caller_scratch;  // kept across calls
+  // NOTE: through a reference: the pool's threads, reading `pre` in the lambda below, must see the caller's
+  // scratch (a thread_local named there would be each thread's own, empty one).
+  Prepass& pre = caller_scratch;
   pre.qk = nullptr;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (dp_qk != nullptr && fast_sum != nullptr && NSUB == 1) {
