@@ -131,7 +131,10 @@ def _run_draft_vocab(args: argparse.Namespace) -> int:
     config, _ = load_configs(args)
     try:
         tokenizer = load_checkpoint(config.model, hf_file=config.hf_file, revision=config.revision).tokenizer
-        counts = write_token_counts(args.output, count_text_files(tokenizer, args.files))
+        try:
+            counts = write_token_counts(args.output, count_text_files(tokenizer, args.files))
+        except OSError as exc:  # the output (a missing folder, no permission); a TEXT file's is a LoadError
+            raise LoadError(f"draft-vocab: cannot write {args.output} ({exc.strerror or exc})") from None
     except LoadError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
         return 1

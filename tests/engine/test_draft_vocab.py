@@ -186,6 +186,9 @@ def test_the_cli_counts_text_files_with_the_models_tokenizer(tmp_path, capsys):
     assert read_token_counts(out) == dict(want)
     assert f"{sum(want.values())} tokens" in capsys.readouterr().out
     assert main(["draft-vocab", "-m", model, str(tmp_path / "missing.txt"), "-o", str(out)]) == 1
+    # an output it cannot write: one line, exit 1 (no traceback)
+    assert main(["draft-vocab", "-m", model, str(tmp_path / "a.txt"), "-o", str(tmp_path / "no" / "x.txt")]) == 1
+    assert "cannot write" in capsys.readouterr().err
 
 
 def test_a_tied_head_gathers_the_embeddings_rows(tmp_path):
