@@ -557,11 +557,11 @@ FLAGS: list[Flag] = [
          help="token-frequency file (`TOKEN_ID COUNT` lines) for --draft-kind mtp / dflash: the drafter's LM head "
               "scores only the most frequent ids (plus special tokens), gathered once at load (FR-Spec); output is "
               "unchanged, drafts outside it are never proposed; none = the whole vocabulary"),
-    Flag(("--draft-p-min",), "draft_p_min", float,
-         "model drafters (draft model, mtp, eagle3, dflash): a greedy row stops drafting at a draft whose top "
-         "probability is below P (llama-server's --draft-p-min; 0 = off)"),
     Flag(("--draft-vocab-size",), "draft_vocab_size", int,
          "ids of --draft-vocab the drafter scores, special tokens included (0 = every id the file lists)"),
+    Flag(("--draft-p-min",), "draft_p_min", float,
+         "model drafters (draft model, mtp, eagle3, dflash): a greedy row stops drafting at a draft whose top "
+         "probability (over --draft-vocab's ids, when given) is below P (llama-server's --draft-p-min; 0 = off)"),
     Flag(("--cache-dir",), "cache_dir", help="where measured verdicts persist (default ~/.cache/conveyor)"),
     Flag(("--kernel-arch",), "kernel_arch",
          help="-march the C++ CPU kernels are built for (native, x86-64-v3, x86-64, ...); cached per value and CPU"),
