@@ -37,12 +37,6 @@ class DraftVocabHead(nn.Module):
         loader.linear(self.lm_head, [gather_rows(head_weight, self.token_ids.cpu())])
         self.token_ids = self.token_ids.to(loader.device)
 
-    def expand(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Subset logits (R, N) -> (R, vocab_size), -inf off the subset: a distribution over the target's ids."""
-        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-        full[:, self.token_ids] = logits
-        return full
-
 
 def gather_rows(weight: Weight, row_ids: torch.Tensor) -> Weight:
     """Rows `row_ids` of a (V, H) weight, in its own format: GGML blocks stay blocks (a row is whole blocks)."""
