@@ -92,3 +92,29 @@ def test_draft_states_stay_within_their_share_of_the_pool(partial, monkeypatch):
     assert llm.engine.state_report()["max_draft_states"] == 3
     llm.engine.kv.check_integrity()
     assert llm.engine.states.all_free()
+
+
+def test_draft_states_come_back_on_abort_and_a_failed_forward(partial):
+    """A row aborted while its forward runs, and a forward that raises: their rollback and draft-state slots
+    go back (update()'s aborted branch, release_step); the idle engine's integrity check and all_free hold."""
+    checkpoint, _ = partial
+    llm = LLM(checkpoint=checkpoint, parallel=4, draft_kind="mtp", draft_policy="enable", speculative_max_rows=64,
+              enable_prefix_caching=False)
+    events, execute = [], llm.engine.runner.execute
+
+    def spy(plan, *args):
+        held = [c for c in plan.chunks if c.draft_state_slots]
+        if held and not events:
+            events.append("abort")
+            llm.engine.abort(held[0].request_id)  # as a client disconnect lands while the forward runs
+        elif held and events == ["abort"]:
+            events.append("raise")
+            raise RuntimeError("injected forward failure")
+        return execute(plan, *args)
+
+    llm.engine.runner.execute = spy
+    outs = llm.generate(PROMPTS[:4], [_greedy(i) for i in range(4)])
+    assert events == ["abort", "raise"]
+    assert any(o.error and "injected" in o.error for o in outs)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.states.all_free() and llm.engine.states.stats().num_scratch == 0
