@@ -272,7 +272,10 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states (R, hidden) -> float32 logits (R, vocab)."""
-        logits = self.lm_head(hidden).float()
+        return self.scale_logits(self.lm_head(hidden).float())
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's float32 output (R, any columns) -> logits (an MTP head's draft vocabulary reads it too)."""
         if self.config.logits_scaling != 1.0:  # Granite divides; Falcon-H1's lm_head_multiplier m is 1 / m here
             logits = logits / self.config.logits_scaling
         return logits

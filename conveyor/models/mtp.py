@@ -121,9 +121,7 @@ class MTPHead(nn.Module):
         full (R, V) logits and None without one."""
         if self.draft_vocab is None:
             return self.compute_logits(hidden), None
-        logits = self.draft_vocab(hidden)
-        scaling = self._shared[0].config.logits_scaling  # as the target's compute_logits
-        return (logits / scaling if scaling != 1.0 else logits), self.draft_vocab.token_ids
+        return self._shared[0].scale_logits(self.draft_vocab(hidden)), self.draft_vocab.token_ids
 
     def load_weights(self, weights: Mapping[str, Weight], loader: WeightLoader) -> None:
         """From the checkpoint's mtp.* tensors (layer_weights' names)."""
