@@ -1,4 +1,7 @@
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -227,3 +230,42 @@ def test_key_end_rows_see_their_run_both_ways(dtype, window):
     single = AttentionMetadata(meta.slot_mapping, meta.block_tables[:1], torch.zeros(1, dtype=torch.int32),
                                meta.token_pos[5:6], [seq_lens[0]], [1], key_end=ends[5:6])
     assert torch.equal(paged_attention(query[5:6], kc, vc, single, scale=HEAD_DIM ** -0.5, window=window), got[5:6])
+
+
+def _capped_prefill(path: str) -> None:
+    """In a subprocess under CONVEYOR_ROW_PREPASS_BYTES: a call with two prefill chunks (300 and 100 keys, 40 and 20
+    rows) and a decode row, twice; saves the outputs and this thread's prepass scratch and cap (bytes)."""
+    query, kc, vc, meta = _random_batch([300, 100, 50], [40, 20, 1], torch.bfloat16, seed=9, heads=4, kv_heads=2,
+                                        head_dim=64)
+    outs = [paged_attention(query, kc, vc, meta, scale=0.125) for _ in range(2)]
+    torch.save({"outs": outs, "scratch": backend.attention.row_prepass_bytes()}, path)
+
+
+# The row path's prepared bytes for _capped_prefill's two chunks (2 KV heads, D = 64): keys 2 x 16-key groups x 2 KB,
+# values 2 x keys x 256 B.
+_BIG, _SMALL = 2 * 19 * 2048 + 2 * 300 * 256, 2 * 7 * 2048 + 2 * 100 * 256
+
+
+@pytest.mark.parametrize("cap", [1000, 100_000])  # neither chunk fits; only the second (the first is skipped)
+def test_row_prepass_cap_keeps_the_bits_and_bounds_the_scratch(cap, tmp_path):
+    """The row path (CONVEYOR_PAGED_AMX=0) with the prepass capped below one chunk, and below the first of two: the
+    same bits as uncapped, and the scratch kept across calls within the cap."""
+    def run(env_cap):
+        path = tmp_path / f"{env_cap}.pt"
+        env = {**os.environ, "CONVEYOR_PAGED_AMX": "0"}
+        env.pop("CONVEYOR_ROW_PREPASS_BYTES", None)
+        if env_cap is not None:
+            env["CONVEYOR_ROW_PREPASS_BYTES"] = str(env_cap)
+        code = f"import tests.kernels.test_attention as t; t._capped_prefill({str(path)!r})"
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return torch.load(path)
+
+    capped, full = run(cap), run(None)
+    for out in capped["outs"] + full["outs"][1:]:
+        assert torch.equal(out, full["outs"][0])
+    scratch, limit = capped["scratch"]
+    if limit == 0:  # no prepass at this level (AVX-512 without BF16, AVX2, portable): the per-row passes only
+        return
+    assert limit == cap and scratch == (0 if cap < _SMALL else _SMALL)
+    assert full["scratch"] == (_BIG + _SMALL, 64 << 20)

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -556,6 +557,19 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 // values are made once, and its rows read them: the same values into the same op chains, so the same bits
 // whichever way a row goes (each lane's score is its own chain, wherever the key sits in its group).
 constexpr int64_t kPrepassRows = 16;
+// The most bytes one call prepares (keys and values together; the scratch, kept across calls, never holds more):
+// unbounded, a 128k-token prompt's chunked prefill left ~384 MB (1B model) on the engine thread for the process's
+// life, outside the KV budget. Sequences past it take the per-row passes (the same bits).
+constexpr int64_t kPrepassCapBytes = int64_t{64} << 20;
+
+// kPrepassCapBytes, or CONVEYOR_ROW_PREPASS_BYTES (read once per process; the tests' small caps).
+inline int64_t prepass_cap_bytes() {
+  static const int64_t cap = [] {
+    const char* v = std::getenv("CONVEYOR_ROW_PREPASS_BYTES");
+    return v != nullptr && *v != '\0' ? std::max<int64_t>(0, std::strtoll(v, nullptr, 10)) : kPrepassCapBytes;
+  }();
+  return cap;
+}
 
 using PreScoresFn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const __m512i*, float*);
 using PreSumFn = void (*)(const float*, int64_t, int64_t, const float*, float*);
@@ -653,10 +667,20 @@ struct Prepass {
     return kt.data() + kt_at[s] + kvh * ((keys[s] + 15) / 16) * 16 * DH;
   }
   const float* values_of(int64_t s, int64_t kvh, int64_t D) const { return vf.data() + vf_at[s] + kvh * keys[s] * D; }
+  int64_t bytes() const {
+    return static_cast<int64_t>(kt.capacity() * sizeof(__m512i) + vf.capacity() * sizeof(float));
+  }
 };
 
+// The calling thread's scratch, kept across calls (the engine thread's: one call at a time).
+inline Prepass& caller_prepass() {
+  thread_local Prepass scratch;
+  return scratch;
+}
+
 // Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64 or 128,
-// G <= 4: scores_dpbf16's shapes); leaves pre.qk null when none has.
+// G <= 4: scores_dpbf16's shapes), in order, each that still fits within prepass_cap_bytes(); leaves pre.qk null
+// when none is prepared.
 void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt, int64_t max_blocks,
                   int64_t num_seqs, const int32_t* seq, const int64_t* visible, int64_t T, int64_t KVH, int64_t G,
                   int64_t D, int bs_shift, int64_t kv_block, int64_t kv_tok) {
@@ -672,18 +696,32 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   pre.kt_at.assign(num_seqs, -1);
   pre.vf_at.assign(num_seqs, -1);
   int64_t kt_size = 0, vf_size = 0;
+  const int64_t cap = prepass_cap_bytes();
+  const auto bytes = [](int64_t kt_n, int64_t vf_n) {
+    return kt_n * static_cast<int64_t>(sizeof(__m512i)) + vf_n * static_cast<int64_t>(sizeof(float));
+  };
   std::vector<int64_t> items;  // s * KVH + kvh
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (rows[s] < kPrepassRows) continue;
+    const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH, vf_add = KVH * pre.keys[s] * D;
+    if (bytes(kt_size + kt_add, vf_size + vf_add) > cap) continue;  // past the cap: its rows take the per-row passes
     pre.kt_at[s] = kt_size;
     pre.vf_at[s] = vf_size;
-    kt_size += KVH * ((pre.keys[s] + 15) / 16) * 16 * DH;
-    vf_size += KVH * pre.keys[s] * D;
+    kt_size += kt_add;
+    vf_size += vf_add;
     for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back(s * KVH + kvh);
   }
   if (items.empty()) return;
-  if (static_cast<int64_t>(pre.kt.size()) < kt_size) pre.kt.resize(kt_size);
-  if (static_cast<int64_t>(pre.vf.size()) < vf_size) pre.vf.resize(vf_size);
+  if (static_cast<int64_t>(pre.kt.size()) < kt_size || static_cast<int64_t>(pre.vf.size()) < vf_size) {
+    // Grown to exact sizes (not resize's doubling), both within the cap together: the largest seen while they fit,
+    // else this call's.
+    int64_t kt_n = std::max<int64_t>(kt_size, pre.kt.size()), vf_n = std::max<int64_t>(vf_size, pre.vf.size());
+    if (bytes(kt_n, vf_n) > cap) kt_n = kt_size, vf_n = vf_size;
+    std::vector<__m512i>().swap(pre.kt);  // the old buffers go before the new ones are made
+    std::vector<float>().swap(pre.vf);
+    std::vector<__m512i>(kt_n).swap(pre.kt);
+    std::vector<float>(vf_n).swap(pre.vf);
+  }
   if (DH == 2) pick_pre<2>(G, pre.qk, pre.sum); else pick_pre<4>(G, pre.qk, pre.sum);
   conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -878,10 +916,9 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
 #endif
 
 #if defined(CONVEYOR_ROW_PREPASS)
-  thread_local Prepass caller_scratch;  // kept across calls
   // NOTE: through a reference: the pool's threads, reading `pre` in the lambda below, must see the caller's
   // scratch (a thread_local named there would be each thread's own, empty one).
-  Prepass& pre = caller_scratch;
+  Prepass& pre = caller_prepass();
   pre.qk = nullptr;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (dp_qk != nullptr && fast_sum != nullptr && NSUB == 1) {
@@ -1487,6 +1524,16 @@ const char* paged_path(int64_t head_dim) {
   return "rows";
 }
 
+// The calling thread's row-path scratch (prepare_rows) in bytes, and the cap it stays within; 0, 0 where this level
+// has no prepass (tests).
+std::pair<int64_t, int64_t> row_prepass_bytes() {
+#if defined(CONVEYOR_ROW_PREPASS)
+  return {caller_prepass().bytes(), prepass_cap_bytes()};
+#else
+  return {0, 0};
+#endif
+}
+
 // NOTE: every entry point releases the GIL, as torch's own ops do; holding it here stalled the
 // server's event loop for whole kernels and then made the engine wait out the GIL switch interval.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1502,6 +1549,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("num_heads"), py::arg("scale"), release());
   m.def("paged_attention_path", &paged_path, "paged_attention's path for bf16 K/V of this head dim here: amx or rows",
         py::arg("head_dim"));
+  m.def("row_prepass_bytes", &row_prepass_bytes, "this thread's row-path prepass scratch and its cap, in bytes");
   m.def("dense_attention_path", &conveyor_dense::path, "dense_attention's path for a head dim here: amx or fp32",
         py::arg("head_dim"));
 }
