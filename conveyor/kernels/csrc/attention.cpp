@@ -1394,6 +1394,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
 #endif
 
   conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
+    const DenormalsOff flush;  // as attend_rows: the tiny weights' assists in pass 3
     std::vector<float> scores, qf(G * D), qd(G * nb), acc(G * D), denom(G), vf(D);
     std::vector<int8_t> qq(G * D);
     for (int64_t task = begin; task < end; ++task) {
