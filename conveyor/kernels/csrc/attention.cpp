@@ -104,21 +104,17 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, load_bf16(v + d));
 }
 
-// Pass 3 for bf16 with D = 16 * DV and G query heads per KV head: the G x D accumulator
-// stays in registers across all keys (the generic loop reloads and stores it every key).
-template <int G, int DV>
-void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
-                       const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
-                       float* acc_out) {
-  const int bs_shift = __builtin_ctzll(BS);
+// Pass 3 with D = 16 * DV and G query heads per KV head: the G x D accumulator stays in registers across all keys
+// (the generic loop reloads and stores it every key). load_values(j, vf) puts key j's D values, as fp32, in vf:
+// from the bf16 cache (weighted_sum_bf16) or from the prepass's fp32 rows (weighted_sum_pre), the same FMA chains.
+template <int G, int DV, class LoadValues>
+inline void weighted_sum_regs(const float* scores, int64_t num_keys, float* acc_out, LoadValues load_values) {
   __m512 acc[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < num_keys; ++j) {
-    const int64_t key = j + first;
-    const c10::BFloat16* v = vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
     __m512 vf[DV];
-    for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
+    load_values(j, vf);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * num_keys + j]);
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(p, vf[d], acc[g][d]);
@@ -126,6 +122,17 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
   }
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc_out + g * DV * 16 + 16 * d, acc[g][d]);
+}
+
+template <int G, int DV>
+void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                       const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                       float* acc_out) {
+  const int bs_shift = __builtin_ctzll(BS);
+  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, [&](int64_t j, __m512* vf) {
+    const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset);
+    for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
+  });
 }
 
 // x[j] = exp(x[j] - m) for x <= m, 16 lanes at a time: the same range reduction and
@@ -624,23 +631,13 @@ void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first,
   }
 }
 
-// weighted_sum_bf16 on fp32 values `vf` (key 0's row first, rows D apart): the same FMA chains.
+// weighted_sum_regs on fp32 values `vf` (key 0's row first, rows D apart).
 template <int G, int DV>
 void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const float* vf, float* acc_out) {
-  __m512 acc[G][DV];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < num_keys; ++j) {
+  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, [&](int64_t j, __m512* vv) {
     const float* v = vf + (j + first) * 16 * DV;
-    __m512 vv[DV];
     for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(v + 16 * d);
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * num_keys + j]);
-      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc_out + g * DV * 16 + 16 * d, acc[g][d]);
+  });
 }
 
 template <int DH>
