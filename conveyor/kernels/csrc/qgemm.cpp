@@ -670,13 +670,13 @@ inline __m512 sb_q4k_float(__m512 acc, __m512i isum, __m512i msum, float dx, __m
   return _mm512_fnmadd_ps(_mm512_mul_ps(dxv, dmin), _mm512_cvtepi32_ps(msum), acc);
 }
 
-// Rows [r0, r0 + MR) x one group on the VNNI tiles (avx512_vnni at every M; amx_int8 below its 16 rows): chunk
-// sums by dpbusd, times the chunk's sub-block scale in int32.
-template <int MR>
-void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
-                 int64_t ldo, int64_t cols) {
-  constexpr TypeInfo t = type_info(kQ4_K);
-  const int64_t sb_per_row = xr.k / 256;
+// The per-superblock tiles' common loop (activations per 256): per superblock, each 32-k chunk's unpacked weights go
+// to chunk(sbp, s, c, w, isum), which adds the MR rows' exact int32 sums; then finish(sbp, s, isum, acc) takes the
+// superblock's one float step per row.
+template <int QT, int MR, class Chunk, class Finish>
+inline void sb_tile_loop(const uint8_t* wg, int64_t n_sb, const float* bias, uint16_t* out, int64_t ldo, int64_t cols,
+                         int64_t r0, Chunk chunk, Finish finish) {
+  constexpr TypeInfo t = type_info(QT);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n_sb; ++s) {
@@ -687,18 +687,33 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
       prefetch_ahead(ch, chunk_bytes(t));
       __m512i w[8];
-      unpack<kQ4_K>(ch, w);
-      // Each column's scale in the low int16 of its dword (high 0): vpdpwssd adds exactly sc x the low word of a
-      // half sum, which is the whole half sum (|16 k of q x| <= 16 x 15 x 127 fits int16; its high word, 0 or -1,
-      // meets the 0). Two of them instead of add + vpmulld + add: the same integers, 1.08-1.15x at M = 64-256.
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
-        __m512i s0, s1;
-        dot32(w, x, s0, s1);
-        isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], s0, sc), s1, sc);
-      }
+      unpack<QT>(ch, w);
+      chunk(sbp, s, c, w, isum);
     }
+    finish(sbp, s, isum, acc);
+  }
+  store_rows(acc, MR, r0, bias, out, ldo, cols);
+}
+
+// Rows [r0, r0 + MR) x one group on the VNNI tiles (avx512_vnni at every M; amx_int8 below its 16 rows): chunk
+// sums by dpbusd, times the chunk's sub-block scale in int32.
+template <int MR>
+void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
+                 int64_t ldo, int64_t cols) {
+  const int64_t sb_per_row = xr.k / 256;
+  const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) {
+    // Each column's scale in the low int16 of its dword (high 0): vpdpwssd adds exactly sc x the low word of a
+    // half sum, which is the whole half sum (|16 k of q x| <= 16 x 15 x 127 fits int16; its high word, 0 or -1,
+    // meets the 0). Two of them instead of add + vpmulld + add: the same integers, 1.08-1.15x at M = 64-256.
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
+      __m512i s0, s1;
+      dot32(w, x, s0, s1);
+      isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], s0, sc), s1, sc);
+    }
+  };
+  const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) {
     const __m512 d = load_half16(sbp), dmin = load_half16(sbp + 32);
     __m512i mnp[4];
     sb_q4k_min_pairs(sbp, mnp);
@@ -707,8 +722,8 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
       const __m512i msum = sb_q4k_mins(mnp, xr.b2 + row * (xr.k / 64) + 4 * s);
       acc[r] = sb_q4k_float(acc[r], isum[r], msum, xr.sd[row * sb_per_row + s], d, dmin);
     }
-  }
-  store_rows(acc, MR, r0, bias, out, ldo, cols);
+  };
+  sb_tile_loop<kQ4_K, MR>(wg, n_sb, bias, out, ldo, cols, r0, chunk, finish);
 }
 
 // MR rows' sums over G k-groups of one chunk (x: row 0's first activation, rows ld apart), one dpbusd chain per
@@ -729,27 +744,17 @@ inline void row_chains(const __m512i* w, const int8_t* x, int64_t ld, __m512i* s
 template <int MR>
 void tile_sb_q6k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
                  int64_t ldo, int64_t cols) {
-  constexpr TypeInfo t = type_info(kQ6_K);
   const int64_t sb_per_row = xr.k / 256;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < n_sb; ++s) {
-    const uint8_t* sbp = wg + s * sb_bytes(t);
-    __m512i isum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 8; ++c) {
-      const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
-      __m512i w[8];
-      unpack<kQ6_K>(ch, w);
-      const int8_t* x = xr.q + r0 * xr.k + 256 * s + 32 * c;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 16 * (2 * c + h))));
-        __m512i half[MR];
-        row_chains<MR, 4>(w + 4 * h, x + 16 * h, xr.k, half);
-        for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc));
-      }
+  const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) {
+    const int8_t* x = xr.q + r0 * xr.k + 256 * s + 32 * c;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 16 * (2 * c + h))));
+      __m512i half[MR];
+      row_chains<MR, 4>(w + 4 * h, x + 16 * h, xr.k, half);
+      for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc));
     }
+  };
+  const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) {
     __m512i scp[8];  // the 16 columns' sub-block scales as int16 pairs (2i, 2i + 1), sign-extended
     for (int i = 0; i < 8; ++i) {
       const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 32 * i)));
@@ -766,8 +771,8 @@ void tile_sb_q6k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
       const __m512 dxv = _mm512_set1_ps(xr.sd[row * sb_per_row + s]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxv, d), _mm512_cvtepi32_ps(total), acc[r]);
     }
-  }
-  store_rows(acc, MR, r0, bias, out, ldo, cols);
+  };
+  sb_tile_loop<kQ6_K, MR>(wg, n_sb, bias, out, ldo, cols, r0, chunk, finish);
 }
 
 template <int QT, int MR>
