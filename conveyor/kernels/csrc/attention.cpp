@@ -107,8 +107,10 @@ inline void load_row(const c10::BFloat16* v, float* out, int64_t n) {
 // Pass 3 with D = 16 * DV and G query heads per KV head: the G x D accumulator stays in registers across all keys
 // (the generic loop reloads and stores it every key). load_values(j, vf) puts key j's D values, as fp32, in vf:
 // from the bf16 cache (weighted_sum_bf16) or from the prepass's fp32 rows (weighted_sum_pre), the same FMA chains.
+// Forced inline (the loop and its loaders): the accumulator must stay in registers, as when it was written twice.
 template <int G, int DV, class LoadValues>
-inline void weighted_sum_regs(const float* scores, int64_t num_keys, float* acc_out, LoadValues load_values) {
+__attribute__((always_inline)) inline void weighted_sum_regs(const float* scores, int64_t num_keys, float* acc_out,
+                                                             LoadValues load_values) {
   __m512 acc[G][DV];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
@@ -129,10 +131,11 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
                        const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
                        float* acc_out) {
   const int bs_shift = __builtin_ctzll(BS);
-  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, [&](int64_t j, __m512* vf) {
+  const auto load_values = [&](int64_t j, __m512* vf) __attribute__((always_inline)) {
     const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset);
     for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
-  });
+  };
+  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
 }
 
 // x[j] = exp(x[j] - m) for x <= m, 16 lanes at a time: the same range reduction and
@@ -634,10 +637,11 @@ void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first,
 // weighted_sum_regs on fp32 values `vf` (key 0's row first, rows D apart).
 template <int G, int DV>
 void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const float* vf, float* acc_out) {
-  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, [&](int64_t j, __m512* vv) {
+  const auto load_values = [&](int64_t j, __m512* vv) __attribute__((always_inline)) {
     const float* v = vf + (j + first) * 16 * DV;
     for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(v + 16 * d);
-  });
+  };
+  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
 }
 
 template <int DH>
