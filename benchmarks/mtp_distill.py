@@ -2,8 +2,12 @@
 fed exactly what conveyor's MTP drafting feeds it (models/mtp.py, runner/mtp_runner.py):
 
     row q:   x = fc([pre_fc_norm_embedding(embed(x_{q+1})) | pre_fc_norm_hidden(h_q)]);  out_q = norm(layer(x))
-    loss:    cross-entropy of lm_head(out_q) against x_{q+2} (the target's greedy token), plus 1 - cos(out_q, h_{q+1})
-             (out_q stands in for h_{q+1} when drafts chain), and the same for a second, chained pass
+    loss:    cross-entropy of lm_head(out_q) against g_{q+1} (the target's greedy token after x_{q+1}), plus
+             1 - cos(out_q, h_{q+1}) (out_q stands in for h_{q+1} when drafts chain), and the same for a second,
+             chained pass
+
+On a greedy continuation g_{q+1} is x_{q+2} itself; on teacher-forced text (any token sequence prefilled, so every
+token id can be covered) it is the target's argmax at q+1, recorded beside the hidden state (Sequence.greedy_ids).
 
 h_q is the target's final-normed hidden state (what ModelRunner hands MTPRunner.record); the embedding and head
 are the model's (the same tensor where it ties them), frozen. Names are the Hugging Face checkpoint's mtp.* names,
@@ -26,6 +30,9 @@ class Sequence:
     token_ids: list[int]  # x_0 .. x_{N-1}
     hiddens: torch.Tensor  # (N-1, H): h_0 .. h_{N-2} (the last token was never fed back)
     num_prompt_tokens: int  # rows whose target x_{q+2} is prompt text, not the model's output, carry no loss
+    # Teacher-forced text: the target's argmax at positions 0 .. N-2 (what it would write after x_q), the labels in
+    # place of the forced x_{q+2}; None for a greedy continuation (there x_{q+1} is that argmax).
+    greedy_ids: list[int] | None = None
 
 
 class MTPStudent(nn.Module):
@@ -82,15 +89,19 @@ class Batch:
 
 def windows(sequences: list[Sequence], length: int) -> Batch:
     """Every sequence's rows q = 0 .. N-3 cut into windows of `length` rows from q = 0 (the head's attention sees
-    the rows before q in its window only; windows start at the sequence start so the prompt is context)."""
+    the rows before q in its window only; windows start at the sequence start so the prompt is context). Hidden
+    states keep the sequences' dtype (bf16 as collected: the caller casts a minibatch)."""
     parts: list[tuple] = []
     for seq in sequences:
         ids = torch.tensor(seq.token_ids)
         num_rows = len(seq.token_ids) - 2
-        labels = ids[2:].clone()
-        labels[:max(0, seq.num_prompt_tokens - 2)] = -100  # x_{q+2} still prompt text
-        h = seq.hiddens.float()
-        next_h = torch.cat([h[1:], torch.zeros(1, h.shape[1])])[:num_rows]
+        if seq.greedy_ids is None:
+            labels = ids[2:].clone()
+            labels[:max(0, seq.num_prompt_tokens - 2)] = -100  # x_{q+2} still prompt text
+        else:  # row q: the target's own choice after x_{q+1}, not the forced x_{q+2}
+            labels = torch.tensor(seq.greedy_ids[1:num_rows + 1])
+        h = seq.hiddens
+        next_h = torch.cat([h[1:], torch.zeros(1, h.shape[1], dtype=h.dtype)])[:num_rows]
         for start in range(0, num_rows - length + 1, length):
             end = start + length
             parts.append((ids[start + 1:end + 1], h[start:end], torch.arange(start, end), labels[start:end],
@@ -123,15 +134,35 @@ def _terms(student: MTPStudent, out: torch.Tensor, labels: torch.Tensor, next_hi
     return ce + (1 - cos), {"ce": ce.item(), "cos": cos.item(), "acc": accuracy.item(), "rows": int(mask.sum())}
 
 
+def as_float(batch: Batch) -> Batch:
+    """The batch with float32 hidden states (windows() keeps the collected bf16)."""
+    return Batch(batch.token_ids, batch.hidden.float(), batch.positions, batch.labels, batch.next_hidden.float())
+
+
 @torch.no_grad()
-def accuracy(student: MTPStudent, batch: Batch, chunk: int = 16) -> float:
-    """First-draft accuracy: argmax(lm_head(out_q)) == x_{q+2} over the labelled rows."""
-    hits = total = 0
+def accuracy(student: MTPStudent, batch: Batch, chunk: int = 4) -> float:
+    """First-draft accuracy: argmax(lm_head(out_q)) == the label (x_{q+2} / the target's argmax) where labelled."""
+    return draft_accuracy(student, batch, chunk)["first"]
+
+
+@torch.no_grad()
+def draft_accuracy(student: MTPStudent, batch: Batch, chunk: int = 4) -> dict[str, float]:
+    """first: the first draft right; second: the chained draft at q+1 (reading x_{q+2} and out_q, as a second
+    draft does once the first was right) right; both: both right, the share of rows yielding two accepted drafts."""
+    hits = {"first": 0, "second": 0, "both": 0}
+    totals = {"first": 0, "second": 0}
     for i in range(0, batch.token_ids.shape[0], chunk):
-        part = slice(i, i + chunk)
+        part = as_float(Batch(*(t[i:i + chunk] for t in vars(batch).values())))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = student(batch.token_ids[part], batch.hidden[part], batch.positions[part])
-        mask = batch.labels[part] >= 0
-        hits += int((student.logits(out[mask]).argmax(-1) == batch.labels[part][mask]).sum())
-        total += int(mask.sum())
-    return hits / max(total, 1)
+            out = student(part.token_ids, part.hidden, part.positions)  # (B, T, H)
+            chained = student(part.token_ids[:, 1:], out[:, :-1], part.positions[:, 1:])  # (B, T-1, H)
+        first = student.logits(out).argmax(-1) == part.labels  # (B, T)
+        second = student.logits(chained).argmax(-1) == part.labels[:, 1:]  # (B, T-1)
+        mask, pair = part.labels >= 0, (part.labels[:, :-1] >= 0) & (part.labels[:, 1:] >= 0)
+        hits["first"] += int(first[mask].sum())
+        hits["second"] += int(second[pair].sum())
+        hits["both"] += int((first[:, :-1] & second)[pair].sum())
+        totals["first"] += int(mask.sum())
+        totals["second"] += int(pair.sum())
+    return {"first": hits["first"] / max(totals["first"], 1), "second": hits["second"] / max(totals["second"], 1),
+            "both": hits["both"] / max(totals["second"], 1), "rows": totals["first"]}

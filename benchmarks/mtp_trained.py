@@ -9,10 +9,20 @@ Stages (each writes under --dir, default /tmp/mtp-trained; run them in order, or
   convert  llama.cpp's convert_hf_to_gguf.py (MTP block included) -> F16, llama-quantize -> Q4_K_M
   collect  conveyor on the Q4_K_M file: greedy continuations of training prompts (stdlib module docstrings),
            batched, with every position's final-normed hidden state (what MTP drafting reads)
-  train    the head (block + fc + norms; embedding/head frozen, tied) by benchmarks/mtp_distill.py
-  export   the trained head into the HF directory, convert + quantize again (base weights unchanged)
+  collect-forced
+           teacher-forced prefill by conveyor on the same file of windows covering every real token id several
+           times (random permutations of the ids, cut into --seq-tokens windows): every position's hidden state
+           and the target's greedy argmax there, the head's label (DIR/FORCED.pt; needs DIR/tokenizer-ids.txt, every
+           id 0..49151 once, for the argmax over the target's own lm_head rows). The greedy continuations cover
+           only ~17k of the 49k ids, and a head trained on them alone memorises them
+  train    the head (block + fc + norms; embedding/head frozen, tied) by benchmarks/mtp_distill.py; --forced adds
+           collect-forced's windows to the training set (the held-out tenth stays greedy continuations);
+           metrics (train / held-out, first and chained draft) in DIR/HEAD.json
+  export   the trained head into the HF directory (--hf-out: into DIR/hf-HEAD, hf/ untouched), convert +
+           quantize again (base weights unchanged)
   vocab    the draft vocabulary's token counts (--draft-vocab): the collected greedy continuations of the TRAINING
-           prompts (never the held-out ones the bench asks), DIR/draft-vocab.txt
+           prompts (never the held-out ones the bench asks), DIR/draft-vocab.txt; --forced adds the target's greedy
+           ids along the forced windows (its own outputs there), --vocab-out names the file
   bench    held-out prompts, same file: conveyor plain vs --draft-kind mtp at C=1 and C=16 (MTP output asserted
            == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16 (DIR/bench-FILE.json)
   profile  C=1: ms per target forward (by rows), per head layer and per head lm_head call, plain and MTP
@@ -22,13 +32,20 @@ Usage (the results.md section's runs):
   ... train --head head-scratch --init checkpoint --minutes 14; ... export --head head-scratch
   ... bench --model DIR/qwen35-08b-mtp-head-scratch-Q4_K_M.gguf --tokens 96 --k 3
   ... vocab; ... bench ... --only conveyor --draft-vocab DIR/draft-vocab.txt --draft-vocab-size 8192
+The full-coverage head (results.md, "a head distilled with full coverage"):
+  ... collect-forced --forced forced --sequences 900      (900 x 176 tokens, ~3 passes over the ids, ~17 min)
+  ... train --head head-forced --init random --forced forced --minutes 30 --cosine --eval-every 100
+  ... export --head head-forced --hf-out; ... vocab --forced forced --vocab-out draft-vocab-forced.txt
+  ... bench --model DIR/qwen35-08b-mtp-head-forced-Q4_K_M.gguf --only conveyor --tokens 96 --k 3 [--draft-vocab ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -105,11 +122,18 @@ def random_head(cfg, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return head
 
 
-def write_head(folder: Path, head: dict[str, torch.Tensor]) -> None:
+def write_head(folder: Path, head: dict[str, torch.Tensor], out: Path | None = None) -> None:
+    """The HF directory with `head` as its mtp.* tensors: in place, or as `out` (its other files linked)."""
     import safetensors.torch
     path = folder / "model.safetensors"
     weights = {n: w for n, w in safetensors.torch.load_file(path).items() if not n.startswith("mtp.")}
     weights.update({n: w.to(torch.bfloat16).contiguous() for n, w in head.items()})
+    if out is not None:
+        out.mkdir(exist_ok=True)
+        for other in folder.iterdir():
+            if other.name != path.name and not (out / other.name).exists():
+                (out / other.name).symlink_to(other)
+        path = out / path.name
     safetensors.torch.save_file(weights, path.with_suffix(".tmp"), metadata={"format": "pt"})
     path.with_suffix(".tmp").rename(path)
 
@@ -193,6 +217,71 @@ def collect(gguf: Path, out: Path, num_tokens: int, parallel: int, limit: int | 
     report_text(llm.tokenizer, results, torch.load(out.parent / "perm.pt"))
 
 
+def forced_token_ids(num_real: int, skip: set[int], num_sequences: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`num_sequences` windows of `length` tokens that cover every real id (the tokenizer's, `skip` left out) about
+    equally: random permutations of the ids laid end to end, cut into windows."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([i for i in range(num_real) if i not in skip])
+    stream: list[int] = []
+    while len(stream) < num_sequences * length:
+        stream += ids[torch.randperm(len(ids), generator=gen)].tolist()
+    return [stream[i * length:(i + 1) * length] for i in range(num_sequences)]
+
+
+def collect_forced(gguf: Path, out: Path, all_ids: Path, num_sequences: int, length: int, parallel: int) -> None:
+    """Teacher-forced prefill of token windows covering every real id (forced_token_ids) by conveyor on the file:
+    at every position the target's final-normed hidden state and its greedy argmax there (the head's label: what
+    the model would have written, not the forced next token). The argmax is the target's own lm_head rows (the
+    Q6_K rows of the real ids, gathered as --draft-vocab does: `all_ids` lists every real id); each window's last
+    position is also sampled by the engine, which checks that argmax against the engine's own greedy token."""
+    from conveyor.engine.draft_vocab import special_token_ids
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.sampling_params import SamplingParams
+    from conveyor.runner import mtp_runner
+    from mtp_distill import Sequence
+
+    rows: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    original = mtp_runner.MTPRunner.record
+
+    def record(self, chunks, hidden):
+        vocab = self.head.draft_vocab
+        picked = torch.cat([vocab.token_ids[vocab(hidden[i:i + 256]).argmax(-1)]
+                            for i in range(0, hidden.shape[0], 256)])  # (T,) the target's greedy ids
+        at = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if not chunk.pool:
+                rows.setdefault(chunk.request_id, []).append(
+                    (chunk.start_position, hidden[at:at + n].to(torch.bfloat16).clone(), picked[at:at + n].clone()))
+            at += n
+        original(self, chunks, hidden)
+
+    mtp_runner.MTPRunner.record = record
+    llm = LLM(model=str(gguf), parallel=parallel, speculative_ngram=0, enable_prefix_caching=False,
+              draft_kind="mtp", draft_policy="decline", draft_vocab=str(all_ids))
+    num_real = llm.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    asked = forced_token_ids(num_real, special_token_ids(llm.tokenizer), num_sequences, length)
+    started = time.perf_counter()
+    results = llm.generate(asked, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    seconds = time.perf_counter() - started
+    sequences, agree = [], 0
+    for result in results:
+        parts = sorted(rows[result.request_id], key=lambda part: part[0])
+        assert [p[0] for p in parts] == list(itertools.accumulate([0] + [len(p[1]) for p in parts[:-1]]))
+        hiddens, greedy = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])  # (N, H), (N,)
+        assert hiddens.shape[0] == len(result.prompt_token_ids), "a position's hidden state is missing"
+        agree += int(greedy[-1]) == result.token_ids[0]
+        # x_N (the sampled token) closes the sequence, so h_0 .. h_{N-1} all feed rows (windows' layout)
+        sequences.append(Sequence(result.prompt_token_ids + result.token_ids[:1], hiddens, 0, greedy.tolist()))
+    torch.save(sequences, out)
+    positions = sum(len(s.greedy_ids) for s in sequences)
+    covered = len({t for s in sequences for t in s.token_ids})
+    print(json.dumps({"sequences": len(sequences), "positions": positions, "seconds": round(seconds, 1),
+                      "positions_per_s": round(positions / seconds, 1), "distinct_input_ids": covered,
+                      "distinct_greedy_ids": len({t for s in sequences for t in s.greedy_ids}),
+                      "last_argmax_equals_engine_greedy": f"{agree} of {len(results)}", "file": str(out)}))
+
+
 def report_text(tokenizer, results, perm: torch.Tensor | None = None) -> dict:
     """How degenerate the greedy text is: distinct tokens / tokens per continuation; how much of it a bigram
     table explains (a token seen before followed by the same successor as its first time); a sample."""
@@ -221,22 +310,35 @@ def report_text(tokenizer, results, perm: torch.Tensor | None = None) -> dict:
 # ---- train -------------------------------------------------------------------------------------------------------
 
 def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batch_size: int, lr: float,
-          init: str, temperature: float) -> None:
-    """AdamW on the head (bf16 autocast); the held-out tenth's first-draft accuracy after every epoch, the best
-    epoch's head kept (a few thousand sequences overfit within a few epochs). `init`: `checkpoint` (the random head
-    build() wrote) or `copy` (fc passes the next token's normed embedding through, the layer adds nothing: the
-    head starts as the bigram the embedding mostly decides, and training fits what the context adds)."""
+          init: str, temperature: float, forced: Path | None = None, eval_every: int = 0,
+          cosine: bool = False) -> None:
+    """AdamW on the head (bf16 autocast); the held-out tenth's first-draft accuracy after every epoch (and every
+    `eval_every` steps), the best head kept (a few thousand sequences overfit within a few epochs). `init`:
+    `checkpoint` (the head the HF directory holds now: the random one build() wrote, until an export), `random`
+    (random_head() again, seeded: the honest trained head whatever was exported since) or `copy` (fc passes the
+    next token's normed embedding through, the layer adds nothing: the head starts as the bigram the embedding
+    mostly decides, and training fits what the context adds). `forced`: teacher-forced sequences (collect-forced)
+    added to the training windows only; the held-out tenth stays greedy continuations. `cosine`: the learning
+    rate decays to 0 over the `minutes`. Metrics: OUT with .json."""
     import safetensors.torch
-    from mtp_distill import MTPStudent, accuracy, loss, windows
+    from mtp_distill import MTPStudent, as_float, draft_accuracy, loss, windows
 
     sequences = torch.load(data, weights_only=False)
     held = max(1, len(sequences) // 10)  # the last tenth checks the fit (the benchmark's prompts are other modules)
     window = window or min(len(s.token_ids) for s in sequences) - 2  # 0: each sequence one window
     train_batch, check_batch = windows(sequences[:-held], window), windows(sequences[-held:], window)
+    forced_batch = None
+    if forced is not None:
+        forced_batch = windows(torch.load(forced, weights_only=False), window)
+        train_batch = type(train_batch)(*(torch.cat([a, b]) for a, b in zip(vars(train_batch).values(),
+                                                                             vars(forced_batch).values())))
     weights = safetensors.torch.load_file(folder / "model.safetensors")
     num_real = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
     student = MTPStudent(config(), weights["model.embed_tokens.weight"].float(), weights["lm_head.weight"].float(),
                          num_real)
+    if init == "random":
+        torch.manual_seed(0)
+        weights.update(random_head(config(), weights))
     student.load_head({n: w.float() for n, w in weights.items() if n.startswith("mtp.")})
     if init == "copy":
         with torch.no_grad():
@@ -246,15 +348,28 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
             student.layer.mlp.down_proj.weight.zero_()
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    best = (accuracy(student, check_batch), 0, student.head_weights())
-    print(f"train: {train_batch.token_ids.shape[0]} windows of {window}; check {check_batch.token_ids.shape[0]}; "
-          f"first-draft accuracy before {best[0]:.3f}", flush=True)
+    best = (draft_accuracy(student, check_batch)["first"], "start", student.head_weights())
+    print(f"train: {train_batch.token_ids.shape[0]} windows of {window} ("
+          f"{0 if forced_batch is None else forced_batch.token_ids.shape[0]} forced); check "
+          f"{check_batch.token_ids.shape[0]}; first-draft accuracy before {best[0]:.3f}", flush=True)
+
+    def evaluate(when: str) -> None:
+        nonlocal best
+        held_accuracy = draft_accuracy(student, check_batch)["first"]
+        print(f"{when}: held-out first-draft accuracy {held_accuracy:.3f}", flush=True)
+        if held_accuracy > best[0]:
+            best = (held_accuracy, when, student.head_weights())
+
     started, step, epoch = time.perf_counter(), 0, 0
     while time.perf_counter() - started < minutes * 60:
         order = torch.randperm(train_batch.token_ids.shape[0])
         for i in range(0, len(order), batch_size):
             pick = order[i:i + batch_size]
-            part = type(train_batch)(*(t[pick] for t in vars(train_batch).values()))
+            part = as_float(type(train_batch)(*(t[pick] for t in vars(train_batch).values())))
+            if cosine:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (time.perf_counter() - started)
+                                                                          / (minutes * 60))))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 total, stats = loss(student, part, temperature=temperature)
             optimizer.zero_grad()
@@ -265,27 +380,42 @@ def train(folder: Path, data: Path, out: Path, minutes: float, window: int, batc
             if step % 20 == 0:
                 print(f"step {step} epoch {epoch} {time.perf_counter() - started:.0f}s "
                       + " ".join(f"{k}={v:.3f}" for k, v in stats.items() if k != "rows"), flush=True)
+            if eval_every and step % eval_every == 0:
+                evaluate(f"step {step}")
             if time.perf_counter() - started > minutes * 60:
                 break
         epoch += 1
-        held_accuracy = accuracy(student, check_batch)
-        print(f"epoch {epoch}: held-out first-draft accuracy {held_accuracy:.3f}", flush=True)
-        if held_accuracy > best[0]:
-            best = (held_accuracy, epoch, student.head_weights())
-    print(f"train: {step} steps, {epoch} epochs; kept epoch {best[1]}, held-out first-draft accuracy {best[0]:.3f}",
-          flush=True)
+        evaluate(f"epoch {epoch}")
+    seconds = time.perf_counter() - started
+    student.load_head(best[2])
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randperm(train_batch.token_ids.shape[0], generator=gen)[:check_batch.token_ids.shape[0] * 2]
+    metrics = {"steps": step, "epochs": epoch, "train_seconds": round(seconds), "kept": best[1],
+               "train_windows": train_batch.token_ids.shape[0], "window": window, "batch_size": batch_size, "lr": lr,
+               "init": init, "cosine": cosine, "held_out": draft_accuracy(student, check_batch),
+               "train_sample": draft_accuracy(student, type(train_batch)(*(t[sample] for t in
+                                                                        vars(train_batch).values())))}
+    if forced_batch is not None:
+        metrics["forced_windows"] = forced_batch.token_ids.shape[0]
+    print("train: " + json.dumps(metrics), flush=True)
+    out.with_suffix(".json").write_text(json.dumps(metrics, indent=1))
     torch.save(best[2], out)
 
 
 # ---- vocab -------------------------------------------------------------------------------------------------------
 
-def vocab(data: Path, out: Path) -> None:
+def vocab(data: Path, out: Path, forced: Path | None = None) -> None:
     """Count the collected continuations (the model's own greedy outputs on the training prompts) into a
-    --draft-vocab file."""
+    --draft-vocab file; with `forced`, also the target's greedy ids along the teacher-forced sequences (its own
+    outputs there, not the forced text)."""
     from conveyor.engine.draft_vocab import coverage, write_token_counts
 
     sequences = torch.load(data, weights_only=False)
-    counts = write_token_counts(out, (s.token_ids[s.num_prompt_tokens:] for s in sequences))
+    outputs = [s.token_ids[s.num_prompt_tokens:] for s in sequences]
+    if forced is not None:
+        sequences += torch.load(forced, weights_only=False)
+        outputs += [s.greedy_ids for s in sequences if s.greedy_ids is not None]
+    counts = write_token_counts(out, outputs)
     print(json.dumps({"sequences": len(sequences), "tokens": sum(counts.values()), "distinct": len(counts),
                       "share_of_tokens_in_top_n": coverage(counts, (1024, 2048, 4096, 8192, 16384)), "file": str(out)}))
 
@@ -488,8 +618,8 @@ def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int, vocab: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("build", "convert", "check", "collect", "train", "export", "vocab", "bench",
-                                     "profile"))
+    p.add_argument("stage", choices=("build", "convert", "check", "collect", "collect-forced", "train", "export",
+                                     "vocab", "bench", "profile"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
     p.add_argument("--embed-std", type=float, default=0.215)
     p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
@@ -502,7 +632,15 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--head", default="head", help="train / export: the trained head's name (DIR/HEAD.pt)")
-    p.add_argument("--init", choices=("checkpoint", "copy"), default="copy")
+    p.add_argument("--init", choices=("checkpoint", "random", "copy"), default="copy")
+    p.add_argument("--forced", help="collect-forced / train / vocab: the teacher-forced data's name (DIR/NAME.pt)")
+    p.add_argument("--sequences", type=int, default=1300, help="collect-forced: windows of --seq-tokens tokens")
+    p.add_argument("--seq-tokens", type=int, default=PROMPT_TOKENS + 128,
+                   help="collect-forced: tokens per window (the greedy sequences' length, so windows stack)")
+    p.add_argument("--eval-every", type=int, default=0, help="train: held-out check every N steps too")
+    p.add_argument("--cosine", action="store_true", help="train: learning rate decays to 0 over --minutes")
+    p.add_argument("--hf-out", action="store_true", help="export: into DIR/hf-HEAD (hf/ itself left as it is)")
+    p.add_argument("--vocab-out", default="draft-vocab.txt", help="vocab: the file's name under DIR")
     p.add_argument("--temperature", type=float, default=1.0, help="train: the cross-entropy's logit divisor")
     p.add_argument("--k", type=int, default=3, help="bench: draft tokens per step")
     p.add_argument("--concurrency", default="1,16")
@@ -521,14 +659,19 @@ def main() -> None:
     elif args.stage == "collect":
         collect(base.with_name(base.name + "-Q4_K_M.gguf"), args.dir / "distill.pt", args.tokens, args.parallel,
                 args.limit)
+    elif args.stage == "collect-forced":
+        collect_forced(base.with_name(base.name + "-Q4_K_M.gguf"), args.dir / f"{args.forced}.pt",
+                       args.dir / "tokenizer-ids.txt", args.sequences, args.seq_tokens, args.parallel)
     elif args.stage == "train":
         train(hf, args.dir / "distill.pt", args.dir / f"{args.head}.pt", args.minutes, args.window, args.batch_size,
-              args.lr, args.init, args.temperature)
+              args.lr, args.init, args.temperature, args.forced and args.dir / f"{args.forced}.pt", args.eval_every,
+              args.cosine)
     elif args.stage == "export":
-        write_head(hf, torch.load(args.dir / f"{args.head}.pt"))
-        print(convert(hf, args.dir / f"qwen35-08b-mtp-{args.head}"))
+        folder = args.dir / f"hf-{args.head}" if args.hf_out else hf
+        write_head(hf, torch.load(args.dir / f"{args.head}.pt"), folder if args.hf_out else None)
+        print(convert(folder, args.dir / f"qwen35-08b-mtp-{args.head}"))
     elif args.stage == "vocab":
-        vocab(args.dir / "distill.pt", args.dir / "draft-vocab.txt")
+        vocab(args.dir / "distill.pt", args.dir / args.vocab_out, args.forced and args.dir / f"{args.forced}.pt")
     elif args.stage == "bench":
         bench(args)
     elif args.stage == "profile":

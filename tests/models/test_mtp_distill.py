@@ -23,7 +23,8 @@ from conveyor.runner.mtp_runner import MTPRunner
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from mtp_distill import MTPStudent, Sequence, loss, windows  # noqa: E402
+from mtp_distill import MTPStudent, Sequence, draft_accuracy, loss, windows  # noqa: E402
+from mtp_trained import forced_token_ids  # noqa: E402
 
 
 def _student(hf) -> MTPStudent:
@@ -89,3 +90,45 @@ def test_windows_label_only_the_models_own_tokens_and_training_lowers_the_loss()
         optimizer.step()
     last = loss(student, batch)[1]
     assert last["ce"] < first["ce"] and last["acc"] > first["acc"] + 0.5, (first, last)
+
+
+def test_forced_windows_label_the_models_argmax_not_the_forced_text():
+    """Teacher-forced text (collect-forced) carries the target's argmax per position: row q's label is the argmax
+    at q+1 (what the model writes after x_{q+1}), never the forced x_{q+2}; such windows mix with greedy ones."""
+    hf = hf_hybrid("qwen3_5")
+    student = _student(hf)
+    gen = torch.Generator().manual_seed(2)
+    vocab, hidden = hf.config.vocab_size, hf.config.hidden_size
+    succ = torch.randperm(vocab, generator=gen)  # the "model" writes succ[x] after x, whatever the context
+    forced = []
+    for _ in range(6):
+        ids = torch.randint(0, vocab, (22,), generator=gen).tolist()  # forced text: random, not succ's chain
+        forced.append(Sequence(ids, torch.randn(21, hidden, generator=gen).bfloat16(), 0,
+                               [int(succ[t]) for t in ids[:-1]]))
+    greedy = [Sequence([i] + [0] * 21, torch.randn(21, hidden, generator=gen).bfloat16(), 5) for i in range(2)]
+    batch = windows(greedy + forced, 20)
+    assert batch.hidden.dtype == torch.bfloat16  # kept as collected; as_float() casts a minibatch
+    assert (batch.labels[2:] >= 0).all()  # every forced row labelled, prompt or not
+    for row, seq in enumerate(forced, start=2):
+        assert batch.labels[row].tolist() == [int(succ[t]) for t in seq.token_ids[1:21]]
+        assert batch.token_ids[row].tolist() == seq.token_ids[1:21]
+    batch.hidden, batch.next_hidden = batch.hidden.float(), batch.next_hidden.float()
+    forced_part = type(batch)(*(t[2:] for t in vars(batch).values()))
+    before = draft_accuracy(student, forced_part)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(30):
+        total, _ = loss(student, forced_part)
+        optimizer.zero_grad()
+        total.backward()
+        optimizer.step()
+    after = draft_accuracy(student, forced_part)
+    assert after["first"] > before["first"] + 0.5 and after["second"] > before["second"] + 0.5, (before, after)
+    assert after["both"] <= min(after["first"], after["second"]) and after["rows"] == 6 * 20
+
+
+def test_forced_token_ids_cover_every_real_id_but_the_skipped():
+    windows_ = forced_token_ids(100, {0, 1}, num_sequences=10, length=25)
+    assert [len(w) for w in windows_] == [25] * 10
+    flat = [t for w in windows_ for t in w]
+    assert set(flat) == set(range(2, 100))  # 250 tokens: every id of the 98 at least twice
+    assert min(flat.count(t) for t in range(2, 100)) >= 2
