@@ -53,7 +53,9 @@ def _ssm_case(dtype, T, gen):
 CASES = {"short_conv": _conv_case, "gated_delta_rule": _delta_case, "ssm_scan": _ssm_case,
          # wider than one block of the kernels' loops, with a tail: 64-channel conv blocks, 16-lane rows
          "short_conv_wide": lambda dtype, T, gen: _conv_case(dtype, T, gen, C=150),
-         "gated_delta_rule_wide": lambda dtype, T, gen: _delta_case(dtype, T, gen, dk=32, dv=40)}
+         "gated_delta_rule_wide": lambda dtype, T, gen: _delta_case(dtype, T, gen, dk=32, dv=40),
+         # a head's state of 40 floats: snapshots by memcpy, where the others take non-temporal stores
+         "gated_delta_rule_odd": lambda dtype, T, gen: _delta_case(dtype, T, gen, dk=8, dv=5)}
 
 
 def _rows(inputs, start, end):

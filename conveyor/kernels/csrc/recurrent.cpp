@@ -97,6 +97,50 @@ torch::Tensor rows_apart(const torch::Tensor& t) {
   return t.dim() >= 1 && t.size(0) > 1 && t.stride(0) < expected ? t.contiguous() : t;
 }
 
+// A state snapshot: a copy into a slot nothing reads until a rejected draft restores it (a verify takes one per
+// draft token: 3 x 64 KB per head and layer on a Qwen3.5-0.8B shape). Non-temporal stores write it without first
+// reading the cold destination lines (half the memory traffic of memcpy) and keep it out of the caches the walk
+// uses. Same bytes either way; unaligned or odd sizes take memcpy.
+#if defined(__AVX512F__)
+constexpr int64_t kStreamLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kStreamLanes = 8;
+#else
+constexpr int64_t kStreamLanes = 0;
+#endif
+
+inline bool streams_rows(const float* dst, int64_t n) {
+  return kStreamLanes != 0 && reinterpret_cast<uintptr_t>(dst) % (4 * kStreamLanes) == 0 && n % kStreamLanes == 0;
+}
+
+inline void stream_fence() {
+#if defined(__AVX__)
+  _mm_sfence();  // the streamed lines are visible before the kernel returns
+#endif
+}
+
+// n floats; `stream` (streams_rows(dst, n), and every later row alike): non-temporal, fenced by the caller.
+inline void copy_row(float* __restrict dst, const float* __restrict src, int64_t n, bool stream) {
+#if defined(__AVX512F__)
+  if (stream) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+    return;
+  }
+#elif defined(__AVX__)
+  if (stream) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void copy_snapshot(float* __restrict dst, const float* __restrict src, int64_t n) {
+  const bool stream = streams_rows(dst, n);
+  copy_row(dst, src, n, stream);
+  if (stream) stream_fence();
+}
+
 // ---- causal short convolution -------------------------------------------------------------------
 // out[t, c] = sum_j w[c, j] * in[t - (K-1) + j, c] (+ bias), rounded to the dtype, then SiLU if asked
 // (rounded again: torch's conv then its activation). The state holds the last K-1 inputs (fp32,
@@ -253,40 +297,66 @@ void l2norm_into(const scalar_t* x, float* out, int64_t n, float extra_scale) {
   }
 }
 
-// One token of one head on its state S (dk x dv), in place, in two row-major sweeps instead of four:
-//   1. S <- S * decay, and acc = S^T k accumulated row by row (acc: dv floats in L1);
-//   2. S <- S + k delta^T, and o = S^T q likewise.
-// Row-major sweeps stream the state from memory in order (the prefetcher's case); the second finds it in L2,
+// One head's walk over a sequence's tokens on its state S (dk x dv), in place, in row-major sweeps:
+//   first token:  S <- S * decay_0, and acc = S^T k_0 accumulated row by row (acc: dv floats in L1);
+//   token t:      S <- S + k_t delta_t^T and o_t = S^T q_t, and in the same sweep (row i is final for token t once
+//                 updated) S <- S * decay_{t+1} and acc = S^T k_{t+1} for the next token,
+// so n tokens take n + 1 sweeps of the state instead of 2n (a verify's 4 rows: 5 instead of 8; half a long
+// prefill's). A snapshot after token t copies each row as the sweep finishes it for t, before the next decay.
+// Row-major sweeps stream the state from memory in order (the prefetcher's case); the last sweep finds it in L2,
 // and meanwhile fetches `next` (the next task's state, or null) so that its first sweep finds it in cache:
 // at 16 sequences the states (16 MiB a layer) stream from memory, and the wait was most of the time.
-// Per element the operations and their order are the plain loops' (fp32, rows in ascending order, multiply
-// then add: -ffp-contract=off), so vectorizing the inner loops changes no bit.
-inline void delta_rule_token(float* __restrict S, const float* __restrict kf, const float* __restrict qf,
-                             const float* __restrict vf, float* __restrict acc, float* __restrict o, float decay,
-                             float beta, int64_t dk, int64_t dv, const float* next) {
+// Per element the operations and their order are the token-by-token loops' (fp32, rows in ascending order,
+// multiply then add: -ffp-contract=off), so fusing the sweeps and vectorizing the inner loops changes no bit.
+struct DeltaToken {  // one token's inputs for one head, in fp32
+  std::vector<float> q, k, v;
+  float decay = 0.f, beta = 0.f;
+  DeltaToken(int64_t dk, int64_t dv) : q(dk), k(dk), v(dv) {}
+};
+
+inline void delta_decay_project(float* __restrict S, const DeltaToken& t, float* __restrict acc, int64_t dk,
+                                int64_t dv) {
   for (int64_t j = 0; j < dv; ++j) acc[j] = 0.f;
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
-    const float ki = kf[i];
+    const float ki = t.k[i], decay = t.decay;
     for (int64_t j = 0; j < dv; ++j) {
       Si[j] = Si[j] * decay;
       acc[j] = acc[j] + Si[j] * ki;
     }
   }
+}
+
+// Token t's update and output from acc = S^T k_t (turned into delta here); with `next`, the next token's decay and
+// projection into acc in the same sweep. `snap` (or null): where the state after token t goes.
+inline void delta_update(float* __restrict S, const DeltaToken& t, const DeltaToken* nt, float* __restrict acc,
+                         float* __restrict delta, float* __restrict o, float* snap, const float* prefetch,
+                         int64_t dk, int64_t dv) {
   for (int64_t j = 0; j < dv; ++j) {
-    acc[j] = (vf[j] - acc[j]) * beta;  // delta
+    delta[j] = (t.v[j] - acc[j]) * t.beta;
     o[j] = 0.f;
+    acc[j] = 0.f;
   }
+  const bool stream = snap != nullptr && streams_rows(snap, dv);
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
-    const float ki = kf[i], qi = qf[i];
-    if (next != nullptr)
-      for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(next + i * dv + j);  // one 64-byte line per 16 floats
+    const float ki = t.k[i], qi = t.q[i];
+    if (prefetch != nullptr)
+      for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(prefetch + i * dv + j);  // one 64-byte line per 16 floats
     for (int64_t j = 0; j < dv; ++j) {
-      Si[j] = Si[j] + ki * acc[j];
+      Si[j] = Si[j] + ki * delta[j];
       o[j] = o[j] + Si[j] * qi;
     }
+    if (snap != nullptr) copy_row(snap + i * dv, Si, dv, stream);
+    if (nt != nullptr) {
+      const float nk = nt->k[i], decay = nt->decay;
+      for (int64_t j = 0; j < dv; ++j) {
+        Si[j] = Si[j] * decay;
+        acc[j] = acc[j] + Si[j] * nk;
+      }
+    }
   }
+  if (stream) stream_fence();
 }
 
 template <typename scalar_t>
@@ -299,33 +369,46 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
   const int64_t group = Hv / Hk;
   const float q_scale = std::sqrt(static_cast<float>(dk));
   conveyor_parallel::parallel_for(0, seqs.num * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(dk), kf(dk), vf(dv), acc(dv), o(dv);
+    DeltaToken cur(dk, dv), nxt(dk, dv);
+    std::vector<float> acc(dv), delta(dv), o(dv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Hv, h = task % Hv, hk = h / group;
-      // The slot's state is updated in place (no private copy): each token reads and writes it once.
+      // The slot's state is updated in place (no private copy).
       float* S = state + seqs.slots[s] * slot_stride + h * dk * dv;
       if (seqs.reset[s]) std::fill(S, S + dk * dv, 0.f);
       const float A = -std::exp(A_log[h]);
+      const auto load = [&](int64_t row, DeltaToken& t) {
+        l2norm_into(q + row * sq + hk * dk, t.q.data(), dk, q_scale);
+        l2norm_into(k + row * sk + hk * dk, t.k.data(), dk, 1.f);
+        t.decay = std::exp(A * softplus(static_cast<float>(a[row * sa + h]) + dt_bias[h]));
+        t.beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * sb + h]))));
+        const scalar_t* vr = v + row * sv + h * dv;
+        for (int64_t j = 0; j < dv; ++j) t.v[j] = static_cast<float>(vr[j]);
+      };
       int64_t snap = seqs.snap_starts[s];
       const int64_t first = seqs.starts[s], n = seqs.starts[s + 1] - first;
+      if (n > 0) {
+        load(first, cur);
+        delta_decay_project(S, cur, acc.data(), dk, dv);
+      }
       for (int64_t t = 0; t < n; ++t) {
         const int64_t row = first + t;
-        l2norm_into(q + row * sq + hk * dk, qf.data(), dk, q_scale);
-        l2norm_into(k + row * sk + hk * dk, kf.data(), dk, 1.f);
-        const float decay = std::exp(A * softplus(static_cast<float>(a[row * sa + h]) + dt_bias[h]));
-        const float beta = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(b[row * sb + h]))));
-        const scalar_t* vr = v + row * sv + h * dv;
-        scalar_t* orow = out + (row * Hv + h) * dv;
-        for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vr[j]);
-        const float* next = nullptr;  // on the last token, the next task's state (see delta_rule_token)
-        if (t == n - 1 && task + 1 < end) {
+        const bool more = t + 1 < n;
+        if (more) load(row + 1, nxt);
+        const float* next = nullptr;  // on the last token, the next task's state (see above)
+        if (!more && task + 1 < end) {
           const int64_t s2 = (task + 1) / Hv, h2 = (task + 1) % Hv;
           if (!seqs.reset[s2]) next = state + seqs.slots[s2] * slot_stride + h2 * dk * dv;
         }
-        delta_rule_token(S, kf.data(), qf.data(), vf.data(), acc.data(), o.data(), decay, beta, dk, dv, next);
+        float* snap_dst = nullptr;  // snapshots after the same count go to one slot each: the first by the sweep
+        if (snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1)
+          snap_dst = state + seqs.snap_slots[snap++] * slot_stride + h * dk * dv;
+        delta_update(S, cur, more ? &nxt : nullptr, acc.data(), delta.data(), o.data(), snap_dst, next, dk, dv);
+        scalar_t* orow = out + (row * Hv + h) * dv;
         for (int64_t j = 0; j < dv; ++j) orow[j] = round_to<scalar_t>(o[j]);
-        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, S, dk * dv * sizeof(float));
+        for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)  // (rare) more at t + 1
+          copy_snapshot(state + seqs.snap_slots[snap] * slot_stride + h * dk * dv, snap_dst, dk * dv);
+        std::swap(cur, nxt);
       }
     }
   });
@@ -410,7 +493,7 @@ void ssm_scan_impl(const scalar_t* x, const scalar_t* dt, const scalar_t* B, con
           yr[p] = y + D[h] * static_cast<float>(xr[p]);
         }
         for (; snap < seqs.snap_starts[s + 1] && seqs.snap_counts[snap] == t + 1; ++snap)
-          std::memcpy(state + seqs.snap_slots[snap] * slot_stride + h * P * N, S.data(), P * N * sizeof(float));
+          copy_snapshot(state + seqs.snap_slots[snap] * slot_stride + h * P * N, S.data(), P * N);
       }
       std::memcpy(st, S.data(), P * N * sizeof(float));
     }
