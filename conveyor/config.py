@@ -85,6 +85,7 @@ class EngineConfig:
     draft_policy: str = "adaptive"  # adaptive (measured per batch size) | enable | decline
     draft_vocab: str | None = None  # token-frequency file: the MTP / DFlash head scores only its top ids (FR-Spec)
     draft_vocab_size: int = 0  # ids of --draft-vocab kept (special tokens included); 0 = every id it lists
+    draft_vocab_type: str = "same"  # the gathered rows' format: same (the head's own) | q8_0 | q4_0 (fewer bytes)
     draft_p_min: float = 0.0  # a greedy row stops drafting at a draft whose top probability is below this; 0 = off
     cache_dir: str | None = None  # persisted verdicts; None = $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor
     kernel_arch: str = "native"  # -march of the C++ CPU kernels (x86-64, x86-64-v3, ...)
@@ -132,6 +133,10 @@ class EngineConfig:
         _require(self.draft_vocab is not None or self.draft_vocab_size == 0,
                  "--draft-vocab-size needs --draft-vocab FILE (the token frequencies that rank the ids)")
         _require(0.0 <= self.draft_p_min < 1.0, "draft_p_min must be in [0, 1) (0 = off)")
+        _require(self.draft_vocab_type in DRAFT_VOCAB_TYPES,
+                 f"draft_vocab_type must be one of {', '.join(DRAFT_VOCAB_TYPES)}")
+        _require(self.draft_vocab is not None or self.draft_vocab_type == "same",
+                 "--draft-vocab-type needs --draft-vocab FILE (it sets the format of the rows gathered from it)")
         _require(self.draft_vocab is None or self.draft_kind in ("mtp", "dflash"),
                  "--draft-vocab applies to --draft-kind mtp or dflash (the drafters that score with the target's "
                  "LM head; an EAGLE3 drafter carries its own draft vocabulary, d2t)")
@@ -360,6 +365,7 @@ DRAFT_KINDS = ("auto", "prompt-lookup", "draft-model", "mtp", "eagle3", "dflash"
 # --pooling values, llama-server's: rank = a reranker's score (as --reranking).
 POOLING_FLAG_VALUES = ("auto", "last", "mean", "cls", "rank")
 DECODE_STORAGE_BACKENDS = ("auto", "paged")  # conveyor's KV is always one paged block pool
+DRAFT_VOCAB_TYPES = ("same", "q8_0", "q4_0")  # --draft-vocab-type: the drafter's gathered head rows
 
 _KV_TYPES_TEXT = ", ".join(KV_CACHE_TYPES)
 # llama-server cache types conveyor does not offer, with why.
@@ -559,6 +565,9 @@ FLAGS: list[Flag] = [
               "unchanged, drafts outside it are never proposed; none = the whole vocabulary"),
     Flag(("--draft-vocab-size",), "draft_vocab_size", int,
          "ids of --draft-vocab the drafter scores, special tokens included (0 = every id the file lists)"),
+    Flag(("--draft-vocab-type",), "draft_vocab_type", choices=DRAFT_VOCAB_TYPES,
+         help="format of --draft-vocab's gathered head rows: same (the head's own), q8_0 or q4_0 (requantized once "
+              "at load: fewer bytes read per draft; drafts only, output unchanged)"),
     Flag(("--draft-p-min",), "draft_p_min", float,
          "model drafters (draft model, mtp, eagle3, dflash): a greedy row stops drafting at a draft whose top "
          "probability (over --draft-vocab's ids, when given) is below P (llama-server's --draft-p-min; 0 = off)"),

@@ -125,7 +125,8 @@ def attach_draft_vocab(config: EngineConfig, target: Checkpoint, head: nn.Module
     token_ids = select_token_ids(read_token_counts(config.draft_vocab), config.draft_vocab_size, cfg.vocab_size,
                                  special_token_ids(target.tokenizer))
     vocab = DraftVocabHead(token_ids, cfg.hidden_size, loader.ops)
-    vocab.load(head_weight(target), loader)
+    vocab.load(head_weight(target), loader, config.draft_vocab_type)
     head.draft_vocab = vocab
-    logger.info("draft vocabulary: %d of %d token ids from %s", len(token_ids), cfg.vocab_size, config.draft_vocab)
-    return f":vocab{len(token_ids)}"
+    logger.info("draft vocabulary: %d of %d token ids from %s (rows: %s)", len(token_ids), cfg.vocab_size,
+                config.draft_vocab, config.draft_vocab_type)
+    return f":vocab{len(token_ids)}" + ("" if config.draft_vocab_type == "same" else f":{config.draft_vocab_type}")

@@ -10,10 +10,12 @@ subset is never drafted: its drafts are rejected, never wrong).
 
 from __future__ import annotations
 
+import gguf
 import torch
 from torch import nn
 
 from conveyor.kernels import KernelBackend
+from conveyor.kernels.quant_ref import quantize_raw
 from conveyor.models.layers import RowInvariantLinear
 from conveyor.models.tensors import QuantizedTensor, Weight
 from conveyor.models.weights import WeightLoader
@@ -32,9 +34,13 @@ class DraftVocabHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (R, H) -> float32 (R, N)
         return self.lm_head(hidden).float()
 
-    def load(self, head_weight: Weight, loader: WeightLoader) -> None:
-        """From the target's full head weight (V, H) as the checkpoint holds it: its rows `token_ids`, copied."""
-        loader.linear(self.lm_head, [gather_rows(head_weight, self.token_ids.cpu())])
+    def load(self, head_weight: Weight, loader: WeightLoader, row_type: str = "same") -> None:
+        """From the target's full head weight (V, H) as the checkpoint holds it: its rows `token_ids`, copied, in
+        its own format or requantized to `row_type` (--draft-vocab-type)."""
+        rows = gather_rows(head_weight, self.token_ids.cpu())
+        if row_type != "same":
+            rows = requantize(rows, int(gguf.GGMLQuantizationType[row_type.upper()]))
+        loader.linear(self.lm_head, [rows])
         self.token_ids = self.token_ids.to(loader.device)
 
 
@@ -43,3 +49,11 @@ def gather_rows(weight: Weight, row_ids: torch.Tensor) -> Weight:
     if isinstance(weight, QuantizedTensor):
         return QuantizedTensor(weight.qtype, (row_ids.shape[0], weight.shape[1]), weight.raw[row_ids].contiguous())
     return weight[row_ids].contiguous()
+
+
+def requantize(weight: Weight, qtype: int) -> QuantizedTensor:
+    """A (N, H) weight in GGML type `qtype`: a drafter's head is read once per draft, memory-bound, so fewer bytes
+    per row are a faster draft (Q6_K -> Q4_0: 210 -> 144 bytes per 256 weights); its drafts may differ, output
+    never does (the target verifies)."""
+    values = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight.float()
+    return QuantizedTensor(qtype, tuple(values.shape), quantize_raw(values, qtype))

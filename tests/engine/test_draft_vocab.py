@@ -63,6 +63,20 @@ def test_greedy_with_a_draft_vocab_is_plain_decoding(bigram, concurrency):
     assert llm.engine.draft.name.endswith(f":vocab{vocab.lm_head.out_features}")
 
 
+@pytest.mark.parametrize("row_type", ["q4_0", "q8_0"])
+def test_requantized_vocab_rows_keep_plain_decoding(bigram, row_type):
+    """--draft-vocab-type: the gathered rows requantized once at load (fewer bytes per draft); output unchanged."""
+    checkpoint, want, path = bigram
+    llm, got = _run(checkpoint, 16, draft_kind="mtp", draft_policy="enable", draft_vocab=str(path),
+                    draft_vocab_type=row_type)
+    assert got == want
+    stats = llm.engine.scheduler.stats
+    assert stats.num_model_accepted_tokens >= 0.5 * stats.num_model_draft_tokens > 0  # still the right drafts
+    vocab = llm.engine.draft.model.draft_vocab
+    assert vocab.lm_head.segments[0].type_name == row_type.upper()
+    assert llm.engine.draft.name.endswith(f":vocab{vocab.lm_head.out_features}:{row_type}")
+
+
 def test_a_vocab_without_the_right_tokens_gives_exact_output(bigram, tmp_path):
     checkpoint, want, _ = bigram
     written = {t for w in want for t in w}
@@ -144,6 +158,10 @@ def test_bad_files_and_sizes_are_refused_at_startup(bigram, tmp_path):
         EngineConfig(draft_kind="mtp", draft_vocab=str(path), draft_vocab_size=-1)
     with pytest.raises(ConfigError, match="applies to --draft-kind mtp or dflash"):
         EngineConfig(draft_kind="eagle3", draft_model="x", draft_vocab=str(path))
+    with pytest.raises(ConfigError, match="draft_vocab_type must be one of"):
+        EngineConfig(draft_kind="mtp", draft_vocab=str(path), draft_vocab_type="q6_k")
+    with pytest.raises(ConfigError, match="--draft-vocab-type needs --draft-vocab FILE"):
+        EngineConfig(draft_kind="mtp", draft_vocab_type="q4_0")
 
 
 def test_the_counts_file_round_trips(tmp_path):
