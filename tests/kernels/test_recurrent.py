@@ -239,3 +239,25 @@ def test_ssm_scan_and_gated_norm_match_transformers_mamba2(dtype):
         want = norm(ours.reshape(T, H * P), gate).to(dtype)  # transformers rounds at out_proj's input
     got = kernels.gated_rms_norm(ours.reshape(T, H * P), gate, norm.weight.detach(), 1e-5, H * P // G, False)
     torch.testing.assert_close(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_rule_column_blocks_are_the_plain_loops_bits(dtype):
+    """dv a multiple of the register block (128) takes the blocked sweep; a column of S evolves from its own column
+    and v's alone, so the first 120 columns (120: the plain loops) must come out bitwise the same: outputs, final
+    state and snapshots, over a multi-token walk with a snapshot mid-way."""
+    gen = torch.Generator().manual_seed(3)
+    T, Hk, Hv, dk = 5, 1, 2, 16
+    q, k = (torch.randn(T, Hk, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(T, Hv, 128, generator=gen).to(dtype)
+    a, b = (torch.randn(T, Hv, generator=gen).to(dtype) for _ in range(2))
+    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen)
+    state = torch.randn(SLOTS, Hv, dk, 128, generator=gen)
+    meta = StateMetadata.build([T], [1], [False], [[(2, 3)]])
+    wide = state.clone()
+    out_wide = kernels.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, wide, *meta.args())
+    narrow = state[..., :120].contiguous()
+    out_narrow = kernels.gated_delta_rule(q, k, v[..., :120].contiguous(), a, b, A_log, dt_bias, narrow, *meta.args())
+    assert torch.equal(out_wide[..., :120], out_narrow)
+    assert torch.equal(wide[1, ..., :120], narrow[1]), "final state"
+    assert torch.equal(wide[3, ..., :120], narrow[3]), "snapshot after 2 tokens"

@@ -191,24 +191,21 @@ void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const 
   constexpr int64_t kBlock = 64;
   const int64_t W = K - 1;
   const int64_t slot_stride = C * W;
-  const int64_t num_blocks = (C + kBlock - 1) / kBlock, padded = num_blocks * kBlock;
-  // Taps by row, (K, padded channels), zero past C: a block reads each tap's weights as one contiguous row.
-  // Buffers kept per calling thread: a fresh 100 KB allocation per call cost page faults at one sequence.
-  thread_local std::vector<float> taps_buf, bias_buf;
-  taps_buf.assign(K * padded, 0.f);
-  bias_buf.assign(padded, 0.f);
-  // NOTE: plain pointers for the helpers: a thread_local named inside the lambda would be each helper's own.
-  float* const taps = taps_buf.data();
-  float* const bias_p = bias_buf.data();
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) taps[j * padded + c] = w[c * K + j];
-    if (bias != nullptr) bias_p[c] = bias[c];
-  }
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
   conveyor_parallel::parallel_for(0, seqs.num * num_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> window(K * kBlock);  // (K, kBlock): rows 0..W-1 the state, oldest first; row W the input
+    // The block's taps by row (K, kBlock), zero past C, and its bias: each tap's weights one contiguous row. Made
+    // per task (in parallel), not for the whole weight per call on the calling thread (~40 % of a decode call).
+    std::vector<float> taps(K * kBlock), bias_p(kBlock);
     alignas(64) float acc[kBlock];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock, cn = std::min(kBlock, C - c0);
+      std::fill(taps.begin(), taps.end(), 0.f);
+      std::fill(bias_p.begin(), bias_p.end(), 0.f);
+      for (int64_t c = 0; c < cn; ++c) {
+        for (int64_t j = 0; j < K; ++j) taps[j * kBlock + c] = w[(c0 + c) * K + j];
+        if (bias != nullptr) bias_p[c] = bias[c0 + c];
+      }
       float* st = state + seqs.slots[s] * slot_stride + c0 * W;
       std::fill(window.begin(), window.end(), 0.f);
       if (!seqs.reset[s])
@@ -222,12 +219,12 @@ void short_conv_impl(const scalar_t* x, int64_t x_stride, const float* w, const 
         for (int64_t c = 0; c < cn; ++c) input[c] = static_cast<float>(xr[c]);
         for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.f;
         for (int64_t j = 0; j < K; ++j) {
-          const float* wj = taps + j * padded + c0;
+          const float* wj = taps.data() + j * kBlock;
           const float* xj = window.data() + j * kBlock;
           for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + wj[c] * xj[c];
         }
         if (bias != nullptr)
-          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + bias_p[c0 + c];
+          for (int64_t c = 0; c < kBlock; ++c) acc[c] = acc[c] + bias_p[c];
         round_block<scalar_t>(acc, kBlock);
         if (apply_silu) {
           silu_block(acc, kBlock);
@@ -314,6 +311,84 @@ struct DeltaToken {  // one token's inputs for one head, in fp32
   DeltaToken(int64_t dk, int64_t dv) : q(dk), k(dk), v(dv) {}
 };
 
+// delta_update with the columns in register blocks (kDeltaVecs vectors = kDeltaCols columns): a block's delta, o
+// and next-token projection stay in registers while the rows pass, so each row is one load and one store of S
+// (the plain loops round-trip o and acc through L1 on every row). Per element the same operations in the same
+// order (explicit multiply then add, never fused), so the bits are delta_update's. Used where dv is a multiple of
+// kDeltaCols (Qwen3.5 / Qwen3-Next: 128); other shapes take delta_update.
+#if defined(__AVX512F__)
+constexpr int kDeltaVecs = 4, kDeltaLanes = 16;
+using DeltaVec = __m512;
+inline DeltaVec dv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void dv_store(float* p, DeltaVec v) { _mm512_storeu_ps(p, v); }
+inline void dv_stream(float* p, DeltaVec v) { _mm512_stream_ps(p, v); }
+inline DeltaVec dv_set1(float x) { return _mm512_set1_ps(x); }
+inline DeltaVec dv_zero() { return _mm512_setzero_ps(); }
+inline DeltaVec dv_mul(DeltaVec a, DeltaVec b) { return _mm512_mul_ps(a, b); }
+inline DeltaVec dv_add(DeltaVec a, DeltaVec b) { return _mm512_add_ps(a, b); }
+#define CONVEYOR_DELTA_BLOCKS 1
+#elif defined(__AVX2__)
+constexpr int kDeltaVecs = 2, kDeltaLanes = 8;
+using DeltaVec = __m256;
+inline DeltaVec dv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void dv_store(float* p, DeltaVec v) { _mm256_storeu_ps(p, v); }
+inline void dv_stream(float* p, DeltaVec v) { _mm256_stream_ps(p, v); }
+inline DeltaVec dv_set1(float x) { return _mm256_set1_ps(x); }
+inline DeltaVec dv_zero() { return _mm256_setzero_ps(); }
+inline DeltaVec dv_mul(DeltaVec a, DeltaVec b) { return _mm256_mul_ps(a, b); }
+inline DeltaVec dv_add(DeltaVec a, DeltaVec b) { return _mm256_add_ps(a, b); }
+#define CONVEYOR_DELTA_BLOCKS 1
+#endif
+
+#if defined(CONVEYOR_DELTA_BLOCKS)
+constexpr int64_t kDeltaCols = kDeltaVecs * kDeltaLanes;
+
+// delta (dv) already formed; writes o and, with nt, acc (the next token's projection) for columns [j0, j0 + cols).
+inline void delta_update_blocked(float* __restrict S, const DeltaToken& t, const DeltaToken* nt,
+                                 const float* __restrict delta, float* __restrict acc, float* __restrict o,
+                                 float* snap, bool stream, const float* prefetch, int64_t dk, int64_t dv) {
+  for (int64_t j0 = 0; j0 < dv; j0 += kDeltaCols) {
+    DeltaVec d[kDeltaVecs], ov[kDeltaVecs], av[kDeltaVecs];
+    for (int v = 0; v < kDeltaVecs; ++v) {
+      d[v] = dv_load(delta + j0 + v * kDeltaLanes);
+      ov[v] = dv_zero();
+      av[v] = dv_zero();
+    }
+    const DeltaVec decay = dv_set1(nt != nullptr ? nt->decay : 0.f);
+    for (int64_t i = 0; i < dk; ++i) {
+      float* Si = S + i * dv + j0;
+      if (prefetch != nullptr && j0 == 0)
+        for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(prefetch + i * dv + j);
+      const DeltaVec ki = dv_set1(t.k[i]), qi = dv_set1(t.q[i]);
+      DeltaVec sv[kDeltaVecs];
+      for (int v = 0; v < kDeltaVecs; ++v) {
+        sv[v] = dv_add(dv_load(Si + v * kDeltaLanes), dv_mul(ki, d[v]));
+        ov[v] = dv_add(ov[v], dv_mul(sv[v], qi));
+      }
+      if (snap != nullptr) {
+        float* dst = snap + i * dv + j0;
+        for (int v = 0; v < kDeltaVecs; ++v) {
+          if (stream) dv_stream(dst + v * kDeltaLanes, sv[v]);
+          else dv_store(dst + v * kDeltaLanes, sv[v]);
+        }
+      }
+      if (nt != nullptr) {
+        const DeltaVec nk = dv_set1(nt->k[i]);
+        for (int v = 0; v < kDeltaVecs; ++v) {
+          sv[v] = dv_mul(sv[v], decay);
+          av[v] = dv_add(av[v], dv_mul(sv[v], nk));
+        }
+      }
+      for (int v = 0; v < kDeltaVecs; ++v) dv_store(Si + v * kDeltaLanes, sv[v]);
+    }
+    for (int v = 0; v < kDeltaVecs; ++v) {
+      dv_store(o + j0 + v * kDeltaLanes, ov[v]);
+      if (nt != nullptr) dv_store(acc + j0 + v * kDeltaLanes, av[v]);
+    }
+  }
+}
+#endif
+
 inline void delta_decay_project(float* __restrict S, const DeltaToken& t, float* __restrict acc, int64_t dk,
                                 int64_t dv) {
   for (int64_t j = 0; j < dv; ++j) acc[j] = 0.f;
@@ -338,6 +413,13 @@ inline void delta_update(float* __restrict S, const DeltaToken& t, const DeltaTo
     acc[j] = 0.f;
   }
   const bool stream = snap != nullptr && streams_rows(snap, dv);
+#if defined(CONVEYOR_DELTA_BLOCKS)
+  if (dv % kDeltaCols == 0) {
+    delta_update_blocked(S, t, nt, delta, acc, o, snap, stream, prefetch, dk, dv);
+    if (stream) stream_fence();
+    return;
+  }
+#endif
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
     const float ki = t.k[i], qi = t.q[i];
