@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 # torch's own OpenMP ops end each parallel region at a barrier where, by default, the waiting thread
@@ -11,6 +12,10 @@ from typing import Any
 # (benchmarks/results.md, issue #19). libgomp reads this when torch loads it, so it is set here,
 # before any torch import; a value already in the environment wins. Our kernels do not use
 # OpenMP's barrier (kernels/csrc/parallel.h).
+# Too late where torch (and its OpenMP) loaded first without the variable: then every torch op that goes parallel
+# (a state copy, a logits conversion) leaves its waiters spinning on the cores our kernels' next call needs; an MTP
+# verify round measured ~10 % slower that way. The backend warns (kernels/backend.py: omp_spin_warning).
+OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["LLM", "CompletionResult", "GrammarSpec", "InvalidRequestError", "SamplingParams"]

@@ -313,6 +313,7 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
         return KernelBackend(name=device.type, device=device.type, arch=None, batch_invariant=False)
     if settings.disable:
         return _torch_cpu_backend({k: "disabled (CONVEYOR_DISABLE_KERNEL=1)" for k in KERNELS})
+    omp_spin_warning()
     builds = load_kernels(settings.arch)
     errors = {k: b.error for k, b in builds.items() if b.module is None}
     if errors and settings.require:
@@ -327,6 +328,18 @@ def resolve_backend(device: torch.device | str, dtype: torch.dtype = torch.bfloa
     invariant = batch_invariant and attention is not None
     return KernelBackend(name=name, device="cpu", arch=settings.arch, batch_invariant=invariant, gemm=gemm,
                          attention=attention, fused=fused, qgemm=qgemm, recurrent=recurrent, errors=errors)
+
+
+@lru_cache(maxsize=1)
+def omp_spin_warning() -> bool:
+    """Warn once where torch loaded OpenMP before conveyor could ask for sleeping waiters (conveyor/__init__.py)."""
+    import conveyor
+    if not conveyor.OMP_WAIT_POLICY_TOO_LATE:
+        return False
+    logger.warning("torch was imported before conveyor with OMP_WAIT_POLICY unset: torch's OpenMP threads spin "
+                   "after each parallel op and take the cores conveyor's kernels need next (speculative decoding "
+                   "~10%% slower measured). Import conveyor before torch, or set OMP_WAIT_POLICY=PASSIVE.")
+    return True
 
 
 def _torch_cpu_backend(errors: dict[str, str]) -> KernelBackend:
