@@ -32,6 +32,10 @@ __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 # A request whose drafts keep missing retries after 1, 3, 7, ... ticks, at most every 2^6 - 1 = 63.
 MAX_SPEC_BACKOFF_EXP = 6
+# A model drafter's (draft model, MTP, EAGLE3, DFlash) misses are rarely in runs: a trained MTP head right on ~3 of 4
+# first drafts loses a whole round ~1 time in 4, and skipping the next tick cost more than the rounds it saved
+# (benchmarks/results.md, issue #43). Its back-off starts at this many straight misses; n-gram lookups' at the first.
+MODEL_DRAFT_MISSES_BEFORE_BACKOFF = 2
 
 
 @dataclass
@@ -389,7 +393,7 @@ class Scheduler:
             if drafts and new_tokens:
                 new_tokens, accepted = _verify(drafts, result.verified_token_ids[chunk.request_id])
                 request.spec_rejections = 0 if accepted else min(request.spec_rejections + 1, MAX_SPEC_BACKOFF_EXP)
-                request.spec_skip_ticks = 2 ** request.spec_rejections - 1
+                request.spec_skip_ticks = _skip_ticks(request.spec_rejections, chunk.draft is not None)
             # Rejected drafts' KV stays behind the cursor, to be overwritten; the blocks stay held.
             computed = len(chunk.token_ids) - chunk.num_draft_tokens + accepted
             if chunk.rollback_slot is not None:
@@ -507,6 +511,13 @@ def _drafts_of(chunk: ScheduledChunk, result: ModelRunnerOutput) -> list[int]:
     if chunk.draft is not None:
         return result.proposed_token_ids.get(chunk.request_id, [])
     return []
+
+
+def _skip_ticks(misses: int, model_draft: bool) -> int:
+    """Ticks a row skips drafting after `misses` straight fully-rejected rounds: 2^n - 1, n counted from the first
+    miss for n-gram lookups and from MODEL_DRAFT_MISSES_BEFORE_BACKOFF for model drafters."""
+    n = misses - (MODEL_DRAFT_MISSES_BEFORE_BACKOFF - 1 if model_draft else 0)
+    return 2 ** n - 1 if n > 0 else 0
 
 
 def _verify(drafts: list[int], verified: list[int]) -> tuple[list[int], int]:

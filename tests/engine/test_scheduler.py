@@ -8,7 +8,7 @@ from conveyor.engine.kv_cache_manager import KVCacheManager
 from conveyor.engine.outputs import ModelRunnerOutput
 from conveyor.engine.request import Request, RequestStatus
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.scheduler import Scheduler, _skip_ticks
 from conveyor.engine.scheduling_policy import SchedulerConfig
 
 BLOCK = 4
@@ -317,6 +317,13 @@ def test_rejected_drafts_back_off_and_cost_no_tokens():
     assert s.stats.num_accepted_tokens == 0
     assert 0 < s.proposer.calls <= 6  # back-off: drafts on decode ticks 1, 3, 7, 15, 31 of 40
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_model_drafters_back_off_from_their_second_straight_miss():
+    """n-gram lookups skip 1, 3, 7 ticks after 1, 2, 3 straight misses; a model drafter's lone miss costs no skip
+    (a trained head's misses rarely come in runs), then 1, 3."""
+    assert [_skip_ticks(n, model_draft=False) for n in range(4)] == [0, 1, 3, 7]
+    assert [_skip_ticks(n, model_draft=True) for n in range(4)] == [0, 0, 1, 3]
 
 
 def test_no_speculation_for_sampled_requests_or_large_batches():
