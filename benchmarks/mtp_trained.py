@@ -54,6 +54,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import conveyor  # noqa: F401  (first: it asks for sleeping OpenMP waiters before torch loads OpenMP)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,7 +260,8 @@ def collect_forced(gguf: Path, out: Path, all_ids: Path, num_sequences: int, len
     mtp_runner.MTPRunner.record = record
     llm = LLM(model=str(gguf), parallel=parallel, speculative_ngram=0, enable_prefix_caching=False,
               draft_kind="mtp", draft_policy="decline", draft_vocab=str(all_ids))
-    num_real = llm.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    # NOTE: the tokenizer's own count, not the GGUF's: the converter pads the GGUF vocabulary to 248320 ids
+    num_real = len(json.loads((gguf.parent / "hf" / "tokenizer.json").read_text())["model"]["vocab"])
     asked = forced_token_ids(num_real, special_token_ids(llm.tokenizer), num_sequences, length)
     started = time.perf_counter()
     results = llm.generate(asked, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -530,7 +532,8 @@ def draft_vocab_args(args: argparse.Namespace) -> dict:
     """--draft-vocab / --draft-vocab-size as engine arguments (none without a file)."""
     if args.draft_vocab is None:
         return {}
-    return {"draft_vocab": str(args.draft_vocab), "draft_vocab_size": args.draft_vocab_size}
+    return {"draft_vocab": str(args.draft_vocab), "draft_vocab_size": args.draft_vocab_size,
+            "draft_vocab_type": args.draft_vocab_type}
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -547,7 +550,8 @@ def bench(args: argparse.Namespace) -> None:
         if "conveyor" in args.only:
             runs["conveyor_plain"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="none")
             vocab = draft_vocab_args(args)
-            tag = f"_vocab{args.draft_vocab_size or 'all'}" if vocab else ""
+            tag = (f"_vocab{args.draft_vocab_size or 'all'}"
+                   + ("" if args.draft_vocab_type == "same" else f"_{args.draft_vocab_type}")) if vocab else ""
             runs[f"conveyor_mtp_k{k}{tag}"] = conveyor_run(path, asked, concurrency, args.tokens, draft_kind="mtp",
                                                            draft_policy="enable", draft_block_size=k, **vocab)
             runs[f"conveyor_mtp_adaptive{tag}"] = conveyor_run(path, asked, concurrency, args.tokens,
@@ -648,6 +652,7 @@ def main() -> None:
     p.add_argument("--only", default="conveyor,llama")
     p.add_argument("--draft-vocab", type=Path, help="bench / profile: conveyor's MTP runs with this draft vocabulary")
     p.add_argument("--draft-vocab-size", type=int, default=0)
+    p.add_argument("--draft-vocab-type", default="same", help="bench / profile: the draft vocabulary rows' format")
     args = p.parse_args()
     hf, base = args.dir / "hf", args.dir / "qwen35-08b-mtp"
     if args.stage == "build":
