@@ -25,6 +25,7 @@ Stages (each writes under --dir, default /tmp/mtp-trained; run them in order, or
            ids along the forced windows (its own outputs there), --vocab-out names the file
   bench    held-out prompts, same file: conveyor plain vs --draft-kind mtp at C=1 and C=16 (MTP output asserted
            == plain), llama-server plain vs --spec-type draft-mtp at C=1 and C=16 (DIR/bench-FILE.json)
+  sweep    C=1 plain / MTP k pairs alternated --reps times in one process, each pair's ratio
   profile  C=1: ms per target forward (by rows), per head layer and per head lm_head call, plain and MTP
 
 Usage (the results.md section's runs):
@@ -37,6 +38,8 @@ The full-coverage head (results.md, "a head distilled with full coverage"):
   ... train --head head-forced --init random --forced forced --minutes 30 --cosine --eval-every 100
   ... export --head head-forced --hf-out; ... vocab --forced forced --vocab-out draft-vocab-forced.txt
   ... bench --model DIR/qwen35-08b-mtp-head-forced-Q4_K_M.gguf --only conveyor --tokens 96 --k 3 [--draft-vocab ...]
+  ... sweep --model DIR/qwen35-08b-mtp-head-forced-Q4_K_M.gguf --tokens 96 --k 3 --reps 5 \
+      --draft-vocab DIR/draft-vocab-forced.txt --draft-vocab-type q4_0
 """
 
 from __future__ import annotations
@@ -623,7 +626,7 @@ def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int, vocab: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=("build", "convert", "check", "collect", "collect-forced", "train", "export",
-                                     "vocab", "bench", "profile"))
+                                     "vocab", "bench", "profile", "sweep"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
     p.add_argument("--embed-std", type=float, default=0.215)
     p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
@@ -649,6 +652,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3, help="bench: draft tokens per step")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--c1-prompts", type=int, default=4)
+    p.add_argument("--reps", type=int, default=5, help="sweep: plain / MTP pairs")
     p.add_argument("--only", default="conveyor,llama")
     p.add_argument("--draft-vocab", type=Path, help="bench / profile: conveyor's MTP runs with this draft vocabulary")
     p.add_argument("--draft-vocab-size", type=int, default=0)
@@ -684,6 +688,26 @@ def main() -> None:
         asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:args.c1_prompts]
         print(json.dumps(profile(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
                                  args.k, draft_vocab_args(args))))
+    elif args.stage == "sweep":
+        import transformers
+        asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:args.c1_prompts]
+        print(json.dumps(sweep(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
+                               args.k, args.reps, draft_vocab_args(args))))
+
+
+def sweep(path: Path, asked: list[list[int]], num_tokens: int, k: int, reps: int, vocab: dict) -> dict:
+    """C=1 plain and MTP k (draft_policy enable) alternated `reps` times in one process: each pair's ratio, so a
+    shared machine's drift hits both sides of it alike (a single bench run moves ~10 %)."""
+    import statistics
+    runs: dict[str, list[float]] = {"plain": [], "mtp": []}
+    for _ in range(reps):
+        for name, engine in (("plain", {"draft_kind": "none"}),
+                             ("mtp", {"draft_kind": "mtp", "draft_policy": "enable", "draft_block_size": k, **vocab})):
+            run = conveyor_run(path, asked, 1, num_tokens, **engine)
+            runs[name].append(run["tokens_per_s"])
+            print(name, run["tokens_per_s"], run["acceptance"], flush=True)
+    ratios = [round(m / p, 3) for p, m in zip(runs["plain"], runs["mtp"])]
+    return {"k": k, **runs, "ratios": ratios, "median_ratio": statistics.median(ratios)}
 
 
 if __name__ == "__main__":
