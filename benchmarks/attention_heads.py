@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.kernels import resolve_backend

@@ -25,6 +25,7 @@ import statistics
 import time
 from typing import Callable
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.config import kernel_settings_from_env

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 # (label, heads, kv heads, head dim, sequences, rows per sequence, context of each sequence's last row)

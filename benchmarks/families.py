@@ -20,6 +20,7 @@ import argparse
 import time
 from dataclasses import replace
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.engine.llm import LLM

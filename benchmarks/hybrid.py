@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.engine.llm import LLM

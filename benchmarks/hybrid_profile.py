@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

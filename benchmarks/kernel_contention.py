@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.kernels.build import load_kernels

@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from benchmarks.offline_throughput import emit_table, machine

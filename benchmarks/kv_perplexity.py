@@ -23,6 +23,7 @@ import math
 import sys
 from pathlib import Path
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from benchmarks.offline_throughput import emit_table, machine

@@ -12,6 +12,7 @@ import argparse
 import platform
 import time
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.engine.llm import LLM

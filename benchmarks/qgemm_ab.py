@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import gguf
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 from torch.utils.cpp_extension import load, load_inline
 

@@ -18,6 +18,7 @@ import argparse
 import time
 
 import gguf
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 from conveyor.config import kernel_settings_from_env

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

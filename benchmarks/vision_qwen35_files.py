@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import conveyor  # noqa: F401  (first: OpenMP's waiters sleep, see docs/kernels.md)
 import torch
 import transformers
 from safetensors.torch import save_file
