@@ -338,7 +338,7 @@ def omp_spin_warning() -> bool:
         return False
     logger.warning("torch was imported before conveyor with OMP_WAIT_POLICY unset: torch's OpenMP threads spin "
                    "after each parallel op and take the cores conveyor's kernels need next (speculative decoding "
-                   "~10%% slower measured). Import conveyor before torch, or set OMP_WAIT_POLICY=PASSIVE.")
+                   "~10% slower measured). Import conveyor before torch, or set OMP_WAIT_POLICY=PASSIVE.")
     return True
 
 

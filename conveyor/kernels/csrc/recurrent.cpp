@@ -97,38 +97,53 @@ torch::Tensor rows_apart(const torch::Tensor& t) {
   return t.dim() >= 1 && t.size(0) > 1 && t.stride(0) < expected ? t.contiguous() : t;
 }
 
+// fp32 vectors of the level (AVX-512: 16 lanes, AVX2: 8), for the state copies and the delta rule's register
+// blocks below; without them (plain x86-64, NEON) both take their scalar paths.
+#if defined(__AVX512F__)
+constexpr int kVecLanes = 16;
+using FVec = __m512;
+inline FVec fv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void fv_store(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline void fv_stream(float* p, FVec v) { _mm512_stream_ps(p, v); }
+inline FVec fv_set1(float x) { return _mm512_set1_ps(x); }
+inline FVec fv_zero() { return _mm512_setzero_ps(); }
+inline FVec fv_mul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec fv_add(FVec a, FVec b) { return _mm512_add_ps(a, b); }
+#define CONVEYOR_FVEC 1
+#elif defined(__AVX2__)
+constexpr int kVecLanes = 8;
+using FVec = __m256;
+inline FVec fv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void fv_store(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline void fv_stream(float* p, FVec v) { _mm256_stream_ps(p, v); }
+inline FVec fv_set1(float x) { return _mm256_set1_ps(x); }
+inline FVec fv_zero() { return _mm256_setzero_ps(); }
+inline FVec fv_mul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec fv_add(FVec a, FVec b) { return _mm256_add_ps(a, b); }
+#define CONVEYOR_FVEC 1
+#else
+constexpr int kVecLanes = 0;
+#endif
+
 // A state snapshot: a copy into a slot nothing reads until a rejected draft restores it (a verify takes one per
 // draft token: 3 x 64 KB per head and layer on a Qwen3.5-0.8B shape). Non-temporal stores write it without first
 // reading the cold destination lines (half the memory traffic of memcpy) and keep it out of the caches the walk
 // uses. Same bytes either way; unaligned or odd sizes take memcpy.
-#if defined(__AVX512F__)
-constexpr int64_t kStreamLanes = 16;
-#elif defined(__AVX__)
-constexpr int64_t kStreamLanes = 8;
-#else
-constexpr int64_t kStreamLanes = 0;
-#endif
-
 inline bool streams_rows(const float* dst, int64_t n) {
-  return kStreamLanes != 0 && reinterpret_cast<uintptr_t>(dst) % (4 * kStreamLanes) == 0 && n % kStreamLanes == 0;
+  return kVecLanes != 0 && reinterpret_cast<uintptr_t>(dst) % (4 * kVecLanes) == 0 && n % kVecLanes == 0;
 }
 
 inline void stream_fence() {
-#if defined(__AVX__)
+#if defined(CONVEYOR_FVEC)
   _mm_sfence();  // the streamed lines are visible before the kernel returns
 #endif
 }
 
 // n floats; `stream` (streams_rows(dst, n), and every later row alike): non-temporal, fenced by the caller.
 inline void copy_row(float* __restrict dst, const float* __restrict src, int64_t n, bool stream) {
-#if defined(__AVX512F__)
+#if defined(CONVEYOR_FVEC)
   if (stream) {
-    for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-    return;
-  }
-#elif defined(__AVX__)
-  if (stream) {
-    for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    for (int64_t i = 0; i < n; i += kVecLanes) fv_stream(dst + i, fv_load(src + i));
     return;
   }
 #endif
@@ -316,74 +331,51 @@ struct DeltaToken {  // one token's inputs for one head, in fp32
 // (the plain loops round-trip o and acc through L1 on every row). Per element the same operations in the same
 // order (explicit multiply then add, never fused), so the bits are delta_update's. Used where dv is a multiple of
 // kDeltaCols (Qwen3.5 / Qwen3-Next: 128); other shapes take delta_update.
-#if defined(__AVX512F__)
-constexpr int kDeltaVecs = 4, kDeltaLanes = 16;
-using DeltaVec = __m512;
-inline DeltaVec dv_load(const float* p) { return _mm512_loadu_ps(p); }
-inline void dv_store(float* p, DeltaVec v) { _mm512_storeu_ps(p, v); }
-inline void dv_stream(float* p, DeltaVec v) { _mm512_stream_ps(p, v); }
-inline DeltaVec dv_set1(float x) { return _mm512_set1_ps(x); }
-inline DeltaVec dv_zero() { return _mm512_setzero_ps(); }
-inline DeltaVec dv_mul(DeltaVec a, DeltaVec b) { return _mm512_mul_ps(a, b); }
-inline DeltaVec dv_add(DeltaVec a, DeltaVec b) { return _mm512_add_ps(a, b); }
-#define CONVEYOR_DELTA_BLOCKS 1
-#elif defined(__AVX2__)
-constexpr int kDeltaVecs = 2, kDeltaLanes = 8;
-using DeltaVec = __m256;
-inline DeltaVec dv_load(const float* p) { return _mm256_loadu_ps(p); }
-inline void dv_store(float* p, DeltaVec v) { _mm256_storeu_ps(p, v); }
-inline void dv_stream(float* p, DeltaVec v) { _mm256_stream_ps(p, v); }
-inline DeltaVec dv_set1(float x) { return _mm256_set1_ps(x); }
-inline DeltaVec dv_zero() { return _mm256_setzero_ps(); }
-inline DeltaVec dv_mul(DeltaVec a, DeltaVec b) { return _mm256_mul_ps(a, b); }
-inline DeltaVec dv_add(DeltaVec a, DeltaVec b) { return _mm256_add_ps(a, b); }
-#define CONVEYOR_DELTA_BLOCKS 1
-#endif
+#if defined(CONVEYOR_FVEC)
+constexpr int kDeltaVecs = kVecLanes == 16 ? 4 : 2;  // 64 columns on AVX-512, 16 on AVX2
+constexpr int64_t kDeltaCols = kDeltaVecs * kVecLanes;
 
-#if defined(CONVEYOR_DELTA_BLOCKS)
-constexpr int64_t kDeltaCols = kDeltaVecs * kDeltaLanes;
-
-// delta (dv) already formed; writes o and, with nt, acc (the next token's projection) for columns [j0, j0 + cols).
+// delta (dv) already formed; writes o and, with nt, acc (the next token's projection).
 inline void delta_update_blocked(float* __restrict S, const DeltaToken& t, const DeltaToken* nt,
                                  const float* __restrict delta, float* __restrict acc, float* __restrict o,
                                  float* snap, bool stream, const float* prefetch, int64_t dk, int64_t dv) {
   for (int64_t j0 = 0; j0 < dv; j0 += kDeltaCols) {
-    DeltaVec d[kDeltaVecs], ov[kDeltaVecs], av[kDeltaVecs];
+    FVec d[kDeltaVecs], ov[kDeltaVecs], av[kDeltaVecs];
     for (int v = 0; v < kDeltaVecs; ++v) {
-      d[v] = dv_load(delta + j0 + v * kDeltaLanes);
-      ov[v] = dv_zero();
-      av[v] = dv_zero();
+      d[v] = fv_load(delta + j0 + v * kVecLanes);
+      ov[v] = fv_zero();
+      av[v] = fv_zero();
     }
-    const DeltaVec decay = dv_set1(nt != nullptr ? nt->decay : 0.f);
+    const FVec decay = fv_set1(nt != nullptr ? nt->decay : 0.f);
     for (int64_t i = 0; i < dk; ++i) {
       float* Si = S + i * dv + j0;
       if (prefetch != nullptr && j0 == 0)
         for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(prefetch + i * dv + j);
-      const DeltaVec ki = dv_set1(t.k[i]), qi = dv_set1(t.q[i]);
-      DeltaVec sv[kDeltaVecs];
+      const FVec ki = fv_set1(t.k[i]), qi = fv_set1(t.q[i]);
+      FVec sv[kDeltaVecs];
       for (int v = 0; v < kDeltaVecs; ++v) {
-        sv[v] = dv_add(dv_load(Si + v * kDeltaLanes), dv_mul(ki, d[v]));
-        ov[v] = dv_add(ov[v], dv_mul(sv[v], qi));
+        sv[v] = fv_add(fv_load(Si + v * kVecLanes), fv_mul(ki, d[v]));
+        ov[v] = fv_add(ov[v], fv_mul(sv[v], qi));
       }
       if (snap != nullptr) {
         float* dst = snap + i * dv + j0;
         for (int v = 0; v < kDeltaVecs; ++v) {
-          if (stream) dv_stream(dst + v * kDeltaLanes, sv[v]);
-          else dv_store(dst + v * kDeltaLanes, sv[v]);
+          if (stream) fv_stream(dst + v * kVecLanes, sv[v]);
+          else fv_store(dst + v * kVecLanes, sv[v]);
         }
       }
       if (nt != nullptr) {
-        const DeltaVec nk = dv_set1(nt->k[i]);
+        const FVec nk = fv_set1(nt->k[i]);
         for (int v = 0; v < kDeltaVecs; ++v) {
-          sv[v] = dv_mul(sv[v], decay);
-          av[v] = dv_add(av[v], dv_mul(sv[v], nk));
+          sv[v] = fv_mul(sv[v], decay);
+          av[v] = fv_add(av[v], fv_mul(sv[v], nk));
         }
       }
-      for (int v = 0; v < kDeltaVecs; ++v) dv_store(Si + v * kDeltaLanes, sv[v]);
+      for (int v = 0; v < kDeltaVecs; ++v) fv_store(Si + v * kVecLanes, sv[v]);
     }
     for (int v = 0; v < kDeltaVecs; ++v) {
-      dv_store(o + j0 + v * kDeltaLanes, ov[v]);
-      if (nt != nullptr) dv_store(acc + j0 + v * kDeltaLanes, av[v]);
+      fv_store(o + j0 + v * kVecLanes, ov[v]);
+      if (nt != nullptr) fv_store(acc + j0 + v * kVecLanes, av[v]);
     }
   }
 }
@@ -407,19 +399,19 @@ inline void delta_decay_project(float* __restrict S, const DeltaToken& t, float*
 inline void delta_update(float* __restrict S, const DeltaToken& t, const DeltaToken* nt, float* __restrict acc,
                          float* __restrict delta, float* __restrict o, float* snap, const float* prefetch,
                          int64_t dk, int64_t dv) {
-  for (int64_t j = 0; j < dv; ++j) {
-    delta[j] = (t.v[j] - acc[j]) * t.beta;
-    o[j] = 0.f;
-    acc[j] = 0.f;
-  }
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (t.v[j] - acc[j]) * t.beta;
   const bool stream = snap != nullptr && streams_rows(snap, dv);
-#if defined(CONVEYOR_DELTA_BLOCKS)
+#if defined(CONVEYOR_FVEC)
   if (dv % kDeltaCols == 0) {
     delta_update_blocked(S, t, nt, delta, acc, o, snap, stream, prefetch, dk, dv);
     if (stream) stream_fence();
     return;
   }
 #endif
+  for (int64_t j = 0; j < dv; ++j) {
+    o[j] = 0.f;
+    acc[j] = 0.f;
+  }
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict Si = S + i * dv;
     const float ki = t.k[i], qi = t.q[i];
