@@ -704,15 +704,18 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
                  int64_t ldo, int64_t cols) {
   const int64_t sb_per_row = xr.k / 256;
   const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) QG_INLINE {
-    // Each column's scale in the low int16 of its dword (high 0): vpdpwssd adds exactly sc x the low word of a
-    // half sum, which is the whole half sum (|16 k of q x| <= 16 x 15 x 127 fits int16; its high word, 0 or -1,
-    // meets the 0). Two of them instead of add + vpmulld + add: the same integers, 1.08-1.15x at M = 64-256.
+    // Each column's scale in both int16 halves of its dword; the two 16-k half sums of a row (each fits int16:
+    // |16 k of q x| <= 16 x 15 x 127) packed as the low and high int16 of a dword: one vpdpwssd adds exactly
+    // sc s0 + sc s1. The same integers as add + vpmulld + add; a blend and a shift replace a second vpdpwssd on the
+    // multiply pipes (1.03x at M = 256 on a Zen 5, which issues two of dpbusd / dpwssd / vpmulld a cycle in all).
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
+    const __m512i sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
     for (int r = 0; r < MR; ++r) {
       const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
       __m512i s0, s1;
       dot32(w, x, s0, s1);
-      isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], s0, sc), s1, sc);
+      const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, s0, _mm512_slli_epi32(s1, 16));
+      isum[r] = _mm512_dpwssd_epi32(isum[r], both, sc2);
     }
   };
   const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) QG_INLINE {
@@ -728,15 +731,6 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
   sb_tile_loop<kQ4_K, MR>(wg, n_sb, bias, out, ldo, cols, r0, chunk, finish);
 }
 
-// MR rows' sums over G k-groups of one chunk (x: row 0's first activation, rows ld apart), one dpbusd chain per
-// row, the rows interleaved so that their chains overlap.
-template <int MR, int G>
-inline void row_chains(const __m512i* w, const int8_t* x, int64_t ld, __m512i* sums) {
-  for (int r = 0; r < MR; ++r) sums[r] = dot4(_mm512_setzero_si512(), w[0], x + r * ld);
-  for (int g = 1; g < G; ++g)
-    for (int r = 0; r < MR; ++r) sums[r] = dot4(sums[r], w[g], x + r * ld + 4 * g);
-}
-
 // ---- Q6_K per superblock (avx512_vnni; activations per 256, quantize_row_sb) ----
 // w = d sc_j (q - 32), sc_j a signed byte per 16 k. A superblock's sum_j sc_j S_j with S_j = sum over sub-block j of
 // q x (q unsigned, 0..63) is exact in int32 (|S_j| <= 16 x 63 x 127, x |sc| <= 128, x 16 < 2^31), and so is its
@@ -748,12 +742,15 @@ void tile_sb_q6k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
                  int64_t ldo, int64_t cols) {
   const int64_t sb_per_row = xr.k / 256;
   const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) QG_INLINE {
+    // Both halves' sums per row as dot32's two interleaved chains (one chain per half and row left the dpbusd
+    // latency exposed: 1.11x at M = 16-256 on a Zen 5), each times its sub-block's scale in int32.
     const int8_t* x = xr.q + r0 * xr.k + 256 * s + 32 * c;
-    for (int h = 0; h < 2; ++h) {
-      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 16 * (2 * c + h))));
-      __m512i half[MR];
-      row_chains<MR, 4>(w + 4 * h, x + 16 * h, xr.k, half);
-      for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(half[r], sc));
+    const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 32 * c)));
+    const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 48 + 32 * c)));
+    for (int r = 0; r < MR; ++r) {
+      __m512i s0, s1;
+      dot32(w, x + r * xr.k, s0, s1);
+      isum[r] = _mm512_add_epi32(_mm512_add_epi32(isum[r], _mm512_mullo_epi32(s0, sc0)), _mm512_mullo_epi32(s1, sc1));
     }
   };
   const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) QG_INLINE {
@@ -1858,8 +1855,13 @@ double int8_peak_macs() {
   }
 #endif
 #if defined(QG_AVX512)
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
-          a9 = a0, a10 = a0, a11 = a0;
+  // Twelve chains that start apart: started equal, GCC merged them into one (the same ops on the same values) and
+  // this loop timed one dependent chain, reporting 12 / latency dpbusd per cycle instead of the throughput (1.5x
+  // the true peak on an AMD Zen 5, latency 4 and two per cycle).
+  __m512i a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2), a3 = _mm512_set1_epi32(3),
+          a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5), a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7),
+          a8 = _mm512_set1_epi32(8), a9 = _mm512_set1_epi32(9), a10 = _mm512_set1_epi32(10),
+          a11 = _mm512_set1_epi32(11);
   __m512i w = _mm512_set1_epi8(1), x = _mm512_set1_epi8(2);
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < 4 * kReps; ++i) {
