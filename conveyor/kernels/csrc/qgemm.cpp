@@ -706,7 +706,8 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
   const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) QG_INLINE {
     // Each column's scale in both int16 halves of its dword; the two 16-k half sums of a row (each fits int16:
     // |16 k of q x| <= 16 x 15 x 127) packed as the low and high int16 of a dword: one vpdpwssd adds exactly
-    // sc s0 + sc s1. The same integers as add + vpmulld + add; a blend and a shift replace a second vpdpwssd on the
+    // sc s0 + sc s1. Below 4 rows each half sum goes alone against sc (high word 0, meeting the half sum's sign
+    // word). The same integers as add + vpmulld + add; a blend and a shift replace a second vpdpwssd on the
     // multiply pipes (1.03x at M = 256 on a Zen 5, which issues two of dpbusd / dpwssd / vpmulld a cycle in all).
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 64 + 16 * c)));
     const __m512i sc2 = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
@@ -714,8 +715,12 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
       const int8_t* x = xr.q + (r0 + r) * xr.k + 256 * s + 32 * c;
       __m512i s0, s1;
       dot32(w, x, s0, s1);
-      const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, s0, _mm512_slli_epi32(s1, 16));
-      isum[r] = _mm512_dpwssd_epi32(isum[r], both, sc2);
+      if constexpr (MR >= 4) {
+        const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, s0, _mm512_slli_epi32(s1, 16));
+        isum[r] = _mm512_dpwssd_epi32(isum[r], both, sc2);
+      } else {  // decode: the shift and blend lengthen the one row's chain (0.86x at M = 1)
+        isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], s0, sc), s1, sc);
+      }
     }
   };
   const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) QG_INLINE {
