@@ -18,6 +18,30 @@ from typing import Any
 OMP_WAIT_POLICY_TOO_LATE = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _keep_freed_heap() -> None:
+    """glibc hands a freed block over 128 KB (its threshold grows to at most 32 MB) back to the OS, and trims the heap's
+    top past 2x that: every prefill step then page-faults its activations in again (a 1,480-token step of a 1B model
+    allocates ~1 GB of them, 48 MB a gate|up output), and the kernel zeroes each page first. Keeping freed memory in
+    the heap for reuse made that step 3.4 -> 3.0 s on a Zen 5 (benchmarks/results.md, issue #43); torch's own advice
+    for CPU inference is the same (jemalloc / tcmalloc that never give memory back). After a load, and when a model
+    unloads, loading.heap.trim_heap() still returns what is free. Set before any large allocation; a MALLOC_*
+    variable already in the environment, or CONVEYOR_MALLOC_KEEP=0, leaves glibc's defaults."""
+    if os.environ.get("CONVEYOR_MALLOC_KEEP", "1") == "0" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl)
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest: bigger blocks are still mapped and unmapped
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+_keep_freed_heap()
+
 __all__ = ["LLM", "CompletionResult", "GrammarSpec", "InvalidRequestError", "SamplingParams"]
 
 
