@@ -328,6 +328,9 @@ class EngineCore:
 
     def _drafter(self, config: EngineConfig) -> DraftRunner | MTPRunner | DFlashRunner | None:  # Eagle3Runner: MTP's
         if self.draft is None:
+            if config.draft_p_min > 0:  # llama-server ignores it silently; say so once
+                logger.warning("--draft-p-min %g has no effect: it cuts a model drafter's drafts (--draft-model, "
+                               "--draft-kind mtp|eagle3|dflash) and none is loaded", config.draft_p_min)
             return None
         if isinstance(self.draft.model, (MTPHead, Eagle3Head, DFlashHead)):
             runner = ModelRunner(self.draft.model, self.draft.config, self.pool_plan.num_blocks, config.block_size,

@@ -221,3 +221,13 @@ def test_a_tied_head_gathers_the_embeddings_rows(tmp_path):
     vocab = llm.engine.draft.model.draft_vocab
     embed = checkpoint.weights["model.embed_tokens.weight"]
     assert torch.equal(vocab.lm_head.dense_weight().float(), embed[vocab.token_ids].to(torch.bfloat16).float())
+
+
+def test_draft_p_min_without_a_model_drafter_says_it_does_nothing(caplog):
+    with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
+        _run(tiny_checkpoint(), 1, PROMPTS[:1], draft_p_min=0.5)
+    assert any("--draft-p-min 0.5 has no effect" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
+        _run(tiny_checkpoint(), 1, PROMPTS[:1])
+    assert not any("draft-p-min" in r.getMessage() for r in caplog.records)
