@@ -28,10 +28,7 @@ import itertools
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT_TOKENS = 256  # each streaming chat of the load measurement
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from quantized import smollm2_path, write_llama_1b_shape  # noqa: E402  (a sibling script)
+from server_process import ServerProcess, free_port  # noqa: E402
 
 from conveyor.testing import random_blocks  # noqa: E402
 
@@ -74,35 +72,12 @@ def ensure_files(folder: Path) -> tuple[Path, Path]:
     return files
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, args: list[str], log: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")
-        env = {**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", str(self.port),
-                                      "--no-webui", "--speculative-ngram", "0", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.proc.poll() is None, f"server died, see {log}"
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        port = free_port()
+        super().__init__([sys.executable, "-m", "conveyor.cli", "serve", "--port", str(port), "--no-webui",
+                          "--speculative-ngram", "0", *args], port, log,
+                         env={**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}, timeout=600, name="conveyor")
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:

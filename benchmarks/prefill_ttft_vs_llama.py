@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from server_process import ServerProcess, free_port  # a sibling script
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = "/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-noamx/bin/llama-server"
@@ -54,12 +55,6 @@ def run_conveyor(file: str, tokens: int, root: Path, ids_out: str | None = None)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(port: int, body: dict) -> float:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -69,26 +64,14 @@ def post(port: int, body: dict) -> float:
     return time.perf_counter() - start
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     def __init__(self, binary: str, file: str, threads: int):
-        self.port = free_port()
-        self.proc = subprocess.Popen([binary, "-m", file, "-t", str(threads), "-np", "1", "-c", "8192",
-                                      "--port", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("llama-server did not start")
+        port = free_port()
+        super().__init__([binary, "-m", file, "-t", str(threads), "-np", "1", "-c", "8192", "--port", str(port)],
+                         port, timeout=300)
 
     def ttft(self, ids: list[int]) -> float:
         return post(self.port, {"prompt": ids, "n_predict": 1, "cache_prompt": False})
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -129,7 +112,7 @@ def main() -> None:
                 print("conveyor", f"{times['conveyor'][-1]:.2f} s", file=sys.stderr, flush=True)
     finally:
         if server:
-            server.close()
+            server.stop()
     med = {k: statistics.median(v) for k, v in times.items() if v}
     print(f"| {args.tokens} tokens | median TTFT s (tok/s) | runs |\n|---|---|---|")
     for k, v in med.items():

@@ -32,9 +32,7 @@ import io
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +45,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from quantized import copy_tokenizer, machine  # noqa: E402  (a sibling script)
+from server_process import ServerProcess, free_port  # noqa: E402
 
 from conveyor.testing import gemma3_270m_path, random_blocks  # noqa: E402
 
@@ -184,13 +183,10 @@ def image_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, kind: str, text: Path, mmproj: Path, concurrency: int, binary: str | None, log: Path,
                  extra: list[str] | None = None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        port = free_port()
         ctx = concurrency * 1024
         if kind == "conveyor":
             cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", str(text), "--mmproj", str(mmproj),
@@ -199,27 +195,7 @@ class Server:
         else:
             cmd = [binary, "-m", str(text), "--mmproj", str(mmproj), "--port", str(port), "-np", str(concurrency),
                    "-c", str(ctx), "--threads", str(os.cpu_count()), "--no-webui", *(extra or [])]
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"})
-        deadline = time.monotonic() + 900
-        while True:
-            assert self.proc.poll() is None, f"{kind} died, see {log}"
-            assert time.monotonic() < deadline, f"{kind} did not start, see {log}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        super().__init__(cmd, port, log, env={**os.environ, "CONVEYOR_REQUIRE_KERNELS": "1"}, name=kind)
 
 
 async def ask(client: httpx.AsyncClient, url: str, image: str, question: str, max_tokens: int) -> dict:
