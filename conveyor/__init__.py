@@ -27,7 +27,8 @@ def _keep_freed_heap() -> None:
     for CPU inference is the same (jemalloc / tcmalloc that never give memory back). After a load, and when a model
     unloads, loading.heap.trim_heap() still returns what is free. Set before any large allocation; a MALLOC_*
     variable already in the environment, or CONVEYOR_MALLOC_KEEP=0, leaves glibc's defaults."""
-    if os.environ.get("CONVEYOR_MALLOC_KEEP", "1") == "0" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+    opted_out = os.environ.get("CONVEYOR_MALLOC_KEEP", "1") == "0" or any(k.startswith("MALLOC_") for k in os.environ)
+    if opted_out or not sys.platform.startswith("linux"):
         return
     import ctypes
 
