@@ -62,6 +62,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from server_process import ServerProcess, free_port  # noqa: E402
 LLAMA = Path("/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 PROMPT_TOKENS = 48
 
@@ -465,36 +466,12 @@ def conveyor_run(path: Path, asked: list[list[int]], concurrency: int, num_token
             "acceptance": round(accepted / drafted, 3) if drafted else None, "token_ids": [o.token_ids for o in outs]}
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     def __init__(self, path: Path, parallel: int, log: Path, extra: list[str]) -> None:
-        import socket
-
-        import httpx
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
-        cmd = [str(LLAMA / "build-noamx/bin/llama-server"), "-m", str(path), "-np", str(parallel),
-               "-c", str(parallel * 512), "-t", "2", "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None and time.monotonic() < deadline, f"llama-server did not start: {log}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        port = free_port()
+        super().__init__([str(LLAMA / "build-noamx/bin/llama-server"), "-m", str(path), "-np", str(parallel),
+                          "-c", str(parallel * 512), "-t", "2", "--host", "127.0.0.1", "--port", str(port),
+                          "--no-webui", *extra], port, log, timeout=300, name="llama-server")
 
 
 def llama_run(path: Path, asked: list[list[int]], concurrency: int, num_tokens: int, log: Path,
