@@ -66,12 +66,12 @@ StopChecker = Callable[[Request, int], bool]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, stop_checker: StopChecker | None = None,
-                 draft_length: Callable[[int], int] | None = None) -> None:
+                 draft_length: Callable[[int, bool], int] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.stop_checker = stop_checker
         # Draft-model speculation at this many decode rows? (the adaptive policy; None = always)
-        self.draft_length = draft_length  # batch size -> model drafts per row (the adaptive policy); None: K
+        self.draft_length = draft_length  # (batch size, measured tick) -> drafts per row (adaptive policy); None: K
         # Vision models: whether an image's tower output is ready (encoded off the step loop); None = always.
         self.image_ready: Callable[[ImageItem], bool] | None = None
         self.waiting: list[Request] = []  # kept sorted by _queue_key (priority, aged by waiting time)
@@ -329,7 +329,8 @@ class Scheduler:
         use_lookup = self.config.speculative_ngram > 0 and (not lookup_cap or len(decodes) <= lookup_cap)
         model_tokens = self.config.draft_model_tokens
         if model_tokens and self.draft_length is not None:
-            model_tokens = min(model_tokens, self.draft_length(len(decodes)))
+            # A tick with prefill rows in it is one the adaptive policy does not measure (engine._observe_policy).
+            model_tokens = min(model_tokens, self.draft_length(len(decodes), len(decodes) == len(out.chunks)))
         use_model = model_tokens > 0
         for chunk in decodes:
             request = self.requests[chunk.request_id]

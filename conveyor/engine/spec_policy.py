@@ -10,7 +10,8 @@ batch-size bucket it first runs PROBE_TICKS classic ticks without drafts, then P
 ticks at each candidate draft length (the block size K and the powers of two below it), compares
 tokens per second, and settles on the fastest length, or declines when no length beats classic
 steps by MIN_SPEEDUP. Profiling a losing length is what a cold policy costs, so a length whose
-first EARLY_TICKS run below EARLY_CUT of the classic rate is not profiled further, and a bucket
+first EARLY_TICKS run below EARLY_CUT of the classic rate is not profiled further (and a tick the policy will not
+measure, one with prompt rows in it, drafts nothing while its bucket profiles), and a bucket
 above a declined one declines without profiling (drafts only pay less as the batch grows: the
 verify forward turns compute-bound while acceptance per row stays the same). Verdicts persist as
 JSON under <cache dir>/spec-policy/, keyed by target, draft, block size, backend and CPU, so a
@@ -33,7 +34,7 @@ PROFILE_TICKS = 8  # speculative decode ticks measured per bucket
 PROBE_TICKS = 8  # classic decode ticks measured per bucket
 MIN_SPEEDUP = 1.05  # enable only when drafts beat classic steps by this much
 EARLY_TICKS = 2  # ticks after which a clearly losing length stops being profiled
-EARLY_CUT = 0.8  # "clearly losing": below this share of the classic rate
+EARLY_CUT = 0.95  # "losing": below this share of the classic rate (then MIN_SPEEDUP is out of reach)
 VERSION = 2  # 2: a verdict carries its draft length
 
 
@@ -119,14 +120,19 @@ class SpecPolicy:
             self._load()
 
     # -- the decision ----------------------------------------------------------------------
-    def draft_length(self, batch_size: int) -> int:
-        """Drafts per row for a tick at this batch size (0: a classic tick)."""
+    def draft_length(self, batch_size: int, measured: bool = True) -> int:
+        """Drafts per row for a tick at this batch size (0: a classic tick). `measured`: whether observe() will see
+        the tick (a pure decode tick); while the bucket is still profiling, a tick it will not see runs classic: its
+        drafts would cost without telling the policy anything (a cold C=16 run drafted ~1.8x the profile's tokens in
+        the ticks where prompts were still prefilling)."""
         if self.mode != "adaptive":
             return self.block_size if self.mode == "enable" else 0
         bucket = bucket_of(batch_size)
         verdict = self.verdicts.get(bucket) or self._infer_decline(bucket)
         if verdict is not None:
             return verdict.length if verdict.verdict == "enable" else 0
+        if not measured:
+            return 0
         measure = self.measures.setdefault(bucket, BucketMeasure())
         # Probe classic steps first (the baseline the early cut needs), then each length, longest first.
         length = 0
