@@ -21,7 +21,6 @@ import argparse
 import json
 import re
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import httpx
 from offline_throughput import emit_table, machine
+from server_process import free_port as _free_port, wait_healthy as _wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVEYOR = str(Path(sys.executable).parent / "conveyor")
@@ -39,26 +39,6 @@ LEVEL_ENV = {
     "torch": {"CONVEYOR_DISABLE_KERNEL": "1"},
     "torch-avx2": {"CONVEYOR_DISABLE_KERNEL": "1", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
 
 
 def serve_level(level: str, env: dict[str, str], out_dir: Path, tag: str, peer: str | None = None) -> dict:

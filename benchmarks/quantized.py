@@ -36,7 +36,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -49,6 +48,8 @@ from pathlib import Path
 import gguf
 import httpx
 import numpy as np
+from server_process import free_port as _free_port  # noqa: F401  (also imported by siblings)
+from server_process import wait_healthy as _wait_healthy  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVEL_ENV = {
@@ -465,12 +466,6 @@ def _llama_source(download_dir: Path) -> Path:
 # ---------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _proc_kb(pid: int, key: str) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -480,20 +475,6 @@ def _proc_kb(pid: int, key: str) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
 
 
 def server_command(server: str, binary: str, path: Path, args: argparse.Namespace, ctx: int, port: int) -> list[str]:

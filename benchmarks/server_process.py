@@ -17,6 +17,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0, name: str = "server") -> None:
+    """Until `url`/health answers 200: RuntimeError if `proc` exits first, TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not answer /health within {timeout:.0f} s")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """`cmd` must listen on `port`; its output goes to `log` (discarded without one)."""
 
@@ -26,21 +42,11 @@ class ServerProcess:
         self.name = name or Path(cmd[0]).name
         self.log = open(log, "w") if log is not None else None
         self.proc = subprocess.Popen(cmd, stdout=self.log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
-        where = f", see {log}" if log is not None else ""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting{where}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s{where}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.url, self.proc, timeout, self.name)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise type(exc)(f"{exc}, see {log}" if log is not None else str(exc)) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
