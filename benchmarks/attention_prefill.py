@@ -3,6 +3,7 @@ row path (CONVEYOR_PAGED_AMX=0), each in its own process, one thread, CPU time p
 
   flock -x /tmp/bench.lock python benchmarks/attention_prefill.py          # both paths, a markdown table
   python benchmarks/attention_prefill.py --one                             # this process's path only
+  python benchmarks/attention_prefill.py --one --save a.pt [--compare b.pt]  # A/B of two builds: bits equal?
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ CASES = [
 ]
 
 
-def run_cases(reps: int) -> dict[str, float]:
+def run_cases(reps: int, outputs: dict | None = None) -> dict[str, float]:
     from conveyor.kernels import resolve_backend
     torch.set_num_threads(1)
     attention = resolve_backend(torch.device("cpu"), torch.bfloat16, batch_invariant=True).attention
@@ -45,7 +46,9 @@ def run_cases(reps: int) -> dict[str, float]:
         pos = torch.tensor([ctx - rows + i for _ in range(seqs) for i in range(rows)], dtype=torch.int32)
         q = torch.randn(len(seq), heads, dim, generator=gen).bfloat16()
         call = lambda: attention.paged_attention(q, kc, vc, tables, seq, pos, dim ** -0.5, 0, 0.0, None)  # noqa: E731
-        call()
+        out = call()
+        if outputs is not None:
+            outputs[label] = out
         samples = []
         for _ in range(reps):
             start = time.process_time()
@@ -59,9 +62,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--one", action="store_true", help="time this process's path only (JSON)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--save", help="--one: save the outputs here (torch.save), for an A/B of two builds")
+    parser.add_argument("--compare", help="--one: and say whether they are bitwise those saved here")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_cases(args.reps)))
+        outputs: dict = {}
+        print(json.dumps(run_cases(args.reps, outputs)))
+        if args.save:
+            torch.save(outputs, args.save)
+        if args.compare:
+            saved = torch.load(args.compare)
+            print("bitwise equal:", all(torch.equal(saved[k], outputs[k]) for k in saved))
         return
     results = {}
     for name, env in (("rows", {"CONVEYOR_PAGED_AMX": "0"}), ("amx tiles", {})):

@@ -162,7 +162,10 @@ def test_wide_heads_at_every_group_boundary(heads, kv_heads, head_dim):
         start += r
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 2, 64), (8, 2, 256)])
+# G = 1, 2, 3, 4 query heads per KV head take blocks of 12, 6, 4, 3 prefill rows at AVX-512 BF16 (the row path's
+# scores_dpbf16_pre_rows / weighted_sum_pre_rows), with the leftover rows one by one.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 2, 64), (8, 2, 256), (4, 4, 64),
+                                                     (6, 3, 128)])
 def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
     """A 70-token prompt prefilled whole, in uneven chunks next to other sequences, or one row at a
     time: every row bitwise the same."""

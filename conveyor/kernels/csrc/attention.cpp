@@ -583,6 +583,11 @@ inline int64_t prepass_cap_bytes() {
 
 using PreScoresFn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const __m512i*, float*);
 using PreSumFn = void (*)(const float*, int64_t, int64_t, const float*, float*);
+// (each row's q heads, scale, the rows' shared first key, each row's key count, transposed keys, each row's scores)
+using PreScoresRowsFn = void (*)(const c10::BFloat16* const*, float, int64_t, const int64_t*, const __m512i*,
+                                 float* const*);
+// (each row's scores, each row's key count, the rows' shared first key, values, each row's accumulator out)
+using PreSumRowsFn = void (*)(const float* const*, const int64_t*, int64_t, const float*, float* const*);
 
 // Key group `grp` (keys 16 grp .. + 15, those past `keys` zero) of one KV head, transposed: DH x 16 vectors.
 template <int DH>
@@ -644,14 +649,113 @@ void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, cons
   weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
 }
 
+// scores_dpbf16_pre for R rows of one sequence that start at the same key: each transposed key group loaded once for
+// the R rows, and 2 x G x R accumulators (24 at G x R = 12) where one row's 2 x G chains left vdpbf16ps waiting on
+// its latency (8 chains: ~2/3 of its throughput). Groups past a row's last key are computed and not stored. Every
+// score is still its row's chain of pair products in d order: the bits of scores_dpbf16_pre.
+template <int G, int DH, int R>
+void scores_dpbf16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int64_t first, const int64_t* num_keys,
+                            const __m512i* kt, float* const* scores) {
+  int32_t qpair[R][G][16 * DH];
+  int64_t end = first;
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(qpair[r], q_rows[r], sizeof(qpair[r]));
+    end = std::max(end, first + num_keys[r]);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
+    const __m512i* rows = kt + grp * 16 * DH;
+    __m512 even[R][G], odd[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h)
+      for (int c = 0; c < 16; c += 2)
+        for (int r = 0; r < R; ++r)
+          for (int g = 0; g < G; ++g) {
+            even[r][g] = _mm512_dpbf16_ps(even[r][g], (__m512bh)rows[16 * h + c],
+                                          (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c]));
+            odd[r][g] = _mm512_dpbf16_ps(odd[r][g], (__m512bh)rows[16 * h + c + 1],
+                                         (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c + 1]));
+          }
+    const int64_t base = 16 * grp, lo = std::max(first, base);
+    for (int r = 0; r < R; ++r) {
+      const int64_t hi = std::min(first + num_keys[r], base + 16);
+      if (hi <= lo) continue;  // past this row's last key
+      const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
+      for (int g = 0; g < G; ++g) {
+        const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale);
+        float* dst = scores[r] + g * num_keys[r] + (lo - first);
+        if (mask == 0xFFFF) {
+          _mm512_storeu_ps(dst, v);
+        } else {
+          _mm512_mask_compressstoreu_ps(dst, mask, v);
+        }
+      }
+    }
+  }
+}
+
+// weighted_sum_pre for R rows of one sequence that start at the same key: each value row is loaded once for the R
+// rows (for the keys all of them see, then each row's own further keys alone), two 16-lane chunks of D at a time so
+// the G x 2 x R accumulators stay in registers (24 at G x R = 12). One row at a time re-read every value row per row
+// and per head group, from L3 at long prompts (~50 % of the FMA peak at 8k keys). Every output element is still its
+// row's one FMA chain in key order, the same operands: the bits of weighted_sum_pre.
+template <int G, int DV, int R>
+void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, int64_t first, const float* vf,
+                           float* const* acc_out) {
+  static_assert(DV % 2 == 0, "D = 32 * DH");
+  int64_t common = num_keys[0];
+  for (int r = 1; r < R; ++r) common = std::min(common, num_keys[r]);
+  const float* rows = vf + first * 16 * DV;
+  for (int c = 0; c < DV; c += 2) {
+    __m512 acc[R][G][2];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = _mm512_setzero_ps();
+    const auto step = [&](int r, int64_t j, __m512 v0, __m512 v1) __attribute__((always_inline)) {
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[r][g * num_keys[r] + j]);
+        acc[r][g][0] = _mm512_fmadd_ps(p, v0, acc[r][g][0]);
+        acc[r][g][1] = _mm512_fmadd_ps(p, v1, acc[r][g][1]);
+      }
+    };
+    for (int64_t j = 0; j < common; ++j) {
+      const float* v = rows + j * 16 * DV + 16 * c;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      for (int r = 0; r < R; ++r) step(r, j, v0, v1);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = common; j < num_keys[r]; ++j) {
+        const float* v = rows + j * 16 * DV + 16 * c;
+        step(r, j, _mm512_loadu_ps(v), _mm512_loadu_ps(v + 16));
+      }
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(acc_out[r] + g * DV * 16 + 16 * c, acc[r][g][0]);
+        _mm512_storeu_ps(acc_out[r] + g * DV * 16 + 16 * (c + 1), acc[r][g][1]);
+      }
+  }
+}
+
+// Rows per block of weighted_sum_pre_rows: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
+constexpr int pre_block_rows(int G) { return 12 / G; }
+
 template <int DH>
-void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum) {
+void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum, PreScoresRowsFn& qk_rows, PreSumRowsFn& sum_rows,
+              int64_t& block_rows) {
   switch (G) {
-    case 1: qk = scores_dpbf16_pre<1, DH>, sum = weighted_sum_pre<1, 2 * DH>; break;
-    case 2: qk = scores_dpbf16_pre<2, DH>, sum = weighted_sum_pre<2, 2 * DH>; break;
-    case 3: qk = scores_dpbf16_pre<3, DH>, sum = weighted_sum_pre<3, 2 * DH>; break;
-    case 4: qk = scores_dpbf16_pre<4, DH>, sum = weighted_sum_pre<4, 2 * DH>; break;
-    default: qk = nullptr, sum = nullptr;
+    case 1: qk = scores_dpbf16_pre<1, DH>, sum = weighted_sum_pre<1, 2 * DH>,
+            qk_rows = scores_dpbf16_pre_rows<1, DH, pre_block_rows(1)>,
+            sum_rows = weighted_sum_pre_rows<1, 2 * DH, pre_block_rows(1)>, block_rows = pre_block_rows(1); break;
+    case 2: qk = scores_dpbf16_pre<2, DH>, sum = weighted_sum_pre<2, 2 * DH>,
+            qk_rows = scores_dpbf16_pre_rows<2, DH, pre_block_rows(2)>,
+            sum_rows = weighted_sum_pre_rows<2, 2 * DH, pre_block_rows(2)>, block_rows = pre_block_rows(2); break;
+    case 3: qk = scores_dpbf16_pre<3, DH>, sum = weighted_sum_pre<3, 2 * DH>,
+            qk_rows = scores_dpbf16_pre_rows<3, DH, pre_block_rows(3)>,
+            sum_rows = weighted_sum_pre_rows<3, 2 * DH, pre_block_rows(3)>, block_rows = pre_block_rows(3); break;
+    case 4: qk = scores_dpbf16_pre<4, DH>, sum = weighted_sum_pre<4, 2 * DH>,
+            qk_rows = scores_dpbf16_pre_rows<4, DH, pre_block_rows(4)>,
+            sum_rows = weighted_sum_pre_rows<4, 2 * DH, pre_block_rows(4)>, block_rows = pre_block_rows(4); break;
+    default: qk = nullptr, sum = nullptr, qk_rows = nullptr, sum_rows = nullptr, block_rows = 1;
   }
 }
 
@@ -659,6 +763,9 @@ void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum) {
 struct Prepass {
   PreScoresFn qk = nullptr;
   PreSumFn sum = nullptr;
+  PreScoresRowsFn qk_rows = nullptr;  // block_rows rows of one sequence at once (the same bits as `qk` per row)
+  PreSumRowsFn sum_rows = nullptr;    // and as `sum` per row
+  int64_t block_rows = 1;
   std::vector<int64_t> keys, kt_at, vf_at;  // per sequence
   std::vector<__m512i> kt;                  // per sequence, KV head: its groups x DH x 16
   std::vector<float> vf;                    // per sequence, KV head: its keys x D
@@ -723,7 +830,11 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
     std::vector<__m512i>(kt_n).swap(pre.kt);
     std::vector<float>(vf_n).swap(pre.vf);
   }
-  if (DH == 2) pick_pre<2>(G, pre.qk, pre.sum); else pick_pre<4>(G, pre.qk, pre.sum);
+  if (DH == 2) {
+    pick_pre<2>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+  } else {
+    pick_pre<4>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+  }
   conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = items[i] / KVH, kvh = items[i] % KVH, keys = pre.keys[s];
@@ -930,14 +1041,66 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
     }
   }
 #endif
-  conveyor_parallel::parallel_for(0, T * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
+  // Row blocks: runs of pre.block_rows consecutive rows of one prepared sequence with the same first key take
+  // their weighted sums together (weighted_sum_pre_rows: the same bits); every other row is a block of one.
+  std::vector<int64_t> block_first;  // each block's first row; the last entry is T
+  block_first.reserve(T + 1);
+  for (int64_t t = 0; t < T;) {
+    int64_t n = 1;
+#if defined(CONVEYOR_ROW_PREPASS)
+    if (pre.has(seq[t]) && pre.sum_rows != nullptr) {
+      const int64_t first = first_key(static_cast<int64_t>(pos[t]) + 1, window);
+      while (n < pre.block_rows && t + n < T && seq[t + n] == seq[t] &&
+             first_key(static_cast<int64_t>(pos[t + n]) + 1, window) == first)
+        ++n;
+      if (n < pre.block_rows) n = 1;  // a short run goes row by row
+    }
+#endif
+    block_first.push_back(t);
+    t += n;
+  }
+  block_first.push_back(T);
+  const int64_t NB = static_cast<int64_t>(block_first.size()) - 1;
+  conveyor_parallel::parallel_for(0, NB * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
     const DenormalsOff flush;
     std::vector<float> scores, qf(G * D), acc(G * D), denom(G), vf(D);
+#if defined(CONVEYOR_ROW_PREPASS)
+    std::vector<std::vector<float>> block_scores(pre.block_rows), block_acc(pre.block_rows, std::vector<float>(G * D)),
+        block_denom(pre.block_rows, std::vector<float>(G));
+#endif
     for (int64_t task = begin; task < end; ++task) {
       // vkv: this task's sub-group of query heads (its first head is vkv * G), reading KV head kvh. Tasks go head
       // major, rows last to first: a thread's run of tasks reads one KV head's keys (in L2, not the whole
       // cache), and a prefill's longest rows are claimed first, so the two threads end together.
-      const int64_t t = T - 1 - task % T, vkv = task / T, kvh = vkv / NSUB;
+      const int64_t b = NB - 1 - task % NB, vkv = task / NB, kvh = vkv / NSUB;
+#if defined(CONVEYOR_ROW_PREPASS)
+      if (block_first[b + 1] - block_first[b] > 1) {
+        const int64_t t0 = block_first[b], R = block_first[b + 1] - t0;
+        const int64_t first = first_key(static_cast<int64_t>(pos[t0]) + 1, window);
+        const c10::BFloat16* q_rows[pre_block_rows(1)];
+        float* score_rows[pre_block_rows(1)];
+        float* acc_rows[pre_block_rows(1)];
+        int64_t key_counts[pre_block_rows(1)];
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t t = t0 + r;
+          const int64_t visible = key_end != nullptr ? static_cast<int64_t>(key_end[t]) : static_cast<int64_t>(pos[t]) + 1;
+          key_counts[r] = visible - first;
+          std::vector<float>& sc = block_scores[r];
+          if (static_cast<int64_t>(sc.size()) < G * key_counts[r]) sc.resize(G * key_counts[r]);
+          q_rows[r] = reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D);
+          score_rows[r] = sc.data();
+          acc_rows[r] = block_acc[r].data();
+        }
+        pre.qk_rows(q_rows, fscale, first, key_counts, pre.keys_of(seq[t0], kvh, D / 32), score_rows);
+        for (int64_t r = 0; r < R; ++r)
+          softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
+        pre.sum_rows(const_cast<const float* const*>(score_rows), key_counts, first, pre.values_of(seq[t0], kvh, D), acc_rows);
+        for (int64_t r = 0; r < R; ++r)
+          store_heads(block_acc[r].data(), block_denom[r].data(), G, D, o + (t0 + r) * q_row + vkv * G * D);
+        continue;
+      }
+#endif
+      const int64_t t = block_first[b];
       // Keys [first, pos]: the whole history, the last `window` positions (sliding window), or with a
       // negative window the query's own chunk of -window positions (Llama 4's chunked attention).
       // key_end (Gemma 3's image rows): keys up to the end of the row's bidirectional run; the window still
