@@ -245,8 +245,8 @@ def _capped_prefill(path: str) -> None:
 
 
 # The row path's prepared bytes for _capped_prefill's two chunks (2 KV heads, D = 64): keys 2 x 16-key groups x 2 KB,
-# values 2 x keys x 256 B.
-_BIG, _SMALL = 2 * 19 * 2048 + 2 * 300 * 256, 2 * 7 * 2048 + 2 * 100 * 256
+# values 2 x key pairs x 256 B (two bf16 rows interleaved).
+_BIG, _SMALL = 2 * 19 * 2048 + 2 * 150 * 256, 2 * 7 * 2048 + 2 * 50 * 256
 
 
 @pytest.mark.parametrize("cap", [1000, 100_000])  # neither chunk fits; only the second (the first is skipped)

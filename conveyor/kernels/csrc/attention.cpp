@@ -138,6 +138,106 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
   weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
 }
 
+#if defined(__AVX512BF16__)
+// ---- Pass 3 in bf16 dot products (AVX-512 BF16): the softmax weights rounded to bf16, as the AMX tiles take them ----
+// vdpbf16ps adds two keys' products per lane, acc[d] += p_a v_a[d] + p_b v_b[d] for the key pairs (a, b) = (2k, 2k + 1):
+// half the instructions of one FMA per key, and V read as bf16 (the prepass kept fp32 rows: twice the bytes). A pair's
+// V vectors are its two rows interleaved by 16-bit unpacks, in the unpacks' lane order (lo: d = 8L + i at dword 4L + i
+// of 128-bit lane L, hi: d = 8L + 4 + i), the same in every path (the cache here, prepare_rows' pairs, the prepass
+// kernels); the accumulators go back to d order once at the end. In a row's edge pairs the key outside its
+// [first, end) is zero in V (never read from the cache) and weighs 0, so every path runs the same operands: a row's
+// bits stay independent of its batch and of its prompt's chunks, as with the fp32 sum this replaced (~1.2x attention
+// at long prompts, results.md).
+
+// Key pairs covering keys [first, first + n): from pair first / 2 to the pair of the last key.
+inline int64_t num_pairs(int64_t first, int64_t n) { return (first + n + 1) / 2 - first / 2; }
+
+// Lanes i of a 16-float load at element e0 with off <= e0 + i < off + n.
+inline __mmask16 range_mask(int64_t e0, int64_t off, int64_t n) {
+  const int64_t lo = std::max<int64_t>(0, off - e0), hi = std::min<int64_t>(16, off + n - e0);
+  if (hi <= lo) return 0;
+  return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+// The weights of keys [first, first + n) of G heads (rows of n fp32 in `scores`) as bf16 pairs (vcvtne2ps2bf16: round
+// to nearest even), pair k holding keys 2 (first / 2 + k) and the next, weights outside the range 0: G x num_pairs dwords.
+inline void weight_pairs(const float* scores, int64_t G, int64_t first, int64_t n, uint32_t* out) {
+  const int64_t np = num_pairs(first, n), off = first & 1, elements = 2 * np;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = scores + g * n;  // element e is row[e - off]
+    uint32_t* dst = out + g * np;
+    for (int64_t e = 0; e < elements; e += 32) {
+      const __mmask16 m_lo = range_mask(e, off, n), m_hi = range_mask(e + 16, off, n);
+      // Masked lanes are not read, so the element before the row (off = 1) is never touched.
+      const __m512 lo = _mm512_maskz_loadu_ps(m_lo, m_lo ? row + e - off : row);
+      const __m512 hi = _mm512_maskz_loadu_ps(m_hi, m_hi ? row + e + 16 - off : row);
+      const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_mask_storeu_epi32(dst + e / 2, conveyor_vec::lanes_mask((elements - e) / 2), pairs);
+    }
+  }
+}
+
+// Elements 32c .. 32c + 31 of rows a and b (nullptr: zeros) as a pair's two V vectors, unpack order.
+inline void pair_chunk(const c10::BFloat16* a, const c10::BFloat16* b, int c, __m512i& lo, __m512i& hi) {
+  const __m512i va = a != nullptr ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+  const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(va, vb);
+  hi = _mm512_unpackhi_epi16(va, vb);
+}
+
+// One 32-element chunk's accumulators (lo, hi: unpack order) stored in d order.
+inline void store_pair_chunk(__m512 lo, __m512 hi, float* out) {
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo, first16, hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo, last16, hi));
+}
+
+inline __m512 dp_pair(__m512 acc, __m512i v, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)v, (__m512bh)w); }
+
+// The calling thread's weight pairs (weight_pairs) for one row.
+inline uint32_t* pair_scratch(int64_t dwords) {
+  thread_local std::vector<uint32_t> pairs;
+  if (static_cast<int64_t>(pairs.size()) < dwords) pairs.resize(dwords);
+  return pairs.data();
+}
+
+// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared): CH of the D / 32 chunks per sweep over
+// the pairs, G x 2 x CH accumulators in registers.
+template <int G, int DV>
+void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                          float* acc_out) {
+  constexpr int NC = DV / 2, CH = G * DV <= 16 ? NC : (G <= 2 ? 2 : 1);
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t np = num_pairs(first, num_keys), k0 = first / 2, end = first + num_keys;
+  uint32_t* pairs = pair_scratch(G * np);
+  weight_pairs(scores, G, first, num_keys, pairs);
+  for (int c0 = 0; c0 < NC; c0 += CH) {
+    __m512 acc[G][CH][2];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < np; ++k) {
+      const int64_t a = 2 * (k0 + k);
+      const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+      const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
+                                            : nullptr;
+      for (int c = 0; c < CH; ++c) {
+        __m512i lo, hi;
+        pair_chunk(va, vb, c0 + c, lo, hi);
+        for (int g = 0; g < G; ++g) {
+          const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[g * np + k]));
+          acc[g][c][0] = dp_pair(acc[g][c][0], lo, w);
+          acc[g][c][1] = dp_pair(acc[g][c][1], hi, w);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) store_pair_chunk(acc[g][c][0], acc[g][c][1], acc_out + g * DV * 16 + 32 * (c0 + c));
+  }
+}
+#endif
+
 // x[j] = exp(x[j] - m) for x <= m, 16 lanes at a time: the same range reduction and
 // polynomial as exp_nonpositive(). The scalar tail depends only on n, so a row's result
 // never depends on its batch-mates.
@@ -207,7 +307,11 @@ PassFn<c10::BFloat16> sum256_fn() {
 
 template <Pass P, int G, int DV>
 PassFn<c10::BFloat16> pass_fn() {
+#if defined(__AVX512BF16__)
+  return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16_dp<G, DV>;
+#else
   return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16<G, DV>;
+#endif
 }
 
 template <Pass P, int DV>
@@ -419,6 +523,32 @@ PassFn<scalar_t> fast_pass(const scalar_t*, int64_t, int64_t) {
   return nullptr;  // only bf16 on AVX-512 and AVX2 has the register-blocked paths
 }
 
+#if defined(__AVX512BF16__)
+template <int DV>
+PassFn<c10::BFloat16> pick_fp32_sum(int64_t G) {
+  switch (G) {
+    case 1: return weighted_sum_bf16<1, DV>;
+    case 2: return weighted_sum_bf16<2, DV>;
+    case 3: return weighted_sum_bf16<3, DV>;
+    case 4: return weighted_sum_bf16<4, DV>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// The q8_0 row path's weighted sum over a bf16 V: fp32 FMA chains at every level, where fast_pass takes bf16 dot
+// products with AVX-512 BF16 (that path's tests hold it to the exact formula, and it has no prepass to match).
+template <typename scalar_t>
+PassFn<scalar_t> fp32_weighted_sum(const scalar_t* v, int64_t G, int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (D == 64) return pick_fp32_sum<4>(G);
+    if (D == 128) return pick_fp32_sum<8>(G);
+  }
+#endif
+  return fast_pass<Pass::kWeightedSum>(v, G, D);
+}
+
 template <typename scalar_t>
 inline void load_row(const scalar_t* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] = to_float(v[d]);
@@ -451,6 +581,21 @@ inline void exp_shifted(float* x, int64_t n, float m) {
   for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)));
   for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
+
+// exp_shifted, returning conveyor_vec::row_sum of the result: the same lane sums, tree and tail order, in one pass.
+inline float exp_shifted_sum(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
+    _mm512_storeu_ps(x + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) s += (x[j] = exp_nonpositive(x[j] - m));
+  return s;
+}
 #elif defined(CONVEYOR_AVX2)
 inline void exp_shifted(float* x, int64_t n, float m) {  // 8 lanes, then the same scalar tail
   const __m256 vm = _mm256_set1_ps(m);
@@ -458,9 +603,28 @@ inline void exp_shifted(float* x, int64_t n, float m) {  // 8 lanes, then the sa
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)));
   for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
 }
+
+inline float exp_shifted_sum(float* x, int64_t n, float m) {  // as the AVX-512 one, 8 lanes
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float s = conveyor_vec::reduce_add(acc);
+  for (; j < n; ++j) s += (x[j] = exp_nonpositive(x[j] - m));
+  return s;
+}
 #else
 inline void exp_shifted(float* x, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+}
+
+inline float exp_shifted_sum(float* x, int64_t n, float m) {
+  exp_shifted(x, n, m);
+  return conveyor_vec::row_sum(x, n);
 }
 #endif
 
@@ -479,8 +643,7 @@ inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double so
     float* sg = scores + g * num_keys;
     float m = conveyor_vec::row_max(sg, num_keys);
     if (sinks != nullptr) m = sinks[g] > m ? sinks[g] : m;
-    exp_shifted(sg, num_keys, m);
-    denom[g] = conveyor_vec::row_sum(sg, num_keys);
+    denom[g] = exp_shifted_sum(sg, num_keys, m);
     if (sinks != nullptr) denom[g] += exp_nonpositive(sinks[g] - m);
   }
 }
@@ -582,12 +745,12 @@ inline int64_t prepass_cap_bytes() {
 }
 
 using PreScoresFn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, const __m512i*, float*);
-using PreSumFn = void (*)(const float*, int64_t, int64_t, const float*, float*);
+using PreSumFn = void (*)(const float*, int64_t, int64_t, const uint32_t*, float*);
 // (each row's q heads, scale, the rows' shared first key, each row's key count, transposed keys, each row's scores)
 using PreScoresRowsFn = void (*)(const c10::BFloat16* const*, float, int64_t, const int64_t*, const __m512i*,
                                  float* const*);
-// (each row's scores, each row's key count, the rows' shared first key, values, each row's accumulator out)
-using PreSumRowsFn = void (*)(const float* const*, const int64_t*, int64_t, const float*, float* const*);
+// (each row's scores, each row's key count, the rows' shared first key, value pairs, each row's accumulator out)
+using PreSumRowsFn = void (*)(const float* const*, const int64_t*, int64_t, const uint32_t*, float* const*);
 
 // Key group `grp` (keys 16 grp .. + 15, those past `keys` zero) of one KV head, transposed: DH x 16 vectors.
 template <int DH>
@@ -639,14 +802,41 @@ void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first,
   }
 }
 
-// weighted_sum_regs on fp32 values `vf` (key 0's row first, rows D apart).
+// weighted_sum_bf16_dp on the prepared pairs `vp` (pair 0 = keys 0 and 1; per pair D / 32 chunks of lo, hi vectors).
+// keep: the pair's elements a row takes (even: key a, odd: key b), all but at the row's edges.
+inline __m512i pair_vector(const uint32_t* vp, int64_t pair, int c, int half, int NC, __mmask32 keep) {
+  const __m512i v = _mm512_loadu_si512(vp + (pair * NC + c) * 32 + 16 * half);
+  return keep == 0xFFFFFFFFu ? v : _mm512_maskz_mov_epi16(keep, v);
+}
+
+inline __mmask32 pair_keep(int64_t pair, int64_t first, int64_t end) {
+  return (2 * pair >= first ? 0x55555555u : 0u) | (2 * pair + 1 < end ? 0xAAAAAAAAu : 0u);
+}
+
 template <int G, int DV>
-void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const float* vf, float* acc_out) {
-  const auto load_values = [&](int64_t j, __m512* vv) __attribute__((always_inline)) {
-    const float* v = vf + (j + first) * 16 * DV;
-    for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(v + 16 * d);
-  };
-  weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
+void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const uint32_t* vp, float* acc_out) {
+  constexpr int NC = DV / 2, CH = G * DV <= 16 ? NC : (G <= 2 ? 2 : 1);
+  const int64_t np = num_pairs(first, num_keys), k0 = first / 2, end = first + num_keys;
+  uint32_t* pairs = pair_scratch(G * np);
+  weight_pairs(scores, G, first, num_keys, pairs);
+  for (int c0 = 0; c0 < NC; c0 += CH) {
+    __m512 acc[G][CH][2];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < np; ++k) {
+      const __mmask32 keep = pair_keep(k0 + k, first, end);
+      for (int c = 0; c < CH; ++c) {
+        const __m512i lo = pair_vector(vp, k0 + k, c0 + c, 0, NC, keep), hi = pair_vector(vp, k0 + k, c0 + c, 1, NC, keep);
+        for (int g = 0; g < G; ++g) {
+          const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[g * np + k]));
+          acc[g][c][0] = dp_pair(acc[g][c][0], lo, w);
+          acc[g][c][1] = dp_pair(acc[g][c][1], hi, w);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) store_pair_chunk(acc[g][c][0], acc[g][c][1], acc_out + g * DV * 16 + 32 * (c0 + c));
+  }
 }
 
 // scores_dpbf16_pre for R rows of one sequence that start at the same key: each transposed key group loaded once for
@@ -695,44 +885,54 @@ void scores_dpbf16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int
   }
 }
 
-// weighted_sum_pre for R rows of one sequence that start at the same key: each value row is loaded once for the R
-// rows (for the keys all of them see, then each row's own further keys alone), two 16-lane chunks of D at a time so
-// the G x 2 x R accumulators stay in registers (24 at G x R = 12). One row at a time re-read every value row per row
-// and per head group, from L3 at long prompts (~50 % of the FMA peak at 8k keys). Every output element is still its
-// row's one FMA chain in key order, the same operands: the bits of weighted_sum_pre.
+// weighted_sum_pre for R rows of one sequence that start at the same key: each pair's V vectors loaded once for the R
+// rows (for the pairs all of them see whole, then each row's own further pairs alone), one 32-element chunk of D per
+// sweep so the G x 2 x R accumulators stay in registers (24 at G x R = 12). One row at a time re-read V per row and head
+// group, from L3 at long prompts. Every output element is still its row's one chain over the pairs in order, the same
+// operands: the bits of weighted_sum_pre.
 template <int G, int DV, int R>
-void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, int64_t first, const float* vf,
+void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, int64_t first, const uint32_t* vp,
                            float* const* acc_out) {
-  static_assert(DV % 2 == 0, "D = 32 * DH");
-  int64_t common = num_keys[0];
-  for (int r = 1; r < R; ++r) common = std::min(common, num_keys[r]);
-  const float* rows = vf + first * 16 * DV;
-  for (int c = 0; c < DV; c += 2) {
+  constexpr int NC = DV / 2;
+  const int64_t k0 = first / 2;
+  uint32_t* pairs[R];
+  int64_t np[R], end[R];
+  int64_t total = 0;
+  for (int r = 0; r < R; ++r) total += G * num_pairs(first, num_keys[r]);
+  uint32_t* scratch = pair_scratch(total);
+  int64_t common = std::numeric_limits<int64_t>::max();  // pairs [k0, common): whole in every row (but the first edge)
+  for (int r = 0; r < R; ++r) {
+    np[r] = num_pairs(first, num_keys[r]);
+    end[r] = first + num_keys[r];
+    pairs[r] = scratch;
+    scratch += G * np[r];
+    weight_pairs(scores[r], G, first, num_keys[r], pairs[r]);
+    common = std::min(common, end[r] / 2);
+  }
+  common = std::max(common, k0);
+  for (int c = 0; c < NC; ++c) {
     __m512 acc[R][G][2];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = _mm512_setzero_ps();
-    const auto step = [&](int r, int64_t j, __m512 v0, __m512 v1) __attribute__((always_inline)) {
+    const auto step = [&](int r, int64_t k, __m512i lo, __m512i hi) __attribute__((always_inline)) {
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[r][g * num_keys[r] + j]);
-        acc[r][g][0] = _mm512_fmadd_ps(p, v0, acc[r][g][0]);
-        acc[r][g][1] = _mm512_fmadd_ps(p, v1, acc[r][g][1]);
+        const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[r][g * np[r] + k]));
+        acc[r][g][0] = dp_pair(acc[r][g][0], lo, w);
+        acc[r][g][1] = dp_pair(acc[r][g][1], hi, w);
       }
     };
-    for (int64_t j = 0; j < common; ++j) {
-      const float* v = rows + j * 16 * DV + 16 * c;
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-      for (int r = 0; r < R; ++r) step(r, j, v0, v1);
+    for (int64_t pair = k0; pair < common; ++pair) {
+      const __mmask32 keep = pair_keep(pair, first, end[0]);  // the same for every row here
+      const __m512i lo = pair_vector(vp, pair, c, 0, NC, keep), hi = pair_vector(vp, pair, c, 1, NC, keep);
+      for (int r = 0; r < R; ++r) step(r, pair - k0, lo, hi);
     }
     for (int r = 0; r < R; ++r)
-      for (int64_t j = common; j < num_keys[r]; ++j) {
-        const float* v = rows + j * 16 * DV + 16 * c;
-        step(r, j, _mm512_loadu_ps(v), _mm512_loadu_ps(v + 16));
+      for (int64_t pair = common; pair < k0 + np[r]; ++pair) {
+        const __mmask32 keep = pair_keep(pair, first, end[r]);
+        step(r, pair - k0, pair_vector(vp, pair, c, 0, NC, keep), pair_vector(vp, pair, c, 1, NC, keep));
       }
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) {
-        _mm512_storeu_ps(acc_out[r] + g * DV * 16 + 16 * c, acc[r][g][0]);
-        _mm512_storeu_ps(acc_out[r] + g * DV * 16 + 16 * (c + 1), acc[r][g][1]);
-      }
+      for (int g = 0; g < G; ++g) store_pair_chunk(acc[r][g][0], acc[r][g][1], acc_out[r] + g * DV * 16 + 32 * c);
   }
 }
 
@@ -759,24 +959,26 @@ void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum, PreScoresRowsFn& qk_row
   }
 }
 
-// One call's prepared sequences: where sequence s's KV head h starts in `kt` and `vf` (-1: not prepared).
+// One call's prepared sequences: where sequence s's KV head h starts in `kt` and `vp` (-1: not prepared).
 struct Prepass {
   PreScoresFn qk = nullptr;
   PreSumFn sum = nullptr;
   PreScoresRowsFn qk_rows = nullptr;  // block_rows rows of one sequence at once (the same bits as `qk` per row)
   PreSumRowsFn sum_rows = nullptr;    // and as `sum` per row
   int64_t block_rows = 1;
-  std::vector<int64_t> keys, kt_at, vf_at;  // per sequence
+  std::vector<int64_t> keys, kt_at, vp_at;  // per sequence
   std::vector<__m512i> kt;                  // per sequence, KV head: its groups x DH x 16
-  std::vector<float> vf;                    // per sequence, KV head: its keys x D
+  std::vector<uint32_t> vp;                 // per sequence, KV head: its key pairs x D (weighted_sum_pre's layout)
 
   bool has(int64_t s) const { return qk != nullptr && kt_at[s] >= 0; }
   const __m512i* keys_of(int64_t s, int64_t kvh, int64_t DH) const {
     return kt.data() + kt_at[s] + kvh * ((keys[s] + 15) / 16) * 16 * DH;
   }
-  const float* values_of(int64_t s, int64_t kvh, int64_t D) const { return vf.data() + vf_at[s] + kvh * keys[s] * D; }
+  const uint32_t* values_of(int64_t s, int64_t kvh, int64_t D) const {
+    return vp.data() + vp_at[s] + kvh * ((keys[s] + 1) / 2) * D;
+  }
   int64_t bytes() const {
-    return static_cast<int64_t>(kt.capacity() * sizeof(__m512i) + vf.capacity() * sizeof(float));
+    return static_cast<int64_t>(kt.capacity() * sizeof(__m512i) + vp.capacity() * sizeof(uint32_t));
   }
 };
 
@@ -802,33 +1004,33 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   }
   const int64_t DH = D / 32;
   pre.kt_at.assign(num_seqs, -1);
-  pre.vf_at.assign(num_seqs, -1);
-  int64_t kt_size = 0, vf_size = 0;
+  pre.vp_at.assign(num_seqs, -1);
+  int64_t kt_size = 0, vp_size = 0;
   const int64_t cap = prepass_cap_bytes();
-  const auto bytes = [](int64_t kt_n, int64_t vf_n) {
-    return kt_n * static_cast<int64_t>(sizeof(__m512i)) + vf_n * static_cast<int64_t>(sizeof(float));
+  const auto bytes = [](int64_t kt_n, int64_t vp_n) {
+    return kt_n * static_cast<int64_t>(sizeof(__m512i)) + vp_n * static_cast<int64_t>(sizeof(uint32_t));
   };
   std::vector<int64_t> items;  // s * KVH + kvh
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (rows[s] < kPrepassRows) continue;
-    const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH, vf_add = KVH * pre.keys[s] * D;
-    if (bytes(kt_size + kt_add, vf_size + vf_add) > cap) continue;  // past the cap: its rows take the per-row passes
+    const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH, vp_add = KVH * ((pre.keys[s] + 1) / 2) * D;
+    if (bytes(kt_size + kt_add, vp_size + vp_add) > cap) continue;  // past the cap: its rows take the per-row passes
     pre.kt_at[s] = kt_size;
-    pre.vf_at[s] = vf_size;
+    pre.vp_at[s] = vp_size;
     kt_size += kt_add;
-    vf_size += vf_add;
+    vp_size += vp_add;
     for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back(s * KVH + kvh);
   }
   if (items.empty()) return;
-  if (static_cast<int64_t>(pre.kt.size()) < kt_size || static_cast<int64_t>(pre.vf.size()) < vf_size) {
+  if (static_cast<int64_t>(pre.kt.size()) < kt_size || static_cast<int64_t>(pre.vp.size()) < vp_size) {
     // Grown to exact sizes (not resize's doubling), both within the cap together: the largest seen while they fit,
     // else this call's.
-    int64_t kt_n = std::max<int64_t>(kt_size, pre.kt.size()), vf_n = std::max<int64_t>(vf_size, pre.vf.size());
-    if (bytes(kt_n, vf_n) > cap) kt_n = kt_size, vf_n = vf_size;
+    int64_t kt_n = std::max<int64_t>(kt_size, pre.kt.size()), vp_n = std::max<int64_t>(vp_size, pre.vp.size());
+    if (bytes(kt_n, vp_n) > cap) kt_n = kt_size, vp_n = vp_size;
     std::vector<__m512i>().swap(pre.kt);  // the old buffers go before the new ones are made
-    std::vector<float>().swap(pre.vf);
+    std::vector<uint32_t>().swap(pre.vp);
     std::vector<__m512i>(kt_n).swap(pre.kt);
-    std::vector<float>(vf_n).swap(pre.vf);
+    std::vector<uint32_t>(vp_n).swap(pre.vp);
   }
   if (DH == 2) {
     pick_pre<2>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
@@ -847,10 +1049,19 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           transpose_key_group<4>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         }
       }
-      float* vf = pre.vf.data() + pre.vf_at[s] + kvh * keys * D;
-      for (int64_t key = 0; key < keys; ++key) {
-        const c10::BFloat16* v = vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kvh * D);
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + key * D + d, load_bf16(v + d));
+      uint32_t* vp = pre.vp.data() + pre.vp_at[s] + kvh * ((keys + 1) / 2) * D;
+      const int NC = static_cast<int>(D / 32);
+      for (int64_t pair = 0; 2 * pair < keys; ++pair) {
+        const c10::BFloat16* a = vc + cache_row(table, 2 * pair, bs_shift, kv_block, kv_tok, kvh * D);
+        const c10::BFloat16* b = 2 * pair + 1 < keys
+                                     ? vc + cache_row(table, 2 * pair + 1, bs_shift, kv_block, kv_tok, kvh * D)
+                                     : nullptr;
+        for (int c = 0; c < NC; ++c) {
+          __m512i lo, hi;
+          pair_chunk(a, b, c, lo, hi);
+          _mm512_storeu_si512(vp + (pair * NC + c) * 32, lo);
+          _mm512_storeu_si512(vp + (pair * NC + c) * 32 + 16, hi);
+        }
       }
     }
   });
@@ -1549,7 +1760,7 @@ void attend_rows_q8(const torch::Tensor& query, const torch::Tensor& key_cache, 
   const void* fast_sum = nullptr;
 #endif
   // The unquantized side of a mixed pair takes the bf16 path's own fast passes where it has them.
-  const auto plain_sum = v_q8 ? nullptr : fast_pass<Pass::kWeightedSum>(vs, G, D);
+  const auto plain_sum = v_q8 ? nullptr : fp32_weighted_sum(vs, G, D);
   const auto plain_qk = k_q8 ? nullptr : fast_pass<Pass::kScores>(ks, G, D);
 #if defined(__AVX512F__) || defined(CONVEYOR_AVX2)
   const ScoresBf16Fn plain_dp_qk = !k_q8 && std::is_same_v<scalar_t, c10::BFloat16> ? wide_scores_fn(G, D) : nullptr;
