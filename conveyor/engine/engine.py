@@ -651,6 +651,9 @@ class EngineCore:
                 self.runner.encoder_cache.wait(DISK_READ_POLL_S)  # ... or an image's encode
             return []
         started = time.perf_counter()
+        recorder = self.runner.drafter if isinstance(self.runner.drafter, MTPRunner) else None
+        if recorder is not None and self.spec_policy is not None:
+            recorder.defer = self.spec_policy.defers_recording(len(plan.chunks))
         masks = self._start_masks(plan)
         try:
             # (masks passed only when there are some: execute(plan) stays the whole contract for free batches)
@@ -671,7 +674,10 @@ class EngineCore:
         counts = self.counters.batch_size_counts
         counts[len(plan.chunks)] = counts.get(len(plan.chunks), 0) + 1
         advanced = self.scheduler.update(plan, result)
-        if self.spec_policy is not None:
+        paid_deferred = recorder is not None and recorder.paid_deferred
+        if recorder is not None:
+            recorder.paid_deferred = False
+        if self.spec_policy is not None and not paid_deferred:  # (a tick that ran rows kept earlier: not timed)
             self._observe_policy(plan, sum(n for _, n in advanced), time.perf_counter() - started)
         outputs = [self._output_for(r, n, result.logprobs.get(r.request_id)) for r, n in advanced]
         if self.kv_transfer.handoff_ids:

@@ -162,6 +162,14 @@ class SpecPolicy:
         self._save()
         return verdict
 
+    def defers_recording(self, batch_size: int) -> bool:
+        """Whether an MTP / EAGLE3 head may keep this tick's rows waiting (runner/mtp_runner.py): drafting is declined
+        at this batch size, so they run through the head only if the request drafts later, at a smaller batch."""
+        if self.mode != "adaptive":
+            return self.mode == "decline"
+        verdict = self.verdicts.get(bucket_of(batch_size))
+        return verdict is not None and verdict.verdict == "decline"
+
     def allows(self, batch_size: int) -> bool:
         return self.draft_length(batch_size) > 0
 

@@ -14,6 +14,12 @@ chunk's rows come back as pending hiddens; the next chunk's start position cuts 
 recomputed, on a hybrid's rollback), so accepted positions are rewritten from the target's hidden states and
 rejected ones are overwritten later. Rows that do not draft are flushed through the head in batches of
 FLUSH_ROWS, so a long prompt never waits in memory and a later draft finds the head's K/V filled in.
+
+While the draft policy declines at the tick's batch size (`defer`, set by the engine each tick), rows wait instead,
+up to DEFER_BYTES per request: a request that ends before it drafts never pays for its head rows (~3 % of a C=16 run
+of a Qwen3.5-shaped 0.8B whose policy declines there). A later draft runs them in its first head forward (the head's
+kernels are row-invariant: the same K/V and drafts as flushed ones), and that tick reports `paid_deferred`, so the
+policy does not time it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from conveyor.engine.outputs import ScheduledChunk, SchedulerOutput
 from conveyor.runner.draft_runner import Proposal, confident_rows, pick_drafts
 
 FLUSH_ROWS = 32  # pending rows of a row that does not draft, fed to the head in one go
+DEFER_BYTES = 4 << 20  # pending hidden states one request may hold while the policy declines (then flushed)
 
 
 @dataclass
@@ -34,11 +41,19 @@ class _Pending:
 
     start: int
     token_ids: list[int]  # the tokens at those positions
-    hiddens: torch.Tensor  # (n, H) the target's final hidden states there
+    parts: list[torch.Tensor]  # (n_i, H) pieces of the target's final hidden states there, in order
+    deferred: bool = False  # kept past FLUSH_ROWS while the policy declined
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def hiddens(self) -> torch.Tensor:
+        """(n, H), the pieces joined once (a decode row appends one piece per tick: no copy of the rest)."""
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts)]
+        return self.parts[0]
 
 
 class MTPRunner:
@@ -50,6 +65,8 @@ class MTPRunner:
         self.head = runner.model
         self.p_min = p_min  # --draft-p-min: a greedy row stops drafting at a draft this unsure (confident_rows)
         self._pending: dict[str, _Pending] = {}
+        self.defer = False  # this tick: the policy declines at its batch size (the engine sets it)
+        self.paid_deferred = False  # this tick's drafts ran rows kept while it declined (the engine reads, resets)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -62,6 +79,8 @@ class MTPRunner:
     def record(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
         """After the target's forward: hidden (T, H), every row of `chunks` in order."""
         at, flush = 0, []
+        limit = max(FLUSH_ROWS, DEFER_BYTES // max(1, hidden.shape[-1] * hidden.element_size())) if self.defer \
+            else FLUSH_ROWS
         for chunk in chunks:
             rows = hidden[at:at + len(chunk.token_ids)]
             at += len(chunk.token_ids)
@@ -70,7 +89,10 @@ class MTPRunner:
             pending = self._append(chunk, rows)
             # A verify chunk's rows wait for the next chunk to say which drafts were accepted.
             if not (chunk.num_draft_tokens or chunk.draft) and len(pending.token_ids) > FLUSH_ROWS:
-                flush.append(chunk)
+                if len(pending.token_ids) > limit:
+                    flush.append(chunk)
+                else:
+                    pending.deferred = True
         if flush:
             self._flush(flush)
 
@@ -86,6 +108,7 @@ class MTPRunner:
             if pending is None:  # no hidden state at p-1: nothing to draft from
                 continue
             del self._pending[chunk.request_id]  # consumed: the verify chunk's rows come next
+            self.paid_deferred |= pending.deferred
             steps.append(ScheduledChunk(chunk.request_id, pending.token_ids[1:] + chunk.token_ids[:1], pending.start,
                                         chunk.block_table, True, chunk.sampling_params))
             inputs.append(pending.hiddens)
@@ -113,11 +136,12 @@ class MTPRunner:
 
     def _append(self, chunk: ScheduledChunk, rows: torch.Tensor) -> _Pending:
         """The chunk's rows after the pending ones before its start (a new start cuts off rejected drafts)."""
-        old = _cut(self._pending.get(chunk.request_id), chunk.start_position)
-        if old is not None:
-            pending = _Pending(old.start, old.token_ids + chunk.token_ids, torch.cat([old.hiddens, rows]))
+        pending = _cut(self._pending.get(chunk.request_id), chunk.start_position)
+        if pending is not None:
+            pending.token_ids.extend(chunk.token_ids)
+            pending.parts.append(rows.clone())
         else:
-            pending = _Pending(chunk.start_position, list(chunk.token_ids), rows.clone())
+            pending = _Pending(chunk.start_position, list(chunk.token_ids), [rows.clone()])
         self._pending[chunk.request_id] = pending
         return pending
 
@@ -126,11 +150,12 @@ class MTPRunner:
         steps, inputs = [], []
         for chunk in chunks:
             pending = self._pending[chunk.request_id]
+            self.paid_deferred |= pending.deferred  # the policy declined when these waited; now it may be timing
             steps.append(ScheduledChunk(chunk.request_id, pending.token_ids[1:], pending.start, chunk.block_table,
                                         False, chunk.sampling_params))
             inputs.append(pending.hiddens[:-1])
             self._pending[chunk.request_id] = _Pending(pending.end - 1, pending.token_ids[-1:],
-                                                       pending.hiddens[-1:].clone())
+                                                       [pending.hiddens[-1:].clone()])
         self._forward(steps, torch.cat(inputs))
 
     def _forward(self, steps: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
@@ -161,4 +186,4 @@ def _cut(pending: _Pending | None, position: int) -> _Pending | None:
     keep = position - pending.start
     if keep == len(pending.token_ids):
         return pending
-    return _Pending(pending.start, pending.token_ids[:keep], pending.hiddens[:keep])
+    return _Pending(pending.start, pending.token_ids[:keep], [pending.hiddens[:keep]], pending.deferred)

@@ -156,6 +156,17 @@ def test_adaptive_policy_measures_settles_and_persists(tmp_path):
     assert SpecPolicy("decline", key, str(tmp_path)).allows(1) is False
 
 
+def test_an_mtp_head_defers_its_rows_only_where_the_policy_declines(tmp_path):
+    key = {"target": "t", "draft": "d"}
+    policy = SpecPolicy("adaptive", key, str(tmp_path))
+    assert not policy.defers_recording(8)  # no verdict yet: a draft may come in this bucket's profile
+    _settle(policy, 1, {1: 200.0, 0: 100.0})
+    _settle(policy, 8, {1: 50.0, 0: 100.0})
+    assert policy.defers_recording(8) and policy.defers_recording(5) and not policy.defers_recording(1)
+    assert SpecPolicy("decline", key, str(tmp_path)).defers_recording(1)
+    assert not SpecPolicy("enable", key, str(tmp_path)).defers_recording(16)
+
+
 def test_a_tick_the_policy_will_not_measure_runs_classic_while_it_profiles(tmp_path):
     """A tick with prefill rows in it is not observed, so a bucket still profiling does not draft in it; once the
     bucket has its verdict, such ticks follow the verdict."""

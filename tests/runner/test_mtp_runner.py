@@ -133,3 +133,42 @@ def test_no_hidden_state_before_the_row_means_no_draft_and_forget_drops_it():
     runner.forget(["r"])
     assert runner.propose([_chunk([4], 3, draft=DraftRequest(2, (1, 2, 3, 4), 0))])["r"].token_ids == []
     assert runner.head.rows == []
+
+
+def _run(defer: bool, monkeypatch) -> tuple[list, list]:
+    """A 6-row prompt, 5 decode rows that do not draft, then a draft: the head rows read, and the proposal."""
+    monkeypatch.setattr(mtp_runner, "FLUSH_ROWS", 4)
+    monkeypatch.setattr(mtp_runner, "DEFER_BYTES", 9 * 4 * 4)  # 9 pending rows of (4,) fp32 while deferring
+    runner = MTPRunner(_Runner())
+    runner.defer = defer
+    runner.record([_chunk(range(20, 26), 0)], _hidden(0, 6))
+    flushed_before_draft = []
+    for q in range(6, 11):
+        runner.record([_chunk([20 + q], q)], _hidden(q, 1))
+        flushed_before_draft.append(len(runner.head.rows))
+    runner.defer = False
+    proposal = runner.propose([_chunk([31], 11, draft=DraftRequest(2, tuple(range(20, 32)), 0))])["r"]
+    return runner, flushed_before_draft, proposal.token_ids
+
+
+def test_rows_wait_while_the_policy_declines_and_a_draft_runs_them(monkeypatch):
+    eager, eager_flushes, eager_drafts = _run(False, monkeypatch)
+    deferred, deferred_flushes, deferred_drafts = _run(True, monkeypatch)
+    assert eager_flushes[-1] > 0 and not eager.paid_deferred
+    # Deferred: nothing runs until a request holds more than 9 rows (the prompt's 6 plus 4 decode rows = 10)
+    assert deferred_flushes == [0, 0, 0, 9, 9]
+    assert deferred.paid_deferred  # the flush past the cap ran rows kept while declining
+    # The head read the same rows either way (its kernels are row-invariant), so the drafts are the same.
+    assert sorted(deferred.head.rows) == sorted(eager.head.rows)
+    assert deferred_drafts == eager_drafts
+
+
+def test_a_draft_after_deferred_rows_reports_them(monkeypatch):
+    monkeypatch.setattr(mtp_runner, "FLUSH_ROWS", 4)
+    runner = MTPRunner(_Runner())
+    runner.defer = True
+    runner.record([_chunk(range(20, 26), 0)], _hidden(0, 6))  # 6 > FLUSH_ROWS rows wait
+    assert runner.head.rows == [] and not runner.paid_deferred
+    runner.propose([_chunk([26], 6, draft=DraftRequest(1, tuple(range(20, 27)), 0))])
+    assert runner.paid_deferred  # the engine does not time this tick for the policy
+    assert [q for q, _, _ in runner.head.rows] == list(range(6))  # h_0..h_5 with x_1..x_6, in one forward
