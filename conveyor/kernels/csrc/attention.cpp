@@ -238,11 +238,6 @@ void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, 
 }
 #endif
 
-// x[j] = exp(x[j] - m) for x <= m, 16 lanes at a time: the same range reduction and
-// polynomial as exp_nonpositive(). The scalar tail depends only on n, so a row's result
-// never depends on its batch-mates.
-inline void exp_shifted(float* x, int64_t n, float m);
-
 // Pass 1 for bf16: q (G x D, fp32, scaled) stays in registers; one key row is loaded once for all G heads.
 template <int G, int DV>
 void scores_bf16(const float* qf, int64_t first, int64_t num_keys, const c10::BFloat16* kc, const int32_t* table,
@@ -574,15 +569,11 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// x[j] = exp(x[j] - m) for x <= m (16 or 8 lanes at a time: exp_ps, the same range reduction and polynomial as
+// exp_nonpositive(), which takes the scalar tail), returning their sum as conveyor_vec::row_sum adds them (lane sums,
+// the fixed tree, then the tail in order), in one pass. Both orders depend only on n, so a row's result never
+// depends on its batch-mates.
 #if defined(__AVX512F__)
-inline void exp_shifted(float* x, int64_t n, float m) {
-  const __m512 vm = _mm512_set1_ps(m);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm)));
-  for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
-}
-
-// exp_shifted, returning conveyor_vec::row_sum of the result: the same lane sums, tree and tail order, in one pass.
 inline float exp_shifted_sum(float* x, int64_t n, float m) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
@@ -597,14 +588,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
   return s;
 }
 #elif defined(CONVEYOR_AVX2)
-inline void exp_shifted(float* x, int64_t n, float m) {  // 8 lanes, then the same scalar tail
-  const __m256 vm = _mm256_set1_ps(m);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm)));
-  for (; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
-}
-
-inline float exp_shifted_sum(float* x, int64_t n, float m) {  // as the AVX-512 one, 8 lanes
+inline float exp_shifted_sum(float* x, int64_t n, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
@@ -618,12 +602,8 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {  // as the AVX-512 
   return s;
 }
 #else
-inline void exp_shifted(float* x, int64_t n, float m) {
-  for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
-}
-
 inline float exp_shifted_sum(float* x, int64_t n, float m) {
-  exp_shifted(x, n, m);
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
   return conveyor_vec::row_sum(x, n);
 }
 #endif
