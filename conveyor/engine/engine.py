@@ -652,7 +652,8 @@ class EngineCore:
             return []
         started = time.perf_counter()
         recorder = self.runner.drafter if isinstance(self.runner.drafter, MTPRunner) else None
-        if recorder is not None and self.spec_policy is not None:
+        if recorder is not None and self.spec_policy is not None and not self.config.enable_prefix_caching:
+            # (with prefix caching, a request's blocks outlive it: a later hit that drafts reads their head K/V)
             recorder.defer = self.spec_policy.defers_recording(len(plan.chunks))
         masks = self._start_masks(plan)
         try:

@@ -139,3 +139,24 @@ def test_preemption_keeps_greedy_exact(random_head):
     assert tight.engine.scheduler.stats.num_preemptions > 0
     assert tight.engine.scheduler.stats.num_model_draft_tokens > 0
     _check_released(tight)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_declining_policy_defers_the_heads_rows_without_prefix_caching(bigram, prefix_caching, monkeypatch):
+    """--draft-policy decline: without prefix caching the head's rows wait (no flush: requests end before they would
+    draft); with it they still go through the head, since a request's blocks (head K/V included) outlive it."""
+    from conveyor.runner import mtp_runner
+
+    monkeypatch.setattr(mtp_runner, "FLUSH_ROWS", 4)
+    flushed = []
+    original = mtp_runner.MTPRunner._flush
+    monkeypatch.setattr(mtp_runner.MTPRunner, "_flush", lambda self, chunks: (flushed.append(len(chunks)),
+                                                                              original(self, chunks)))
+    checkpoint, want = bigram
+    llm = LLM(checkpoint=checkpoint, parallel=16, draft_kind="mtp", draft_policy="decline",
+              enable_prefix_caching=prefix_caching)
+    got = llm.generate(PROMPTS, [_greedy(i) for i in range(len(PROMPTS))])
+    assert [g.token_ids for g in got] == want
+    assert llm.engine.scheduler.stats.num_model_draft_tokens == 0
+    assert bool(flushed) == prefix_caching
+    _check_released(llm)
