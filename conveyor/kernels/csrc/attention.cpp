@@ -295,9 +295,65 @@ void weighted_sum_bf16_tiled(const float* scores, int64_t first, int64_t num_key
   }
 }
 
+#if defined(__AVX512BF16__)
+// weighted_sum_bf16_dp for D = 256 (Gemma 3, Qwen3.5's attention layers), whose G x 16 accumulators do not fit the
+// registers: pairs in tiles of 16 whose value rows stay in L1 while CH 32-element chunks at a time are swept over
+// them, the accumulators parked between sweeps (as weighted_sum_bf16_tiled does for fp32). Each element is still
+// one chain over the pairs in order: the bits of one sweep over all pairs.
+template <int G, int DV, int CH>
+void weighted_sum_bf16_dp_tiled(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                                const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                                float* acc_out) {
+  constexpr int NC = DV / 2;
+  static_assert(NC % CH == 0, "chunks must tile the head");
+  constexpr int64_t kTilePairs = 16;
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t np = num_pairs(first, num_keys), k0 = first / 2, end = first + num_keys;
+  uint32_t* pairs = pair_scratch(G * np);
+  weight_pairs(scores, G, first, num_keys, pairs);
+  alignas(64) float parked[NC][G][2][16] = {};  // unpack order, as the registers hold them
+  const c10::BFloat16* rows_a[kTilePairs];
+  const c10::BFloat16* rows_b[kTilePairs];
+  for (int64_t t0 = 0; t0 < np; t0 += kTilePairs) {
+    const int64_t n = std::min<int64_t>(kTilePairs, np - t0);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t a = 2 * (k0 + t0 + k);
+      rows_a[k] = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+      rows_b[k] = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+    }
+    for (int c0 = 0; c0 < NC; c0 += CH) {
+      __m512 acc[G][CH][2];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c)
+          for (int h = 0; h < 2; ++h) acc[g][c][h] = _mm512_load_ps(parked[c0 + c][g][h]);
+      for (int64_t k = 0; k < n; ++k)
+        for (int c = 0; c < CH; ++c) {
+          __m512i lo, hi;
+          pair_chunk(rows_a[k], rows_b[k], c0 + c, lo, hi);
+          for (int g = 0; g < G; ++g) {
+            const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[g * np + t0 + k]));
+            acc[g][c][0] = dp_pair(acc[g][c][0], lo, w);
+            acc[g][c][1] = dp_pair(acc[g][c][1], hi, w);
+          }
+        }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c)
+          for (int h = 0; h < 2; ++h) _mm512_store_ps(parked[c0 + c][g][h], acc[g][c][h]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int g = 0; g < G; ++g)
+      store_pair_chunk(_mm512_load_ps(parked[c][g][0]), _mm512_load_ps(parked[c][g][1]), acc_out + g * DV * 16 + 32 * c);
+}
+#endif
+
 template <int G>
 PassFn<c10::BFloat16> sum256_fn() {
+#if defined(__AVX512BF16__)
+  return weighted_sum_bf16_dp_tiled<G, 16, (G <= 2 ? 4 : 2)>;  // G x CH x 2 accumulators: 16 (G = 2, 4), 12, 8
+#else
   return weighted_sum_bf16_tiled<G, 16, (G <= 2 ? 8 : 4)>;
+#endif
 }
 
 template <Pass P, int G, int DV>
@@ -539,6 +595,9 @@ PassFn<scalar_t> fp32_weighted_sum(const scalar_t* v, int64_t G, int64_t D) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (D == 64) return pick_fp32_sum<4>(G);
     if (D == 128) return pick_fp32_sum<8>(G);
+    if (D == 256 && G >= 1 && G <= 4)
+      return G == 1 ? weighted_sum_bf16_tiled<1, 16, 8> : G == 2 ? weighted_sum_bf16_tiled<2, 16, 8>
+           : G == 3 ? weighted_sum_bf16_tiled<3, 16, 4> : weighted_sum_bf16_tiled<4, 16, 4>;
   }
 #endif
   return fast_pass<Pass::kWeightedSum>(v, G, D);
