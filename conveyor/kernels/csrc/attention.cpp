@@ -459,7 +459,8 @@ void scores_avx2(const c10::BFloat16* q_heads, float scale, int64_t first, int64
 }
 
 // Pass 3 for bf16 with D = 16 * DH: every output element is one FMA chain over the keys in key
-// order (the AVX-512 pass's arithmetic, so the same bits). G x D accumulators do not fit 16
+// order (the fp32 AVX-512 pass's arithmetic, so the same bits as AVX-512 without BF16; with BF16 pass 3 takes bf16
+// dot products, weighted_sum_bf16_dp). G x D accumulators do not fit 16
 // registers, so the keys are swept once per CH 16-element chunks of the row (a 64-byte line
 // per key for CH = 2), with G x CH x 2 accumulators held in registers.
 template <int G, int DH, int CH>
@@ -762,11 +763,11 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   return nullptr;
 }
 
-// ---- A prefill's rows: each sequence's keys transposed, and its values widened, once per call ----
-// Every row of a prefill chunk re-loads and re-transposes each 16-key group in scores_dpbf16 and re-widens each
-// value row in weighted_sum_bf16. Where a sequence has kPrepassRows rows or more in the call, its KV heads' key
-// groups (16 keys from key 0, scores_dpbf16's registers after the transpose, zeros past the last key) and fp32
-// values are made once, and its rows read them: the same values into the same op chains, so the same bits
+// ---- A prefill's rows: each sequence's keys transposed, and its values paired, once per call ----
+// Every row of a prefill chunk re-loads and re-transposes each 16-key group in scores_dpbf16 and re-interleaves each
+// value pair in weighted_sum_bf16_dp. Where a sequence has kPrepassRows rows or more in the call, its KV heads' key
+// groups (16 keys from key 0, scores_dpbf16's registers after the transpose, zeros past the last key) and value
+// pairs (pair_chunk's vectors) are made once, and its rows read them: the same values into the same op chains, so the same bits
 // whichever way a row goes (each lane's score is its own chain, wherever the key sits in its group).
 constexpr int64_t kPrepassRows = 16;
 // The most bytes one call prepares (keys and values together; the scratch, kept across calls, never holds more):
