@@ -760,6 +760,7 @@ ScoresBf16Fn pick_dpbf16(int64_t G) {
 inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   if (D == 64) return pick_dpbf16<2>(G);
   if (D == 128) return pick_dpbf16<4>(G);
+  if (D == 256) return pick_dpbf16<8>(G);  // Gemma 3, Qwen3.5's attention layers (was a dot product per key)
   return nullptr;
 }
 
@@ -1028,14 +1029,14 @@ inline Prepass& caller_prepass() {
   return scratch;
 }
 
-// Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64 or 128,
+// Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64, 128 or 256,
 // G <= 4: scores_dpbf16's shapes), in order, each that still fits within prepass_cap_bytes(); leaves pre.qk null
 // when none is prepared.
 void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt, int64_t max_blocks,
                   int64_t num_seqs, const int32_t* seq, const int64_t* visible, int64_t T, int64_t KVH, int64_t G,
                   int64_t D, int bs_shift, int64_t kv_block, int64_t kv_tok) {
   pre.qk = nullptr;
-  if (T < kPrepassRows || G > 4 || (D != 64 && D != 128)) return;
+  if (T < kPrepassRows || G > 4 || (D != 64 && D != 128 && D != 256)) return;
   std::vector<int64_t> rows(num_seqs, 0);
   pre.keys.assign(num_seqs, 0);
   for (int64_t t = 0; t < T; ++t) {
@@ -1074,8 +1075,10 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   }
   if (DH == 2) {
     pick_pre<2>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
-  } else {
+  } else if (DH == 4) {
     pick_pre<4>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+  } else {
+    pick_pre<8>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
   }
   conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -1085,8 +1088,10 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
       for (int64_t grp = 0; 16 * grp < keys; ++grp) {
         if (DH == 2) {
           transpose_key_group<2>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
-        } else {
+        } else if (DH == 4) {
           transpose_key_group<4>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+        } else {
+          transpose_key_group<8>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         }
       }
       uint32_t* vp = pre.vp.data() + pre.vp_at[s] + kvh * ((keys + 1) / 2) * D;
