@@ -24,9 +24,11 @@ CASES = [
     ("prefill 1B: 512 rows at 0-512", 32, 8, 64, 1, 512, 512),
     ("prefill 1B: 1480 rows at 0-1480", 32, 8, 64, 1, 1480, 1480),
     ("prefill 128-dim: 256 rows at 1.8-2k", 16, 2, 128, 1, 256, 2048),
+    ("prefill 256-dim (Gemma 3): 256 rows at 1.8-2k", 8, 2, 256, 1, 256, 2048),
     ("decode 1B: 16 seqs at 2k", 32, 8, 64, 16, 1, 2048),
     ("decode 1B: 1 seq at 4k", 32, 8, 64, 1, 1, 4096),
     ("decode 128-dim: 8 seqs at 2k", 16, 2, 128, 8, 1, 2048),
+    ("decode 256-dim: 8 seqs at 2k", 8, 2, 256, 8, 1, 2048),
     ("verify 1B: 16 seqs x 4 rows at 1k", 32, 8, 64, 16, 4, 1024),
 ]
 
