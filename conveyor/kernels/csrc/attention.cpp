@@ -202,15 +202,15 @@ inline uint32_t* pair_scratch(int64_t dwords) {
   return pairs.data();
 }
 
-// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared): CH of the D / 32 chunks per sweep over
-// the pairs, G x 2 x CH accumulators in registers.
-template <int G, int DV>
-void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
-                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
-                          float* acc_out) {
+// Pass 3's loop over a row's key pairs: CH of the D / 32 chunks per sweep over the pairs, G x 2 x CH accumulators in
+// registers. load_pair(k, c0, lo, hi) puts pair k's (of the row's) chunks c0 .. c0 + CH - 1 in lo[], hi[]: from the
+// bf16 cache (weighted_sum_bf16_dp) or the prepass's pairs (weighted_sum_pre), the same dp chains. Forced inline, as
+// weighted_sum_regs: the accumulators must stay in registers.
+template <int G, int DV, class LoadPair>
+__attribute__((always_inline)) inline void pair_sums(const float* scores, int64_t first, int64_t num_keys,
+                                                     float* acc_out, LoadPair load_pair) {
   constexpr int NC = DV / 2, CH = G * DV <= 16 ? NC : (G <= 2 ? 2 : 1);
-  const int bs_shift = __builtin_ctzll(BS);
-  const int64_t np = num_pairs(first, num_keys), k0 = first / 2, end = first + num_keys;
+  const int64_t np = num_pairs(first, num_keys);
   uint32_t* pairs = pair_scratch(G * np);
   weight_pairs(scores, G, first, num_keys, pairs);
   for (int c0 = 0; c0 < NC; c0 += CH) {
@@ -218,23 +218,35 @@ void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, 
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < np; ++k) {
-      const int64_t a = 2 * (k0 + k);
-      const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
-      const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
-                                            : nullptr;
-      for (int c = 0; c < CH; ++c) {
-        __m512i lo, hi;
-        pair_chunk(va, vb, c0 + c, lo, hi);
+      __m512i lo[CH], hi[CH];
+      load_pair(k, c0, CH, lo, hi);
+      for (int c = 0; c < CH; ++c)
         for (int g = 0; g < G; ++g) {
           const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[g * np + k]));
-          acc[g][c][0] = dp_pair(acc[g][c][0], lo, w);
-          acc[g][c][1] = dp_pair(acc[g][c][1], hi, w);
+          acc[g][c][0] = dp_pair(acc[g][c][0], lo[c], w);
+          acc[g][c][1] = dp_pair(acc[g][c][1], hi[c], w);
         }
-      }
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c) store_pair_chunk(acc[g][c][0], acc[g][c][1], acc_out + g * DV * 16 + 32 * (c0 + c));
   }
+}
+
+// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared).
+template <int G, int DV>
+void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                          float* acc_out) {
+  const int bs_shift = __builtin_ctzll(BS);
+  const int64_t k0 = first / 2, end = first + num_keys;
+  const auto load_pair = [&](int64_t k, int c0, int n, __m512i* lo, __m512i* hi) __attribute__((always_inline)) {
+    const int64_t a = 2 * (k0 + k);
+    const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+    const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
+                                          : nullptr;
+    for (int c = 0; c < n; ++c) pair_chunk(va, vb, c0 + c, lo[c], hi[c]);
+  };
+  pair_sums<G, DV>(scores, first, num_keys, acc_out, load_pair);
 }
 #endif
 
@@ -856,28 +868,16 @@ inline __mmask32 pair_keep(int64_t pair, int64_t first, int64_t end) {
 
 template <int G, int DV>
 void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const uint32_t* vp, float* acc_out) {
-  constexpr int NC = DV / 2, CH = G * DV <= 16 ? NC : (G <= 2 ? 2 : 1);
-  const int64_t np = num_pairs(first, num_keys), k0 = first / 2, end = first + num_keys;
-  uint32_t* pairs = pair_scratch(G * np);
-  weight_pairs(scores, G, first, num_keys, pairs);
-  for (int c0 = 0; c0 < NC; c0 += CH) {
-    __m512 acc[G][CH][2];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < np; ++k) {
-      const __mmask32 keep = pair_keep(k0 + k, first, end);
-      for (int c = 0; c < CH; ++c) {
-        const __m512i lo = pair_vector(vp, k0 + k, c0 + c, 0, NC, keep), hi = pair_vector(vp, k0 + k, c0 + c, 1, NC, keep);
-        for (int g = 0; g < G; ++g) {
-          const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[g * np + k]));
-          acc[g][c][0] = dp_pair(acc[g][c][0], lo, w);
-          acc[g][c][1] = dp_pair(acc[g][c][1], hi, w);
-        }
-      }
+  constexpr int NC = DV / 2;
+  const int64_t k0 = first / 2, end = first + num_keys;
+  const auto load_pair = [&](int64_t k, int c0, int n, __m512i* lo, __m512i* hi) __attribute__((always_inline)) {
+    const __mmask32 keep = pair_keep(k0 + k, first, end);
+    for (int c = 0; c < n; ++c) {
+      lo[c] = pair_vector(vp, k0 + k, c0 + c, 0, NC, keep);
+      hi[c] = pair_vector(vp, k0 + k, c0 + c, 1, NC, keep);
     }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c) store_pair_chunk(acc[g][c][0], acc[g][c][1], acc_out + g * DV * 16 + 32 * (c0 + c));
-  }
+  };
+  pair_sums<G, DV>(scores, first, num_keys, acc_out, load_pair);
 }
 
 // scores_dpbf16_pre for R rows of one sequence that start at the same key: each transposed key group loaded once for
