@@ -74,6 +74,7 @@ enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, 
 //   kMin    (Q4_1 Q5_1):      w = d q + m                   acc += (dx d) * S;  acc += m * sx
 //   kKMin   (Q4_K Q5_K):      w = (d sc) q - (dmin mn)      acc += (dx (d sc)) * S;  acc -= (dmin mn) * sx
 //   kK6     (Q6_K):           w = (d sc) (q - 32), sc per 16 k: the chunk's two halves, each as kOffset
+//                             (header: d, sc, then kQ6Fold's per-column offset constant)
 // where S = sum of q x over the chunk (int), bx = sum of the activation block (int), dx its scale,
 // sx = dx * bx. d sc and dmin mn are exact in fp32 (11-bit x 6/8-bit products). MXFP4's d is the
 // E8M0 byte's power of two halved (ggml's e8m0_to_fp32_half), as its E2M1 values are doubled.
@@ -99,7 +100,7 @@ constexpr TypeInfo type_info(int qt) {
     case kQ8_0: return {32, 34, 32, 0, true, Kind::kOffset, 128};
     case kQ4_K: return {256, 144, 320, 0, false, Kind::kKMin, 0};
     case kQ5_K: return {256, 176, 320, 1, false, Kind::kKMin, 0};
-    case kQ6_K: return {256, 210, 288, 2, false, Kind::kK6, 32};
+    case kQ6_K: return {256, 210, 352, 2, false, Kind::kK6, 32};
     case kMXFP4: return {32, 17, 16, 0, false, Kind::kOffset, 12, true};
     default: return {0, 0, 0, 0, false, Kind::kOffset, 0};
   }
@@ -107,8 +108,16 @@ constexpr TypeInfo type_info(int qt) {
 
 constexpr int chunk_bytes(const TypeInfo& t) { return t.bytes8 ? 512 : 256 + 64 * t.planes; }
 constexpr int64_t sb_bytes(const TypeInfo& t) { return t.hdr + static_cast<int64_t>(t.sb / 32) * chunk_bytes(t); }
+// What a walk prefetches at chunk c of a superblock (prefetch_ahead's fixed distance on): its chunk's bytes, and for
+// Q6_K at the last chunk the header's too, so the prefetches cover every byte of the weight. Measured on a Zen 5,
+// one core: Q6_K 1.08-1.10x at M = 1-16 with the header prefetched, Q5_K even, Q4_K 0.92x at M = 1 (why is not
+// known; Q4_K's header is whole cache lines, Q6_K's ends mid-line).
+constexpr int prefetch_bytes(const TypeInfo& t, int c) {
+  return chunk_bytes(t) + (t.kind == Kind::kK6 && c == t.sb / 32 - 1 ? t.hdr : 0);
+}
 
 constexpr int kGroup = 16;  // columns per group
+constexpr int kQ6Fold = 288;  // Q6_K header: the 16 columns' int32 offset constants (store_column) after d and sc
 
 bool supported(int qt) { return type_info(qt).sb != 0; }
 
@@ -306,7 +315,17 @@ void store_column(int qt, const Decoded& o, int i, uint8_t* sbp) {
       sbp[192 + 16 * j + i] = o.mn[j];
     }
   } else if (t.kind == Kind::kK6) {
-    for (int j = 0; j < 16; ++j) sbp[32 + 16 * j + i] = o.sc[j];
+    // The column's 128 sum_j sc_j sum_{k in j} (q - 32): exact int32 (|.| <= 128 x 16 x 128 x 512 < 2^31), what
+    // tile_sb_q6k's biased activations (x + 128) add to a superblock's sum beyond sum_j sc_j sum (q - 32) x.
+    int32_t fold = 0;
+    for (int j = 0; j < 16; ++j) {
+      sbp[32 + 16 * j + i] = o.sc[j];
+      int32_t sub = 0;
+      for (int k = 0; k < 16; ++k) sub += static_cast<int32_t>(o.q[16 * j + k]) - 32;
+      fold += static_cast<int32_t>(static_cast<int8_t>(o.sc[j])) * sub;
+    }
+    fold *= 128;
+    std::memcpy(sbp + kQ6Fold + 4 * i, &fold, 4);
   }
   const int cb = chunk_bytes(t);
   for (int c = 0; c < t.sb / 32; ++c) {
@@ -348,9 +367,6 @@ struct QuantRows {
   // (M, K/64) with sd: the 32-block sums of blocks 2j, 2j + 1 as one int16 pair word (low: 2j), the AVX-512
   // superblock Q4_K's broadcast operand for its mins (|b| <= 32 x 127 fits int16)
   int32_t* b2;
-  // (M, K/32) with sd: the 16-block sums of each 32-block (b16) as one int16 pair word, the AVX-512 superblock Q6_K's
-  // broadcast operand for its offset (|sum| <= 16 x 127 fits int16)
-  int32_t* b16p;
   int64_t k, chunks;
 };
 
@@ -687,7 +703,7 @@ QG_INLINE inline void sb_tile_loop(const uint8_t* wg, int64_t n_sb, const float*
     for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
+      prefetch_ahead(ch, prefetch_bytes(t, c));
       __m512i w[8];
       unpack<QT>(ch, w);
       chunk(sbp, s, c, w, isum);
@@ -737,41 +753,52 @@ void tile_sb_q4k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r
 }
 
 // ---- Q6_K per superblock (avx512_vnni; activations per 256, quantize_row_sb) ----
-// w = d sc_j (q - 32), sc_j a signed byte per 16 k. A superblock's sum_j sc_j S_j with S_j = sum over sub-block j of
-// q x (q unsigned, 0..63) is exact in int32 (|S_j| <= 16 x 63 x 127, x |sc| <= 128, x 16 < 2^31), and so is its
-// offset 32 sum_j sc_j bx_j (bx_j the activations' 16-sums, by vpdpwssd on (sc, sc) x (bx, bx) pairs). Then one
-// float step per superblock and row: acc += (dx d) (sum_j sc_j S_j - 32 sum_j sc_j bx_j), where the per-32 path
-// takes sixteen (one per sub-block). At every M the same ops, so rows stay batch-invariant.
+// w = d sc_j (q - 32), sc_j a signed byte per 16 k. The weights go in signed (q - 32, in -32..31) and the
+// activations biased, u = x + 128 (1..255, quantize_rows stores them so for this path), so vpdpbusd's unsigned
+// operand is the activation: a sub-block's sum_k u (q - 32) = S_j + 128 sum_k (q - 32) with S_j the wanted
+// sum_k x (q - 32). The second term is the column's alone: 128 sum_j sc_j sum_k (q - 32) over a superblock is
+// packed beside the scales (kQ6Fold) and subtracted once per superblock and row. So sum_j sc_j S_j comes out
+// exactly in int32 (|S_j| <= 16 x 32 x 127, x |sc| <= 128, x 16 < 2^31; the biased sums <= 16 x 32 x 255 too), the
+// same integer as unsigned q against x less 32 sum_j sc_j bx_j, which cost a vpdpwssd per sub-block pair and row
+// (8 per superblock) where this costs one subtraction. Then one float step per superblock and row: acc += (dx d)
+// sum_j sc_j S_j, where the per-32 path takes sixteen (one per sub-block). At every M the same ops, so rows stay
+// batch-invariant.
+inline void dot32_biased(const __m512i* w, const uint8_t* u, __m512i& s0, __m512i& s1) {
+  const auto bu = [&](int k) { return _mm512_set1_epi32(static_cast<int>(rd32(u + k))); };
+  s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bu(0), w[0]);
+  s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bu(16), w[4]);
+  s0 = _mm512_dpbusd_epi32(s0, bu(4), w[1]);
+  s1 = _mm512_dpbusd_epi32(s1, bu(20), w[5]);
+  s0 = _mm512_dpbusd_epi32(s0, bu(8), w[2]);
+  s1 = _mm512_dpbusd_epi32(s1, bu(24), w[6]);
+  s0 = _mm512_dpbusd_epi32(s0, bu(12), w[3]);
+  s1 = _mm512_dpbusd_epi32(s1, bu(28), w[7]);
+}
+
 template <int MR>
 void tile_sb_q6k(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, const float* bias, uint16_t* out,
                  int64_t ldo, int64_t cols) {
   const int64_t sb_per_row = xr.k / 256;
   const auto chunk = [&](const uint8_t* sbp, int64_t s, int c, const __m512i* w, __m512i* isum) QG_INLINE {
-    // Both halves' sums per row as dot32's two interleaved chains (one chain per half and row left the dpbusd
-    // latency exposed: 1.11x at M = 16-256 on a Zen 5), each times its sub-block's scale in int32.
-    const int8_t* x = xr.q + r0 * xr.k + 256 * s + 32 * c;
+    // Both halves' sums per row as two interleaved chains (one chain per half and row left the dpbusd latency
+    // exposed: 1.11x at M = 16-256 on a Zen 5), each times its sub-block's scale in int32.
+    const uint8_t* u = reinterpret_cast<const uint8_t*>(xr.q) + r0 * xr.k + 256 * s + 32 * c;
     const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 32 * c)));
     const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 48 + 32 * c)));
+    __m512i ws[8];
+    for (int g = 0; g < 8; ++g) ws[g] = _mm512_sub_epi8(w[g], _mm512_set1_epi8(32));
     for (int r = 0; r < MR; ++r) {
       __m512i s0, s1;
-      dot32(w, x + r * xr.k, s0, s1);
+      dot32_biased(ws, u + r * xr.k, s0, s1);
       isum[r] = _mm512_add_epi32(_mm512_add_epi32(isum[r], _mm512_mullo_epi32(s0, sc0)), _mm512_mullo_epi32(s1, sc1));
     }
   };
   const auto finish = [&](const uint8_t* sbp, int64_t s, const __m512i* isum, __m512* acc) QG_INLINE {
-    __m512i scp[8];  // the 16 columns' sub-block scales as int16 pairs (2i, 2i + 1), sign-extended
-    for (int i = 0; i < 8; ++i) {
-      const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 32 + 32 * i)));
-      const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sbp + 48 + 32 * i)));
-      scp[i] = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
-    }
+    const __m512i fold = _mm512_loadu_si512(sbp + kQ6Fold);
     const __m512 d = load_half16(sbp);
     for (int r = 0; r < MR; ++r) {
       const int64_t row = r0 + r;
-      const int32_t* bp = xr.b16p + row * xr.chunks + 8 * s;
-      __m512i off = _mm512_dpwssd_epi32(_mm512_setzero_si512(), scp[0], _mm512_set1_epi32(bp[0]));
-      for (int i = 1; i < 8; ++i) off = _mm512_dpwssd_epi32(off, scp[i], _mm512_set1_epi32(bp[i]));
-      const __m512i total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(off, 5));
+      const __m512i total = _mm512_sub_epi32(isum[r], fold);
       const __m512 dxv = _mm512_set1_ps(xr.sd[row * sb_per_row + s]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dxv, d), _mm512_cvtepi32_ps(total), acc[r]);
     }
@@ -800,7 +827,7 @@ void tile(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0, cons
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half16(sbp + 32);
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));
+      prefetch_ahead(ch, prefetch_bytes(t, c));
       __m512i w[8];
       unpack<QT>(ch, w);
       const int64_t kc = s * cpb + c;  // the row's 32-block
@@ -891,7 +918,7 @@ void amx_unpack_panel(const uint8_t* wg, int64_t n_sb, AmxPanel& p) {
     for (int c = 0; c < cpb; ++c) {
       const int64_t kc = s * cpb + c;
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));  // the weights stream from memory once per call
+      prefetch_ahead(ch, prefetch_bytes(t, c));  // the weights stream from memory once per call
       __m512i w[8];
       unpack<QT>(ch, w);
       for (int g = 0; g < 8; ++g) p.w[8 * kc + g] = t.offset != 0 ? _mm512_sub_epi8(w[g], offset) : w[g];
@@ -1071,7 +1098,7 @@ void amx_sb_unpack_panel(const uint8_t* wg, int64_t n_sb, AmxSbPanel& p) {
     sb_q4k_min_pairs(sbp, p.mnp.data() + 4 * s);
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_ahead(ch, chunk_bytes(t));  // the weights stream from memory once per call
+      prefetch_ahead(ch, prefetch_bytes(t, c));  // the weights stream from memory once per call
       __m512i w[8];
       unpack<kQ4_K>(ch, w);
       // Column i's scale in both int16 words of dword i (its bytes 4 i .. 4 i + 3 are its 4 k)
@@ -1447,7 +1474,7 @@ void tile_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int64_t r0,
     }
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_stream(ch, chunk_bytes(t), nta);
+      prefetch_stream(ch, prefetch_bytes(t, c), nta);
       const int64_t kc = s * cpb + c;
       for (int h = 0; h < 2; ++h) {
         __m256i w[8];
@@ -1482,7 +1509,7 @@ void tile_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& xr, int6
     if constexpr (t.kind == Kind::kMin || t.kind == Kind::kKMin) m = load_half8(sbp + 32 + 16 * h);
     for (int c = 0; c < cpb; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      if (h == 0) prefetch_ahead(ch, chunk_bytes(t));
+      if (h == 0) prefetch_ahead(ch, prefetch_bytes(t, c));
       __m256i w[8];
       unpack<QT>(ch, h, w);
       const int64_t kc = s * cpb + c;
@@ -1566,7 +1593,7 @@ void tile_sb_q4k_half(const uint8_t* wg, int h, int64_t n_sb, const QuantRows& x
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      if (h == 0) prefetch_ahead(ch, chunk_bytes(t));
+      if (h == 0) prefetch_ahead(ch, prefetch_bytes(t, c));
       __m256i w[8];
       unpack<kQ4_K>(ch, h, w);
       const __m256i sc = pairs_u8(sbp + 64 + 16 * c + 8 * h);
@@ -1590,7 +1617,7 @@ void tile_sb_q4k_both(const uint8_t* wg, int64_t n_sb, const QuantRows& xr, int6
       for (int r = 0; r < MR; ++r) isum[h][r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ch = sbp + t.hdr + c * chunk_bytes(t);
-      prefetch_stream(ch, chunk_bytes(t), nta);
+      prefetch_stream(ch, prefetch_bytes(t, c), nta);
       __m256i p[2][MR];  // int16 pair sums, as in sb_chunk_q4k
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < MR; ++r) p[h][r] = _mm256_setzero_si256();
@@ -1934,7 +1961,7 @@ namespace {
 // decode sizes, in `big` (a tensor for the call) at prefill sizes.
 QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int qt, torch::Tensor& big) {
   const int64_t k = xc.size(1), chunks = k / 32;
-  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12 + 4) + m_pad * (k / 256 + 1) * 4 +
+  const int64_t need = m_pad * k + m_pad * chunks * (4 + 4 + 4 + 8 + 12) + m_pad * (k / 256 + 1) * 4 +
                        m_pad * (k / 64) * 4;
   thread_local std::vector<uint8_t> small;
   uint8_t* buf;
@@ -1956,9 +1983,7 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   xr.seed = xr.b16 + 2 * m_pad * chunks;
   xr.sd = reinterpret_cast<float*>(xr.seed + 3 * m_pad * chunks);
   xr.b2 = reinterpret_cast<int32_t*>(xr.sd + m_pad * (k / 256 + 1));
-  xr.b16p = xr.b2 + m_pad * (k / 64);
   for (int64_t r = m; r < m_pad; ++r) {
-    std::memset(xr.b16p + r * chunks, 0, chunks * sizeof(int32_t));
     std::memset(xr.sd + r * (k / 256), 0, (k / 256) * sizeof(float));
     std::memset(xr.b2 + r * (k / 64), 0, (k / 64) * sizeof(int32_t));
     std::memset(xr.q + r * k, 0, k);
@@ -1971,16 +1996,22 @@ QuantRows quantize_rows(const torch::Tensor& xc, int64_t m, int64_t m_pad, int q
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t ldx = xc.stride(0);
   const bool per_superblock = superblock_acts(qt), seeded = seeded_sums(qt);
+#if defined(QG_AVX512)
+  const bool biased = per_superblock && qt == kQ6_K;
+#else
+  const bool biased = false;
+#endif
   auto quant = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (per_superblock) {
         quantize_row_sb(xp + r * ldx, k, xr.q + r * k, xr.sd + r * (k / 256), xr.b + r * chunks,
                         xr.b16 + 2 * r * chunks);
+        if (biased) {  // tile_sb_q6k's unsigned operand: x + 128, as a byte x ^ 0x80
+          auto* u = reinterpret_cast<uint8_t*>(xr.q + r * k);
+          for (int64_t j = 0; j < k; ++j) u[j] ^= 0x80;
+        }
         for (int64_t j = 0; j < k / 64; ++j) {
           xr.b2[r * (k / 64) + j] = int16_pair_word(xr.b[r * chunks + 2 * j], xr.b[r * chunks + 2 * j + 1]);
-        }
-        for (int64_t c = 0; c < chunks; ++c) {
-          xr.b16p[r * chunks + c] = int16_pair_word(xr.b16[2 * (r * chunks + c)], xr.b16[2 * (r * chunks + c) + 1]);
         }
       } else {
         quantize_row(xp + r * ldx, k, xr.q + r * k, xr.d + r * chunks, xr.s + r * chunks, xr.b + r * chunks,
