@@ -447,7 +447,7 @@ void quantize_row(const uint16_t* x, int64_t k, int8_t* q, float* d, float* s, i
 
 // The same row quantized with one scale per 256 values (llama.cpp's Q8_K): for the superblock Q4_K (and
 // AVX-512's Q6_K) paths, which then sum a superblock's chunks exactly in int32. The 32-block sums are still kept
-// (Q4_K's mins), and the 16-block sums in b16 (Q6_K's offset); d and s are unused.
+// (Q4_K's mins; b16's 16-block sums are no longer read: Q6_K's offset is folded, tile_sb_q6k); d and s are unused.
 void quantize_row_sb(const uint16_t* x, int64_t k, int8_t* q, float* sd, int32_t* b, int32_t* b16) {
   for (int64_t blk = 0; blk < k / 256; ++blk) {
 #if defined(QG_AVX512)
