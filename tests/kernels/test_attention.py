@@ -194,6 +194,59 @@ def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
                            whole[pos:pos + 1])
 
 
+# Fan-out requests on one prompt: the prefix cache hands every sequence the same first blocks. At AVX-512 BF16 a call
+# prepares such a shared prefix once (whole 16-key groups every member's rows see) and the members' rows read it.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 2, 64), (4, 4, 64), (6, 3, 128),
+                                                     (4, 1, 256), (9, 3, 32)])
+@pytest.mark.parametrize("window", [0, 40])
+def test_rows_on_shared_prefix_blocks_match_each_row_alone(heads, kv_heads, head_dim, window):
+    """Sequences whose tables share leading blocks (the whole prompt, part of it, one block, or the same blocks and
+    then different ones), decode and verify rows beside a prefill chunk: every row bitwise equal to it alone, and to
+    the reference."""
+    seq_lens = [150, 137, 201, 96, 150, 40, 180, 19]
+    rows = [1, 1, 4, 1, 20, 1, 2, 1]
+    query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, seed=11, heads=heads, kv_heads=kv_heads,
+                                        head_dim=head_dim, num_blocks=96)
+    tables = meta.block_tables.clone()
+    tables[1, :8] = tables[0, :8]  # 137 keys: the first 128 shared with sequence 0
+    tables[2, :9] = tables[0, :9]  # 201 keys: 144 shared
+    tables[3, :6] = tables[0, :6]  # 96 keys: its whole prompt (6 blocks) is sequence 0's
+    tables[4, :9] = tables[0, :9]  # a 20-row chunk of a prepared sequence that shares blocks too
+    tables[6, :3] = tables[5, :3]  # another group: 40 keys, 3 blocks of which 2 are whole below every row
+    tables[7, :1] = tables[0, :1]  # one block: fewer than the shortest shared prefix
+    meta = AttentionMetadata(meta.slot_mapping, tables, meta.token_seq, meta.token_pos, meta.seq_lens,
+                             meta.seq_token_counts)
+    scale = head_dim ** -0.5
+    got = paged_attention(query, kc, vc, meta, scale=scale, window=window)
+    want = reference_paged_attention(query, kc, vc, meta, scale=scale, window=window)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    start = 0
+    for i, r in enumerate(rows):
+        for j in range(r):
+            pos = int(meta.token_pos[start + j])
+            alone = paged_attention(query[start + j:start + j + 1], kc, vc, _rows_meta(meta, i, [pos]), scale=scale,
+                                    window=window)
+            assert torch.equal(alone, got[start + j:start + j + 1]), (i, pos)
+        start += r
+
+
+def test_a_call_after_shared_prefix_rows_reads_nothing_of_theirs():
+    """A call that prepares a shared prefix, then calls on the same blocks that prepare nothing (8 query heads per KV
+    head, sub-groups; a sliding window): each row as it is alone, and as the reference."""
+    seq_lens, rows = [150, 140, 160], [1, 1, 1]
+    for heads, window in ((4, 0), (16, 0), (4, 30), (4, 0)):
+        query, kc, vc, meta = _random_batch(seq_lens, rows, torch.bfloat16, seed=12, heads=heads, kv_heads=2,
+                                            head_dim=64, num_blocks=48)
+        meta.block_tables[1:, :8] = meta.block_tables[0, :8]
+        got = paged_attention(query, kc, vc, meta, scale=0.125, window=window)
+        torch.testing.assert_close(got, reference_paged_attention(query, kc, vc, meta, scale=0.125, window=window),
+                                   atol=2e-2, rtol=2e-2)
+        for i in range(3):
+            alone = paged_attention(query[i:i + 1], kc, vc, _rows_meta(meta, i, [seq_lens[i] - 1]), scale=0.125,
+                                    window=window)
+            assert torch.equal(alone, got[i:i + 1]), (heads, window, i)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (6, 2, 32)])
 def test_keys_past_a_row_are_never_read(heads, kv_heads, head_dim):
     """Cache slots no row may see (past each sequence's end, unowned blocks) hold NaN: no output changes (20 rows of

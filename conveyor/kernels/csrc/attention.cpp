@@ -232,21 +232,39 @@ __attribute__((always_inline)) inline void pair_sums(const float* scores, int64_
   }
 }
 
-// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared).
+// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared). vp, shared
+// (weighted_sum_bf16_dp_shared; first = 0): the row's first `shared` keys' pairs as prepared (prepare_rows' pairs, the
+// vectors pair_chunk makes here), read instead.
 template <int G, int DV>
-void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
-                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
-                          float* acc_out) {
+__attribute__((always_inline)) inline void weighted_sum_bf16_dp_from(
+    const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
+    int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const uint32_t* vp, int64_t shared, float* acc_out) {
+  constexpr int NC = DV / 2;
   const int bs_shift = __builtin_ctzll(BS);
   const int64_t k0 = first / 2, end = first + num_keys;
   const auto load_pair = [&](int64_t k, int c0, int n, __m512i* lo, __m512i* hi) __attribute__((always_inline)) {
     const int64_t a = 2 * (k0 + k);
+    if (a < shared) {
+      for (int c = 0; c < n; ++c) {
+        lo[c] = _mm512_loadu_si512(vp + ((k0 + k) * NC + c0 + c) * 32);
+        hi[c] = _mm512_loadu_si512(vp + ((k0 + k) * NC + c0 + c) * 32 + 16);
+      }
+      return;
+    }
     const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
     const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
                                           : nullptr;
     for (int c = 0; c < n; ++c) pair_chunk(va, vb, c0 + c, lo[c], hi[c]);
   };
   pair_sums<G, DV>(scores, first, num_keys, acc_out, load_pair);
+}
+
+template <int G, int DV>
+void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                          float* acc_out) {
+  weighted_sum_bf16_dp_from<G, DV>(scores, first, num_keys, vc, table, BS, kv_block, kv_tok, kv_offset, nullptr, 0,
+                                   acc_out);
 }
 #endif
 
@@ -711,10 +729,13 @@ inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double so
 using conveyor_vec::transpose16x16_epi32;
 
 #if defined(__AVX512BF16__)
+// kt, shared (scores_dpbf16_shared; first = 0): the row's first `shared` keys (a multiple of 16) as prepared groups,
+// transpose_key_group's vectors, read instead of loaded and transposed: the same vectors into the same chains.
 template <int G, int DH>
-void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
-                   const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
-                   int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+__attribute__((always_inline)) inline void scores_dpbf16_from(
+    const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const c10::BFloat16* kc,
+    const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+    const __m512i* kt, int64_t shared, float* scores) {
   constexpr int D = 32 * DH;
   const int bs_shift = __builtin_ctzll(BS);
   int32_t qpair[G][16 * DH];
@@ -724,6 +745,20 @@ void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int
     const int64_t n = std::min<int64_t>(16, num_keys - j0);
     __m512 even[G], odd[G];
     for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    if (j0 < shared) {
+      const __m512i* rows = kt + (j0 / 16) * 16 * DH;
+      for (int h = 0; h < DH; ++h)
+        for (int c = 0; c < 16; c += 2)
+          for (int g = 0; g < G; ++g) {
+            even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[16 * h + c],
+                                       (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
+            odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[16 * h + c + 1],
+                                      (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
+          }
+      for (int g = 0; g < G; ++g)
+        _mm512_storeu_ps(scores + g * num_keys + j0, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
+      continue;
+    }
     // The next group's keys for this pass, and this group's values for pass 3.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
       const int64_t row = cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
@@ -758,6 +793,14 @@ void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int
   }
 }
 
+template <int G, int DH>
+void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
+                   const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
+                   int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+  scores_dpbf16_from<G, DH>(q_heads, scale, first, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset,
+                            nullptr, 0, scores);
+}
+
 template <int DH>
 ScoresBf16Fn pick_dpbf16(int64_t G) {
   switch (G) {
@@ -783,6 +826,8 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
 // pairs (pair_chunk's vectors) are made once, and its rows read them: the same values into the same op chains, so the same bits
 // whichever way a row goes (each lane's score is its own chain, wherever the key sits in its group).
 constexpr int64_t kPrepassRows = 16;
+// The fewest keys a shared prefix is prepared for (Prepass::group_of).
+constexpr int64_t kSharedMinKeys = 64;
 // The most bytes one call prepares (keys and values together; the scratch, kept across calls, never holds more):
 // unbounded, a 128k-token prompt's chunked prefill left ~384 MB (1B model) on the engine thread for the process's
 // life, outside the KV budget. Sequences past it take the per-row passes (the same bits).
@@ -804,6 +849,12 @@ using PreScoresRowsFn = void (*)(const c10::BFloat16* const*, float, int64_t, co
                                  float* const*);
 // (each row's scores, each row's key count, the rows' shared first key, value pairs, each row's accumulator out)
 using PreSumRowsFn = void (*)(const float* const*, const int64_t*, int64_t, const uint32_t*, float* const*);
+// A row whose first keys are a prepared shared prefix (first key 0): (q heads, scale, key count, the caches and table
+// as ScoresBf16Fn / PassFn take them, the prefix's transposed keys or value pairs, its key count, scores or acc out)
+using SharedScoresFn = void (*)(const c10::BFloat16*, float, int64_t, const c10::BFloat16*, const c10::BFloat16*,
+                                const int32_t*, int64_t, int64_t, int64_t, int64_t, const __m512i*, int64_t, float*);
+using SharedSumFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
+                             int64_t, const uint32_t*, int64_t, float*);
 
 // Key group `grp` (keys 16 grp .. + 15, those past `keys` zero) of one KV head, transposed: DH x 16 vectors.
 template <int DH>
@@ -980,6 +1031,36 @@ void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, 
 // Rows per block of weighted_sum_pre_rows: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
 constexpr int pre_block_rows(int G) { return 12 / G; }
 
+// A decode (or verify, or short chunk) row of a sequence in a shared-prefix group: its first `shared` keys from the
+// group's prepared groups and pairs, the rest from the cache, all in one pass each (scores_dpbf16_from,
+// weighted_sum_bf16_dp_from): the bits of the same row from the cache alone.
+template <int G, int DH>
+void scores_dpbf16_shared(const c10::BFloat16* q_heads, float scale, int64_t num_keys, const c10::BFloat16* kc,
+                          const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok,
+                          int64_t kv_offset, const __m512i* kt, int64_t shared, float* scores) {
+  scores_dpbf16_from<G, DH>(q_heads, scale, 0, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset, kt, shared,
+                            scores);
+}
+
+template <int G, int DV>
+void weighted_sum_bf16_dp_shared(const float* scores, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table,
+                                 int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const uint32_t* vp,
+                                 int64_t shared, float* acc_out) {
+  weighted_sum_bf16_dp_from<G, DV>(scores, 0, num_keys, vc, table, BS, kv_block, kv_tok, kv_offset, vp, shared,
+                                   acc_out);
+}
+
+template <int DH>
+void pick_shared(int64_t G, SharedScoresFn& qk, SharedSumFn& sum) {
+  switch (G) {
+    case 1: qk = scores_dpbf16_shared<1, DH>, sum = weighted_sum_bf16_dp_shared<1, 2 * DH>; break;
+    case 2: qk = scores_dpbf16_shared<2, DH>, sum = weighted_sum_bf16_dp_shared<2, 2 * DH>; break;
+    case 3: qk = scores_dpbf16_shared<3, DH>, sum = weighted_sum_bf16_dp_shared<3, 2 * DH>; break;
+    case 4: qk = scores_dpbf16_shared<4, DH>, sum = weighted_sum_bf16_dp_shared<4, 2 * DH>; break;
+    default: qk = nullptr, sum = nullptr;
+  }
+}
+
 template <int DH>
 void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum, PreScoresRowsFn& qk_rows, PreSumRowsFn& sum_rows,
               int64_t& block_rows) {
@@ -1010,8 +1091,27 @@ struct Prepass {
   std::vector<int64_t> keys, kt_at, vp_at;  // per sequence
   std::vector<__m512i> kt;                  // per sequence, KV head: its groups x DH x 16
   std::vector<uint32_t> vp;                 // per sequence, KV head: its key pairs x D (weighted_sum_pre's layout)
+  // Shared prefixes: sequences whose block tables begin with the same blocks (requests on one prompt through the
+  // prefix cache: fan-out agents, n > 1) and that are not prepared themselves. A group's first `keys` keys (whole
+  // 16-key groups every member's rows see) are prepared once, laid out as a sequence's, and its members' rows read them
+  // (scores_dpbf16_shared, weighted_sum_bf16_dp_shared) instead of each loading and transposing the same keys.
+  SharedScoresFn qk_shared = nullptr;
+  SharedSumFn sum_shared = nullptr;
+  std::vector<int64_t> group_of;                          // per sequence: its group, -1: none
+  std::vector<int64_t> group_keys, group_kt_at, group_vp_at;  // per group
 
   bool has(int64_t s) const { return qk != nullptr && kt_at[s] >= 0; }
+  int64_t shared_keys(int64_t s) const {
+    return qk_shared != nullptr && group_of[s] >= 0 ? group_keys[group_of[s]] : 0;
+  }
+  const __m512i* shared_keys_of(int64_t s, int64_t kvh, int64_t DH) const {
+    const int64_t g = group_of[s];
+    return kt.data() + group_kt_at[g] + kvh * (group_keys[g] / 16) * 16 * DH;
+  }
+  const uint32_t* shared_values_of(int64_t s, int64_t kvh, int64_t D) const {
+    const int64_t g = group_of[s];
+    return vp.data() + group_vp_at[g] + kvh * (group_keys[g] / 2) * D;
+  }
   const __m512i* keys_of(int64_t s, int64_t kvh, int64_t DH) const {
     return kt.data() + kt_at[s] + kvh * ((keys[s] + 15) / 16) * 16 * DH;
   }
@@ -1030,37 +1130,91 @@ inline Prepass& caller_prepass() {
 }
 
 // Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64, 128 or 256,
-// G <= 4: scores_dpbf16's shapes), in order, each that still fits within prepass_cap_bytes(); leaves pre.qk null
-// when none is prepared.
+// G <= 4: scores_dpbf16's shapes), in order, each that still fits within prepass_cap_bytes(); then, where `from_zero`
+// (every row's first key is 0: no sliding window) and D is 64 or 128, the shared prefixes of the other sequences
+// (Prepass::group_of), each cut to what still fits. Leaves pre.qk null when nothing is prepared.
 void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt, int64_t max_blocks,
                   int64_t num_seqs, const int32_t* seq, const int64_t* visible, int64_t T, int64_t KVH, int64_t G,
-                  int64_t D, int bs_shift, int64_t kv_block, int64_t kv_tok) {
+                  int64_t D, int bs_shift, int64_t kv_block, int64_t kv_tok, bool from_zero) {
   pre.qk = nullptr;
-  if (T < kPrepassRows || G > 4 || (D != 64 && D != 128 && D != 256)) return;
-  std::vector<int64_t> rows(num_seqs, 0);
+  pre.qk_shared = nullptr;
+  if (G > 4 || (D != 64 && D != 128 && D != 256)) return;
+  std::vector<int64_t> rows(num_seqs, 0), least(num_seqs, std::numeric_limits<int64_t>::max());
   pre.keys.assign(num_seqs, 0);
   for (int64_t t = 0; t < T; ++t) {
     ++rows[seq[t]];
     pre.keys[seq[t]] = std::max(pre.keys[seq[t]], visible[t]);
+    least[seq[t]] = std::min(least[seq[t]], visible[t]);
   }
   const int64_t DH = D / 32;
   pre.kt_at.assign(num_seqs, -1);
   pre.vp_at.assign(num_seqs, -1);
+  pre.group_of.assign(num_seqs, -1);
+  pre.group_keys.clear();
+  pre.group_kt_at.clear();
+  pre.group_vp_at.clear();
   int64_t kt_size = 0, vp_size = 0;
   const int64_t cap = prepass_cap_bytes();
   const auto bytes = [](int64_t kt_n, int64_t vp_n) {
     return kt_n * static_cast<int64_t>(sizeof(__m512i)) + vp_n * static_cast<int64_t>(sizeof(uint32_t));
   };
-  std::vector<int64_t> items;  // s * KVH + kvh
-  for (int64_t s = 0; s < num_seqs; ++s) {
+  struct Item {  // one KV head of a prepared sequence or shared prefix: its keys, and where they go in kt and vp
+    const int32_t* table;
+    int64_t keys, kvh, kt_at, vp_at;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs && T >= kPrepassRows; ++s) {
     if (rows[s] < kPrepassRows) continue;
     const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH, vp_add = KVH * ((pre.keys[s] + 1) / 2) * D;
     if (bytes(kt_size + kt_add, vp_size + vp_add) > cap) continue;  // past the cap: its rows take the per-row passes
     pre.kt_at[s] = kt_size;
     pre.vp_at[s] = vp_size;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh)
+      items.push_back({bt + s * max_blocks, pre.keys[s], kvh,
+                       kt_size + kvh * ((pre.keys[s] + 15) / 16) * 16 * DH, vp_size + kvh * ((pre.keys[s] + 1) / 2) * D});
     kt_size += kt_add;
     vp_size += vp_add;
-    for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back(s * KVH + kvh);
+  }
+  if (from_zero && D != 256) {
+    // Candidates in order of their first block: a run with the same first block is one group, its prefix the blocks
+    // every member's table holds alike, cut to the whole 16-key groups below each member's fewest visible keys.
+    std::vector<int64_t> cand;
+    for (int64_t s = 0; s < num_seqs; ++s)
+      if (rows[s] > 0 && pre.kt_at[s] < 0 && least[s] >= kSharedMinKeys) cand.push_back(s);
+    std::stable_sort(cand.begin(), cand.end(),
+                     [&](int64_t x, int64_t y) { return bt[x * max_blocks] < bt[y * max_blocks]; });
+    const int64_t BS = int64_t{1} << bs_shift;
+    for (size_t i = 0; i < cand.size();) {
+      size_t j = i + 1;
+      while (j < cand.size() && bt[cand[j] * max_blocks] == bt[cand[i] * max_blocks]) ++j;
+      if (j - i >= 2) {
+        const int32_t* lead = bt + cand[i] * max_blocks;
+        int64_t blocks = max_blocks;
+        for (size_t m = i; m < j; ++m) {
+          const int32_t* table = bt + cand[m] * max_blocks;
+          int64_t same = 0;
+          const int64_t seen = least[cand[m]] >> bs_shift;  // blocks every row of this member sees whole
+          while (same < std::min(blocks, seen) && table[same] == lead[same]) ++same;
+          blocks = same;
+        }
+        int64_t keys = (blocks * BS) / 16 * 16;
+        const int64_t per_key = bytes(KVH * DH, KVH * D / 2);  // a key's share of kt and vp (16-key groups)
+        keys = std::min(keys, std::max<int64_t>(0, cap - bytes(kt_size, vp_size)) / per_key / 16 * 16);
+        if (keys >= kSharedMinKeys) {
+          const int64_t g = static_cast<int64_t>(pre.group_keys.size());
+          pre.group_keys.push_back(keys);
+          pre.group_kt_at.push_back(kt_size);
+          pre.group_vp_at.push_back(vp_size);
+          for (size_t m = i; m < j; ++m) pre.group_of[cand[m]] = g;
+          for (int64_t kvh = 0; kvh < KVH; ++kvh)
+            items.push_back({lead, keys, kvh, kt_size + kvh * (keys / 16) * 16 * DH,
+                             vp_size + kvh * (keys / 2) * D});
+          kt_size += KVH * (keys / 16) * 16 * DH;
+          vp_size += KVH * (keys / 2) * D;
+        }
+      }
+      i = j;
+    }
   }
   if (items.empty()) return;
   if (static_cast<int64_t>(pre.kt.size()) < kt_size || static_cast<int64_t>(pre.vp.size()) < vp_size) {
@@ -1075,31 +1229,33 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   }
   if (DH == 2) {
     pick_pre<2>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+    pick_shared<2>(G, pre.qk_shared, pre.sum_shared);
   } else if (DH == 4) {
     pick_pre<4>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+    pick_shared<4>(G, pre.qk_shared, pre.sum_shared);
   } else {
     pick_pre<8>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
   }
   conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = items[i] / KVH, kvh = items[i] % KVH, keys = pre.keys[s];
-      const int32_t* table = bt + s * max_blocks;
-      __m512i* kt = pre.kt.data() + pre.kt_at[s] + kvh * ((keys + 15) / 16) * 16 * DH;
+      const Item& it = items[i];
+      const int64_t keys = it.keys, kvh = it.kvh;
+      __m512i* kt = pre.kt.data() + it.kt_at;
       for (int64_t grp = 0; 16 * grp < keys; ++grp) {
         if (DH == 2) {
-          transpose_key_group<2>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+          transpose_key_group<2>(kc, it.table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         } else if (DH == 4) {
-          transpose_key_group<4>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+          transpose_key_group<4>(kc, it.table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         } else {
-          transpose_key_group<8>(kc, table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
+          transpose_key_group<8>(kc, it.table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         }
       }
-      uint32_t* vp = pre.vp.data() + pre.vp_at[s] + kvh * ((keys + 1) / 2) * D;
+      uint32_t* vp = pre.vp.data() + it.vp_at;
       const int NC = static_cast<int>(D / 32);
       for (int64_t pair = 0; 2 * pair < keys; ++pair) {
-        const c10::BFloat16* a = vc + cache_row(table, 2 * pair, bs_shift, kv_block, kv_tok, kvh * D);
+        const c10::BFloat16* a = vc + cache_row(it.table, 2 * pair, bs_shift, kv_block, kv_tok, kvh * D);
         const c10::BFloat16* b = 2 * pair + 1 < keys
-                                     ? vc + cache_row(table, 2 * pair + 1, bs_shift, kv_block, kv_tok, kvh * D)
+                                     ? vc + cache_row(it.table, 2 * pair + 1, bs_shift, kv_block, kv_tok, kvh * D)
                                      : nullptr;
         for (int c = 0; c < NC; ++c) {
           __m512i lo, hi;
@@ -1287,13 +1443,14 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   // NOTE: through a reference: the pool's threads, reading `pre` in the lambda below, must see the caller's
   // scratch (a thread_local named there would be each thread's own, empty one).
   Prepass& pre = caller_prepass();
-  pre.qk = nullptr;
+  pre.qk = nullptr;  // (nothing prepared unless prepare_rows runs below)
+  pre.qk_shared = nullptr;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (dp_qk != nullptr && fast_sum != nullptr && NSUB == 1) {
       std::vector<int64_t> visible(T);
       for (int64_t t = 0; t < T; ++t) visible[t] = key_end != nullptr ? key_end[t] : static_cast<int64_t>(pos[t]) + 1;
       prepare_rows(pre, kc, vc, bt, max_blocks, block_tables.size(0), seq, visible.data(), T, KVH, G, D, bs_shift,
-                   kv_block, kv_tok);
+                   kv_block, kv_tok, window == 0);
     }
   }
 #endif
@@ -1368,12 +1525,19 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       if (static_cast<int64_t>(scores.size()) < G * num_keys) scores.resize(G * num_keys);
 #if defined(CONVEYOR_ROW_PREPASS)
       const bool prepared = pre.has(seq[t]);  // this row's sequence's keys and values prepared (prepare_rows)
+      // Its sequence's first keys prepared as a shared prefix (prepare_rows' groups; their rows start at key 0).
+      const int64_t shared = !prepared && first == 0 ? pre.shared_keys(seq[t]) : 0;
 #else
       constexpr bool prepared = false;
+      constexpr int64_t shared = 0;
 #endif
       // Pass 1: scores, in key order.
 #if defined(CONVEYOR_ROW_PREPASS)
-      if (prepared)
+      if (shared > 0)
+        pre.qk_shared(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, num_keys,
+                      reinterpret_cast<const c10::BFloat16*>(kc), reinterpret_cast<const c10::BFloat16*>(vc), table,
+                      BS, kv_block, kv_tok, kvh * D, pre.shared_keys_of(seq[t], kvh, D / 32), shared, scores.data());
+      else if (prepared)
         pre.qk(reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D), fscale, first, num_keys,
                pre.keys_of(seq[t], kvh, D / 32), scores.data());
       else
@@ -1396,7 +1560,12 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
-      if (prepared) {
+      if (shared > 0) {
+#if defined(CONVEYOR_ROW_PREPASS)
+        pre.sum_shared(scores.data(), num_keys, reinterpret_cast<const c10::BFloat16*>(vc), table, BS, kv_block,
+                       kv_tok, kvh * D, pre.shared_values_of(seq[t], kvh, D), shared, acc.data());
+#endif
+      } else if (prepared) {
 #if defined(CONVEYOR_ROW_PREPASS)
         pre.sum(scores.data(), first, num_keys, pre.values_of(seq[t], kvh, D), acc.data());
 #endif
