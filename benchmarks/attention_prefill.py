@@ -34,7 +34,7 @@ CASES = [
     ("verify 1B: 16 seqs x 4 rows at 1k", 32, 8, 64, 16, 4, 1024),
     # Fan-out requests on one prompt (the prefix cache gives every sequence the same first blocks): 4,096 keys shared
     ("decode 1B: 16 seqs at 4.2k, 4k shared", 32, 8, 64, 16, 1, 4200, 4096),
-    ("decode 128-dim: 8 seqs at 2.1k, 2k shared", 16, 2, 128, 8, 1, 2100, 2048),
+    ("decode 128-dim (Qwen3 0.6B): 8 seqs at 2.1k, 2k shared", 16, 8, 128, 8, 1, 2100, 2048),
 ]
 
 

@@ -5,7 +5,7 @@ mixers' and layers' self time is the Python/torch glue between kernels.
 
 Usage:
   PYTHONPATH=$PWD python benchmarks/hybrid_profile.py FILE.gguf [--concurrency 16] [--steps 24] [--threads 0]
-      [--kernel-arch native] [--prefill --prompt-tokens 1480]
+      [--kernel-arch native] [--prefill --prompt-tokens 1480] [--prompt-tokens 4096 --shared-prefix 4000]
 
 Prints one markdown table: per label, calls per step and the median / mean ms per step over the timed steps.
 Timers cost ~1 us per call (a few hundred per step). On a shared machine wall times swing with the load;
@@ -115,6 +115,9 @@ def main() -> None:
                    "LLM() takes it from here, not from CONVEYOR_KERNEL_ARCH)")
     p.add_argument("--prefill", action="store_true", help="time the prefill of one --prompt-tokens prompt instead "
                    "(all its chunks, summed) of the decode steps")
+    p.add_argument("--shared-prefix", type=int, default=0, help="the first N of every prompt's tokens the same (fan-out "
+                   "requests on one prompt): the first request is prefilled alone, so the others find its blocks in the "
+                   "prefix cache")
     p.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time: what a busy "
                    "machine's scheduling does not inflate (the work itself, for A/B runs)")
     args = p.parse_args()
@@ -129,8 +132,12 @@ def main() -> None:
     vocab = llm.tokenizer.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(args.concurrency):
-        ids = [(7919 * (i * args.prompt_tokens + j)) % (vocab - 100) + 50 for j in range(args.prompt_tokens)]
-        engine.add_request(engine.make_request(ids, params))
+        ids = [(7919 * ((i if j >= args.shared_prefix else 0) * args.prompt_tokens + j)) % (vocab - 100) + 50
+               for j in range(args.prompt_tokens)]
+        request = engine.make_request(ids, params)
+        engine.add_request(request)
+        while i == 0 and args.shared_prefix and not request.output_token_ids:
+            engine.step()  # its prompt's blocks cached before the others arrive
     if args.prefill:
         report_prefill(args, engine, timers)
         return

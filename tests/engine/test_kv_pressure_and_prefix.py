@@ -127,3 +127,23 @@ def test_a_prompt_diverging_inside_a_cached_block_reuses_its_leading_tokens_exac
     assert [w.token_ids for w in warm] == [c.token_ids for c in cold[1:]]
     llm.engine.pool.check_integrity()
     assert llm.engine.pool.stats().num_used == 0
+
+
+@pytest.mark.batch_invariant
+def test_fan_out_on_one_cached_prompt_is_exact():
+    """Requests on one long cached prompt decode together (their tables share its blocks: at AVX-512 BF16 the kernel
+    prepares the shared keys once per call and reads them in blocks of rows): every greedy output as the prompt's
+    request alone. Head dim 64 and 3 query heads per KV head (SmolLM2's shape), where that path runs."""
+    from conveyor.testing import tiny_checkpoint
+    checkpoint = tiny_checkpoint(seed=3, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    llm = LLM(checkpoint=checkpoint, parallel=8, ctx_size=8 * 512)
+    system = "You are a careful agent with tools that read, edit and run code. " * 12
+    prompts = [system + f"Task {i}: fix bug {i * 7}." for i in range(7)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    alone = [llm.generate([p], [params])[0].token_ids for p in prompts]
+    llm.generate(prompts[:1], [params])
+    together = llm.generate(prompts, [params] * len(prompts))
+    assert all(t.num_cached_tokens >= 128 for t in together)
+    assert [t.token_ids for t in together] == alone
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.stats().num_used == 0

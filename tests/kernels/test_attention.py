@@ -195,9 +195,10 @@ def test_wide_heads_prefill_chunking_is_invisible(heads, kv_heads, head_dim):
 
 
 # Fan-out requests on one prompt: the prefix cache hands every sequence the same first blocks. At AVX-512 BF16 a call
-# prepares such a shared prefix once (whole 16-key groups every member's rows see) and the members' rows read it.
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (16, 2, 64), (4, 4, 64), (6, 3, 128),
-                                                     (4, 1, 256), (9, 3, 32)])
+# prepares such a shared prefix once (whole 16-key groups every member's rows see) and the members' rows read it, in
+# blocks of 12 / G rows (G = 2, 3, 4 here: 7 rows of the first group) and one by one.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (8, 4, 64), (16, 2, 64), (4, 4, 64),
+                                                     (6, 3, 128), (4, 1, 256), (9, 3, 32)])
 @pytest.mark.parametrize("window", [0, 40])
 def test_rows_on_shared_prefix_blocks_match_each_row_alone(heads, kv_heads, head_dim, window):
     """Sequences whose tables share leading blocks (the whole prompt, part of it, one block, or the same blocks and

@@ -232,39 +232,21 @@ __attribute__((always_inline)) inline void pair_sums(const float* scores, int64_
   }
 }
 
-// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared). vp, shared
-// (weighted_sum_bf16_dp_shared; first = 0): the row's first `shared` keys' pairs as prepared (prepare_rows' pairs, the
-// vectors pair_chunk makes here), read instead.
+// Pass 3 from the bf16 cache (decode, and rows whose sequence was not prepared).
 template <int G, int DV>
-__attribute__((always_inline)) inline void weighted_sum_bf16_dp_from(
-    const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
-    int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const uint32_t* vp, int64_t shared, float* acc_out) {
-  constexpr int NC = DV / 2;
+void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
+                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+                          float* acc_out) {
   const int bs_shift = __builtin_ctzll(BS);
   const int64_t k0 = first / 2, end = first + num_keys;
   const auto load_pair = [&](int64_t k, int c0, int n, __m512i* lo, __m512i* hi) __attribute__((always_inline)) {
     const int64_t a = 2 * (k0 + k);
-    if (a < shared) {
-      for (int c = 0; c < n; ++c) {
-        lo[c] = _mm512_loadu_si512(vp + ((k0 + k) * NC + c0 + c) * 32);
-        hi[c] = _mm512_loadu_si512(vp + ((k0 + k) * NC + c0 + c) * 32 + 16);
-      }
-      return;
-    }
     const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
     const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
                                           : nullptr;
     for (int c = 0; c < n; ++c) pair_chunk(va, vb, c0 + c, lo[c], hi[c]);
   };
   pair_sums<G, DV>(scores, first, num_keys, acc_out, load_pair);
-}
-
-template <int G, int DV>
-void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, const c10::BFloat16* vc,
-                          const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
-                          float* acc_out) {
-  weighted_sum_bf16_dp_from<G, DV>(scores, first, num_keys, vc, table, BS, kv_block, kv_tok, kv_offset, nullptr, 0,
-                                   acc_out);
 }
 #endif
 
@@ -730,18 +712,19 @@ using conveyor_vec::transpose16x16_epi32;
 
 #if defined(__AVX512BF16__)
 // kt, shared (scores_dpbf16_shared; first = 0): the row's first `shared` keys (a multiple of 16) as prepared groups,
-// transpose_key_group's vectors, read instead of loaded and transposed: the same vectors into the same chains.
+// transpose_key_group's vectors, read instead of loaded and transposed: the same vectors into the same chains. skip: a
+// multiple of 16 keys from `first` whose scores the caller computed (scores_dpbf16_shared_rows).
 template <int G, int DH>
 __attribute__((always_inline)) inline void scores_dpbf16_from(
     const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const c10::BFloat16* kc,
     const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
-    const __m512i* kt, int64_t shared, float* scores) {
+    const __m512i* kt, int64_t shared, int64_t skip, float* scores) {
   constexpr int D = 32 * DH;
   const int bs_shift = __builtin_ctzll(BS);
   int32_t qpair[G][16 * DH];
   std::memcpy(qpair, q_heads, sizeof(qpair));  // G heads x D bf16 = G x (D / 2) pairs
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+  for (int64_t j0 = skip; j0 < num_keys; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, num_keys - j0);
     __m512 even[G], odd[G];
     for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
@@ -798,7 +781,7 @@ void scores_dpbf16(const c10::BFloat16* q_heads, float scale, int64_t first, int
                    const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
                    int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
   scores_dpbf16_from<G, DH>(q_heads, scale, first, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset,
-                            nullptr, 0, scores);
+                            nullptr, 0, 0, scores);
 }
 
 template <int DH>
@@ -850,11 +833,17 @@ using PreScoresRowsFn = void (*)(const c10::BFloat16* const*, float, int64_t, co
 // (each row's scores, each row's key count, the rows' shared first key, value pairs, each row's accumulator out)
 using PreSumRowsFn = void (*)(const float* const*, const int64_t*, int64_t, const uint32_t*, float* const*);
 // A row whose first keys are a prepared shared prefix (first key 0): (q heads, scale, key count, the caches and table
-// as ScoresBf16Fn / PassFn take them, the prefix's transposed keys or value pairs, its key count, scores or acc out)
+// as ScoresBf16Fn takes them, the prefix's transposed keys, its key count, scores out)
 using SharedScoresFn = void (*)(const c10::BFloat16*, float, int64_t, const c10::BFloat16*, const c10::BFloat16*,
                                 const int32_t*, int64_t, int64_t, int64_t, int64_t, const __m512i*, int64_t, float*);
-using SharedSumFn = void (*)(const float*, int64_t, const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
-                             int64_t, const uint32_t*, int64_t, float*);
+// The same for block_rows rows of one group (each row's q heads, key count, table, scores out), and their weighted
+// sums (each row's scores and key count, the value cache, each row's table, the cache's strides and KV head offset,
+// the prefix's key count, each row's acc out)
+using SharedScoresRowsFn = void (*)(const c10::BFloat16* const*, float, const int64_t*, const c10::BFloat16*,
+                                    const c10::BFloat16*, const int32_t* const*, int64_t, int64_t, int64_t, int64_t,
+                                    const __m512i*, int64_t, float* const*);
+using SharedSumRowsFn = void (*)(const float* const*, const int64_t*, const c10::BFloat16*, const int32_t* const*,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, float* const*);
 
 // Key group `grp` (keys 16 grp .. + 15, those past `keys` zero) of one KV head, transposed: DH x 16 vectors.
 template <int DH>
@@ -1031,33 +1020,122 @@ void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, 
 // Rows per block of weighted_sum_pre_rows: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
 constexpr int pre_block_rows(int G) { return 12 / G; }
 
-// A decode (or verify, or short chunk) row of a sequence in a shared-prefix group: its first `shared` keys from the
-// group's prepared groups and pairs, the rest from the cache, all in one pass each (scores_dpbf16_from,
-// weighted_sum_bf16_dp_from): the bits of the same row from the cache alone.
+// Pass 1 of a decode (or verify, or short chunk) row of a sequence in a shared-prefix group: its first `shared` keys
+// from the group's prepared groups, the rest from the cache (scores_dpbf16_from): the bits of the row from the cache
+// alone. (Its pass 3 reads the cache: interleaving a value pair costs two unpacks, not a transpose.)
 template <int G, int DH>
 void scores_dpbf16_shared(const c10::BFloat16* q_heads, float scale, int64_t num_keys, const c10::BFloat16* kc,
                           const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok,
                           int64_t kv_offset, const __m512i* kt, int64_t shared, float* scores) {
   scores_dpbf16_from<G, DH>(q_heads, scale, 0, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset, kt, shared,
-                            scores);
+                            0, scores);
 }
 
-template <int G, int DV>
-void weighted_sum_bf16_dp_shared(const float* scores, int64_t num_keys, const c10::BFloat16* vc, const int32_t* table,
-                                 int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const uint32_t* vp,
-                                 int64_t shared, float* acc_out) {
-  weighted_sum_bf16_dp_from<G, DV>(scores, 0, num_keys, vc, table, BS, kv_block, kv_tok, kv_offset, vp, shared,
-                                   acc_out);
+// scores_dpbf16_shared for R rows of one group (different sequences, each row's first key 0): the prefix's groups
+// loaded once for the R rows (2 x G x R accumulators, as scores_dpbf16_pre_rows), then each row's own keys from the
+// cache. Every score is its row's chain as in scores_dpbf16_shared: the same bits.
+template <int G, int DH, int R>
+void scores_dpbf16_shared_rows(const c10::BFloat16* const* q_rows, float scale, const int64_t* num_keys,
+                               const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* const* tables,
+                               int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const __m512i* kt,
+                               int64_t shared, float* const* scores) {
+  int32_t qpair[R][G][16 * DH];
+  for (int r = 0; r < R; ++r) std::memcpy(qpair[r], q_rows[r], sizeof(qpair[r]));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t grp = 0; 16 * grp < shared; ++grp) {
+    const __m512i* rows = kt + grp * 16 * DH;
+    __m512 even[R][G], odd[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h)
+      for (int c = 0; c < 16; c += 2)
+        for (int r = 0; r < R; ++r)
+          for (int g = 0; g < G; ++g) {
+            even[r][g] = _mm512_dpbf16_ps(even[r][g], (__m512bh)rows[16 * h + c],
+                                          (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c]));
+            odd[r][g] = _mm512_dpbf16_ps(odd[r][g], (__m512bh)rows[16 * h + c + 1],
+                                         (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c + 1]));
+          }
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g)
+        _mm512_storeu_ps(scores[r] + g * num_keys[r] + 16 * grp,
+                         _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale));
+  }
+  for (int r = 0; r < R; ++r)
+    scores_dpbf16_from<G, DH>(q_rows[r], scale, 0, num_keys[r], kc, vc, tables[r], BS, kv_block, kv_tok, kv_offset,
+                              nullptr, 0, shared, scores[r]);
+}
+
+// weighted_sum_bf16_dp for R rows of one group: each pair of the shared prefix's keys read from the cache once for the
+// R rows (the same blocks in every row's table), then each row's own pairs, one 32-element chunk of D per sweep (G x 2 x
+// R accumulators, as weighted_sum_pre_rows). Every output element is its row's one chain over its pairs in order, the
+// same operands: the bits of weighted_sum_bf16_dp.
+template <int G, int DV, int R>
+void weighted_sum_bf16_dp_shared_rows(const float* const* scores, const int64_t* num_keys, const c10::BFloat16* vc,
+                                      const int32_t* const* tables, int64_t BS, int64_t kv_block, int64_t kv_tok,
+                                      int64_t kv_offset, int64_t shared, float* const* acc_out) {
+  constexpr int NC = DV / 2;
+  const int bs_shift = __builtin_ctzll(BS);
+  uint32_t* pairs[R];
+  int64_t np[R];
+  int64_t total = 0;
+  for (int r = 0; r < R; ++r) total += G * num_pairs(0, num_keys[r]);
+  uint32_t* scratch = pair_scratch(total);
+  for (int r = 0; r < R; ++r) {
+    np[r] = num_pairs(0, num_keys[r]);
+    pairs[r] = scratch;
+    scratch += G * np[r];
+    weight_pairs(scores[r], G, 0, num_keys[r], pairs[r]);
+  }
+  const int64_t common = shared / 2;
+  for (int c = 0; c < NC; ++c) {
+    __m512 acc[R][G][2];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = _mm512_setzero_ps();
+    const auto step = [&](int r, int64_t k, __m512i lo, __m512i hi) __attribute__((always_inline)) {
+      for (int g = 0; g < G; ++g) {
+        const __m512i w = _mm512_set1_epi32(static_cast<int32_t>(pairs[r][g * np[r] + k]));
+        acc[r][g][0] = dp_pair(acc[r][g][0], lo, w);
+        acc[r][g][1] = dp_pair(acc[r][g][1], hi, w);
+      }
+    };
+    for (int64_t pair = 0; pair < common; ++pair) {
+      __m512i lo, hi;
+      pair_chunk(vc + cache_row(tables[0], 2 * pair, bs_shift, kv_block, kv_tok, kv_offset),
+                 vc + cache_row(tables[0], 2 * pair + 1, bs_shift, kv_block, kv_tok, kv_offset), c, lo, hi);
+      for (int r = 0; r < R; ++r) step(r, pair, lo, hi);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t pair = common; pair < np[r]; ++pair) {
+        const int64_t a = 2 * pair;
+        const c10::BFloat16* va = vc + cache_row(tables[r], a, bs_shift, kv_block, kv_tok, kv_offset);
+        const c10::BFloat16* vb =
+            a + 1 < num_keys[r] ? vc + cache_row(tables[r], a + 1, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+        __m512i lo, hi;
+        pair_chunk(va, vb, c, lo, hi);
+        step(r, pair, lo, hi);
+      }
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) store_pair_chunk(acc[r][g][0], acc[r][g][1], acc_out[r] + g * DV * 16 + 32 * c);
+  }
 }
 
 template <int DH>
-void pick_shared(int64_t G, SharedScoresFn& qk, SharedSumFn& sum) {
+void pick_shared(int64_t G, SharedScoresFn& qk, SharedScoresRowsFn& qk_rows, SharedSumRowsFn& sum_rows) {
   switch (G) {
-    case 1: qk = scores_dpbf16_shared<1, DH>, sum = weighted_sum_bf16_dp_shared<1, 2 * DH>; break;
-    case 2: qk = scores_dpbf16_shared<2, DH>, sum = weighted_sum_bf16_dp_shared<2, 2 * DH>; break;
-    case 3: qk = scores_dpbf16_shared<3, DH>, sum = weighted_sum_bf16_dp_shared<3, 2 * DH>; break;
-    case 4: qk = scores_dpbf16_shared<4, DH>, sum = weighted_sum_bf16_dp_shared<4, 2 * DH>; break;
-    default: qk = nullptr, sum = nullptr;
+    case 1: qk = scores_dpbf16_shared<1, DH>,
+            qk_rows = scores_dpbf16_shared_rows<1, DH, pre_block_rows(1)>,
+            sum_rows = weighted_sum_bf16_dp_shared_rows<1, 2 * DH, pre_block_rows(1)>; break;
+    case 2: qk = scores_dpbf16_shared<2, DH>,
+            qk_rows = scores_dpbf16_shared_rows<2, DH, pre_block_rows(2)>,
+            sum_rows = weighted_sum_bf16_dp_shared_rows<2, 2 * DH, pre_block_rows(2)>; break;
+    case 3: qk = scores_dpbf16_shared<3, DH>,
+            qk_rows = scores_dpbf16_shared_rows<3, DH, pre_block_rows(3)>,
+            sum_rows = weighted_sum_bf16_dp_shared_rows<3, 2 * DH, pre_block_rows(3)>; break;
+    case 4: qk = scores_dpbf16_shared<4, DH>,
+            qk_rows = scores_dpbf16_shared_rows<4, DH, pre_block_rows(4)>,
+            sum_rows = weighted_sum_bf16_dp_shared_rows<4, 2 * DH, pre_block_rows(4)>; break;
+    default: qk = nullptr, qk_rows = nullptr, sum_rows = nullptr;
   }
 }
 
@@ -1093,12 +1171,14 @@ struct Prepass {
   std::vector<uint32_t> vp;                 // per sequence, KV head: its key pairs x D (weighted_sum_pre's layout)
   // Shared prefixes: sequences whose block tables begin with the same blocks (requests on one prompt through the
   // prefix cache: fan-out agents, n > 1) and that are not prepared themselves. A group's first `keys` keys (whole
-  // 16-key groups every member's rows see) are prepared once, laid out as a sequence's, and its members' rows read them
-  // (scores_dpbf16_shared, weighted_sum_bf16_dp_shared) instead of each loading and transposing the same keys.
+  // 16-key groups every member's rows see) are transposed once, laid out as a sequence's, and its members' rows read
+  // them (scores_dpbf16_shared) instead of each loading and transposing the same keys; blocks of its rows read each
+  // shared value pair once (weighted_sum_bf16_dp_shared_rows).
   SharedScoresFn qk_shared = nullptr;
-  SharedSumFn sum_shared = nullptr;
+  SharedScoresRowsFn qk_shared_rows = nullptr;  // block_rows rows of one group at once (the same bits per row)
+  SharedSumRowsFn sum_shared_rows = nullptr;
   std::vector<int64_t> group_of;                          // per sequence: its group, -1: none
-  std::vector<int64_t> group_keys, group_kt_at, group_vp_at;  // per group
+  std::vector<int64_t> group_keys, group_kt_at;  // per group
 
   bool has(int64_t s) const { return qk != nullptr && kt_at[s] >= 0; }
   int64_t shared_keys(int64_t s) const {
@@ -1108,10 +1188,7 @@ struct Prepass {
     const int64_t g = group_of[s];
     return kt.data() + group_kt_at[g] + kvh * (group_keys[g] / 16) * 16 * DH;
   }
-  const uint32_t* shared_values_of(int64_t s, int64_t kvh, int64_t D) const {
-    const int64_t g = group_of[s];
-    return vp.data() + group_vp_at[g] + kvh * (group_keys[g] / 2) * D;
-  }
+
   const __m512i* keys_of(int64_t s, int64_t kvh, int64_t DH) const {
     return kt.data() + kt_at[s] + kvh * ((keys[s] + 15) / 16) * 16 * DH;
   }
@@ -1152,7 +1229,6 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   pre.group_of.assign(num_seqs, -1);
   pre.group_keys.clear();
   pre.group_kt_at.clear();
-  pre.group_vp_at.clear();
   int64_t kt_size = 0, vp_size = 0;
   const int64_t cap = prepass_cap_bytes();
   const auto bytes = [](int64_t kt_n, int64_t vp_n) {
@@ -1160,7 +1236,7 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   };
   struct Item {  // one KV head of a prepared sequence or shared prefix: its keys, and where they go in kt and vp
     const int32_t* table;
-    int64_t keys, kvh, kt_at, vp_at;
+    int64_t keys, kvh, kt_at, vp_at;  // vp_at -1: keys only (a shared prefix)
   };
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs && T >= kPrepassRows; ++s) {
@@ -1198,19 +1274,15 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           blocks = same;
         }
         int64_t keys = (blocks * BS) / 16 * 16;
-        const int64_t per_key = bytes(KVH * DH, KVH * D / 2);  // a key's share of kt and vp (16-key groups)
+        const int64_t per_key = bytes(KVH * DH, 0);  // a key's share of kt (16-key groups)
         keys = std::min(keys, std::max<int64_t>(0, cap - bytes(kt_size, vp_size)) / per_key / 16 * 16);
         if (keys >= kSharedMinKeys) {
           const int64_t g = static_cast<int64_t>(pre.group_keys.size());
           pre.group_keys.push_back(keys);
           pre.group_kt_at.push_back(kt_size);
-          pre.group_vp_at.push_back(vp_size);
           for (size_t m = i; m < j; ++m) pre.group_of[cand[m]] = g;
-          for (int64_t kvh = 0; kvh < KVH; ++kvh)
-            items.push_back({lead, keys, kvh, kt_size + kvh * (keys / 16) * 16 * DH,
-                             vp_size + kvh * (keys / 2) * D});
+          for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({lead, keys, kvh, kt_size + kvh * (keys / 16) * 16 * DH, -1});
           kt_size += KVH * (keys / 16) * 16 * DH;
-          vp_size += KVH * (keys / 2) * D;
         }
       }
       i = j;
@@ -1229,10 +1301,10 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   }
   if (DH == 2) {
     pick_pre<2>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
-    pick_shared<2>(G, pre.qk_shared, pre.sum_shared);
+    pick_shared<2>(G, pre.qk_shared, pre.qk_shared_rows, pre.sum_shared_rows);
   } else if (DH == 4) {
     pick_pre<4>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
-    pick_shared<4>(G, pre.qk_shared, pre.sum_shared);
+    pick_shared<4>(G, pre.qk_shared, pre.qk_shared_rows, pre.sum_shared_rows);
   } else {
     pick_pre<8>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
   }
@@ -1250,6 +1322,7 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           transpose_key_group<8>(kc, it.table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         }
       }
+      if (it.vp_at < 0) continue;
       uint32_t* vp = pre.vp.data() + it.vp_at;
       const int NC = static_cast<int>(D / 32);
       for (int64_t pair = 0; 2 * pair < keys; ++pair) {
@@ -1455,9 +1528,21 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   }
 #endif
   // Row blocks: runs of pre.block_rows consecutive rows of one prepared sequence with the same first key take
-  // their weighted sums together (weighted_sum_pre_rows: the same bits); every other row is a block of one.
-  std::vector<int64_t> block_first;  // each block's first row; the last entry is T
+  // their weighted sums together (weighted_sum_pre_rows: the same bits), as do pre.block_rows rows of one shared-prefix
+  // group (different sequences, first key 0: the *_shared_rows kernels); every other row is a block of one.
+  std::vector<int64_t> block_rows;   // the blocks' rows, block after block
+  std::vector<int64_t> block_first;  // block b's rows: block_rows[block_first[b] .. block_first[b + 1])
+  std::vector<char> block_shared;    // block b is a shared-prefix group's
+  block_rows.reserve(T);
   block_first.reserve(T + 1);
+  const auto add_block = [&](int64_t t0, int64_t n, bool shared_block) {
+    block_first.push_back(static_cast<int64_t>(block_rows.size()));
+    for (int64_t r = 0; r < n; ++r) block_rows.push_back(t0 + r);
+    block_shared.push_back(shared_block);
+  };
+#if defined(CONVEYOR_ROW_PREPASS)
+  std::vector<std::vector<int64_t>> group_rows(pre.qk_shared_rows != nullptr ? pre.group_keys.size() : 0);
+#endif
   for (int64_t t = 0; t < T;) {
     int64_t n = 1;
 #if defined(CONVEYOR_ROW_PREPASS)
@@ -1467,12 +1552,28 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
              first_key(static_cast<int64_t>(pos[t + n]) + 1, window) == first)
         ++n;
       if (n < pre.block_rows) n = 1;  // a short run goes row by row
+    } else if (!group_rows.empty() && !pre.has(seq[t]) && pre.shared_keys(seq[t]) > 0 &&
+               first_key(static_cast<int64_t>(pos[t]) + 1, window) == 0) {
+      group_rows[pre.group_of[seq[t]]].push_back(t);  // blocked below
+      ++t;
+      continue;
     }
 #endif
-    block_first.push_back(t);
+    add_block(t, n, false);
     t += n;
   }
-  block_first.push_back(T);
+#if defined(CONVEYOR_ROW_PREPASS)
+  for (const std::vector<int64_t>& rows : group_rows) {
+    size_t i = 0;
+    for (; i + pre.block_rows <= rows.size(); i += pre.block_rows) {
+      block_first.push_back(static_cast<int64_t>(block_rows.size()));
+      block_rows.insert(block_rows.end(), rows.begin() + i, rows.begin() + i + pre.block_rows);
+      block_shared.push_back(true);
+    }
+    for (; i < rows.size(); ++i) add_block(rows[i], 1, false);  // the rest row by row (still reading the prefix)
+  }
+#endif
+  block_first.push_back(static_cast<int64_t>(block_rows.size()));
   const int64_t NB = static_cast<int64_t>(block_first.size()) - 1;
   conveyor_parallel::parallel_for(0, NB * KVH * NSUB, 1, [&](int64_t begin, int64_t end) {
     const DenormalsOff flush;
@@ -1488,32 +1589,48 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const int64_t b = NB - 1 - task % NB, vkv = task / NB, kvh = vkv / NSUB;
 #if defined(CONVEYOR_ROW_PREPASS)
       if (block_first[b + 1] - block_first[b] > 1) {
-        const int64_t t0 = block_first[b], R = block_first[b + 1] - t0;
+        const int64_t* brows = block_rows.data() + block_first[b];
+        const int64_t t0 = brows[0], R = block_first[b + 1] - block_first[b];
         const int64_t first = first_key(static_cast<int64_t>(pos[t0]) + 1, window);
         const c10::BFloat16* q_rows[pre_block_rows(1)];
+        const int32_t* tables[pre_block_rows(1)];
         float* score_rows[pre_block_rows(1)];
         float* acc_rows[pre_block_rows(1)];
         int64_t key_counts[pre_block_rows(1)];
         for (int64_t r = 0; r < R; ++r) {
-          const int64_t t = t0 + r;
+          const int64_t t = brows[r];
           const int64_t visible = key_end != nullptr ? static_cast<int64_t>(key_end[t]) : static_cast<int64_t>(pos[t]) + 1;
           key_counts[r] = visible - first;
           std::vector<float>& sc = block_scores[r];
           if (static_cast<int64_t>(sc.size()) < G * key_counts[r]) sc.resize(G * key_counts[r]);
           q_rows[r] = reinterpret_cast<const c10::BFloat16*>(q + t * q_row + vkv * G * D);
+          tables[r] = bt + static_cast<int64_t>(seq[t]) * max_blocks;
           score_rows[r] = sc.data();
           acc_rows[r] = block_acc[r].data();
         }
-        pre.qk_rows(q_rows, fscale, first, key_counts, pre.keys_of(seq[t0], kvh, D / 32), score_rows);
+        if (block_shared[b]) {
+          const int64_t shared = pre.shared_keys(seq[t0]);
+          const auto* kcb = reinterpret_cast<const c10::BFloat16*>(kc);
+          const auto* vcb = reinterpret_cast<const c10::BFloat16*>(vc);
+          pre.qk_shared_rows(q_rows, fscale, key_counts, kcb, vcb, tables, BS, kv_block, kv_tok, kvh * D,
+                             pre.shared_keys_of(seq[t0], kvh, D / 32), shared, score_rows);
+          for (int64_t r = 0; r < R; ++r)
+            softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
+          pre.sum_shared_rows(const_cast<const float* const*>(score_rows), key_counts, vcb, tables, BS, kv_block, kv_tok,
+                              kvh * D, shared, acc_rows);
+        } else {
+          pre.qk_rows(q_rows, fscale, first, key_counts, pre.keys_of(seq[t0], kvh, D / 32), score_rows);
+          for (int64_t r = 0; r < R; ++r)
+            softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
+          pre.sum_rows(const_cast<const float* const*>(score_rows), key_counts, first, pre.values_of(seq[t0], kvh, D),
+                       acc_rows);
+        }
         for (int64_t r = 0; r < R; ++r)
-          softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
-        pre.sum_rows(const_cast<const float* const*>(score_rows), key_counts, first, pre.values_of(seq[t0], kvh, D), acc_rows);
-        for (int64_t r = 0; r < R; ++r)
-          store_heads(block_acc[r].data(), block_denom[r].data(), G, D, o + (t0 + r) * q_row + vkv * G * D);
+          store_heads(block_acc[r].data(), block_denom[r].data(), G, D, o + brows[r] * q_row + vkv * G * D);
         continue;
       }
 #endif
-      const int64_t t = block_first[b];
+      const int64_t t = block_rows[block_first[b]];
       // Keys [first, pos]: the whole history, the last `window` positions (sliding window), or with a
       // negative window the query's own chunk of -window positions (Llama 4's chunked attention).
       // key_end (Gemma 3's image rows): keys up to the end of the row's bidirectional run; the window still
@@ -1560,12 +1677,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
-      if (shared > 0) {
-#if defined(CONVEYOR_ROW_PREPASS)
-        pre.sum_shared(scores.data(), num_keys, reinterpret_cast<const c10::BFloat16*>(vc), table, BS, kv_block,
-                       kv_tok, kvh * D, pre.shared_values_of(seq[t], kvh, D), shared, acc.data());
-#endif
-      } else if (prepared) {
+      if (prepared) {
 #if defined(CONVEYOR_ROW_PREPASS)
         pre.sum(scores.data(), first, num_keys, pre.values_of(seq[t], kvh, D), acc.data());
 #endif
