@@ -35,6 +35,7 @@ CASES = [
     # Fan-out requests on one prompt (the prefix cache gives every sequence the same first blocks): 4,096 keys shared
     ("decode 1B: 16 seqs at 4.2k, 4k shared", 32, 8, 64, 16, 1, 4200, 4096),
     ("decode 128-dim (Qwen3 0.6B): 8 seqs at 2.1k, 2k shared", 16, 8, 128, 8, 1, 2100, 2048),
+    ("decode 256-dim: 8 seqs at 2.1k, 2k shared", 8, 2, 256, 8, 1, 2100, 2048),
 ]
 
 

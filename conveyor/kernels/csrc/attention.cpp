@@ -1066,9 +1066,9 @@ void scores_dpbf16_shared_rows(const c10::BFloat16* const* q_rows, float scale, 
                               nullptr, 0, shared, scores[r]);
 }
 
-// weighted_sum_bf16_dp for R rows of one group: each pair of the shared prefix's keys read from the cache once for the
-// R rows (the same blocks in every row's table), then each row's own pairs, one 32-element chunk of D per sweep (G x 2 x
-// R accumulators, as weighted_sum_pre_rows). Every output element is its row's one chain over its pairs in order, the
+// weighted_sum_bf16_dp for R rows of one group: each pair of the shared prefix's keys read from the cache once for
+// the R rows (the same blocks in every row's table), then each row's own pairs, one 32-element chunk of D per sweep
+// (G x 2 x R accumulators, as weighted_sum_pre_rows). Every output element is its row's one chain over its pairs in order, the
 // same operands: the bits of weighted_sum_bf16_dp.
 template <int G, int DV, int R>
 void weighted_sum_bf16_dp_shared_rows(const float* const* scores, const int64_t* num_keys, const c10::BFloat16* vc,
@@ -1208,7 +1208,7 @@ inline Prepass& caller_prepass() {
 
 // Fills `pre` for the sequences with kPrepassRows rows or more among the call's T (bf16 caches, D = 64, 128 or 256,
 // G <= 4: scores_dpbf16's shapes), in order, each that still fits within prepass_cap_bytes(); then, where `from_zero`
-// (every row's first key is 0: no sliding window) and D is 64 or 128, the shared prefixes of the other sequences
+// (every row's first key is 0: no sliding window), the shared prefixes of the other sequences
 // (Prepass::group_of), each cut to what still fits. Leaves pre.qk null when nothing is prepared.
 void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt, int64_t max_blocks,
                   int64_t num_seqs, const int32_t* seq, const int64_t* visible, int64_t T, int64_t KVH, int64_t G,
@@ -1246,12 +1246,12 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
     pre.kt_at[s] = kt_size;
     pre.vp_at[s] = vp_size;
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
-      items.push_back({bt + s * max_blocks, pre.keys[s], kvh,
-                       kt_size + kvh * ((pre.keys[s] + 15) / 16) * 16 * DH, vp_size + kvh * ((pre.keys[s] + 1) / 2) * D});
+      items.push_back({bt + s * max_blocks, pre.keys[s], kvh, kt_size + kvh * ((pre.keys[s] + 15) / 16) * 16 * DH,
+                       vp_size + kvh * ((pre.keys[s] + 1) / 2) * D});
     kt_size += kt_add;
     vp_size += vp_add;
   }
-  if (from_zero && D != 256) {
+  if (from_zero) {
     // Candidates in order of their first block: a run with the same first block is one group, its prefix the blocks
     // every member's table holds alike, cut to the whole 16-key groups below each member's fewest visible keys.
     std::vector<int64_t> cand;
@@ -1281,7 +1281,8 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           pre.group_keys.push_back(keys);
           pre.group_kt_at.push_back(kt_size);
           for (size_t m = i; m < j; ++m) pre.group_of[cand[m]] = g;
-          for (int64_t kvh = 0; kvh < KVH; ++kvh) items.push_back({lead, keys, kvh, kt_size + kvh * (keys / 16) * 16 * DH, -1});
+          for (int64_t kvh = 0; kvh < KVH; ++kvh)
+            items.push_back({lead, keys, kvh, kt_size + kvh * (keys / 16) * 16 * DH, -1});
           kt_size += KVH * (keys / 16) * 16 * DH;
         }
       }
@@ -1307,6 +1308,7 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
     pick_shared<4>(G, pre.qk_shared, pre.qk_shared_rows, pre.sum_shared_rows);
   } else {
     pick_pre<8>(G, pre.qk, pre.sum, pre.qk_rows, pre.sum_rows, pre.block_rows);
+    pick_shared<8>(G, pre.qk_shared, pre.qk_shared_rows, pre.sum_shared_rows);
   }
   conveyor_parallel::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -1614,14 +1616,16 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
           const auto* vcb = reinterpret_cast<const c10::BFloat16*>(vc);
           pre.qk_shared_rows(q_rows, fscale, key_counts, kcb, vcb, tables, BS, kv_block, kv_tok, kvh * D,
                              pre.shared_keys_of(seq[t0], kvh, D / 32), shared, score_rows);
-          for (int64_t r = 0; r < R; ++r)
-            softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
-          pre.sum_shared_rows(const_cast<const float* const*>(score_rows), key_counts, vcb, tables, BS, kv_block, kv_tok,
-                              kvh * D, shared, acc_rows);
         } else {
           pre.qk_rows(q_rows, fscale, first, key_counts, pre.keys_of(seq[t0], kvh, D / 32), score_rows);
-          for (int64_t r = 0; r < R; ++r)
-            softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
+        }
+        for (int64_t r = 0; r < R; ++r)
+          softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
+        if (block_shared[b]) {
+          pre.sum_shared_rows(const_cast<const float* const*>(score_rows), key_counts,
+                              reinterpret_cast<const c10::BFloat16*>(vc), tables, BS, kv_block, kv_tok, kvh * D,
+                              pre.shared_keys(seq[t0]), acc_rows);
+        } else {
           pre.sum_rows(const_cast<const float* const*>(score_rows), key_counts, first, pre.values_of(seq[t0], kvh, D),
                        acc_rows);
         }
