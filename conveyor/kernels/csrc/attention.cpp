@@ -75,8 +75,12 @@ using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, con
 
 // Cache rows are scattered over the pool by the block tables, so the hardware prefetcher
 // cannot follow them: at 32 rows x 135 keys the K/V reads are ~100 MB per step.
+// NOTE: asm volatile, not _mm_prefetch: GCC 12 silently dropped the intrinsic's loops from scores_dpbf16 and
+// scores_fma16 once their bodies grew a branch (loops of prefetches alone: no side effects to keep), and decode
+// rows then waited on every key row (AVX-512 without BF16: 1.7x slower per call).
 inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
 }
 #endif
 
@@ -802,6 +806,106 @@ inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
   return nullptr;
 }
 
+#else
+// AVX-512 without BF16 (Skylake-SP to Ice Lake servers, and VMs that hide AVX512_BF16): the same
+// transposed 16-key layout, each (d, d+1) pair widened to fp32 (a shift for d, a mask for d + 1)
+// and multiplied by q's fp32 pair in two FMAs. Every score is one fixed chain of those products
+// in d order (even and odd pairs in two accumulators, added at the end, then scaled), wherever
+// the key sits in its group of 16. Replaced one horizontal reduce per key and head (scores_bf16)
+// and adds the K/V prefetch that pass lacked: 1.3-1.8x per layer on decode at 2k keys (results.md).
+// One h-slice (16 transposed pair vectors: elements 32h .. 32h + 31 of 16 keys) into R rows' G heads' chains: even
+// pairs c into even[], odd ones into odd[], each as fma(q[d], element d) then fma(q[d + 1], element d + 1). The same
+// ops wherever the vectors come from (transposed here from the cache, or prepared once: transpose_key_group).
+template <int G, int DH, int R>
+__attribute__((always_inline)) inline void fma16_slice(const __m512i* rows, int h, const float (&qf)[R][G][32 * DH],
+                                                       __m512 (&even)[R][G], __m512 (&odd)[R][G]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int c = 0; c < 16; ++c) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(rows[c], 16));  // element 32h + 2c
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(rows[c], high));  // element 32h + 2c + 1
+    const int d = 32 * h + 2 * c;
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) {
+        __m512& acc = (c & 1) ? odd[r][g] : even[r][g];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][g][d]), lo, acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[r][g][d + 1]), hi, acc);
+      }
+  }
+}
+
+// kt, shared, skip: as scores_dpbf16_from (prepared groups for the first `shared` keys of a row whose first key is 0;
+// `skip` keys whose scores the caller computed).
+template <int G, int DH>
+__attribute__((always_inline)) inline void scores_fma16_from(
+    const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const c10::BFloat16* kc,
+    const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset,
+    const __m512i* kt, int64_t shared, int64_t skip, float* scores) {
+  constexpr int D = 32 * DH;
+  const int bs_shift = __builtin_ctzll(BS);
+  float qf[1][G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qf[0][g][d] = to_float(q_heads[g * D + d]);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = skip; j0 < num_keys; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, num_keys - j0);
+    __m512 even[1][G], odd[1][G];
+    for (int g = 0; g < G; ++g) even[0][g] = odd[0][g] = _mm512_setzero_ps();
+    if (j0 < shared) {
+      for (int h = 0; h < DH; ++h) fma16_slice<G, DH, 1>(kt + (j0 / 16) * 16 * DH + 16 * h, h, qf, even, odd);
+    } else {
+      for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // as scores_dpbf16
+        prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+        if (key + 16 < first + num_keys)
+          prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      }
+      for (int h = 0; h < DH; ++h) {
+        __m512i rows[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i >= n) {
+            rows[i] = _mm512_setzero_si512();
+            continue;
+          }
+          const c10::BFloat16* k = kc + cache_row(table, first + j0 + i, bs_shift, kv_block, kv_tok, kv_offset);
+          rows[i] = _mm512_loadu_si512(k + 32 * h);
+        }
+        transpose16x16_epi32(rows);
+        fma16_slice<G, DH, 1>(rows, h, qf, even, odd);
+      }
+    }
+    const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask,
+                            _mm512_mul_ps(_mm512_add_ps(even[0][g], odd[0][g]), vscale));
+  }
+}
+
+template <int G, int DH>
+void scores_fma16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
+                  const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
+                  int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
+  scores_fma16_from<G, DH>(q_heads, scale, first, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset, nullptr,
+                           0, 0, scores);
+}
+
+template <int DH>
+ScoresBf16Fn pick_fma16(int64_t G) {
+  switch (G) {
+    case 1: return scores_fma16<1, DH>;
+    case 2: return scores_fma16<2, DH>;
+    case 3: return scores_fma16<3, DH>;
+    case 4: return scores_fma16<4, DH>;
+    default: return nullptr;
+  }
+}
+
+inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
+  if (D == 64) return pick_fma16<2>(G);
+  if (D == 128) return pick_fma16<4>(G);
+  if (D == 256) return pick_fma16<8>(G);  // Gemma 3, Qwen3.5's attention layers
+  return nullptr;
+}
+#endif
+
 // ---- A prefill's rows: each sequence's keys transposed, and its values paired, once per call ----
 // Every row of a prefill chunk re-loads and re-transposes each 16-key group in scores_dpbf16 and re-interleaves each
 // value pair in weighted_sum_bf16_dp. Where a sequence has kPrepassRows rows or more in the call, its KV heads' key
@@ -861,6 +965,10 @@ void transpose_key_group(const c10::BFloat16* kc, const int32_t* table, int bs_s
   }
 }
 
+// Rows per block of the prepared passes: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
+constexpr int pre_block_rows(int G) { return 12 / G; }
+
+#if defined(__AVX512BF16__)
 // scores_dpbf16 on the transposed groups `kt` (group 0 = keys 0..15): the groups that hold keys [first, first +
 // num_keys), each lane's chain as there, only the row's own keys stored.
 template <int G, int DH>
@@ -1017,8 +1125,6 @@ void weighted_sum_pre_rows(const float* const* scores, const int64_t* num_keys, 
   }
 }
 
-// Rows per block of weighted_sum_pre_rows: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
-constexpr int pre_block_rows(int G) { return 12 / G; }
 
 // Pass 1 of a decode (or verify, or short chunk) row of a sequence in a shared-prefix group: its first `shared` keys
 // from the group's prepared groups, the rest from the cache (scores_dpbf16_from): the bits of the row from the cache
@@ -1159,6 +1265,120 @@ void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum, PreScoresRowsFn& qk_row
   }
 }
 
+#else
+// AVX-512 without BF16: the prepass transposes keys only (pass 3 takes one FMA per key from the cache: no transpose
+// to save there), and the prepared groups go through fma16_slice, the ops of the pass from the cache: the same bits.
+
+// scores_fma16 on the transposed groups `kt` (group 0 = keys 0..15) for R rows that start at the same key: each
+// prepared group widened once for the R rows (2 x G x R accumulators); groups past a row's last key computed, not
+// stored.
+template <int G, int DH, int R>
+void scores_fma16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int64_t first, const int64_t* num_keys,
+                           const __m512i* kt, float* const* scores) {
+  constexpr int D = 32 * DH;
+  float qf[R][G][D];
+  int64_t end = first;
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) qf[r][g][d] = to_float(q_rows[r][g * D + d]);
+    end = std::max(end, first + num_keys[r]);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
+    __m512 even[R][G], odd[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h) fma16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qf, even, odd);
+    const int64_t base = 16 * grp, lo = std::max(first, base);
+    for (int r = 0; r < R; ++r) {
+      const int64_t hi = std::min(first + num_keys[r], base + 16);
+      if (hi <= lo) continue;  // past this row's last key
+      const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
+      for (int g = 0; g < G; ++g) {
+        const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale);
+        float* dst = scores[r] + g * num_keys[r] + (lo - first);
+        if (mask == 0xFFFF) {
+          _mm512_storeu_ps(dst, v);
+        } else {
+          _mm512_mask_compressstoreu_ps(dst, mask, v);
+        }
+      }
+    }
+  }
+}
+
+template <int G, int DH>
+void scores_fma16_pre(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const __m512i* kt,
+                      float* scores) {
+  const c10::BFloat16* q_rows[1] = {q_heads};
+  float* score_rows[1] = {scores};
+  scores_fma16_pre_rows<G, DH, 1>(q_rows, scale, first, &num_keys, kt, score_rows);
+}
+
+template <int G, int DH>
+void scores_fma16_shared(const c10::BFloat16* q_heads, float scale, int64_t num_keys, const c10::BFloat16* kc,
+                         const c10::BFloat16* vc, const int32_t* table, int64_t BS, int64_t kv_block, int64_t kv_tok,
+                         int64_t kv_offset, const __m512i* kt, int64_t shared, float* scores) {
+  scores_fma16_from<G, DH>(q_heads, scale, 0, num_keys, kc, vc, table, BS, kv_block, kv_tok, kv_offset, kt, shared, 0,
+                           scores);
+}
+
+// R rows of one shared-prefix group (first key 0): the prefix's groups for the R rows at once, then each row's own
+// keys from the cache.
+template <int G, int DH, int R>
+void scores_fma16_shared_rows(const c10::BFloat16* const* q_rows, float scale, const int64_t* num_keys,
+                              const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* const* tables,
+                              int64_t BS, int64_t kv_block, int64_t kv_tok, int64_t kv_offset, const __m512i* kt,
+                              int64_t shared, float* const* scores) {
+  constexpr int D = 32 * DH;
+  float qf[R][G][D];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) qf[r][g][d] = to_float(q_rows[r][g * D + d]);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t grp = 0; 16 * grp < shared; ++grp) {
+    __m512 even[R][G], odd[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+    for (int h = 0; h < DH; ++h) fma16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qf, even, odd);
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g)
+        _mm512_storeu_ps(scores[r] + g * num_keys[r] + 16 * grp,
+                         _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale));
+  }
+  for (int r = 0; r < R; ++r)
+    scores_fma16_from<G, DH>(q_rows[r], scale, 0, num_keys[r], kc, vc, tables[r], BS, kv_block, kv_tok, kv_offset,
+                             nullptr, 0, shared, scores[r]);
+}
+
+template <int DH>
+void pick_shared(int64_t G, SharedScoresFn& qk, SharedScoresRowsFn& qk_rows, SharedSumRowsFn& sum_rows) {
+  sum_rows = nullptr;  // pass 3 from the cache, row by row
+  switch (G) {
+    case 1: qk = scores_fma16_shared<1, DH>, qk_rows = scores_fma16_shared_rows<1, DH, pre_block_rows(1)>; break;
+    case 2: qk = scores_fma16_shared<2, DH>, qk_rows = scores_fma16_shared_rows<2, DH, pre_block_rows(2)>; break;
+    case 3: qk = scores_fma16_shared<3, DH>, qk_rows = scores_fma16_shared_rows<3, DH, pre_block_rows(3)>; break;
+    case 4: qk = scores_fma16_shared<4, DH>, qk_rows = scores_fma16_shared_rows<4, DH, pre_block_rows(4)>; break;
+    default: qk = nullptr, qk_rows = nullptr;
+  }
+}
+
+template <int DH>
+void pick_pre(int64_t G, PreScoresFn& qk, PreSumFn& sum, PreScoresRowsFn& qk_rows, PreSumRowsFn& sum_rows,
+              int64_t& block_rows) {
+  sum = nullptr;  // pass 3 from the cache, row by row
+  sum_rows = nullptr;
+  block_rows = pre_block_rows(static_cast<int>(G));
+  switch (G) {
+    case 1: qk = scores_fma16_pre<1, DH>, qk_rows = scores_fma16_pre_rows<1, DH, pre_block_rows(1)>; break;
+    case 2: qk = scores_fma16_pre<2, DH>, qk_rows = scores_fma16_pre_rows<2, DH, pre_block_rows(2)>; break;
+    case 3: qk = scores_fma16_pre<3, DH>, qk_rows = scores_fma16_pre_rows<3, DH, pre_block_rows(3)>; break;
+    case 4: qk = scores_fma16_pre<4, DH>, qk_rows = scores_fma16_pre_rows<4, DH, pre_block_rows(4)>; break;
+    default: qk = nullptr, qk_rows = nullptr, block_rows = 1;
+  }
+}
+#endif
+
 // One call's prepared sequences: where sequence s's KV head h starts in `kt` and `vp` (-1: not prepared).
 struct Prepass {
   PreScoresFn qk = nullptr;
@@ -1239,15 +1459,21 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
     int64_t keys, kvh, kt_at, vp_at;  // vp_at -1: keys only (a shared prefix)
   };
   std::vector<Item> items;
+#if defined(__AVX512BF16__)
+  constexpr bool values = true;  // pass 3's pairs too (weighted_sum_pre); without BF16 it reads the cache
+#else
+  constexpr bool values = false;
+#endif
   for (int64_t s = 0; s < num_seqs && T >= kPrepassRows; ++s) {
     if (rows[s] < kPrepassRows) continue;
-    const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH, vp_add = KVH * ((pre.keys[s] + 1) / 2) * D;
+    const int64_t kt_add = KVH * ((pre.keys[s] + 15) / 16) * 16 * DH;
+    const int64_t vp_add = values ? KVH * ((pre.keys[s] + 1) / 2) * D : 0;
     if (bytes(kt_size + kt_add, vp_size + vp_add) > cap) continue;  // past the cap: its rows take the per-row passes
     pre.kt_at[s] = kt_size;
-    pre.vp_at[s] = vp_size;
+    pre.vp_at[s] = values ? vp_size : -1;
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
       items.push_back({bt + s * max_blocks, pre.keys[s], kvh, kt_size + kvh * ((pre.keys[s] + 15) / 16) * 16 * DH,
-                       vp_size + kvh * ((pre.keys[s] + 1) / 2) * D});
+                       values ? vp_size + kvh * ((pre.keys[s] + 1) / 2) * D : -1});
     kt_size += kt_add;
     vp_size += vp_add;
   }
@@ -1324,6 +1550,7 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           transpose_key_group<8>(kc, it.table, bs_shift, kv_block, kv_tok, kvh * D, keys, grp, kt + grp * 16 * DH);
         }
       }
+#if defined(__AVX512BF16__)
       if (it.vp_at < 0) continue;
       uint32_t* vp = pre.vp.data() + it.vp_at;
       const int NC = static_cast<int>(D / 32);
@@ -1339,83 +1566,11 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
           _mm512_storeu_si512(vp + (pair * NC + c) * 32 + 16, hi);
         }
       }
+#endif
     }
   });
 }
 #define CONVEYOR_ROW_PREPASS 1
-#else
-// AVX-512 without BF16 (Skylake-SP to Ice Lake servers, and VMs that hide AVX512_BF16): the same
-// transposed 16-key layout, each (d, d+1) pair widened to fp32 (a shift for d, a mask for d + 1)
-// and multiplied by q's fp32 pair in two FMAs. Every score is one fixed chain of those products
-// in d order (even and odd pairs in two accumulators, added at the end, then scaled), wherever
-// the key sits in its group of 16. Replaced one horizontal reduce per key and head (scores_bf16)
-// and adds the K/V prefetch that pass lacked: 1.3-1.8x per layer on decode at 2k keys (results.md).
-template <int G, int DH>
-void scores_fma16(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys,
-                  const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, int64_t BS,
-                  int64_t kv_block, int64_t kv_tok, int64_t kv_offset, float* scores) {
-  constexpr int D = 32 * DH;
-  const int bs_shift = __builtin_ctzll(BS);
-  float qf[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) qf[g][d] = to_float(q_heads[g * D + d]);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, num_keys - j0);
-    __m512 even[G], odd[G];
-    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
-    for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // as scores_dpbf16
-      prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
-      if (key + 16 < first + num_keys)
-        prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
-    }
-    for (int h = 0; h < DH; ++h) {
-      __m512i rows[16];
-      for (int i = 0; i < 16; ++i) {
-        if (i >= n) {
-          rows[i] = _mm512_setzero_si512();
-          continue;
-        }
-        const c10::BFloat16* k = kc + cache_row(table, first + j0 + i, bs_shift, kv_block, kv_tok, kv_offset);
-        rows[i] = _mm512_loadu_si512(k + 32 * h);
-      }
-      transpose16x16_epi32(rows);
-      for (int c = 0; c < 16; ++c) {
-        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(rows[c], 16));  // element 32h + 2c
-        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(rows[c], high));  // element 32h + 2c + 1
-        const int d = 32 * h + 2 * c;
-        for (int g = 0; g < G; ++g) {
-          __m512& acc = (c & 1) ? odd[g] : even[g];
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][d]), lo, acc);
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][d + 1]), hi, acc);
-        }
-      }
-    }
-    const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-    for (int g = 0; g < G; ++g)
-      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
-  }
-}
-
-template <int DH>
-ScoresBf16Fn pick_fma16(int64_t G) {
-  switch (G) {
-    case 1: return scores_fma16<1, DH>;
-    case 2: return scores_fma16<2, DH>;
-    case 3: return scores_fma16<3, DH>;
-    case 4: return scores_fma16<4, DH>;
-    default: return nullptr;
-  }
-}
-
-inline ScoresBf16Fn wide_scores_fn(int64_t G, int64_t D) {
-  if (D == 64) return pick_fma16<2>(G);
-  if (D == 128) return pick_fma16<4>(G);
-  if (D == 256) return pick_fma16<8>(G);  // Gemma 3, Qwen3.5's attention layers
-  return nullptr;
-}
-#endif
 #endif
 
 // A task's G heads out: each head's weighted value sum over its softmax denominator, in the output dtype.
@@ -1548,7 +1703,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   for (int64_t t = 0; t < T;) {
     int64_t n = 1;
 #if defined(CONVEYOR_ROW_PREPASS)
-    if (pre.has(seq[t]) && pre.sum_rows != nullptr) {
+    if (pre.has(seq[t]) && pre.qk_rows != nullptr) {
       const int64_t first = first_key(static_cast<int64_t>(pos[t]) + 1, window);
       while (n < pre.block_rows && t + n < T && seq[t + n] == seq[t] &&
              first_key(static_cast<int64_t>(pos[t + n]) + 1, window) == first)
@@ -1621,13 +1776,16 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
         }
         for (int64_t r = 0; r < R; ++r)
           softmax_scores(score_rows[r], G, key_counts[r], softcap, block_denom[r].data(), sinks ? sinks + vkv * G : nullptr);
-        if (block_shared[b]) {
+        if (block_shared[b] && pre.sum_shared_rows != nullptr) {
           pre.sum_shared_rows(const_cast<const float* const*>(score_rows), key_counts,
                               reinterpret_cast<const c10::BFloat16*>(vc), tables, BS, kv_block, kv_tok, kvh * D,
                               pre.shared_keys(seq[t0]), acc_rows);
-        } else {
+        } else if (!block_shared[b] && pre.sum_rows != nullptr) {
           pre.sum_rows(const_cast<const float* const*>(score_rows), key_counts, first, pre.values_of(seq[t0], kvh, D),
                        acc_rows);
+        } else {  // pass 3 from the cache, row by row (AVX-512 without BF16)
+          for (int64_t r = 0; r < R; ++r)
+            fast_sum(score_rows[r], first, key_counts[r], vc, tables[r], BS, kv_block, kv_tok, kvh * D, acc_rows[r]);
         }
         for (int64_t r = 0; r < R; ++r)
           store_heads(block_acc[r].data(), block_denom[r].data(), G, D, o + brows[r] * q_row + vkv * G * D);
@@ -1648,9 +1806,11 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       const bool prepared = pre.has(seq[t]);  // this row's sequence's keys and values prepared (prepare_rows)
       // Its sequence's first keys prepared as a shared prefix (prepare_rows' groups; their rows start at key 0).
       const int64_t shared = !prepared && first == 0 ? pre.shared_keys(seq[t]) : 0;
+      const bool prepared_values = prepared && pre.sum != nullptr;  // (AVX-512 without BF16 prepares keys only)
 #else
       constexpr bool prepared = false;
       constexpr int64_t shared = 0;
+      constexpr bool prepared_values = false;
 #endif
       // Pass 1: scores, in key order.
 #if defined(CONVEYOR_ROW_PREPASS)
@@ -1681,7 +1841,7 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
       }
       softmax_scores(scores.data(), G, num_keys, softcap, denom.data(), sinks ? sinks + vkv * G : nullptr);  // pass 2
       // Pass 3: weighted sum of values, in key order.
-      if (prepared) {
+      if (prepared_values) {
 #if defined(CONVEYOR_ROW_PREPASS)
         pre.sum(scores.data(), first, num_keys, pre.values_of(seq[t], kvh, D), acc.data());
 #endif
