@@ -231,6 +231,33 @@ def test_rows_on_shared_prefix_blocks_match_each_row_alone(heads, kv_heads, head
         start += r
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_shared_prefix_rows_at_other_block_sizes(block_size):
+    """Blocks of 8 and 32 tokens: a prefix shared over whole blocks (and one shared over fewer keys, which shortens the
+    group's prefix), decode and verify rows and a key_end row: each row as it is alone."""
+    gen = torch.Generator().manual_seed(block_size)
+    lens, rows = [300, 280, 310, 150], [1, 1, 2, 1]
+    per_seq = -(-max(lens) // block_size)
+    kc = torch.randn(4 * per_seq, block_size, 2, 64, generator=gen).bfloat16()
+    vc = torch.randn(4 * per_seq, block_size, 2, 64, generator=gen).bfloat16()
+    tables = torch.tensor([[s * per_seq + i for i in range(per_seq)] for s in range(4)], dtype=torch.int32)
+    tables[1:3, :256 // block_size] = tables[0, :256 // block_size]
+    tables[3, :96 // block_size] = tables[0, :96 // block_size]
+    seq = torch.tensor([0, 1, 2, 2, 3], dtype=torch.int32)
+    pos = torch.tensor([299, 279, 308, 309, 149], dtype=torch.int32)
+    ends = pos + 1
+    ends[3] = 310  # a bidirectional run's row (Gemma 3's images) sees one key past its own
+    query = torch.randn(5, 8, 64, generator=gen).bfloat16()
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables, seq, pos, lens, rows, key_end=ends)
+    got = paged_attention(query, kc, vc, meta, scale=0.125)
+    torch.testing.assert_close(got, reference_paged_attention(query, kc, vc, meta, scale=0.125), atol=2e-2, rtol=2e-2)
+    for t in range(5):
+        s = int(seq[t])
+        alone = AttentionMetadata(torch.zeros(0, dtype=torch.long), tables[s:s + 1], torch.zeros(1, dtype=torch.int32),
+                                  pos[t:t + 1], [int(ends[t])], [1], key_end=ends[t:t + 1])
+        assert torch.equal(paged_attention(query[t:t + 1], kc, vc, alone, scale=0.125), got[t:t + 1]), t
+
+
 def test_a_call_after_shared_prefix_rows_reads_nothing_of_theirs():
     """A call that prepares a shared prefix, then calls on the same blocks that prepare nothing (8 query heads per KV
     head, sub-groups; a sliding window): each row as it is alone, and as the reference."""

@@ -1675,6 +1675,9 @@ void attend_rows(const torch::Tensor& query, const torch::Tensor& key_cache, con
   Prepass& pre = caller_prepass();
   pre.qk = nullptr;  // (nothing prepared unless prepare_rows runs below)
   pre.qk_shared = nullptr;
+  pre.qk_shared_rows = nullptr;
+  pre.sum_shared_rows = nullptr;
+  pre.group_keys.clear();
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (dp_qk != nullptr && fast_sum != nullptr && NSUB == 1) {
       std::vector<int64_t> visible(T);
