@@ -258,6 +258,38 @@ def test_shared_prefix_rows_at_other_block_sizes(block_size):
         assert torch.equal(paged_attention(query[t:t + 1], kc, vc, alone, scale=0.125), got[t:t + 1]), t
 
 
+def _two_families(path: str) -> None:
+    """In a fresh subprocess: six decode rows of 200 keys, two families of three whose tables share 10 blocks within the
+    family but only the first block across (one chat template's first tokens); saves the outputs, each row alone, and
+    this thread's prepass scratch (bytes, cap)."""
+    query, kc, vc, meta = _random_batch([200] * 6, [1] * 6, torch.bfloat16, seed=13, heads=4, kv_heads=2, head_dim=64,
+                                        num_blocks=96)
+    meta.block_tables[1:6, :1] = meta.block_tables[0, :1]
+    meta.block_tables[1:3, 1:10] = meta.block_tables[0, 1:10]
+    meta.block_tables[4:6, 1:10] = meta.block_tables[3, 1:10]
+    got = paged_attention(query, kc, vc, meta, scale=0.125)
+    scratch = backend.attention.row_prepass_bytes()
+    alone = [paged_attention(query[i:i + 1], kc, vc, _rows_meta(meta, i, [199]), scale=0.125) for i in range(6)]
+    torch.save({"got": got, "alone": torch.cat(alone), "scratch": scratch, "isa": backend.attention.isa()}, path)
+
+
+def test_prompts_that_begin_alike_form_a_group_each(tmp_path):
+    """Two families of requests whose prompts share only their first block across families: each family's prefix is
+    prepared (2 groups x 2 KV heads x 160 keys x 128 B of transposed keys where the prepass runs), and every row is as
+    it is alone."""
+    path = tmp_path / "families.pt"
+    env = {**os.environ, "CONVEYOR_PAGED_AMX": "0"}
+    env.pop("CONVEYOR_ROW_PREPASS_BYTES", None)
+    code = f"import tests.kernels.test_attention as t; t._two_families({str(path)!r})"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = torch.load(path)
+    assert torch.equal(saved["got"], saved["alone"])
+    scratch, cap = saved["scratch"]
+    if cap:  # the AVX-512 levels' row path (the others have no prepass)
+        assert scratch == 2 * 2 * 160 * 2 * 64, saved["isa"]
+
+
 def test_a_call_after_shared_prefix_rows_reads_nothing_of_theirs():
     """A call that prepares a shared prefix, then calls on the same blocks that prepare nothing (8 query heads per KV
     head, sub-groups; a sliding window): each row as it is alone, and as the reference."""

@@ -1478,28 +1478,39 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
     vp_size += vp_add;
   }
   if (from_zero) {
-    // Candidates in order of their first block: a run with the same first block is one group, its prefix the blocks
-    // every member's table holds alike, cut to the whole 16-key groups below each member's fewest visible keys.
+    // Candidates in the order of their tables (whole blocks every row of each sees), so that sequences sharing a long
+    // prefix sit together even where other prompts begin with the same blocks (one chat template's first tokens);
+    // then greedy groups: a candidate joins while its table holds at least kSharedMinKeys keys' blocks alike with the
+    // group's first, and the group's prefix is the blocks every member holds alike, in whole 16-key groups.
     std::vector<int64_t> cand;
     for (int64_t s = 0; s < num_seqs; ++s)
       if (rows[s] > 0 && pre.kt_at[s] < 0 && least[s] >= kSharedMinKeys) cand.push_back(s);
-    std::stable_sort(cand.begin(), cand.end(),
-                     [&](int64_t x, int64_t y) { return bt[x * max_blocks] < bt[y * max_blocks]; });
+    const auto seen = [&](int64_t s) { return std::min<int64_t>(least[s] >> bs_shift, max_blocks); };
+    const auto common_blocks = [&](int64_t x, int64_t y, int64_t limit) {
+      const int32_t* tx = bt + x * max_blocks;
+      const int32_t* ty = bt + y * max_blocks;
+      int64_t same = 0;
+      while (same < limit && tx[same] == ty[same]) ++same;
+      return same;
+    };
+    std::stable_sort(cand.begin(), cand.end(), [&](int64_t x, int64_t y) {
+      const int64_t n = std::min(seen(x), seen(y)), same = common_blocks(x, y, n);
+      if (same < n) return bt[x * max_blocks + same] < bt[y * max_blocks + same];
+      return seen(x) < seen(y);
+    });
     const int64_t BS = int64_t{1} << bs_shift;
+    const auto whole_keys = [&](int64_t blocks) { return (blocks * BS) / 16 * 16; };
     for (size_t i = 0; i < cand.size();) {
+      int64_t blocks = seen(cand[i]);
       size_t j = i + 1;
-      while (j < cand.size() && bt[cand[j] * max_blocks] == bt[cand[i] * max_blocks]) ++j;
+      for (; j < cand.size(); ++j) {
+        const int64_t same = common_blocks(cand[i], cand[j], std::min(blocks, seen(cand[j])));
+        if (whole_keys(same) < kSharedMinKeys) break;
+        blocks = same;
+      }
       if (j - i >= 2) {
         const int32_t* lead = bt + cand[i] * max_blocks;
-        int64_t blocks = max_blocks;
-        for (size_t m = i; m < j; ++m) {
-          const int32_t* table = bt + cand[m] * max_blocks;
-          int64_t same = 0;
-          const int64_t seen = least[cand[m]] >> bs_shift;  // blocks every row of this member sees whole
-          while (same < std::min(blocks, seen) && table[same] == lead[same]) ++same;
-          blocks = same;
-        }
-        int64_t keys = (blocks * BS) / 16 * 16;
+        int64_t keys = whole_keys(blocks);
         const int64_t per_key = bytes(KVH * DH, 0);  // a key's share of kt (16-key groups)
         keys = std::min(keys, std::max<int64_t>(0, cap - bytes(kt_size, vp_size)) / per_key / 16 * 16);
         if (keys >= kSharedMinKeys) {
