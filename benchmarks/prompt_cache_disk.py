@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import tempfile
 import time
 
 import httpx
+
+from server_process import free_port, sse_events  # a sibling script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the agent reads the tool output, checks the schema, writes a plan and calls the next tool with "
@@ -43,14 +44,9 @@ def system_prompt(tokenizer, num_tokens: int) -> str:
     return text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_server(args: argparse.Namespace, cache_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--prompt-cache-dir", cache_dir, "--speculative-ngram", "0", "--ctx-size", str(args.ctx_size),
            "--kv-unified", "--parallel", str(args.parallel)]
@@ -94,10 +90,7 @@ async def one_request(client: httpx.AsyncClient, url: str, system: str, question
     ttft, text, cached = None, "", None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_events(r):
             for choice in chunk.get("choices", []):
                 piece = choice.get("delta", {}).get("content") or ""
                 if piece and ttft is None:

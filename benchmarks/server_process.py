@@ -3,9 +3,11 @@ with SIGTERM (then SIGKILL after a minute). conveyor and llama-server alike; eac
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of a streamed OpenAI-style response (`data: {...}` lines; `[DONE]` ends it)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0, name: str = "server") -> None:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,16 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from server_process import ServerProcess, free_port  # a sibling script
+from quantized import machine  # sibling scripts
+from server_process import ServerProcess, free_port, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def prompt_ids(file: str, tokens: int, concurrency: int) -> list[list[int]]:
@@ -53,10 +46,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, ids: list[int], max_to
     times = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        async for event in sse_events(response):
             if event.get("choices"):
                 times.append(time.perf_counter() - t0)
     return {"first": times[0], "last": times[-1], "events": times}
@@ -111,14 +101,14 @@ def main() -> None:
         with ServerProcess(make(port), port, log=Path(f"/tmp/shared_prompt_{name}.log"), timeout=900, name=name):
             results[name] = asyncio.run(run_batch(f"http://127.0.0.1:{port}", prompts, args.max_tokens))
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    print(f"{cpu_name()}, {args.threads} threads; {args.concurrency} requests on one {args.prompt_tokens}-token prompt "
+    print(f"{machine()}; {args.threads} threads; {args.concurrency} requests on one {args.prompt_tokens}-token prompt "
           f"(each its own last 8 tokens), {args.max_tokens} tokens each, greedy")
     print("| server | batch wall s | median TTFT s | decode tok/s, all streams running |\n|---|---|---|---|")
     for name, r in results.items():
         rate = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "-"
         print(f"| {name} | {r['wall_s']:.2f} | {r['ttft_median_s']:.2f} | {rate} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"file": args.file, "cpu": cpu_name(), "args": vars(args),
+        Path(args.json).write_text(json.dumps({"file": args.file, "cpu": machine(), "args": vars(args),
                                                "results": results}, indent=1) + "\n")
 
 
