@@ -715,6 +715,21 @@ inline void softmax_scores(float* scores, int64_t G, int64_t num_keys, double so
 using conveyor_vec::transpose16x16_epi32;
 
 #if defined(__AVX512BF16__)
+// One h-slice (16 transposed pair vectors: pairs 16h .. 16h + 15 of 16 keys) into R rows' G heads' chains: even pairs
+// c into even[], odd ones into odd[], one vdpbf16ps each against q's pair. The same ops wherever the vectors come from
+// (transposed here from the cache, or prepared once: transpose_key_group).
+template <int G, int DH, int R>
+__attribute__((always_inline)) inline void dpbf16_slice(const __m512i* rows, int h, const int32_t (&qpair)[R][G][16 * DH],
+                                                        __m512 (&even)[R][G], __m512 (&odd)[R][G]) {
+  for (int c = 0; c < 16; c += 2)
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) {
+        even[r][g] = _mm512_dpbf16_ps(even[r][g], (__m512bh)rows[c], (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c]));
+        odd[r][g] = _mm512_dpbf16_ps(odd[r][g], (__m512bh)rows[c + 1],
+                                     (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c + 1]));
+      }
+}
+
 // kt, shared (scores_dpbf16_shared; first = 0): the row's first `shared` keys (a multiple of 16) as prepared groups,
 // transpose_key_group's vectors, read instead of loaded and transposed: the same vectors into the same chains. skip: a
 // multiple of 16 keys from `first` whose scores the caller computed (scores_dpbf16_shared_rows).
@@ -725,25 +740,17 @@ __attribute__((always_inline)) inline void scores_dpbf16_from(
     const __m512i* kt, int64_t shared, int64_t skip, float* scores) {
   constexpr int D = 32 * DH;
   const int bs_shift = __builtin_ctzll(BS);
-  int32_t qpair[G][16 * DH];
+  int32_t qpair[1][G][16 * DH];
   std::memcpy(qpair, q_heads, sizeof(qpair));  // G heads x D bf16 = G x (D / 2) pairs
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = skip; j0 < num_keys; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, num_keys - j0);
-    __m512 even[G], odd[G];
-    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+    __m512 even[1][G], odd[1][G];
+    for (int g = 0; g < G; ++g) even[0][g] = odd[0][g] = _mm512_setzero_ps();
     if (j0 < shared) {
-      const __m512i* rows = kt + (j0 / 16) * 16 * DH;
-      for (int h = 0; h < DH; ++h)
-        for (int c = 0; c < 16; c += 2)
-          for (int g = 0; g < G; ++g) {
-            even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[16 * h + c],
-                                       (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
-            odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[16 * h + c + 1],
-                                      (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
-          }
+      for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, 1>(kt + (j0 / 16) * 16 * DH + 16 * h, h, qpair, even, odd);
       for (int g = 0; g < G; ++g)
-        _mm512_storeu_ps(scores + g * num_keys + j0, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
+        _mm512_storeu_ps(scores + g * num_keys + j0, _mm512_mul_ps(_mm512_add_ps(even[0][g], odd[0][g]), vscale));
       continue;
     }
     // The next group's keys for this pass, and this group's values for pass 3.
@@ -767,16 +774,12 @@ __attribute__((always_inline)) inline void scores_dpbf16_from(
         rows[i] = _mm512_loadu_si512(k + 32 * h);
       }
       transpose16x16_epi32(rows);
-      for (int c = 0; c < 16; c += 2)
-        for (int g = 0; g < G; ++g) {
-          even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[c], (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
-          odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[c + 1],
-                                    (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
-        }
+      dpbf16_slice<G, DH, 1>(rows, h, qpair, even, odd);
     }
     const __mmask16 mask = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
     for (int g = 0; g < G; ++g)
-      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask, _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale));
+      _mm512_mask_storeu_ps(scores + g * num_keys + j0, mask,
+                            _mm512_mul_ps(_mm512_add_ps(even[0][g], odd[0][g]), vscale));
   }
 }
 
@@ -969,39 +972,6 @@ void transpose_key_group(const c10::BFloat16* kc, const int32_t* table, int bs_s
 constexpr int pre_block_rows(int G) { return 12 / G; }
 
 #if defined(__AVX512BF16__)
-// scores_dpbf16 on the transposed groups `kt` (group 0 = keys 0..15): the groups that hold keys [first, first +
-// num_keys), each lane's chain as there, only the row's own keys stored.
-template <int G, int DH>
-void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const __m512i* kt,
-                       float* scores) {
-  int32_t qpair[G][16 * DH];
-  std::memcpy(qpair, q_heads, sizeof(qpair));
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const int64_t end = first + num_keys;
-  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
-    const __m512i* rows = kt + grp * 16 * DH;
-    __m512 even[G], odd[G];
-    for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
-    for (int h = 0; h < DH; ++h)
-      for (int c = 0; c < 16; c += 2)
-        for (int g = 0; g < G; ++g) {
-          even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)rows[16 * h + c], (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c]));
-          odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)rows[16 * h + c + 1],
-                                    (__m512bh)_mm512_set1_epi32(qpair[g][16 * h + c + 1]));
-        }
-    const int64_t base = 16 * grp, lo = std::max(first, base), hi = std::min(end, base + 16);
-    const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
-    for (int g = 0; g < G; ++g) {
-      const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[g], odd[g]), vscale);
-      float* dst = scores + g * num_keys + (lo - first);  // the group's first stored key
-      if (mask == 0xFFFF) {
-        _mm512_storeu_ps(dst, v);
-      } else {
-        _mm512_mask_compressstoreu_ps(dst, mask, v);
-      }
-    }
-  }
-}
 
 // weighted_sum_bf16_dp on the prepared pairs `vp` (pair 0 = keys 0 and 1; per pair D / 32 chunks of lo, hi vectors).
 // keep: the pair's elements a row takes (even: key a, odd: key b), all but at the row's edges.
@@ -1047,15 +1017,7 @@ void scores_dpbf16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int
     __m512 even[R][G], odd[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-    for (int h = 0; h < DH; ++h)
-      for (int c = 0; c < 16; c += 2)
-        for (int r = 0; r < R; ++r)
-          for (int g = 0; g < G; ++g) {
-            even[r][g] = _mm512_dpbf16_ps(even[r][g], (__m512bh)rows[16 * h + c],
-                                          (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c]));
-            odd[r][g] = _mm512_dpbf16_ps(odd[r][g], (__m512bh)rows[16 * h + c + 1],
-                                         (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c + 1]));
-          }
+    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(rows + 16 * h, h, qpair, even, odd);
     const int64_t base = 16 * grp, lo = std::max(first, base);
     for (int r = 0; r < R; ++r) {
       const int64_t hi = std::min(first + num_keys[r], base + 16);
@@ -1072,6 +1034,16 @@ void scores_dpbf16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int
       }
     }
   }
+}
+
+// scores_dpbf16 on the transposed groups `kt` (group 0 = keys 0..15): the groups that hold keys [first, first +
+// num_keys), each lane's chain as there, only the row's own keys stored (one row of scores_dpbf16_pre_rows).
+template <int G, int DH>
+void scores_dpbf16_pre(const c10::BFloat16* q_heads, float scale, int64_t first, int64_t num_keys, const __m512i* kt,
+                       float* scores) {
+  const c10::BFloat16* q_rows[1] = {q_heads};
+  float* score_rows[1] = {scores};
+  scores_dpbf16_pre_rows<G, DH, 1>(q_rows, scale, first, &num_keys, kt, score_rows);
 }
 
 // weighted_sum_pre for R rows of one sequence that start at the same key: each pair's V vectors loaded once for the R
@@ -1153,15 +1125,7 @@ void scores_dpbf16_shared_rows(const c10::BFloat16* const* q_rows, float scale, 
     __m512 even[R][G], odd[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-    for (int h = 0; h < DH; ++h)
-      for (int c = 0; c < 16; c += 2)
-        for (int r = 0; r < R; ++r)
-          for (int g = 0; g < G; ++g) {
-            even[r][g] = _mm512_dpbf16_ps(even[r][g], (__m512bh)rows[16 * h + c],
-                                          (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c]));
-            odd[r][g] = _mm512_dpbf16_ps(odd[r][g], (__m512bh)rows[16 * h + c + 1],
-                                         (__m512bh)_mm512_set1_epi32(qpair[r][g][16 * h + c + 1]));
-          }
+    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(rows + 16 * h, h, qpair, even, odd);
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g)
         _mm512_storeu_ps(scores[r] + g * num_keys[r] + 16 * grp,
