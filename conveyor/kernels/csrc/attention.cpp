@@ -1400,6 +1400,8 @@ void prepare_rows(Prepass& pre, const c10::BFloat16* kc, const c10::BFloat16* vc
   pre.qk = nullptr;
   pre.qk_shared = nullptr;
   if (G > 4 || (D != 64 && D != 128 && D != 256)) return;
+  // A decode call of one sequence (C = 1) or with a sliding window prepares nothing: no per-call bookkeeping either.
+  if (T < kPrepassRows && (!from_zero || num_seqs < 2)) return;
   std::vector<int64_t> rows(num_seqs, 0), least(num_seqs, std::numeric_limits<int64_t>::max());
   pre.keys.assign(num_seqs, 0);
   for (int64_t t = 0; t < T; ++t) {
