@@ -7,13 +7,19 @@ high batch the target step is compute-bound and the drafts stop being free). How
 depends on the same things: a longer draft pays only while its later tokens are still accepted
 often enough to cover their forwards. So the policy measures instead of guessing: for each
 batch-size bucket it first runs PROBE_TICKS classic ticks without drafts, then PROFILE_TICKS decode
-ticks at each candidate draft length (the block size K and the powers of two below it), compares
-tokens per second, and settles on the fastest length, or declines when no length beats classic
-steps by MIN_SPEEDUP. Profiling a losing length is what a cold policy costs, so a length whose
-first EARLY_TICKS run below EARLY_CUT of the classic rate is not profiled further (and a tick the policy will not
-measure, one with prompt rows in it, drafts nothing while its bucket profiles), and a bucket
-above a declined one declines without profiling (drafts only pay less as the batch grows: the
-verify forward turns compute-bound while acceptance per row stays the same). Verdicts persist as
+ticks at the candidate draft lengths (the block size K and the powers of two below it), shortest
+first, compares tokens per second, and settles on the fastest length, or declines when no length
+beats classic steps by MIN_SPEEDUP. Profiling a losing length is what a cold policy costs, so:
+- a length is tried only while the one below it beat everything shorter (classic steps included).
+  Going from k to the next length adds drafts that are accepted less often (a^(k+1) < a^k) for
+  forwards and verify rows that cost at least as much as the last ones (the verify forward's cost
+  grows at least linearly in rows once it is compute-bound), so when a length did not raise the
+  rate, no longer one will: at a batch where drafts lose, only the cheapest length (1) is profiled;
+- a length whose first EARLY_TICKS run below EARLY_CUT of the best rate so far is not profiled
+  further (and a tick the policy will not measure, one with prompt rows in it, drafts nothing
+  while its bucket profiles);
+- a bucket above a declined one declines without profiling (drafts only pay less as the batch
+  grows: the verify forward turns compute-bound while acceptance per row stays the same). Verdicts persist as
 JSON under <cache dir>/spec-policy/, keyed by target, draft, block size, backend and CPU, so a
 restart skips profiling (the seeds' mtp-policy).
 """
@@ -70,12 +76,12 @@ class Verdict:
 
 
 def draft_lengths(block_size: int) -> list[int]:
-    """The lengths profiled, longest first: K and the powers of two below it."""
+    """The lengths profiled, shortest first: the powers of two below K, and K."""
     lengths, k = [block_size], 1
     while k < block_size:
         lengths.append(k)
         k *= 2
-    return sorted(set(lengths), reverse=True)
+    return sorted(set(lengths))
 
 
 def bucket_of(batch_size: int) -> int:
@@ -134,18 +140,25 @@ class SpecPolicy:
         if not measured:
             return 0
         measure = self.measures.setdefault(bucket, BucketMeasure())
-        # Probe classic steps first (the baseline the early cut needs), then each length, longest first.
+        # Probe classic steps first (the baseline the early cut needs), then lengths, shortest first.
         length = 0
         if measure.classic.ticks >= PROBE_TICKS:
-            length = next((k for k in self.lengths if not self._profiled(measure, k)), 0)
+            length = self._next_length(measure) or 0
         self._handed[bucket] = length
         return length
 
-    def _profiled(self, measure: BucketMeasure, length: int) -> bool:
-        rate = measure.spec.get(length, RateMeasure())
-        if rate.ticks >= PROFILE_TICKS:
-            return True
-        return rate.ticks >= EARLY_TICKS and rate.rate() < EARLY_CUT * measure.classic.rate()
+    def _next_length(self, measure: BucketMeasure) -> int | None:
+        """The length to profile next, or None when profiling is over: every length is measured, or the last one
+        measured did not beat the best rate below it (then no longer length will; the module's docstring)."""
+        best = measure.classic.rate()
+        for k in self.lengths:
+            rate = measure.spec.get(k, RateMeasure())
+            if rate.ticks < PROFILE_TICKS and not (rate.ticks >= EARLY_TICKS and rate.rate() < EARLY_CUT * best):
+                return k  # still profiling this one
+            if rate.rate() <= best:
+                return None  # it lost to a shorter length (or to classic steps): stop here
+            best = rate.rate()
+        return None
 
     def _infer_decline(self, bucket: int) -> Verdict | None:
         """A decline at a smaller bucket holds here too; recorded (and persisted) as inferred."""
@@ -187,13 +200,13 @@ class SpecPolicy:
             m.spec.setdefault(length, RateMeasure()).add(num_tokens, seconds)
         else:
             m.classic.add(num_tokens, seconds)
-        if m.classic.ticks >= PROBE_TICKS and all(self._profiled(m, k) for k in self.lengths):
+        if m.classic.ticks >= PROBE_TICKS and self._next_length(m) is None:
             self._settle(bucket, m)
 
     def _settle(self, bucket: int, measure: BucketMeasure) -> None:
         classic_rate = measure.classic.rate()
-        rates = {k: measure.spec[k].rate() for k in self.lengths}  # every length has >= EARLY_TICKS ticks
-        best = max(self.lengths, key=lambda k: (rates[k], -k))  # ties: the shorter draft (fewer forwards)
+        rates = {k: measure.spec[k].rate() for k in self.lengths if k in measure.spec}  # the lengths profiled
+        best = max(rates, key=lambda k: (rates[k], -k))  # ties: the shorter draft (fewer forwards)
         speedup = rates[best] / max(classic_rate, 1e-9)
         enable = speedup >= MIN_SPEEDUP
         verdict = Verdict("enable" if enable else "decline", round(speedup, 3), round(rates[best], 1),

@@ -168,7 +168,7 @@ def test_the_adaptive_policy_covers_the_drafter(random_drafter, tmp_path):
     report = spec.engine.speculation_report()  # what /v1/internal/spec-policy serves
     assert report["draft_model"]["kind"] == "dflash"
     policy = report["policy"]
-    assert policy["mode"] == "adaptive" and policy["block_size"] == 3 and policy["lengths"] == [3, 2, 1]
+    assert policy["mode"] == "adaptive" and policy["block_size"] == 3 and policy["lengths"] == [1, 2, 3]
     assert policy["key"]["draft"].endswith(":dflash:" + drafter.rsplit("/", 1)[-1])
     _check_released(spec)
 

@@ -173,7 +173,7 @@ def test_a_tick_the_policy_will_not_measure_runs_classic_while_it_profiles(tmp_p
     policy = SpecPolicy("adaptive", {"target": "t", "draft": "d"}, str(tmp_path), block_size=2)
     for _ in range(PROBE_TICKS):
         policy.observe(4, False, 100, 1.0)
-    assert policy.draft_length(4) == 2  # profiling its longest length now
+    assert policy.draft_length(4) == 1  # profiling its shortest length now
     assert policy.draft_length(4, measured=False) == 0
     _settle(policy, 4, {2: 300.0, 1: 200.0, 0: 100.0})
     assert policy.verdicts[4].verdict == "enable"
@@ -181,24 +181,39 @@ def test_a_tick_the_policy_will_not_measure_runs_classic_while_it_profiles(tmp_p
 
 
 def test_adaptive_policy_picks_the_fastest_draft_length(tmp_path):
-    assert draft_lengths(4) == [4, 2, 1] and draft_lengths(6) == [6, 4, 2, 1] and draft_lengths(1) == [1]
+    assert draft_lengths(4) == [1, 2, 4] and draft_lengths(6) == [1, 2, 4, 6] and draft_lengths(1) == [1]
     key = {"target": "t", "draft": "d", "draft_block_size": "4"}
     policy = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
-    # Batch 1: length 2 is fastest (length 4's later drafts are mostly rejected). Batch 4: every length loses,
-    # length 4 clearly (below EARLY_CUT of the classic rate: cut after EARLY_TICKS), the others narrowly.
+    # Batch 1: length 2 is fastest (length 4's later drafts are mostly rejected: below EARLY_CUT of length 2's
+    # rate, so it is cut after EARLY_TICKS). Batch 4: length 1 narrowly loses to classic steps, so no longer
+    # length is tried (each would lose more).
     rates = {1: {4: 150.0, 2: 220.0, 1: 180.0, 0: 100.0}, 4: {4: 60.0, 2: 97.0, 1: 98.0, 0: 100.0}}
-    assert EARLY_CUT * 100.0 < 97.0
-    assert _settle(policy, 1, rates[1]) == [0] * PROBE_TICKS + [4] * PROFILE_TICKS + [2] * PROFILE_TICKS + \
-        [1] * PROFILE_TICKS
-    assert _settle(policy, 4, rates[4]) == [0] * PROBE_TICKS + [4] * EARLY_TICKS + [2] * PROFILE_TICKS + \
-        [1] * PROFILE_TICKS
+    assert EARLY_CUT * 100.0 < 98.0 and 150.0 < EARLY_CUT * 220.0
+    assert _settle(policy, 1, rates[1]) == [0] * PROBE_TICKS + [1] * PROFILE_TICKS + [2] * PROFILE_TICKS + \
+        [4] * EARLY_TICKS
+    assert _settle(policy, 4, rates[4]) == [0] * PROBE_TICKS + [1] * PROFILE_TICKS
     assert policy.draft_length(1) == 2 and policy.draft_length(3) == 0  # 3 falls in the batch-4 bucket
     report = policy.report()
     assert report["verdicts"]["1"]["length"] == 2 and report["verdicts"]["1"]["by_length"]["4"] == 150.0
-    assert report["verdicts"]["4"]["verdict"] == "decline" and report["lengths"] == [4, 2, 1]
+    assert report["verdicts"]["4"]["verdict"] == "decline" and report["lengths"] == [1, 2, 4]
+    assert report["verdicts"]["4"]["by_length"] == {"1": 98.0}
     restarted = SpecPolicy("adaptive", key, str(tmp_path), block_size=4)
     assert restarted.draft_length(1) == 2 and restarted.draft_length(4) == 0
     assert SpecPolicy("enable", key, str(tmp_path), block_size=4).draft_length(8) == 4
+
+
+def test_profiling_goes_on_while_a_longer_draft_raises_the_rate(tmp_path):
+    """Every length is profiled where each beats the shorter ones (the longest wins); a length that does not stops
+    the profile even when it still beats classic steps."""
+    policy = SpecPolicy("adaptive", {"target": "t", "draft": "d"}, str(tmp_path), block_size=4)
+    assert _settle(policy, 1, {1: 150.0, 2: 190.0, 4: 230.0, 0: 100.0}) == \
+        [0] * PROBE_TICKS + [1] * PROFILE_TICKS + [2] * PROFILE_TICKS + [4] * PROFILE_TICKS
+    assert policy.verdicts[1].length == 4
+    # Length 2 beats classic steps but not length 1 (within EARLY_CUT of it, so measured in full): 4 is skipped.
+    assert 140.0 > EARLY_CUT * 145.0
+    assert _settle(policy, 2, {1: 145.0, 2: 140.0, 4: 500.0, 0: 100.0}) == \
+        [0] * PROBE_TICKS + [1] * PROFILE_TICKS + [2] * PROFILE_TICKS
+    assert policy.verdicts[2].length == 1 and policy.verdicts[2].by_length == {"1": 145.0, "2": 140.0}
 
 
 def test_a_decline_holds_for_every_larger_batch_without_profiling(tmp_path):
