@@ -176,12 +176,18 @@ class SpecPolicy:
         return verdict
 
     def defers_recording(self, batch_size: int) -> bool:
-        """Whether an MTP / EAGLE3 head may keep this tick's rows waiting (runner/mtp_runner.py): drafting is declined
-        at this batch size, so they run through the head only if the request drafts later, at a smaller batch."""
+        """Whether an MTP / EAGLE3 head may keep this tick's rows waiting (runner/mtp_runner.py): nothing drafts at
+        this batch size yet, because drafting is declined here or because the bucket is still probing classic steps
+        (a cold C=16 run otherwise put every prompt row through the head before its bucket declined). They run through
+        the head only if the request drafts later (that tick is not timed)."""
         if self.mode != "adaptive":
             return self.mode == "decline"
-        verdict = self.verdicts.get(bucket_of(batch_size))
-        return verdict is not None and verdict.verdict == "decline"
+        bucket = bucket_of(batch_size)
+        verdict = self.verdicts.get(bucket) or self._infer_decline(bucket)
+        if verdict is not None:
+            return verdict.verdict == "decline"
+        measure = self.measures.get(bucket)
+        return measure is None or measure.classic.ticks < PROBE_TICKS
 
     def allows(self, batch_size: int) -> bool:
         return self.draft_length(batch_size) > 0

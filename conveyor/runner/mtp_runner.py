@@ -15,8 +15,9 @@ recomputed, on a hybrid's rollback), so accepted positions are rewritten from th
 rejected ones are overwritten later. Rows that do not draft are flushed through the head in batches of
 FLUSH_ROWS, so a long prompt never waits in memory and a later draft finds the head's K/V filled in.
 
-While the draft policy declines at the tick's batch size (`defer`, set by the engine each tick; never with prefix
-caching on, where a request's blocks, head K/V included, outlive it for later hits), rows wait instead, up to
+While nothing drafts at the tick's batch size (`defer`, set by the engine each tick: the draft policy declines
+there, or a cold bucket still probes classic steps; never with prefix caching on, where a request's blocks, head K/V
+included, outlive it for later hits), rows wait instead, up to
 DEFER_BYTES per request: a request that ends before it drafts never pays for its head rows (~3 % of a C=16 run of a
 Qwen3.5-shaped 0.8B whose policy declines there). A later draft runs them in its first head forward (the head's
 kernels are row-invariant: the same K/V and drafts as flushed ones), and that tick reports `paid_deferred`, so the

@@ -156,13 +156,17 @@ def test_adaptive_policy_measures_settles_and_persists(tmp_path):
     assert SpecPolicy("decline", key, str(tmp_path)).allows(1) is False
 
 
-def test_an_mtp_head_defers_its_rows_only_where_the_policy_declines(tmp_path):
+def test_an_mtp_head_defers_its_rows_only_where_nothing_drafts(tmp_path):
     key = {"target": "t", "draft": "d"}
     policy = SpecPolicy("adaptive", key, str(tmp_path))
-    assert not policy.defers_recording(8)  # no verdict yet: a draft may come in this bucket's profile
+    assert policy.defers_recording(8)  # no verdict yet, probing classic steps: no draft comes in them
+    for _ in range(PROBE_TICKS):
+        policy.observe(8, False, 100, 1.0)
+    assert policy.draft_length(8) == 1 and not policy.defers_recording(8)  # profiling: drafts read the head's K/V
     _settle(policy, 1, {1: 200.0, 0: 100.0})
     _settle(policy, 8, {1: 50.0, 0: 100.0})
     assert policy.defers_recording(8) and policy.defers_recording(5) and not policy.defers_recording(1)
+    assert policy.defers_recording(16) and policy.verdicts[16].inferred_from == 8  # above a decline
     assert SpecPolicy("decline", key, str(tmp_path)).defers_recording(1)
     assert not SpecPolicy("enable", key, str(tmp_path)).defers_recording(16)
 

@@ -141,6 +141,48 @@ def test_preemption_keeps_greedy_exact(random_head):
     _check_released(tight)
 
 
+def test_rows_kept_while_a_cold_policy_probes_give_the_same_drafts(random_head, tmp_path, monkeypatch):
+    """A cold adaptive policy keeps the head's rows waiting through its classic probe ticks (nothing drafts in them);
+    its first draft runs them all, and proposes what a head fed every tick proposes there."""
+    from conveyor.engine.spec_policy import SpecPolicy
+    from conveyor.runner import mtp_runner
+
+    checkpoint, _ = random_head
+    monkeypatch.setattr(mtp_runner, "FLUSH_ROWS", 4)  # fed every tick, the prompt's rows flush at once
+    flushes, flush, propose = [], mtp_runner.MTPRunner._flush, mtp_runner.MTPRunner.propose
+    monkeypatch.setattr(mtp_runner.MTPRunner, "_flush", lambda self, chunks: (flushes.append(len(chunks)),
+                                                                              flush(self, chunks)))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(checkpoint=checkpoint, parallel=1, speculative_ngram=0).generate(PROMPTS[:1], params)[0].token_ids
+
+    def run(name: str) -> dict[int, int]:
+        drafts: dict[int, int] = {}  # the decode row's position -> its first draft
+
+        def recording(self, chunks):
+            out = propose(self, chunks)
+            drafts.update({c.start_position: out[c.request_id].token_ids[0] for c in chunks
+                           if out[c.request_id].token_ids})
+            return out
+
+        monkeypatch.setattr(mtp_runner.MTPRunner, "propose", recording)
+        llm = LLM(checkpoint=checkpoint, parallel=1, draft_kind="mtp", draft_block_size=1,
+                  enable_prefix_caching=False, cache_dir=str(tmp_path / name))  # the adaptive policy, cold
+        assert llm.generate(PROMPTS[:1], params)[0].token_ids == plain
+        _check_released(llm)
+        return drafts
+
+    kept = run("kept")
+    assert not flushes and kept  # the rows waited through the probe; the profile's first draft ran them
+    monkeypatch.setattr(SpecPolicy, "defers_recording", lambda self, batch_size: False)
+    fed = run("fed")
+    assert flushes  # the prompt's rows went through the head before the first draft
+    # The probe is a count of ticks, so both draft first at the same position; the first two draft ticks match
+    # (after them the profiles may part: the first tick that ran kept rows is not timed).
+    first = sorted(set(kept) & set(fed))
+    assert min(kept) == min(fed) and len(first) >= 2
+    assert [kept[p] for p in first] == [fed[p] for p in first]
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_a_declining_policy_defers_the_heads_rows_without_prefix_caching(bigram, prefix_caching, monkeypatch):
     """--draft-policy decline: without prefix caching the head's rows wait (no flush: requests end before they would
