@@ -40,6 +40,7 @@ The full-coverage head (results.md, "a head distilled with full coverage"):
   ... bench --model DIR/qwen35-08b-mtp-head-forced-Q4_K_M.gguf --only conveyor --tokens 96 --k 3 [--draft-vocab ...]
   ... sweep --model DIR/qwen35-08b-mtp-head-forced-Q4_K_M.gguf --tokens 96 --k 3 --reps 5 \
       --draft-vocab DIR/draft-vocab-forced.txt --draft-vocab-type q4_0
+  ... cold  (the same arguments: C=16, a cold adaptive policy between two plain runs, --reps times)
 """
 
 from __future__ import annotations
@@ -603,7 +604,7 @@ def profile(path: Path, asked: list[list[int]], num_tokens: int, k: int, vocab: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=("build", "convert", "check", "collect", "collect-forced", "train", "export",
-                                     "vocab", "bench", "profile", "sweep"))
+                                     "vocab", "bench", "profile", "sweep", "cold"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-trained"))
     p.add_argument("--embed-std", type=float, default=0.215)
     p.add_argument("--model", type=Path, help="check: an HF directory or GGUF (default: the Q4_K_M file)")
@@ -670,6 +671,11 @@ def main() -> None:
         asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:args.c1_prompts]
         print(json.dumps(sweep(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
                                args.k, args.reps, draft_vocab_args(args))))
+    elif args.stage == "cold":
+        import transformers
+        asked = prompts(transformers.AutoTokenizer.from_pretrained(args.dir / "tok"), "eval")[:16]
+        print(json.dumps(cold(args.model or args.dir / "qwen35-08b-mtp-head-copy-Q4_K_M.gguf", asked, args.tokens,
+                              args.k, args.reps, draft_vocab_args(args))))
 
 
 def sweep(path: Path, asked: list[list[int]], num_tokens: int, k: int, reps: int, vocab: dict) -> dict:
@@ -685,6 +691,27 @@ def sweep(path: Path, asked: list[list[int]], num_tokens: int, k: int, reps: int
             print(name, run["tokens_per_s"], run["acceptance"], flush=True)
     ratios = [round(m / p, 3) for p, m in zip(runs["plain"], runs["mtp"])]
     return {"k": k, **runs, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+
+
+def cold(path: Path, asked: list[list[int]], num_tokens: int, k: int, reps: int, vocab: dict) -> dict:
+    """C=16 with a cold adaptive policy (an empty policy cache: the run pays its profile) between two plain runs,
+    `reps` times in one process; each ratio is adaptive / the mean of the plain runs beside it."""
+    import statistics
+    import tempfile
+    ratios, drafts = [], []
+    for _ in range(reps):
+        before = conveyor_run(path, asked, 16, num_tokens, draft_kind="none")
+        with tempfile.TemporaryDirectory() as cache:
+            adaptive = conveyor_run(path, asked, 16, num_tokens, draft_kind="mtp", draft_block_size=k,
+                                    cache_dir=cache, **vocab)
+        after = conveyor_run(path, asked, 16, num_tokens, draft_kind="none")
+        assert adaptive["token_ids"] == before["token_ids"]  # greedy: bitwise plain
+        plain = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+        ratios.append(round(adaptive["tokens_per_s"] / plain, 3))
+        drafts.append(adaptive["drafted"])
+        print("plain", before["tokens_per_s"], after["tokens_per_s"], "adaptive", adaptive["tokens_per_s"],
+              "drafts", adaptive["drafted"], flush=True)
+    return {"k": k, "ratios": ratios, "drafts": drafts, "median_ratio": statistics.median(ratios)}
 
 
 if __name__ == "__main__":
