@@ -177,9 +177,10 @@ class SpecPolicy:
 
     def defers_recording(self, batch_size: int) -> bool:
         """Whether an MTP / EAGLE3 head may keep this tick's rows waiting (runner/mtp_runner.py): nothing drafts at
-        this batch size yet, because drafting is declined here or because the bucket is still probing classic steps
-        (a cold C=16 run otherwise put every prompt row through the head before its bucket declined). They run through
-        the head only if the request drafts later (that tick is not timed)."""
+        this batch size yet, because drafting is declined here or because the bucket is still probing classic steps.
+        They run through the head only if the request drafts later (that tick is not timed): so the probe's classic
+        ticks are timed as a declined bucket runs (without the head's rows, which they used to include), and a request
+        that ends before any draft never pays for them."""
         if self.mode != "adaptive":
             return self.mode == "decline"
         bucket = bucket_of(batch_size)
