@@ -10,6 +10,7 @@ cached in the warm-up's slot only.
 
   flock -x /tmp/bench.lock python benchmarks/shared_prompt_decode.py FILE.gguf [--prompt-tokens 4096] \
       [--concurrency 16] [--max-tokens 64] [--base /tmp/wt_base] [--llama-server PATH] [--json out.json]
+      [--conveyor-args="--cache-type-k q8_0 --cache-type-v q8_0"]
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def conveyor_cmd(root: Path, file: str, args: argparse.Namespace, port: int) -> 
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r}); from conveyor.cli import main; "
             "sys.exit(main())", "serve", "--model", file, "--parallel", str(args.concurrency), "--speculative-ngram",
             "0", "--ctx-size", str(args.concurrency * (args.prompt_tokens + args.max_tokens + 64)), "--threads",
-            str(args.threads), "--host", "127.0.0.1", "--port", str(port)]
+            str(args.threads), "--host", "127.0.0.1", "--port", str(port), *args.conveyor_args.split()]
 
 
 def llama_cmd(args: argparse.Namespace, port: int) -> list[str]:
@@ -88,6 +89,8 @@ def main() -> None:
     p.add_argument("--base", help="another checkout of conveyor, run beside this one")
     p.add_argument("--llama-server", help="llama-server binary (skipped without one)")
     p.add_argument("--json", help="write the results here too")
+    p.add_argument("--conveyor-args", default="", help="more `conveyor serve` flags (both checkouts), as one value: "
+                   "--conveyor-args='--cache-type-k q8_0 --cache-type-v q8_0'")
     args = p.parse_args()
     prompts = prompt_ids(args.file, args.prompt_tokens, args.concurrency)
     servers = [("conveyor", lambda port: conveyor_cmd(ROOT, args.file, args, port))]
