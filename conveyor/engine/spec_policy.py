@@ -19,9 +19,10 @@ beats classic steps by MIN_SPEEDUP. Profiling a losing length is what a cold pol
   further (and a tick the policy will not measure, one with prompt rows in it, drafts nothing
   while its bucket profiles);
 - a bucket above a declined one declines without profiling (drafts only pay less as the batch
-  grows: the verify forward turns compute-bound while acceptance per row stays the same). Verdicts persist as
-JSON under <cache dir>/spec-policy/, keyed by target, draft, block size, backend and CPU, so a
-restart skips profiling (the seeds' mtp-policy).
+  grows: the verify forward turns compute-bound while acceptance per row stays the same).
+
+Verdicts persist as JSON under <cache dir>/spec-policy/, keyed by target, draft, block size, backend
+and CPU, so a restart skips profiling (the seeds' mtp-policy).
 """
 
 from __future__ import annotations
