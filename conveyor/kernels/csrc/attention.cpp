@@ -1920,8 +1920,9 @@ constexpr bool kValuesAheadInPass3 = true;
 constexpr bool kValuesAheadInPass3 = false;
 #endif
 
-// The key rows of one tile (lanes past the last key repeat key 0: read, never stored), the K rows two tiles
-// ahead prefetched, and this tile's V rows unless pass 3 fetches them (vc null: no V prefetch).
+// The key rows of one tile (lanes past the last key repeat key 0: read, never stored), the K rows four tiles
+// ahead prefetched (two left a long context's pass 1 waiting on memory: 1.05x at 16k keys with four), and this tile's
+// V rows unless pass 3 fetches them (vc null: no V prefetch).
 template <int L>
 inline int q8_tile_rows(int64_t j0, int64_t first, int64_t num_keys, const uint8_t* kc, const uint8_t* vc,
                         const int32_t* table, int bs_shift, int64_t k_block, int64_t k_tok, int64_t k_offset,
@@ -1932,13 +1933,16 @@ inline int q8_tile_rows(int64_t j0, int64_t first, int64_t num_keys, const uint8
     rows[i] = kc + cache_row(table, key, bs_shift, k_block, k_tok, k_offset);
     if (i >= n) continue;
     if (!kValuesAheadInPass3 && vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
-    if (j0 + i + 2 * L < num_keys) prefetch_q8(kc + cache_row(table, key + 2 * L, bs_shift, k_block, k_tok, k_offset), row);
+    if (j0 + i + 4 * L < num_keys) prefetch_q8(kc + cache_row(table, key + 4 * L, bs_shift, k_block, k_tok, k_offset), row);
   }
   return n;
 }
 
 constexpr int64_t kMaxQ8Blocks = 16;  // head_dim <= 512 on the vector passes
-constexpr int64_t kQ8Ahead = 16;      // how far ahead pass 3 prefetches V rows (kValuesAheadInPass3)
+// How far ahead pass 3 prefetches V rows (kValuesAheadInPass3): a row per key is 68 B at head dim 64, so 16 rows
+// ahead kept ~1 KB in flight, too little to stream a long context from memory (one row at 16k keys through 16
+// layers: 16.6 -> 13.0 ms per step with 96, 1.25x at 2k keys as well; benchmarks/long_context_attention.py).
+constexpr int64_t kQ8Ahead = 96;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 16 rows' int32 (two ymm per zmm: rows i and i + 8) -> c[t] = int32 t of rows 0..15 (lane i = row i).
