@@ -78,6 +78,12 @@ using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, con
 // NOTE: asm volatile, not _mm_prefetch: GCC 12 silently dropped the intrinsic's loops from scores_dpbf16 and
 // scores_fma16 once their bodies grew a branch (loops of prefetches alone: no side effects to keep), and decode
 // rows then waited on every key row (AVX-512 without BF16: 1.7x slower per call).
+// Decode rows from the bf16 cache (AVX-512 BF16): pass 1 prefetches each key group's V rows for pass 3 only while a
+// row's keys are few enough that they are still cached when pass 3 comes (past kValuesInPass1MaxKeys, 256 KB of V
+// at head dim 64, they were evicted and read twice); pass 3 prefetches its V rows kValuesAhead keys ahead itself
+// (one row at 16k keys through 16 layers: 25.0-25.5 -> 16.0-20.9 ms per step; benchmarks/long_context_attention.py).
+constexpr int64_t kValuesInPass1MaxKeys = 2048;
+constexpr int64_t kValuesAhead = 64;
 inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
@@ -248,6 +254,10 @@ void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, 
     const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
     const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
                                           : nullptr;
+    if (c0 == 0 && a + 1 + kValuesAhead < end) {  // (the first sweep only)
+      prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+      prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+    }
     for (int c = 0; c < n; ++c) pair_chunk(va, vb, c0 + c, lo[c], hi[c]);
   };
   pair_sums<G, DV>(scores, first, num_keys, acc_out, load_pair);
@@ -756,7 +766,7 @@ __attribute__((always_inline)) inline void scores_dpbf16_from(
     // The next group's keys for this pass, and this group's values for pass 3.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
       const int64_t row = cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
-      prefetch_row(vc + row, 2 * D);
+      if (num_keys <= kValuesInPass1MaxKeys) prefetch_row(vc + row, 2 * D);
       if (key + 16 < first + num_keys) {
         const int64_t ahead = key + 16;
         prefetch_row(kc + cache_row(table, ahead, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
