@@ -346,6 +346,10 @@ void weighted_sum_bf16_dp_tiled(const float* scores, int64_t first, int64_t num_
       const int64_t a = 2 * (k0 + t0 + k);
       rows_a[k] = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
       rows_b[k] = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
+      if (a + 1 + kValuesAhead < end) {  // pass 1 leaves a long row's values to this pass
+        prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+        prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+      }
     }
     for (int c0 = 0; c0 < NC; c0 += CH) {
       __m512 acc[G][CH][2];
@@ -385,6 +389,10 @@ PassFn<c10::BFloat16> sum256_fn() {
 template <Pass P, int G, int DV>
 PassFn<c10::BFloat16> pass_fn() {
 #if defined(__AVX512BF16__)
+  // D = 128 with 3-4 query heads takes pass 3 in four sweeps of one chunk (G x 2 x CH accumulators): over a long row
+  // each sweep read the values from memory again, so those go in L1-sized tiles of pairs (the same chains).
+  if constexpr (DV == 8 && G >= 3)
+    return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16_dp_tiled<G, DV, 2>;
   return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16_dp<G, DV>;
 #else
   return P == Pass::kScores ? scores_bf16<G, DV> : weighted_sum_bf16<G, DV>;
