@@ -992,6 +992,37 @@ void transpose_key_group(const c10::BFloat16* kc, const int32_t* table, int bs_s
 // Rows per block of the prepared passes: G x R = 12 (the broadcasts of the rows' weights stay at one per two FMAs).
 constexpr int pre_block_rows(int G) { return 12 / G; }
 
+// Pass 1 on prepared (transposed) key groups for R rows that start at key `first`, the groups up to key `end`: per
+// group, slice(grp, even, odd) adds the group's products (dpbf16_slice or fma16_slice, each level's ops), then each
+// row stores only its own keys' scores (row r's are num_keys[r] long; groups past its last key computed, not
+// stored). Forced inline, as the slices: the 2 x G x R accumulators must stay in registers.
+template <int G, int R, class Slice>
+__attribute__((always_inline)) inline void pre_rows_groups(float scale, int64_t first, int64_t end,
+                                                           const int64_t* num_keys, float* const* scores, Slice slice) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
+    __m512 even[R][G], odd[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+    slice(grp, even, odd);
+    const int64_t base = 16 * grp, lo = std::max(first, base);
+    for (int r = 0; r < R; ++r) {
+      const int64_t hi = std::min(first + num_keys[r], base + 16);
+      if (hi <= lo) continue;  // past this row's last key
+      const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
+      for (int g = 0; g < G; ++g) {
+        const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale);
+        float* dst = scores[r] + g * num_keys[r] + (lo - first);
+        if (mask == 0xFFFF) {
+          _mm512_storeu_ps(dst, v);
+        } else {
+          _mm512_mask_compressstoreu_ps(dst, mask, v);
+        }
+      }
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 
 // weighted_sum_bf16_dp on the prepared pairs `vp` (pair 0 = keys 0 and 1; per pair D / 32 chunks of lo, hi vectors).
@@ -1004,6 +1035,7 @@ inline __m512i pair_vector(const uint32_t* vp, int64_t pair, int c, int half, in
 inline __mmask32 pair_keep(int64_t pair, int64_t first, int64_t end) {
   return (2 * pair >= first ? 0x55555555u : 0u) | (2 * pair + 1 < end ? 0xAAAAAAAAu : 0u);
 }
+
 
 template <int G, int DV>
 void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const uint32_t* vp, float* acc_out) {
@@ -1027,34 +1059,13 @@ template <int G, int DH, int R>
 void scores_dpbf16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int64_t first, const int64_t* num_keys,
                             const __m512i* kt, float* const* scores) {
   int32_t qpair[R][G][16 * DH];
+  for (int r = 0; r < R; ++r) std::memcpy(qpair[r], q_rows[r], sizeof(qpair[r]));
   int64_t end = first;
-  for (int r = 0; r < R; ++r) {
-    std::memcpy(qpair[r], q_rows[r], sizeof(qpair[r]));
-    end = std::max(end, first + num_keys[r]);
-  }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
-    const __m512i* rows = kt + grp * 16 * DH;
-    __m512 even[R][G], odd[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(rows + 16 * h, h, qpair, even, odd);
-    const int64_t base = 16 * grp, lo = std::max(first, base);
-    for (int r = 0; r < R; ++r) {
-      const int64_t hi = std::min(first + num_keys[r], base + 16);
-      if (hi <= lo) continue;  // past this row's last key
-      const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
-      for (int g = 0; g < G; ++g) {
-        const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale);
-        float* dst = scores[r] + g * num_keys[r] + (lo - first);
-        if (mask == 0xFFFF) {
-          _mm512_storeu_ps(dst, v);
-        } else {
-          _mm512_mask_compressstoreu_ps(dst, mask, v);
-        }
-      }
-    }
-  }
+  for (int r = 0; r < R; ++r) end = std::max(end, first + num_keys[r]);
+  pre_rows_groups<G, R>(scale, first, end, num_keys, scores, [&](int64_t grp, __m512 (&even)[R][G],
+                                                                 __m512 (&odd)[R][G]) __attribute__((always_inline)) {
+    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qpair, even, odd);
+  });
 }
 
 // scores_dpbf16 on the transposed groups `kt` (group 0 = keys 0..15): the groups that hold keys [first, first +
@@ -1140,18 +1151,10 @@ void scores_dpbf16_shared_rows(const c10::BFloat16* const* q_rows, float scale, 
                                int64_t shared, float* const* scores) {
   int32_t qpair[R][G][16 * DH];
   for (int r = 0; r < R; ++r) std::memcpy(qpair[r], q_rows[r], sizeof(qpair[r]));
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t grp = 0; 16 * grp < shared; ++grp) {
-    const __m512i* rows = kt + grp * 16 * DH;
-    __m512 even[R][G], odd[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
-    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(rows + 16 * h, h, qpair, even, odd);
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g)
-        _mm512_storeu_ps(scores[r] + g * num_keys[r] + 16 * grp,
-                         _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale));
-  }
+  pre_rows_groups<G, R>(scale, 0, shared, num_keys, scores, [&](int64_t grp, __m512 (&even)[R][G],
+                                                                __m512 (&odd)[R][G]) __attribute__((always_inline)) {
+    for (int h = 0; h < DH; ++h) dpbf16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qpair, even, odd);
+  });
   for (int r = 0; r < R; ++r)
     scores_dpbf16_from<G, DH>(q_rows[r], scale, 0, num_keys[r], kc, vc, tables[r], BS, kv_block, kv_tok, kv_offset,
                               nullptr, 0, shared, scores[r]);
@@ -1262,34 +1265,15 @@ void scores_fma16_pre_rows(const c10::BFloat16* const* q_rows, float scale, int6
                            const __m512i* kt, float* const* scores) {
   constexpr int D = 32 * DH;
   float qf[R][G][D];
-  int64_t end = first;
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; ++d) qf[r][g][d] = to_float(q_rows[r][g * D + d]);
-    end = std::max(end, first + num_keys[r]);
-  }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t grp = first / 16; 16 * grp < end; ++grp) {
-    __m512 even[R][G], odd[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+  int64_t end = first;
+  for (int r = 0; r < R; ++r) end = std::max(end, first + num_keys[r]);
+  pre_rows_groups<G, R>(scale, first, end, num_keys, scores, [&](int64_t grp, __m512 (&even)[R][G],
+                                                                 __m512 (&odd)[R][G]) __attribute__((always_inline)) {
     for (int h = 0; h < DH; ++h) fma16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qf, even, odd);
-    const int64_t base = 16 * grp, lo = std::max(first, base);
-    for (int r = 0; r < R; ++r) {
-      const int64_t hi = std::min(first + num_keys[r], base + 16);
-      if (hi <= lo) continue;  // past this row's last key
-      const __mmask16 mask = static_cast<__mmask16>(((1u << (hi - base)) - 1) & ~((1u << (lo - base)) - 1));
-      for (int g = 0; g < G; ++g) {
-        const __m512 v = _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale);
-        float* dst = scores[r] + g * num_keys[r] + (lo - first);
-        if (mask == 0xFFFF) {
-          _mm512_storeu_ps(dst, v);
-        } else {
-          _mm512_mask_compressstoreu_ps(dst, mask, v);
-        }
-      }
-    }
-  }
+  });
 }
 
 template <int G, int DH>
@@ -1320,17 +1304,10 @@ void scores_fma16_shared_rows(const c10::BFloat16* const* q_rows, float scale, c
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; ++d) qf[r][g][d] = to_float(q_rows[r][g * D + d]);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t grp = 0; 16 * grp < shared; ++grp) {
-    __m512 even[R][G], odd[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) even[r][g] = odd[r][g] = _mm512_setzero_ps();
+  pre_rows_groups<G, R>(scale, 0, shared, num_keys, scores, [&](int64_t grp, __m512 (&even)[R][G],
+                                                                __m512 (&odd)[R][G]) __attribute__((always_inline)) {
     for (int h = 0; h < DH; ++h) fma16_slice<G, DH, R>(kt + grp * 16 * DH + 16 * h, h, qf, even, odd);
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g)
-        _mm512_storeu_ps(scores[r] + g * num_keys[r] + 16 * grp,
-                         _mm512_mul_ps(_mm512_add_ps(even[r][g], odd[r][g]), vscale));
-  }
+  });
   for (int r = 0; r < R; ++r)
     scores_fma16_from<G, DH>(q_rows[r], scale, 0, num_keys[r], kc, vc, tables[r], BS, kv_block, kv_tok, kv_offset,
                              nullptr, 0, shared, scores[r]);
