@@ -85,6 +85,7 @@ using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, con
 // (benchmarks/long_context_attention.py): 25.0-25.5 -> 16.0-20.9 ms per step at BF16, 32-33 -> 22-24.5 without.
 constexpr int64_t kValuesInPass1MaxKeys = 2048;
 constexpr int64_t kValuesAhead = 64;
+inline bool pass1_fetches_values(int64_t num_keys) { return num_keys <= kValuesInPass1MaxKeys; }
 inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
@@ -144,7 +145,7 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
   const int bs_shift = __builtin_ctzll(BS);
   const auto load_values = [&](int64_t j, __m512* vf) __attribute__((always_inline)) {
     const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset);
-    if (num_keys > kValuesInPass1MaxKeys && j + kValuesAhead < num_keys)  // pass 1 leaves a long row's values
+    if (!pass1_fetches_values(num_keys) && j + kValuesAhead < num_keys)  // pass 1 leaves a long row's values
       prefetch_row(vc + cache_row(table, j + kValuesAhead + first, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
     for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
   };
@@ -257,7 +258,7 @@ void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, 
     const c10::BFloat16* va = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
     const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
                                           : nullptr;
-    if (num_keys > kValuesInPass1MaxKeys && c0 == 0 && a + 1 + kValuesAhead < end) {  // (the first sweep only)
+    if (!pass1_fetches_values(num_keys) && c0 == 0 && a + 1 + kValuesAhead < end) {  // (the first sweep only)
       prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
       prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
     }
@@ -349,7 +350,7 @@ void weighted_sum_bf16_dp_tiled(const float* scores, int64_t first, int64_t num_
       const int64_t a = 2 * (k0 + t0 + k);
       rows_a[k] = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
       rows_b[k] = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
-      if (num_keys > kValuesInPass1MaxKeys && a + 1 + kValuesAhead < end) {  // pass 1 leaves a long row's values
+      if (!pass1_fetches_values(num_keys) && a + 1 + kValuesAhead < end) {  // pass 1 leaves a long row's values
         prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
         prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
       }
@@ -454,7 +455,7 @@ void scores_avx2(const c10::BFloat16* q_heads, float scale, int64_t first, int64
       k[i] = kc + cache_row(table, first + j0 + (i < n ? i : 0), bs_shift, kv_block, kv_tok, kv_offset);
     // This group's values for pass 3, and the keys 16 ahead for this pass.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
-      if (num_keys <= kValuesInPass1MaxKeys) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      if (pass1_fetches_values(num_keys)) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
       if (key + 16 < last) prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
     }
     __m256 part[G][8];
@@ -777,7 +778,7 @@ __attribute__((always_inline)) inline void scores_dpbf16_from(
     // The next group's keys for this pass, and this group's values for pass 3.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
       const int64_t row = cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
-      if (num_keys <= kValuesInPass1MaxKeys) prefetch_row(vc + row, 2 * D);
+      if (pass1_fetches_values(num_keys)) prefetch_row(vc + row, 2 * D);
       if (key + 16 < first + num_keys) {
         const int64_t ahead = key + 16;
         prefetch_row(kc + cache_row(table, ahead, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
@@ -878,7 +879,7 @@ __attribute__((always_inline)) inline void scores_fma16_from(
       for (int h = 0; h < DH; ++h) fma16_slice<G, DH, 1>(kt + (j0 / 16) * 16 * DH + 16 * h, h, qf, even, odd);
     } else {
       for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // as scores_dpbf16
-        if (num_keys <= kValuesInPass1MaxKeys) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+        if (pass1_fetches_values(num_keys)) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
         if (key + 16 < first + num_keys)
           prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
       }
