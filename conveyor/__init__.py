@@ -20,12 +20,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _keep_freed_heap() -> None:
-    """glibc hands a freed block over 128 KB (its threshold grows to at most 32 MB) back to the OS, and trims the heap's
-    top past 2x that: every prefill step then page-faults its activations in again (a 1,480-token step of a 1B model
-    allocates ~1 GB of them, 48 MB a gate|up output), and the kernel zeroes each page first. Keeping freed memory in
-    the heap for reuse made that step 3.4 -> 3.0 s on a Zen 5 (benchmarks/results.md, issue #43); torch's own advice
-    for CPU inference is the same (jemalloc / tcmalloc that never give memory back). After a load, and when a model
-    unloads, loading.heap.trim_heap() still returns what is free. Set before any large allocation; a MALLOC_*
+    """glibc gives a block over 128 KB (its threshold grows to at most 32 MB) a mapping of its own, unmapped when freed,
+    and trims the heap's top past 2x that: every prefill step then page-faults its activations in again (a 1,480-token
+    step of a 1B model allocates ~1 GB of them, 48 MB a gate|up output), and the kernel zeroes each page first. So freed
+    memory stays in the heap for reuse (that step 3.4 -> 3.0 s on a Zen 5), and no block gets a mapping: the ones past
+    32 MB (gate|up outputs from ~1,000 prompt tokens on a 1B model) came and went each layer (1,480 tokens 2.84 ->
+    2.48 s; benchmarks/results.md, issue #43). One arena for every thread: the engine runs on its own thread, and a
+    thread's arena grows in 64 MB heaps, mapping any larger block regardless. torch's own advice for CPU inference is
+    the same (jemalloc / tcmalloc that never give memory back). After a load, and when a model unloads,
+    loading.heap.trim_heap() still returns what is free. Set before any large allocation or thread; a MALLOC_*
     variable already in the environment, or CONVEYOR_MALLOC_KEEP=0, leaves glibc's defaults."""
     opted_out = os.environ.get("CONVEYOR_MALLOC_KEEP", "1") == "0" or any(k.startswith("MALLOC_") for k in os.environ)
     if opted_out or not sys.platform.startswith("linux"):
@@ -36,8 +39,9 @@ def _keep_freed_heap() -> None:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl)
         return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest: bigger blocks are still mapped and unmapped
+    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+    mallopt(M_MMAP_MAX, 0)  # no block gets its own mapping (the main heap still maps more room when brk cannot grow)
+    mallopt(M_ARENA_MAX, 1)
     mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
