@@ -5,7 +5,7 @@ mixers' and layers' self time is the Python/torch glue between kernels.
 
 Usage:
   PYTHONPATH=$PWD python benchmarks/hybrid_profile.py FILE.gguf [--concurrency 16] [--steps 24] [--threads 0]
-      [--kernel-arch native] [--prefill --prompt-tokens 1480] [--prompt-tokens 4096 --shared-prefix 4000]
+      [--kernel-arch native] [--prefill --prompt-tokens 1480 [--warm]] [--prompt-tokens 4096 --shared-prefix 4000]
 
 Prints one markdown table: per label, calls per step and the median / mean ms per step over the timed steps.
 Timers cost ~1 us per call (a few hundred per step). On a shared machine wall times swing with the load;
@@ -118,6 +118,9 @@ def main() -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="the first N of every prompt's tokens the same (fan-out "
                    "requests on one prompt): the first request is prefilled alone, so the others find its blocks in the "
                    "prefix cache")
+    p.add_argument("--warm", action="store_true", help="with --prefill: prefill another prompt of the same length "
+                   "first, untimed (a server's first request pays first touches of its buffers and state; the later "
+                   "ones, what TTFT benchmarks time after their warm-up, do not)")
     p.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time: what a busy "
                    "machine's scheduling does not inflate (the work itself, for A/B runs)")
     args = p.parse_args()
@@ -131,6 +134,13 @@ def main() -> None:
     engine = llm.engine
     vocab = llm.tokenizer.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    if args.prefill and args.warm:
+        warm_ids = [(104729 * j + 17) % (vocab - 100) + 50 for j in range(args.prompt_tokens)]
+        warm = engine.make_request(warm_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        engine.add_request(warm)
+        while engine.has_work():
+            engine.step()
+        timers.take()
     for i in range(args.concurrency):
         ids = [(7919 * ((i if j >= args.shared_prefix else 0) * args.prompt_tokens + j)) % (vocab - 100) + 50
                for j in range(args.prompt_tokens)]
