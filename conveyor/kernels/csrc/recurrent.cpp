@@ -198,6 +198,24 @@ inline void silu_block(float* y, int64_t n) {
 #endif
 }
 
+// sigmoid(y) = 1 / (1 + exp(-y)) on n (a multiple of 16) values, as silu_block: exp_ps on every lane where there is
+// one, else std::exp per element.
+inline void sigmoid_block(float* y, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(y + j)));
+    _mm512_storeu_ps(y + j, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  }
+#elif defined(CONVEYOR_AVX2)
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(y + j)));
+    _mm256_storeu_ps(y + j, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) y[j] = sigmoid(y[j]);
+#endif
+}
+
 // Prefetch the `bytes` from p, a line at a time. x86: asm volatile (GCC 12 deleted loops of _mm_prefetch alone).
 inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -747,10 +765,18 @@ torch::Tensor sigmoid_mul(torch::Tensor x, torch::Tensor gate) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = gate.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    conveyor_parallel::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float sg = static_cast<float>(round_to<scalar_t>(sigmoid(static_cast<float>(gp[i]))));
-        op[i] = round_to<scalar_t>(static_cast<float>(xp[i]) * sg);
+    // Blocks of 64 elements, the last zero-padded: sigmoid_block on every lane, so an element's bits never depend on
+    // where it sits (a scalar std::exp per element was ~2 ns an element: 6.4 ms a layer of a 1,500-token prefill).
+    constexpr int64_t kBlock = 64;
+    conveyor_parallel::parallel_for(0, (n + kBlock - 1) / kBlock, 64, [&](int64_t begin, int64_t end) {
+      alignas(64) float sg[kBlock];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t i0 = blk * kBlock, m = std::min(kBlock, n - i0);
+        for (int64_t j = 0; j < m; ++j) sg[j] = static_cast<float>(gp[i0 + j]);
+        for (int64_t j = m; j < kBlock; ++j) sg[j] = 0.f;
+        sigmoid_block(sg, kBlock);
+        round_block<scalar_t>(sg, kBlock);
+        for (int64_t j = 0; j < m; ++j) op[i0 + j] = round_to<scalar_t>(static_cast<float>(xp[i0 + j]) * sg[j]);
       }
     });
   });
