@@ -275,7 +275,7 @@ class KernelBackend:
         return reference_silu_gate(x, gate)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x * sigmoid(gate), rounded where torch's two ops would (elementwise, scalar per element)."""
+        """x * sigmoid(gate), rounded where torch's two ops would (elementwise; the same function on every lane)."""
         if self._runs_recurrent(x):
             return self.recurrent.sigmoid_mul(x, gate)
         return x * torch.sigmoid(gate)
