@@ -74,10 +74,8 @@ using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, con
                               const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float*);
 
 // Cache rows are scattered over the pool by the block tables, so the hardware prefetcher
-// cannot follow them: at 32 rows x 135 keys the K/V reads are ~100 MB per step.
-// NOTE: asm volatile, not _mm_prefetch: GCC 12 silently dropped the intrinsic's loops from scores_dpbf16 and
-// scores_fma16 once their bodies grew a branch (loops of prefetches alone: no side effects to keep), and decode
-// rows then waited on every key row (AVX-512 without BF16: 1.7x slower per call).
+// cannot follow them: at 32 rows x 135 keys the K/V reads are ~100 MB per step (vec_math.h's prefetch_lines: see
+// there why not _mm_prefetch).
 // Rows from the bf16 cache (AVX-512 BF16 and without BF16, AVX2): pass 1 prefetches each key group's V rows for pass
 // 3 only while a row's keys are few enough that they are still cached when pass 3 comes (past kValuesInPass1MaxKeys,
 // 256 KB of V at head dim 64, they were evicted first and read twice); longer rows' pass 3 prefetches its V rows
@@ -86,10 +84,7 @@ using ScoresBf16Fn = void (*)(const c10::BFloat16*, float, int64_t, int64_t, con
 constexpr int64_t kValuesInPass1MaxKeys = 2048;
 constexpr int64_t kValuesAhead = 64;
 inline bool pass1_fetches_values(int64_t num_keys) { return num_keys <= kValuesInPass1MaxKeys; }
-inline void prefetch_row(const c10::BFloat16* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht0 %0" : : "m"(c[off]));
-}
+using conveyor_vec::prefetch_lines;
 #endif
 
 #if defined(__AVX512F__)
@@ -146,7 +141,7 @@ void weighted_sum_bf16(const float* scores, int64_t first, int64_t num_keys, con
   const auto load_values = [&](int64_t j, __m512* vf) __attribute__((always_inline)) {
     const c10::BFloat16* v = vc + cache_row(table, j + first, bs_shift, kv_block, kv_tok, kv_offset);
     if (!pass1_fetches_values(num_keys) && j + kValuesAhead < num_keys)  // pass 1 leaves a long row's values
-      prefetch_row(vc + cache_row(table, j + kValuesAhead + first, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+      prefetch_lines(vc + cache_row(table, j + kValuesAhead + first, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
     for (int d = 0; d < DV; ++d) vf[d] = load_bf16(v + 16 * d);
   };
   weighted_sum_regs<G, DV>(scores, num_keys, acc_out, load_values);
@@ -259,8 +254,8 @@ void weighted_sum_bf16_dp(const float* scores, int64_t first, int64_t num_keys, 
     const c10::BFloat16* vb = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset)
                                           : nullptr;
     if (!pass1_fetches_values(num_keys) && c0 == 0 && a + 1 + kValuesAhead < end) {  // (the first sweep only)
-      prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
-      prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+      prefetch_lines(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+      prefetch_lines(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
     }
     for (int c = 0; c < n; ++c) pair_chunk(va, vb, c0 + c, lo[c], hi[c]);
   };
@@ -306,7 +301,7 @@ void weighted_sum_bf16_tiled(const float* scores, int64_t first, int64_t num_key
     const int64_t n = std::min<int64_t>(kTile, num_keys - j0);
     for (int64_t j = 0; j < n; ++j) rows[j] = vc + cache_row(table, j0 + j + first, bs_shift, kv_block, kv_tok, kv_offset);
     for (int64_t key = j0 + kTile; key < std::min<int64_t>(j0 + 2 * kTile, num_keys); ++key)  // the next tile
-      prefetch_row(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      prefetch_lines(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
     for (int c0 = 0; c0 < DV; c0 += CH) {
       __m512 acc[G][CH];
       for (int g = 0; g < G; ++g)
@@ -351,8 +346,8 @@ void weighted_sum_bf16_dp_tiled(const float* scores, int64_t first, int64_t num_
       rows_a[k] = a >= first ? vc + cache_row(table, a, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
       rows_b[k] = a + 1 < end ? vc + cache_row(table, a + 1, bs_shift, kv_block, kv_tok, kv_offset) : nullptr;
       if (!pass1_fetches_values(num_keys) && a + 1 + kValuesAhead < end) {  // pass 1 leaves a long row's values
-        prefetch_row(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
-        prefetch_row(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+        prefetch_lines(vc + cache_row(table, a + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
+        prefetch_lines(vc + cache_row(table, a + 1 + kValuesAhead, bs_shift, kv_block, kv_tok, kv_offset), 32 * DV);
       }
     }
     for (int c0 = 0; c0 < NC; c0 += CH) {
@@ -455,8 +450,9 @@ void scores_avx2(const c10::BFloat16* q_heads, float scale, int64_t first, int64
       k[i] = kc + cache_row(table, first + j0 + (i < n ? i : 0), bs_shift, kv_block, kv_tok, kv_offset);
     // This group's values for pass 3, and the keys 16 ahead for this pass.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
-      if (pass1_fetches_values(num_keys)) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
-      if (key + 16 < last) prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      if (pass1_fetches_values(num_keys))
+        prefetch_lines(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      if (key + 16 < last) prefetch_lines(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
     }
     __m256 part[G][8];
     for (int i = 0; i < 8; i += 2) {  // two keys per sweep: each q vector loaded once for both
@@ -519,7 +515,7 @@ void weighted_sum_avx2(const float* scores, int64_t first, int64_t num_keys, con
     const int64_t n = std::min<int64_t>(kTile, num_keys - j0);
     for (int64_t j = 0; j < n; ++j) rows[j] = vc + cache_row(table, j0 + j + first, bs_shift, kv_block, kv_tok, kv_offset);
     for (int64_t key = j0 + kTile; key < std::min<int64_t>(j0 + 2 * kTile, num_keys); ++key)  // the next tile
-      prefetch_row(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+      prefetch_lines(vc + cache_row(table, key + first, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
     for (int c0 = 0; c0 < DH; c0 += CH) {
       __m256 even[G][CH], odd[G][CH];  // lane l: element 16c + 2l, and 16c + 2l + 1
       for (int g = 0; g < G; ++g)
@@ -778,10 +774,10 @@ __attribute__((always_inline)) inline void scores_dpbf16_from(
     // The next group's keys for this pass, and this group's values for pass 3.
     for (int64_t key = first + j0; key < first + j0 + n; ++key) {
       const int64_t row = cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset);
-      if (pass1_fetches_values(num_keys)) prefetch_row(vc + row, 2 * D);
+      if (pass1_fetches_values(num_keys)) prefetch_lines(vc + row, 2 * D);
       if (key + 16 < first + num_keys) {
         const int64_t ahead = key + 16;
-        prefetch_row(kc + cache_row(table, ahead, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+        prefetch_lines(kc + cache_row(table, ahead, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
       }
     }
     for (int h = 0; h < DH; ++h) {
@@ -879,9 +875,10 @@ __attribute__((always_inline)) inline void scores_fma16_from(
       for (int h = 0; h < DH; ++h) fma16_slice<G, DH, 1>(kt + (j0 / 16) * 16 * DH + 16 * h, h, qf, even, odd);
     } else {
       for (int64_t key = first + j0; key < first + j0 + n; ++key) {  // as scores_dpbf16
-        if (pass1_fetches_values(num_keys)) prefetch_row(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+        if (pass1_fetches_values(num_keys))
+        prefetch_lines(vc + cache_row(table, key, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
         if (key + 16 < first + num_keys)
-          prefetch_row(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
+          prefetch_lines(kc + cache_row(table, key + 16, bs_shift, kv_block, kv_tok, kv_offset), 2 * D);
       }
       for (int h = 0; h < DH; ++h) {
         __m512i rows[16];
@@ -1036,7 +1033,6 @@ inline __m512i pair_vector(const uint32_t* vp, int64_t pair, int c, int half, in
 inline __mmask32 pair_keep(int64_t pair, int64_t first, int64_t end) {
   return (2 * pair >= first ? 0x55555555u : 0u) | (2 * pair + 1 < end ? 0xAAAAAAAAu : 0u);
 }
-
 
 template <int G, int DV>
 void weighted_sum_pre(const float* scores, int64_t first, int64_t num_keys, const uint32_t* vp, float* acc_out) {
@@ -1901,10 +1897,6 @@ inline void add_row_q8(const float* scores, int64_t num_keys, int64_t j, const u
 // (s += (qd_b * dk_b) * S_b in block order, mul then add), so every level's scores are the portable path's
 // bits, and a key's score never depends on its lane or its tile.
 
-inline void prefetch_q8(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
 inline int32_t q8_word(const int8_t* p) {  // 4 query bytes as one int32, to broadcast
   int32_t w;
   std::memcpy(&w, p, sizeof(w));
@@ -1931,8 +1923,8 @@ inline int q8_tile_rows(int64_t j0, int64_t first, int64_t num_keys, const uint8
     const int64_t key = first + j0 + (i < n ? i : 0);
     rows[i] = kc + cache_row(table, key, bs_shift, k_block, k_tok, k_offset);
     if (i >= n) continue;
-    if (!kValuesAheadInPass3 && vc != nullptr) prefetch_q8(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
-    if (j0 + i + 4 * L < num_keys) prefetch_q8(kc + cache_row(table, key + 4 * L, bs_shift, k_block, k_tok, k_offset), row);
+    if (!kValuesAheadInPass3 && vc != nullptr) prefetch_lines(vc + cache_row(table, key, bs_shift, v_block, v_tok, v_offset), row);
+    if (j0 + i + 4 * L < num_keys) prefetch_lines(kc + cache_row(table, key + 4 * L, bs_shift, k_block, k_tok, k_offset), row);
   }
   return n;
 }
@@ -2083,7 +2075,7 @@ void weighted_sum_q8(const float* scores, int64_t first, int64_t num_keys, const
     for (int64_t j = 0; j < num_keys; ++j) {
       const uint8_t* v = vc + cache_row(table, j + first, bs_shift, v_block, v_tok, v_offset) + b0 * kBlockBytes;
       if (kValuesAheadInPass3 && j + kQ8Ahead < num_keys)
-        prefetch_q8(vc + cache_row(table, j + kQ8Ahead + first, bs_shift, v_block, v_tok, v_offset) + b0 * kBlockBytes,
+        prefetch_lines(vc + cache_row(table, j + kQ8Ahead + first, bs_shift, v_block, v_tok, v_offset) + b0 * kBlockBytes,
                     NB * kBlockBytes);
       __m512 vf[CH];
       float dv[NB];

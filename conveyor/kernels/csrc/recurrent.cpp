@@ -178,53 +178,30 @@ inline void round_block(float* y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] = round_f<scalar_t>(y[j]);
 }
 
-// silu(y) = y / (1 + exp(-y)) on n (a multiple of 16) values: vec_math's exp_ps where there is one (~1 ulp of
-// std::exp, the same bits for every lane), else std::exp per element.
-inline void silu_block(float* y, int64_t n) {
+// y / (1 + exp(-y)) (SiLU, kTimesInput) or 1 / (1 + exp(-y)) (sigmoid) on n (a multiple of 16) values: vec_math's
+// exp_ps where there is one (~1 ulp of std::exp, the same bits for every lane), else std::exp per element.
+template <bool kTimesInput>
+inline void logistic_block(float* y, int64_t n) {
 #if defined(__AVX512F__)
   for (int64_t j = 0; j < n; j += 16) {
     const __m512 v = _mm512_loadu_ps(y + j);
-    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
-    _mm512_storeu_ps(y + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v)), one = _mm512_set1_ps(1.f);
+    _mm512_storeu_ps(y + j, _mm512_div_ps(kTimesInput ? v : one, _mm512_add_ps(one, e)));
   }
 #elif defined(CONVEYOR_AVX2)
   for (int64_t j = 0; j < n; j += 8) {
     const __m256 v = _mm256_loadu_ps(y + j);
-    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
-    _mm256_storeu_ps(y + j, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v)), one = _mm256_set1_ps(1.f);
+    _mm256_storeu_ps(y + j, _mm256_div_ps(kTimesInput ? v : one, _mm256_add_ps(one, e)));
   }
 #else
-  for (int64_t j = 0; j < n; ++j) y[j] = silu(y[j]);
+  for (int64_t j = 0; j < n; ++j) y[j] = kTimesInput ? silu(y[j]) : sigmoid(y[j]);
 #endif
 }
+inline void silu_block(float* y, int64_t n) { logistic_block<true>(y, n); }
+inline void sigmoid_block(float* y, int64_t n) { logistic_block<false>(y, n); }
 
-// sigmoid(y) = 1 / (1 + exp(-y)) on n (a multiple of 16) values, as silu_block: exp_ps on every lane where there is
-// one, else std::exp per element.
-inline void sigmoid_block(float* y, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t j = 0; j < n; j += 16) {
-    const __m512 e = conveyor_vec::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(y + j)));
-    _mm512_storeu_ps(y + j, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-  }
-#elif defined(CONVEYOR_AVX2)
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 e = conveyor_vec::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(y + j)));
-    _mm256_storeu_ps(y + j, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-  }
-#else
-  for (int64_t j = 0; j < n; ++j) y[j] = sigmoid(y[j]);
-#endif
-}
-
-// Prefetch the `bytes` from p, a line at a time. x86: asm volatile (GCC 12 deleted loops of _mm_prefetch alone).
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-#if defined(__x86_64__)
-  for (int64_t i = 0; i < bytes; i += 64) asm volatile("prefetcht0 %0" : : "m"(c[i]));
-#else
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
-#endif
-}
+using conveyor_vec::prefetch_lines;
 
 // Tokens ahead whose input row short_conv prefetches: x is usually a column slice of a projection, so a task's
 // successive rows lie a whole projection row apart (~20 KB for Qwen3.5), past what the hardware prefetchers follow,
@@ -508,7 +485,7 @@ void gated_delta_rule_impl(const scalar_t* q, const scalar_t* k, const scalar_t*
         prefetch_lines(a + row * sa + h, sizeof(scalar_t));
         prefetch_lines(b + row * sb + h, sizeof(scalar_t));
       };
-      for (int64_t t = 0; t < kDeltaAhead; ++t) prefetch_inputs(first + t);
+      for (int64_t t = 1; t < kDeltaAhead; ++t) prefetch_inputs(first + t);  // (the first is read at once)
       if (n > 0) {
         load(first, cur);
         delta_decay_project(S, cur, acc.data(), dk, dv);
